@@ -1,0 +1,254 @@
+"""Config + plugins -> chosen components -> built objects. The only hook-heavy module.
+
+``plan`` resolves what each component kind will be on this machine and why (what
+``powertrain config check`` prints); ``build_*`` turn a plan's choices into the
+Protocol objects the hot path calls directly, so pluggy never runs per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from powertrain import interfaces
+from powertrain.components import Availability, PlatformInfo
+from powertrain.config import EngineConfig, validate_sections
+from powertrain.plugins import PluginManager, Provided
+from powertrain.selection import Candidate, Selection, SelectionError
+
+log = structlog.get_logger(__name__)
+
+#: Kinds chosen through ``[components]``, in the order they are resolved.
+SELECTED_KINDS = ("attention", "moe", "communication", "scheduler", "speculative")
+
+#: What an engine needs whatever the model; others (moe) only when a model asks.
+ALWAYS_NEEDED = frozenset({"platform", "attention", "communication", "scheduler"})
+
+
+class AssemblyError(RuntimeError):
+    """The config cannot be assembled on this machine. One line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@attrs.frozen(kw_only=True)
+class Resolution:
+    """What one component kind resolved to, or why it did not."""
+
+    kind: str
+    requested: str
+    provided: Provided | None = None
+    reason: str = ""
+    error: str = ""
+
+    @property
+    def name(self) -> str | None:
+        return self.provided.record.name if self.provided else None
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    """The resolved assembly: the platform, one implementation per kind, plugin sections."""
+
+    config: EngineConfig
+    plugins: PluginManager
+    platform: PlatformInfo
+    sections: Mapping[str, Any]
+    resolutions: Mapping[str, Resolution]
+
+    @property
+    def problems(self) -> list[str]:
+        return [r.error for r in self.resolutions.values() if r.error]
+
+    def chosen(self, kind: str) -> Provided:
+        resolution = self.resolutions[kind]
+        if resolution.provided is None:
+            raise AssemblyError([resolution.error or f"{kind}: {resolution.reason}"])
+        return resolution.provided
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.platform.device_type)
+
+
+def plan(
+    config: EngineConfig,
+    plugins: PluginManager | None = None,
+    *,
+    requirements: Mapping[str, Iterable[str]] | None = None,
+    world_size: int | None = None,
+    strict: bool = True,
+) -> Plan:
+    """Resolve every component kind for ``config`` on this machine.
+
+    ``requirements`` maps a kind to capability tags the model needs (a MoE model
+    passes ``{"moe": {...}}``, an MLA model ``{"attention": {"mla"}}``); a kind in it
+    becomes needed. With ``strict`` any problem raises AssemblyError listing all of
+    them; otherwise the problems stay in the returned plan for reporting.
+    """
+    plugins = plugins or PluginManager.load(config.plugins)
+    requirements = {kind: frozenset(tags) for kind, tags in (requirements or {}).items()}
+    needed = ALWAYS_NEEDED | set(requirements)
+    # Attention data-parallel ranks and MoE expert-parallel ranks are the same processes.
+    world_size = world_size or max(config.parallel.data_parallel, config.parallel.expert_parallel)
+
+    section_classes = {p.record.name: p.record.config_class for p in plugins.records("config-section")}
+    sections = validate_sections(config, section_classes, plugins.broken())
+    plugins.hook.powertrain_configure.call_historic(kwargs={"config": config, "sections": sections})
+
+    resolutions: dict[str, Resolution] = {}
+    platform_resolution, platform = _resolve_platform(config, plugins)
+    resolutions["platform"] = platform_resolution
+    for kind in SELECTED_KINDS:
+        requested = getattr(config.components, kind)
+        if kind == "speculative" and requested == "none":
+            resolutions[kind] = Resolution(kind=kind, requested=requested, reason="disabled (speculative = none)")
+            continue
+        candidates = [
+            _candidate(kind, p, platform, requirements.get(kind, frozenset()), world_size)
+            for p in plugins.records(kind)
+        ]
+        resolutions[kind] = _select(plugins, kind, requested, candidates, platform, requirements, kind in needed)
+
+    result = Plan(
+        config=config, plugins=plugins, platform=platform, sections=sections, resolutions=resolutions
+    )
+    if strict and result.problems:
+        raise AssemblyError(result.problems)
+    return result
+
+
+def _resolve_platform(config: EngineConfig, plugins: PluginManager) -> tuple[Resolution, PlatformInfo]:
+    detected = plugins.platforms()
+    candidates = [
+        Candidate(
+            record=p.record,
+            plugin=p.plugin.name,
+            distribution=p.plugin.distribution,
+            availability=detected[p.record.name].availability,
+        )
+        for p in plugins.records("platform")
+    ]
+    host = detected.get("cpu") or next(iter(detected.values()), None)
+    if host is None:
+        raise AssemblyError(["no platform is registered; is the builtin-platforms plugin disabled?"])
+    resolution = _select(plugins, "platform", config.components.platform, candidates, host, {}, True)
+    platform = detected[resolution.name] if resolution.name else host
+    return resolution, platform
+
+
+def _candidate(
+    kind: str, provided: Provided, platform: PlatformInfo, required: frozenset[str], world_size: int
+) -> Candidate:
+    record = provided.record
+    availability = record.availability(platform) if hasattr(record, "availability") else Availability.yes()
+    missing = required - getattr(record, "capabilities", frozenset())
+    max_world = getattr(record, "max_world_size", None)
+    if kind == "communication" and max_world is not None and world_size > max_world:
+        missing = missing | {f"world size {world_size} (at most {max_world})"}
+    return Candidate(
+        record=record,
+        plugin=provided.plugin.name,
+        distribution=provided.plugin.distribution,
+        availability=availability,
+        missing=frozenset(missing),
+    )
+
+
+def _select(
+    plugins: PluginManager,
+    kind: str,
+    requested: str,
+    candidates: list[Candidate],
+    platform: PlatformInfo,
+    requirements: Mapping[str, frozenset[str]],
+    needed: bool,
+) -> Resolution:
+    try:
+        selection = plugins.hook.powertrain_select_component(
+            kind=kind,
+            requested=requested,
+            candidates=candidates,
+            platform=platform,
+            requirements=requirements.get(kind, frozenset()),
+        )
+    except SelectionError as exc:
+        message = f"{kind} = {requested!r}: {exc}"
+        if requested != "auto" or needed:
+            return Resolution(kind=kind, requested=requested, error=message + _hint_for_missing(plugins))
+        return Resolution(kind=kind, requested=requested, reason=f"not needed by this model; {exc}")
+    if not isinstance(selection, Selection):
+        return Resolution(
+            kind=kind, requested=requested, error=f"{kind}: selection hook returned {selection!r}, not a Selection"
+        )
+    match = next((c for c in candidates if c.name == selection.name), None)
+    if match is None:
+        return Resolution(
+            kind=kind,
+            requested=requested,
+            error=f"{kind}: a selection hook chose {selection.name!r}, which no loaded plugin provides",
+        )
+    provided = next(p for p in plugins.records(kind) if p.record.name == selection.name)
+    return Resolution(kind=kind, requested=requested, provided=provided, reason=selection.reason)
+
+
+def _hint_for_missing(plugins: PluginManager) -> str:
+    """Broken or disabled plugins may be why a requested component is missing."""
+    hints = []
+    broken = plugins.broken()
+    if broken:
+        hints.append("plugins that failed to load, which may provide it: " + "; ".join(
+            f"{name} ({error})" for name, error in broken.items()
+        ))
+    disabled = plugins.disabled()
+    if disabled:
+        hints.append("disabled plugins: " + ", ".join(disabled))
+    return "".join(f"; {hint}" for hint in hints)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _build(plan: Plan, kind: str, context: Any, protocol: type) -> Any:
+    provided = plan.chosen(kind)
+    obj = provided.record.factory(context)
+    if not isinstance(obj, protocol):
+        raise AssemblyError(
+            [
+                f"{kind} {provided.record.name!r} from plugin {provided.plugin.name} "
+                f"({provided.plugin.distribution}) built {type(obj).__name__}, which does not "
+                f"implement powertrain.interfaces.{protocol.__name__}"
+            ]
+        )
+    log.debug("component built", kind=kind, name=provided.record.name, plugin=provided.plugin.name)
+    return obj
+
+
+def build_attention(plan: Plan, dtype: torch.dtype, block_size: int | None = None) -> interfaces.AttentionBackend:
+    context = interfaces.AttentionBackendContext(
+        platform=plan.platform,
+        device=plan.device,
+        dtype=dtype,
+        block_size=block_size or plan.config.cache.block_size,
+    )
+    return _build(plan, "attention", context, interfaces.AttentionBackend)
+
+
+def build_moe(plan: Plan, dtype: torch.dtype) -> interfaces.MoEBackend:
+    context = interfaces.MoEBackendContext(platform=plan.platform, device=plan.device, dtype=dtype)
+    return _build(plan, "moe", context, interfaces.MoEBackend)
+
+
+def build_communicator(
+    plan: Plan, *, rank: int = 0, world_size: int = 1, init_method: str = "env://"
+) -> interfaces.Communicator:
+    context = interfaces.CommunicatorContext(
+        platform=plan.platform, device=plan.device, rank=rank, world_size=world_size, init_method=init_method
+    )
+    return _build(plan, "communication", context, interfaces.Communicator)

@@ -1,0 +1,224 @@
+"""`powertrain ...`: the command line. The only place that configures logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+import structlog
+from rich.console import Console
+from rich.table import Table
+
+from powertrain import __version__
+from powertrain.assemble import AssemblyError, plan
+from powertrain.components import Availability
+from powertrain.config import ConfigError, load_config
+from powertrain.plugins import PluginError, PluginInfo, PluginManager
+
+EXIT_PROBLEM = 1
+
+
+def configure_logging(level: str) -> None:
+    """Pretty logs on a terminal, JSON lines otherwise; always on stderr."""
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="powertrain")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="warning",
+    show_default=True,
+    envvar="POWERTRAIN_LOG_LEVEL",
+)
+def main(log_level: str) -> None:
+    """powertrain: an open, pluggable LLM inference engine."""
+    configure_logging(log_level)
+
+
+def _fail(lines: list[str] | str) -> None:
+    for line in [lines] if isinstance(lines, str) else lines:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(EXIT_PROBLEM)
+
+
+def _load_config_or_exit(path: str | None) -> Any:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        _fail(exc.lines())
+
+
+# --------------------------------------------------------------------------- plugins
+
+
+def _component_availability(manager: PluginManager, kind: str, record: Any) -> Availability:
+    """Usable on some platform detected here? Records without a platform always are."""
+    platforms = manager.platforms()
+    if kind == "platform":
+        return platforms[record.name].availability
+    if not hasattr(record, "availability"):
+        return Availability.yes()
+    reasons = []
+    for info in platforms.values():
+        availability = record.availability(info)
+        if availability.available:
+            return Availability.yes(f"on {info.name}")
+        if info.name in record.platforms:
+            reasons.append(availability.reason)
+    if not reasons:
+        reasons.append(f"needs platform {', '.join(sorted(record.platforms))}, which no plugin here provides")
+    return Availability.no("; ".join(reasons))
+
+
+def describe_plugins(manager: PluginManager) -> dict[str, Any]:
+    """Everything `powertrain plugins` shows, as plain data (also its --json output)."""
+    plugins = []
+    for info in manager.plugins.values():
+        provides: dict[str, list[dict[str, Any]]] = {}
+        for kind, names in info.provides.items():
+            by_name = {p.record.name: p.record for p in manager.records(kind) if p.plugin is info}
+            provides[kind] = []
+            for name in names:
+                availability = _component_availability(manager, kind, by_name[name]) if name in by_name else (
+                    Availability.no("shadowed by a conflicting plugin")
+                )
+                provides[kind].append({"name": name, "available": availability.available, "reason": availability.reason})
+        plugins.append({**_plugin_status(info, provides), "provides": provides})
+    platforms = {
+        name: {
+            "available": info.available,
+            "reason": info.availability.reason,
+            "device_count": info.device_count,
+            "device_name": info.device_name,
+            "capability": list(info.capability) if info.capability else None,
+            "total_memory_bytes": info.total_memory_bytes,
+            "dist_backend": info.dist_backend,
+        }
+        for name, info in manager.platforms().items()
+    }
+    return {"powertrain": __version__, "plugins": plugins, "platforms": platforms, "conflicts": manager.conflicts()}
+
+
+def _plugin_status(info: PluginInfo, provides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    base = {
+        "name": info.name,
+        "distribution": info.distribution,
+        "version": info.version,
+        "source": info.source,
+        "module": info.module,
+        "hook_api": info.hook_api,
+    }
+    if info.status != "loaded":
+        return {**base, "status": info.status, "reason": info.error}
+    components = [c for items in provides.values() for c in items]
+    if not components or any(c["available"] for c in components):
+        return {**base, "status": "available", "reason": ""}
+    reasons = sorted({c["reason"] for c in components})
+    return {**base, "status": "unavailable", "reason": "; ".join(reasons)}
+
+
+@main.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="engine.toml whose [plugins] section applies.")
+def plugins_command(as_json: bool, config_path: str | None) -> None:
+    """List plugins, what they provide, and whether they can run here."""
+    config = _load_config_or_exit(config_path)
+    try:
+        manager = PluginManager.load(config.plugins, strict=False)
+    except PluginError as exc:
+        _fail(str(exc))
+    report = describe_plugins(manager)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        _print_plugins(report)
+    if report["conflicts"]:
+        _fail(report["conflicts"])
+
+
+def _print_plugins(report: dict[str, Any]) -> None:
+    console = Console(soft_wrap=False)
+    table = Table(title=f"powertrain {report['powertrain']} plugins", expand=False)
+    for column in ("plugin", "distribution", "version", "provides", "status"):
+        table.add_column(column, overflow="fold")
+    styles = {"available": "green", "unavailable": "yellow", "disabled": "dim", "broken": "red", "refused": "red"}
+    for plugin in report["plugins"]:
+        provides = "\n".join(
+            f"{kind}: {', '.join(c['name'] for c in items)}" for kind, items in plugin["provides"].items()
+        ) or "-"
+        status = plugin["status"] + (f": {plugin['reason']}" if plugin["reason"] else "")
+        table.add_row(
+            plugin["name"], plugin["distribution"], plugin["version"], provides,
+            f"[{styles[plugin['status']]}]{status}[/]",
+        )
+    console.print(table)
+    for name, platform in report["platforms"].items():
+        state = "available" if platform["available"] else "unavailable"
+        console.print(f"platform {name}: {state}: {platform['reason']}", highlight=False)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@main.group("config")
+def config_group() -> None:
+    """Validate engine.toml files."""
+
+
+@config_group.command("check")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def config_check(path: str, as_json: bool) -> None:
+    """Validate PATH and show what each component resolves to here, and why."""
+    config = _load_config_or_exit(path)
+    try:
+        manager = PluginManager.load(config.plugins)
+        result = plan(config, manager, strict=False)
+    except (ConfigError, PluginError, AssemblyError) as exc:
+        _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
+    rows = [
+        {
+            "kind": r.kind,
+            "requested": r.requested,
+            "resolved": r.name,
+            "plugin": r.provided.plugin.name if r.provided else None,
+            "reason": r.reason,
+            "error": r.error,
+        }
+        for r in result.resolutions.values()
+    ]
+    if as_json:
+        click.echo(json.dumps({"config": path, "ok": not result.problems, "components": rows,
+                               "sections": sorted(result.sections)}, indent=2))
+    else:
+        click.echo(f"{path}: {'ok' if not result.problems else 'problems found'}")
+        for row in rows:
+            target = row["resolved"] or "-"
+            click.echo(f"  {row['kind']:<14} {row['requested']:<18} -> {target:<20} {row['error'] or row['reason']}")
+        for name in sorted(result.sections):
+            click.echo(f"  [{name}] validated by its plugin")
+    if result.problems:
+        _fail([f"{config.source}: {problem}" for problem in result.problems])
+
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

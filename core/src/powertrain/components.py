@@ -1,0 +1,251 @@
+"""The records that component hooks return.
+
+A record describes one implementation (its name, where it runs, what it can do, how
+to build it) without building it: assembly reads records, picks one per component
+kind and only then calls its ``factory``. Records are frozen and validated on
+construction, so a plugin that returns a malformed one fails at registration with a
+message naming the field, not deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+#: Component names are what users type into engine.toml and see in CLI output.
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
+
+#: Capability tags an attention backend may declare; tests and selection key on them.
+ATTENTION_CAPABILITIES = frozenset(
+    {"gqa", "mha", "mla", "paged", "prefill", "decode", "chunked-prefill", "sliding-window", "batch-invariant"}
+)
+
+#: Capability tags a MoE backend may declare.
+MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fp32", "fp8-block", "batch-invariant"})
+
+
+def _valid_name(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a lowercase name "
+            f"like 'triton-sm100' (letters, digits, '-', '_', '.'), got {value!r}"
+        )
+
+
+def _known_tags(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute, frozenset[str]], None]:
+    def check(instance: Any, attribute: attrs.Attribute, value: frozenset[str]) -> None:
+        unknown = set(value) - allowed
+        if unknown:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name}: unknown tags {sorted(unknown)}; "
+                f"known: {sorted(allowed)}"
+            )
+
+    return check
+
+
+def _callable(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{type(instance).__name__}.{attribute.name} must be callable, got {value!r}")
+
+
+_tags = attrs.field(converter=frozenset, factory=frozenset)
+
+
+@attrs.frozen(kw_only=True)
+class Availability:
+    """Whether something can run here, and if not, exactly why."""
+
+    available: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls, reason: str = "") -> Availability:
+        return cls(available=True, reason=reason)
+
+    @classmethod
+    def no(cls, reason: str) -> Availability:
+        if not reason:
+            raise ValueError("an unavailable component must say why")
+        return cls(available=False, reason=reason)
+
+    def __str__(self) -> str:
+        if self.available:
+            return f"available{': ' + self.reason if self.reason else ''}"
+        return f"unavailable: {self.reason}"
+
+
+@attrs.frozen(kw_only=True)
+class PlatformInfo:
+    """What detection found for one device family on this machine."""
+
+    name: str
+    device_type: str
+    availability: Availability
+    device_count: int = 0
+    device_name: str = ""
+    #: (major, minor) compute capability where the family has one (CUDA), else None.
+    capability: tuple[int, int] | None = None
+    total_memory_bytes: int = 0
+    dist_backend: str = "gloo"
+
+    @property
+    def available(self) -> bool:
+        return self.availability.available
+
+
+@attrs.frozen(kw_only=True)
+class PlatformRecord:
+    """A device family (`cpu`, `cuda`, `npu`).
+
+    ``detect`` must never raise because hardware or an SDK is missing: it returns a
+    PlatformInfo whose availability says why not. Vendor SDK imports belong inside it.
+    """
+
+    name: str = attrs.field(validator=_valid_name)
+    device_type: str
+    dist_backend: str
+    detect: Callable[[], PlatformInfo] = attrs.field(validator=_callable)
+    #: Used by "auto": among available platforms the highest priority wins.
+    priority: int = 0
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class _Implementation:
+    """Fields every selectable implementation shares."""
+
+    name: str = attrs.field(validator=_valid_name)
+    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    #: Platform names this implementation runs on, e.g. {"cuda"}.
+    platforms: frozenset[str] = attrs.field(converter=frozenset)
+    priority: int = 0
+    #: Optional extra check beyond the platform (a library present, a capability high
+    #: enough). Called with the detected PlatformInfo; never raises for absent hardware.
+    check: Callable[[PlatformInfo], Availability] | None = attrs.field(default=None, validator=_callable)
+    description: str = ""
+
+    def availability(self, platform: PlatformInfo) -> Availability:
+        if platform.name not in self.platforms:
+            return Availability.no(
+                f"runs on {', '.join(sorted(self.platforms))}, not on platform {platform.name!r}"
+            )
+        if not platform.available:
+            return Availability.no(f"platform {platform.name}: {platform.availability.reason}")
+        if self.check is None:
+            return Availability.yes()
+        try:
+            result = self.check(platform)
+        except Exception as exc:  # a broken check must not take the engine down
+            return Availability.no(f"availability check failed: {type(exc).__name__}: {exc}")
+        if not isinstance(result, Availability):
+            return Availability.no(f"availability check returned {result!r}, not an Availability")
+        return result
+
+
+@attrs.frozen(kw_only=True)
+class AttentionBackendRecord(_Implementation):
+    """An attention implementation. ``factory(AttentionBackendContext)`` builds it."""
+
+    capabilities: frozenset[str] = attrs.field(
+        converter=frozenset, validator=_known_tags(ATTENTION_CAPABILITIES)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class MoEBackendRecord(_Implementation):
+    """A MoE grouped-GEMM implementation. ``factory(MoEBackendContext)`` builds it."""
+
+    capabilities: frozenset[str] = attrs.field(converter=frozenset, validator=_known_tags(MOE_CAPABILITIES))
+
+
+@attrs.frozen(kw_only=True)
+class CommunicatorRecord(_Implementation):
+    """Collectives (and expert-parallel dispatch) for a platform.
+
+    ``factory(CommunicatorContext)`` builds it; ``max_world_size`` of 1 marks a
+    single-process implementation.
+    """
+
+    max_world_size: int | None = None
+    #: Optional expert-parallel exchange built on a communicator of this kind:
+    #: ``dispatcher(communicator) -> interfaces.ExpertDispatcher``. Without one, the
+    #: engine's generic dispatch over ``all_to_all`` is used.
+    dispatcher: Callable[[Any], Any] | None = attrs.field(default=None, validator=_callable)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerRecord:
+    """A batch-forming policy. ``factory(SchedulerContext)`` builds it."""
+
+    name: str = attrs.field(validator=_valid_name)
+    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativePolicyRecord:
+    """A speculative-decoding method: drafter, length policy and verifier together.
+
+    ``factory(SpeculativeContext)`` builds it. ``config_section`` names the plugin's
+    config section that parameterises it, if any.
+    """
+
+    name: str = attrs.field(validator=_valid_name)
+    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    config_section: str | None = None
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ProtocolAdapterRecord:
+    """Request protocols -> conversation -> prompt tokens, and outputs back."""
+
+    name: str = attrs.field(validator=_valid_name)
+    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    #: e.g. {"openai.chat", "openai.responses", "anthropic.messages"}
+    protocols: frozenset[str] = attrs.field(converter=frozenset)
+    priority: int = 0
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ModelArchitectureRecord:
+    """Checkpoint architecture names (config.json ``architectures``) -> model factory."""
+
+    name: str = attrs.field(validator=_valid_name)
+    architectures: frozenset[str] = attrs.field(converter=frozenset)
+    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ConfigSectionRecord:
+    """A plugin's own engine.toml table, validated by the plugin's attrs class."""
+
+    name: str = attrs.field(validator=_valid_name)
+    config_class: type = attrs.field()
+    description: str = ""
+
+    @config_class.validator
+    def _check_attrs_class(self, attribute: attrs.Attribute, value: type) -> None:
+        if not (isinstance(value, type) and attrs.has(value)):
+            raise TypeError(f"ConfigSectionRecord {self.name!r}: config_class must be an attrs class, got {value!r}")
+
+
+#: Component kind -> (hook name, record type, config key in [components] or None).
+#: The single table that assembly, the CLI and the conformance kit iterate over.
+COMPONENT_KINDS: dict[str, tuple[str, type, str | None]] = {
+    "platform": ("powertrain_platforms", PlatformRecord, "platform"),
+    "attention": ("powertrain_attention_backends", AttentionBackendRecord, "attention"),
+    "moe": ("powertrain_moe_backends", MoEBackendRecord, "moe"),
+    "communication": ("powertrain_communicators", CommunicatorRecord, "communication"),
+    "scheduler": ("powertrain_schedulers", SchedulerRecord, "scheduler"),
+    "speculative": ("powertrain_speculative_policies", SpeculativePolicyRecord, "speculative"),
+    "protocol": ("powertrain_protocol_adapters", ProtocolAdapterRecord, None),
+    "model": ("powertrain_model_architectures", ModelArchitectureRecord, None),
+    "config-section": ("powertrain_config_sections", ConfigSectionRecord, None),
+}

@@ -1,0 +1,275 @@
+"""engine.toml -> frozen attrs config, with errors a person can act on.
+
+Loading is strict: an unknown key, a wrong type or a bad value is a ConfigError
+whose lines read ``engine.toml: components.atention: unknown key (did you mean
+attention?)``. Tables other than the core ones belong to plugins; they are kept raw
+here and validated by the owning plugin's attrs class in ``validate_sections`` once
+plugins are loaded. No file at all means every default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config the engine cannot run with. One line per problem: file, path, what."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        return [f"{self.source}: {path}: {what}" if path else f"{self.source}: {what}" for path, what in self.problems]
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}", attribute)
+
+
+def _power_of_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1 or value & (value - 1) or value > 1024:
+        raise ValueError(f"must be a power of two between 1 and 1024, got {value}", attribute)
+
+
+def _one_of(*choices: str) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}", attribute)
+
+    return check
+
+
+def _names(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...] | None) -> None:
+    for name in value or ():
+        if not name:
+            raise ValueError("plugin names must not be empty", attribute)
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    #: "smollm2-135m" (the embedded default), a HF checkpoint folder or a GGUF file.
+    path: str = "smollm2-135m"
+    dtype: str = attrs.field(default="auto", validator=_one_of(*DTYPES))
+
+
+@attrs.frozen(kw_only=True)
+class ComponentsConfig:
+    """Which implementation of each component kind; "auto" = best available here."""
+
+    platform: str = "auto"
+    attention: str = "auto"
+    moe: str = "auto"
+    communication: str = "auto"
+    scheduler: str = "fcfs"
+    #: "none" disables speculative decoding.
+    speculative: str = "none"
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    block_size: int = attrs.field(default=16, validator=_power_of_two)
+    prefix_caching: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ParallelConfig:
+    data_parallel: int = attrs.field(default=1, validator=_positive)
+    expert_parallel: int = attrs.field(default=1, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class PluginsConfig:
+    #: If set, only these external (entry-point) plugins load; builtins always do.
+    allow: tuple[str, ...] | None = attrs.field(default=None, validator=_names)
+    #: Plugins (builtin or external) that must not load.
+    disable: tuple[str, ...] = attrs.field(default=(), validator=_names)
+
+
+CORE_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "components": ComponentsConfig,
+    "cache": CacheConfig,
+    "parallel": ParallelConfig,
+    "plugins": PluginsConfig,
+}
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    components: ComponentsConfig = ComponentsConfig()
+    cache: CacheConfig = CacheConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    plugins: PluginsConfig = PluginsConfig()
+    #: Plugin-owned tables, raw until ``validate_sections``.
+    sections: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    #: Where this config came from, used as the prefix of every error.
+    source: str = "<defaults>"
+
+
+# --------------------------------------------------------------------------- strict structuring
+
+
+def _strict_converter() -> cattrs.Converter:
+    """A cattrs converter that refuses coercions (``"16"`` is not an int)."""
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+    def exact(expected: type, accept: tuple[type, ...]) -> Any:
+        def structure(value: Any, _: type) -> Any:
+            if isinstance(value, bool) and expected is not bool:
+                raise TypeError(f"expected {expected.__name__}, got bool {value!r}")
+            if not isinstance(value, accept):
+                raise TypeError(f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
+            return expected(value)
+
+        return structure
+
+    converter.register_structure_hook(int, exact(int, (int,)))
+    converter.register_structure_hook(float, exact(float, (int, float)))
+    converter.register_structure_hook(str, exact(str, (str,)))
+    converter.register_structure_hook(bool, exact(bool, (bool,)))
+    return converter
+
+
+_converter = _strict_converter()
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _problems(exc: BaseException, path: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """Flatten a cattrs error tree into (dotted path, message) pairs."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        valid = [a.name for a in attrs.fields(exc.cl)]
+        for key in sorted(exc.extra_fields):
+            yield ".".join((*path, key)), _unknown(key, valid, "key")
+    elif isinstance(exc, BaseValidationError):
+        for sub, note in exc.group_exceptions()[0]:
+            if isinstance(note, AttributeValidationNote):
+                yield from _problems(sub, (*path, note.name))
+            elif isinstance(note, IterableValidationNote):
+                yield from _problems(sub, (*path[:-1], f"{path[-1]}[{note.index}]") if path else (f"[{note.index}]",))
+            else:
+                yield from _problems(sub, path)
+        for sub in exc.group_exceptions()[1]:
+            yield from _problems(sub, path)
+    elif isinstance(exc, KeyError):
+        yield ".".join(path), "missing required value"
+    elif len(exc.args) >= 2 and isinstance(exc.args[1], attrs.Attribute):
+        # attrs validators pass the offending attribute along; ours do too.
+        yield ".".join((*path, exc.args[1].name)), str(exc.args[0])
+    else:
+        yield ".".join(path), str(exc)
+
+
+def _unknown(key: str, valid: list[str], what: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"valid: {', '.join(sorted(valid)) or '(none)'}"
+    return f"unknown {what} ({hint})"
+
+
+def structure(raw: Any, cls: type, source: str, path: tuple[str, ...]) -> Any:
+    """Build ``cls`` from a TOML table or raise a ConfigError naming file and path."""
+    if not isinstance(raw, dict):
+        raise ConfigError(source, [(".".join(path), f"expected a table, got {type(raw).__name__} {raw!r}")])
+    try:
+        return _converter.structure(raw, cls)
+    except (BaseValidationError, ForbiddenExtraKeysError) as exc:
+        raise ConfigError(source, list(_problems(exc, path))) from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(source, [(".".join(path), str(exc))]) from None
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> EngineConfig:
+    """Build an EngineConfig from an already parsed TOML document."""
+    core: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    sections: dict[str, Mapping[str, Any]] = {}
+    for name, table in data.items():
+        if name in CORE_SECTIONS:
+            try:
+                core[name] = structure(table, CORE_SECTIONS[name], source, (name,))
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+        elif isinstance(table, dict):
+            sections[name] = table
+        else:
+            problems.append((name, f"expected a [{name}] table, got {type(table).__name__} {table!r}"))
+    if problems:
+        raise ConfigError(source, problems)
+    return EngineConfig(**core, sections=sections, source=source)
+
+
+def load_config(path: str | Path | None) -> EngineConfig:
+    """Read engine.toml; ``None`` means the defaults."""
+    if path is None:
+        return EngineConfig()
+    path = Path(path)
+    source = path.name
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), [("", "no such config file")]) from None
+    except OSError as exc:
+        raise ConfigError(str(path), [("", f"cannot read: {exc.strerror}")]) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, [("", f"invalid TOML: {exc}")]) from None
+    return parse_config(data, source)
+
+
+def validate_sections(
+    config: EngineConfig,
+    section_classes: Mapping[str, type],
+    broken_plugins: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Validate plugin tables with the plugins' classes; absent tables get defaults.
+
+    ``broken_plugins`` (name -> error) is mentioned when a table has no owner, since
+    a plugin that failed to import may be the one that would have owned it.
+    """
+    problems: list[tuple[str, str]] = []
+    result: dict[str, Any] = {}
+    for name, table in config.sections.items():
+        cls = section_classes.get(name)
+        if cls is None:
+            message = _unknown(name, [*CORE_SECTIONS, *section_classes], "section")
+            if broken_plugins:
+                message += "; plugins that failed to load, which may own it: " + ", ".join(
+                    f"{plugin} ({error})" for plugin, error in broken_plugins.items()
+                )
+            problems.append((name, message))
+            continue
+        try:
+            result[name] = structure(dict(table), cls, config.source, (name,))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(config.source, problems)
+    for name, cls in section_classes.items():
+        if name not in result:
+            try:
+                result[name] = cls()
+            except TypeError as exc:
+                raise ConfigError(config.source, [(name, f"section is required here: {exc}")]) from None
+    return result

@@ -1,0 +1,486 @@
+"""What the hot path calls: data contracts and the Protocols components implement.
+
+Assembly (``assemble.py``) turns records into objects satisfying these Protocols;
+after that, the engine, model runner and layers call them directly, with no pluggy
+dispatch in between (DESIGN §2). A kernel pack implements these and nothing else.
+
+The attention contract is shaped so that a Triton kernel and Ascend's
+``npu_fused_infer_attention_score`` both consume it as is:
+
+* tokens of all sequences are packed into one flat ``[num_tokens, heads, dim]``
+  batch (the op's ``TND`` layout); decode sequences (one new token) come first;
+* ``query_start_loc_host[1:]`` is the op's cumulative ``actual_seq_lengths`` and
+  ``seq_lens_host`` its ``actual_seq_lengths_kv`` (host lists, as the op wants
+  them; the device tensors are the same numbers for kernels);
+* ``block_tables`` is an int32 ``[batch, max_blocks]`` table into the paged cache,
+  the op's ``block_table``;
+* the paged cache is laid out as the backend declares in its ``KVCacheSpec`` and
+  allocated that way by the engine, so no backend re-lays it out per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from powertrain.components import PlatformInfo
+
+# --------------------------------------------------------------------------- KV cache
+
+
+@attrs.frozen(kw_only=True)
+class KVTensorSpec:
+    """One tensor of a layer's cache: its name and its shape per token."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+
+    @shape.validator
+    def _positive(self, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+        if not value or any((not isinstance(d, int)) or d <= 0 for d in value):
+            raise ValueError(f"KV tensor {self.name!r}: shape must be positive ints, got {value!r}")
+
+
+KVLayout = Literal["block-token-major", "block-head-major"]
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheSpec:
+    """A backend's declaration of one layer's paged cache.
+
+    ``block-token-major``: each tensor is ``[num_blocks, block_size, *shape]``
+    (``shape`` = ``(kv_heads, head_dim)`` for GQA, or ``(kv_heads * head_dim,)`` for
+    Ascend's BSH paged layout). ``block-head-major``: ``[num_blocks, shape[0],
+    block_size, *shape[1:]]`` (Ascend's BNBD layout).
+
+    GQA caches hold ``key`` and ``value``; MLA caches hold only the compressed
+    ``latent`` (kv_lora_rank) and the ``rope`` key (qk_rope_head_dim), which is
+    what makes MLA's cache small: the engine's memory accounting reads
+    ``bytes_per_token``.
+    """
+
+    block_size: int = attrs.field()
+    dtype: torch.dtype
+    tensors: tuple[KVTensorSpec, ...] = attrs.field(converter=tuple)
+    layout: KVLayout = attrs.field(default="block-token-major")
+
+    @block_size.validator
+    def _block_size(self, attribute: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"KVCacheSpec.block_size must be a positive int, got {value!r}")
+
+    @layout.validator
+    def _layout(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in ("block-token-major", "block-head-major"):
+            raise ValueError(f"KVCacheSpec.layout: unknown layout {value!r}")
+        if value == "block-head-major" and any(len(t.shape) < 2 for t in self.tensors):
+            raise ValueError("KVCacheSpec: block-head-major needs per-token shapes of (heads, dim, ...)")
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(t.shape) for t in self.tensors) * itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def tensor_shape(self, tensor: KVTensorSpec, num_blocks: int) -> tuple[int, ...]:
+        if self.layout == "block-head-major":
+            return (num_blocks, tensor.shape[0], self.block_size, *tensor.shape[1:])
+        return (num_blocks, self.block_size, *tensor.shape)
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """One layer's cache tensors, uninitialised (blocks are written before read)."""
+        return {
+            t.name: torch.empty(self.tensor_shape(t, num_blocks), dtype=self.dtype, device=device)
+            for t in self.tensors
+        }
+
+
+#: One layer's cache, as allocated from its KVCacheSpec: tensor name -> tensor.
+LayerKVCache = Mapping[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@attrs.frozen(kw_only=True)
+class AttentionLayerSpec:
+    """Static shape of one attention layer, fixed at model construction."""
+
+    kind: Literal["gqa", "mla"]
+    num_heads: int
+    #: GQA: key/value heads. MLA: 1 (the latent is shared by all heads).
+    num_kv_heads: int
+    #: GQA: head dim of q/k/v. MLA: kv_lora_rank + qk_rope_head_dim (the absorbed q·k dim).
+    head_size: int
+    scale: float
+    #: MLA only: latent width and rope width of the cached key.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    #: Each token sees itself and the ``sliding_window - 1`` tokens before it (HF/Mistral
+    #: rule). Only backends declaring the "sliding-window" capability serve such layers.
+    sliding_window: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class AttentionMetadata:
+    """One step's batch as every attention backend sees it (see the module docstring).
+
+    Sequence ``i`` owns flat tokens ``query_start_loc[i]:query_start_loc[i+1]``; its
+    keys are the ``seq_lens[i]`` tokens in blocks ``block_tables[i]``, of which the last
+    ``query_len`` are this step's new tokens (so prefix-cache hits and earlier chunks are
+    simply cached tokens before them). ``slot_mapping[t]`` = block * block_size + offset
+    is where new token ``t``'s key/value go. A runner may pad the flat batch past
+    ``num_tokens`` (e.g. to a captured graph size): padded rows have slot -1, are not
+    written to the cache, and their outputs are unspecified. Entries of
+    ``block_tables`` past a sequence's last block are 0 and never read. Query/key/value
+    may be strided views (e.g. of a fused qkv projection); a kernel that needs
+    contiguous inputs makes them so itself.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [batch + 1], on the device
+    seq_lens: torch.Tensor  # int32 [batch], on the device
+    block_tables: torch.Tensor  # int32 [batch, max_blocks], on the device
+    slot_mapping: torch.Tensor  # int64 [num_tokens], on the device
+    query_start_loc_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    #: The first ``num_decodes`` sequences have exactly one new token.
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_host[-1]
+
+    @property
+    def query_lens_host(self) -> tuple[int, ...]:
+        q = self.query_start_loc_host
+        return tuple(q[i + 1] - q[i] for i in range(len(q) - 1))
+
+    @property
+    def context_lens_host(self) -> tuple[int, ...]:
+        """Tokens already cached before this step, per sequence."""
+        return tuple(s - q for s, q in zip(self.seq_lens_host, self.query_lens_host, strict=True))
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Derive the whole contract from per-sequence lengths and block lists.
+
+        The model runner builds it this way, and so do tests and the conformance kit,
+        so every producer agrees on offsets, slots and padding.
+        """
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        starts = [0]
+        slots: list[int] = []
+        for q, s, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+            if q < 1 or s < q:
+                raise ValueError(f"sequence with query_len={q}, seq_len={s}: need 1 <= query_len <= seq_len")
+            if len(blocks) * block_size < s:
+                raise ValueError(f"sequence of {s} tokens needs {math.ceil(s / block_size)} blocks, got {len(blocks)}")
+            starts.append(starts[-1] + q)
+            for pos in range(s - q, s):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        num_decodes = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decodes += 1
+        if any(q == 1 for q in query_lens[num_decodes:]) and any(q > 1 for q in query_lens[:num_decodes]):
+            raise ValueError("decode sequences must come before prefill sequences")
+        max_blocks = max((len(b) for b in block_tables), default=0)
+        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc_host=tuple(starts),
+            seq_lens_host=tuple(int(s) for s in seq_lens),
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class AttentionBackendContext:
+    """What an attention backend factory is given."""
+
+    platform: PlatformInfo
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """GQA/MHA attention over the paged cache (and MLA if it declares ``mla``)."""
+
+    name: str
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The cache this backend needs for ``layer``; the engine allocates exactly that."""
+        ...
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's new tokens)
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write new keys/values at ``slot_mapping``, then attend causally.
+
+        Returns ``[num_tokens, num_heads, head_size]``.
+        """
+        ...
+
+
+@runtime_checkable
+class MLAAttentionBackend(Protocol):
+    """Multi-head latent attention in the weight-absorbed form over a latent cache.
+
+    The model projects queries into the latent space (``q_latent``) and keeps the rope
+    part apart (``q_rope``), as ``npu_fused_infer_attention_score``'s query/query_rope
+    and key/key_rope split expects; the backend returns latent outputs, which the model
+    up-projects. Scores are ``scale * (q_latent·latent + q_rope·k_rope)``.
+    """
+
+    name: str
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec: ...
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+        q_rope: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim]
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank] (new tokens, normalised)
+        k_rope: torch.Tensor,  # [num_tokens, qk_rope_head_dim] (new tokens, rotated)
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        ...
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+@attrs.frozen(kw_only=True)
+class ExpertWeights:
+    """The experts one rank holds, as the loader produces them (HF orientation).
+
+    ``w13`` stacks gate then up projections: ``[local_experts, 2 * intermediate, hidden]``;
+    ``w2`` is ``[local_experts, hidden, intermediate]``. FP8 checkpoints carry e4m3
+    weights and float32 block scales (``block_shape`` e.g. (128, 128)). Under expert
+    parallelism this rank holds global experts ``first_expert ...
+    first_expert + local_experts - 1`` of ``num_experts``.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    num_experts: int
+    first_expert: int = 0
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    block_shape: tuple[int, int] | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.w13.shape[0]
+
+
+@attrs.frozen(kw_only=True)
+class MoEBackendContext:
+    platform: PlatformInfo
+    device: torch.device
+    dtype: torch.dtype
+
+
+@runtime_checkable
+class MoEBackend(Protocol):
+    """The expert computation of a MoE layer; routing stays in the core.
+
+    ``prepare`` runs once per layer at load and may re-lay the weights out as the
+    kernel wants them (e.g. ``[E, K, N]`` for ``npu_grouped_matmul``); ``forward``
+    receives its result. Token sorting/grouping by expert is the backend's business.
+    """
+
+    name: str
+
+    def prepare(self, weights: ExpertWeights) -> Any: ...
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        topk_ids: torch.Tensor,  # int32 [num_tokens, top_k], global expert ids
+        topk_weights: torch.Tensor,  # float32 [num_tokens, top_k], already scaled
+        weights: Any,  # what prepare returned
+    ) -> torch.Tensor:
+        """sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(hidden[t]) over local experts.
+
+        Ids outside this rank's experts contribute nothing (expert parallelism sums
+        partial outputs across ranks).
+        """
+        ...
+
+
+# --------------------------------------------------------------------------- communication
+
+
+@attrs.frozen(kw_only=True)
+class CommunicatorContext:
+    platform: PlatformInfo
+    device: torch.device
+    #: Ranks and world size as launched; the communicator joins or creates the group.
+    rank: int = 0
+    world_size: int = 1
+    #: torch.distributed init method (``env://``, ``tcp://host:port``, ``file://...``).
+    init_method: str = "env://"
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collectives over one process group. Every rank calls every collective, in order.
+
+    Arguments that a rank can check by itself (counts that do not add up, a ``src``
+    out of range) raise ValueError *before* any communication, so a bad call fails
+    instead of hanging its peers. What only the group knows (that every rank passes
+    equally shaped tensors to ``all_gather``, that ``recv_counts`` match what peers
+    send) is the caller's guarantee. Results may share memory with inputs (world size
+    1 returns the input itself); callers use the returned tensor. Ranks are ranks in
+    this communicator's group.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks (in place where possible); returns the result."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's equally shaped ``tensor`` along dim 0, rank order."""
+        ...
+
+    def all_to_all(
+        self,
+        tensor: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Uneven all-to-all over dim 0: rows ``send_counts[j]`` go to rank ``j``.
+
+        Returns the received rows, grouped by source rank. ``recv_counts`` may be
+        omitted; the communicator then exchanges the counts first.
+        """
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        ...
+
+    def close(self) -> None:
+        """Release what this communicator created (a group it joined stays). Idempotent."""
+        ...
+
+
+@runtime_checkable
+class ExpertDispatcher(Protocol):
+    """Expert-parallel token exchange, the shape of ``npu_moe_distribute_dispatch`` /
+    ``combine`` and of NCCL all-to-all implementations alike.
+
+    ``dispatch`` sends each (token, expert) pair to the rank owning the expert and
+    returns the received hidden states grouped by local expert plus an opaque handle;
+    ``combine`` sends expert outputs back and applies the routing weights.
+    """
+
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Returns (received hidden [R, H], tokens per local expert [local_experts], handle)."""
+        ...
+
+    def combine(self, expert_output: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Returns the weighted sum per original token, ``[num_tokens, H]``."""
+        ...
+
+
+# --------------------------------------------------------------------------- scheduling, speculation, protocols
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Forms each step's batch from waiting and running sequences.
+
+    The engine owns sequences and the block manager; the scheduler decides which
+    sequences run and how many tokens each contributes this step.
+    """
+
+    def add(self, sequence: Any) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def schedule(self) -> Any:
+        """The next step's batch (sequences, tokens per sequence, preempted ones)."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+@runtime_checkable
+class SpeculativePolicy(Protocol):
+    """Drafts tokens, decides how many to verify, and verifies them losslessly."""
+
+    def propose(self, batch: Any) -> Any:
+        """Draft tokens and their confidences for each running sequence."""
+        ...
+
+    def verify_lengths(self, proposal: Any, batch: Any) -> Sequence[int]:
+        """How many draft tokens of each sequence to verify this step."""
+        ...
+
+    def verify(self, proposal: Any, lengths: Sequence[int], target_logits: torch.Tensor, batch: Any) -> Any:
+        """Accepted tokens per sequence (rejection sampling with per-request generators)."""
+        ...
+
+
+@runtime_checkable
+class ProtocolAdapter(Protocol):
+    """Request JSON -> conversation -> prompt tokens, and generated tokens -> response."""
+
+    protocols: frozenset[str]
+
+    def parse_request(self, protocol: str, body: bytes) -> Any: ...
+
+    def render_response(self, protocol: str, request: Any, output: Any) -> bytes: ...
