@@ -1,0 +1,183 @@
+"""The reference attention backend: paged GQA/MHA and MLA attention in plain torch.
+
+It is the oracle every other backend is measured against (the conformance kit
+compares them token by token), so it favours obvious correctness over speed: one
+loop over sequences, each sequence's keys gathered from the paged cache into a
+dense tensor, scores by matmul with an explicit causal mask, float32 arithmetic for
+half-precision inputs. It runs wherever torch runs.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+
+from powertrain.interfaces import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KVCacheSpec,
+    KVTensorSpec,
+    LayerKVCache,
+)
+
+
+class TorchReferenceAttention:
+    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` (see interfaces.py)."""
+
+    name = "torch-reference"
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """Block-token-major ``key``/``value`` for GQA; only ``latent`` and ``rope`` for MLA."""
+        if layer.kind == "mla":
+            tensors = (
+                KVTensorSpec(name="latent", shape=(layer.kv_lora_rank,)),
+                KVTensorSpec(name="rope", shape=(layer.qk_rope_head_dim,)),
+            )
+        else:
+            per_token = (layer.num_kv_heads, layer.head_size)
+            tensors = (KVTensorSpec(name="key", shape=per_token), KVTensorSpec(name="value", shape=per_token))
+        return KVCacheSpec(block_size=block_size, dtype=dtype, tensors=tensors, layout="block-token-major")
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's key/value at ``slot_mapping``, then attend causally per sequence."""
+        if layer.kind != "gqa":
+            raise ValueError(f"forward() serves GQA/MHA layers; an {layer.kind!r} layer goes through forward_mla()")
+        if layer.num_heads % layer.num_kv_heads:
+            raise ValueError(f"num_heads={layer.num_heads} is not a multiple of num_kv_heads={layer.num_kv_heads}")
+        key_cache, value_cache = kv_cache["key"], kv_cache["value"]
+        _write_slots(key_cache, metadata, key)
+        _write_slots(value_cache, metadata, value)
+
+        compute = _compute_dtype(query.dtype)
+        # Zeros, not empty: rows past the batch's tokens (padding) must not be garbage.
+        output = torch.zeros_like(query)
+        for i, (start, end) in enumerate(pairwise(metadata.query_start_loc_host)):
+            seq_len = metadata.seq_lens_host[i]
+            keys = _gather_sequence(key_cache, metadata, i, seq_len).to(compute)
+            values = _gather_sequence(value_cache, metadata, i, seq_len).to(compute)
+            output[start:end] = _attend(
+                query[start:end].to(compute),
+                keys,
+                values,
+                context_len=seq_len - (end - start),
+                scale=layer.scale,
+                sliding_window=layer.sliding_window,
+            ).to(output.dtype)
+        return output
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Absorbed MLA: scores over [latent | rope], values are the latent itself.
+
+        Concatenating ``q_latent|q_rope`` against ``latent|rope`` gives exactly
+        ``q_latent·latent + q_rope·k_rope`` in one matmul, and the single latent
+        "kv head" is shared by every query head, which is GQA with one group.
+        """
+        if layer.kind != "mla":
+            raise ValueError(f"forward_mla() serves MLA layers, got a {layer.kind!r} layer")
+        latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
+        _write_slots(latent_cache, metadata, latent)
+        _write_slots(rope_cache, metadata, k_rope)
+
+        compute = _compute_dtype(q_latent.dtype)
+        num_tokens, num_heads, rank = q_latent.shape
+        output = q_latent.new_zeros((num_tokens, num_heads, rank))
+        for i, (start, end) in enumerate(pairwise(metadata.query_start_loc_host)):
+            seq_len = metadata.seq_lens_host[i]
+            cached_latent = _gather_sequence(latent_cache, metadata, i, seq_len).to(compute)
+            cached_rope = _gather_sequence(rope_cache, metadata, i, seq_len).to(compute)
+            query = torch.cat([q_latent[start:end], q_rope[start:end]], dim=-1).to(compute)
+            keys = torch.cat([cached_latent, cached_rope], dim=-1).unsqueeze(1)  # one shared kv head
+            output[start:end] = _attend(
+                query,
+                keys,
+                cached_latent.unsqueeze(1),
+                context_len=seq_len - (end - start),
+                scale=layer.scale,
+                sliding_window=layer.sliding_window,
+            ).to(output.dtype)
+        return output
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision softmax loses too much to serve as an oracle; float64 stays float64
+    # so tests can run the reference at full precision.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_block_size(cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    if cache.shape[1] != metadata.block_size:
+        raise ValueError(
+            f"cache blocks hold {cache.shape[1]} tokens but the metadata says block_size={metadata.block_size}; "
+            "allocate the cache from this backend's kv_cache_spec with the engine's block size"
+        )
+
+
+def _write_slots(cache: torch.Tensor, metadata: AttentionMetadata, new: torch.Tensor) -> None:
+    """Store new tokens at their slots; slot -1 marks padding, which is never stored."""
+    _check_block_size(cache, metadata)
+    slots = metadata.slot_mapping
+    rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *per_token]: a slot is a row
+    keep = slots >= 0
+    rows[slots[keep]] = new[: slots.shape[0]][keep].to(cache.dtype)
+
+
+def _gather_sequence(cache: torch.Tensor, metadata: AttentionMetadata, index: int, seq_len: int) -> torch.Tensor:
+    """Sequence ``index``'s first ``seq_len`` cached tokens, in position order."""
+    num_blocks = -(-seq_len // metadata.block_size)
+    blocks = metadata.block_tables[index, :num_blocks].to(torch.long)
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over all its tokens.
+
+    ``query`` [q_len, heads, dk]; ``keys`` [seq_len, kv_heads, dk]; ``values``
+    [seq_len, kv_heads, dv]. Query head ``h`` reads kv head ``h // (heads // kv_heads)``;
+    grouping the query heads per kv head lets one broadcast matmul serve GQA, MHA and
+    MLA without copying keys per head. New token ``j`` sits at position
+    ``context_len + j`` and sees positions up to its own; with a sliding window it sees
+    only the last ``sliding_window`` of them (itself included), the Mistral/HF rule.
+    """
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    q = query.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, q_len, dk]
+    k = keys.permute(1, 0, 2).unsqueeze(1)  # [kv, 1, seq_len, dk]
+    v = values.permute(1, 0, 2).unsqueeze(1)  # [kv, 1, seq_len, dv]
+
+    query_pos = torch.arange(context_len, context_len + q_len, device=query.device)[:, None]
+    key_pos = torch.arange(seq_len, device=query.device)[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [kv, group, q_len, dv]
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, values.shape[-1])
