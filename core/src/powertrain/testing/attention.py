@@ -1,0 +1,676 @@
+"""Conformance suite for attention backends: a candidate against ``torch-reference``.
+
+Subclass it in your plugin's tests::
+
+    class TestMyAttention(AttentionBackendSuite):
+        component = "my-attention"          # the record name
+        dtypes = (torch.bfloat16,)          # optional: what the kernel supports
+
+Both backends are built through their records' factories, each gets its own cache
+allocated from its own ``KVCacheSpec`` (so any declared layout is exercised), the
+already-cached (context) tokens are written identically into both, and the two
+outputs are compared on fresh random inputs. After each forward the candidate's
+cache must hold exactly the new tokens at ``slot_mapping`` and nothing else changed.
+The reference always runs on the CPU, where it is exact and always available.
+
+The helpers ``token_major``, ``write_tokens`` and ``read_tokens`` address a cache
+per token whatever its layout; plugin authors may use them in their own tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+from powertrain.components import PlatformInfo
+from powertrain.interfaces import (
+    AttentionBackend,
+    AttentionBackendContext,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KVCacheSpec,
+    KVTensorSpec,
+    MLAAttentionBackend,
+)
+from powertrain.plugins import PluginManager, Provided
+from powertrain.testing.base import ComponentSuite, find_component, generator
+
+__all__ = ["AttentionBackendSuite", "read_tokens", "token_major", "write_tokens"]
+
+REFERENCE = "torch-reference"
+
+# --------------------------------------------------------------------------- cache access by token
+
+
+def token_major(spec: KVCacheSpec, tensor: torch.Tensor) -> torch.Tensor:
+    """A ``[num_blocks, block_size, *per_token_shape]`` view of one cache tensor.
+
+    A view, not a copy, so writing through it writes the cache.
+    """
+    if spec.layout == "block-head-major":
+        return tensor.movedim(2, 1)  # [blocks, heads, block_size, ...] -> [blocks, block_size, heads, ...]
+    return tensor
+
+
+def _tensor_spec(spec: KVCacheSpec, name: str) -> KVTensorSpec:
+    for tensor in spec.tensors:
+        if tensor.name == name:
+            return tensor
+    raise KeyError(f"KVCacheSpec has no tensor {name!r}; it declares {[t.name for t in spec.tensors]}")
+
+
+def write_tokens(
+    spec: KVCacheSpec, cache: Mapping[str, torch.Tensor], name: str, slots: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Store ``values[i]`` (any shape with the per-token element count) at ``slots[i]``."""
+    view = token_major(spec, cache[name])
+    slots = slots.to(device=view.device, dtype=torch.long)
+    per_token = _tensor_spec(spec, name).shape
+    view[slots // spec.block_size, slots % spec.block_size] = values.reshape(len(slots), *per_token).to(
+        device=view.device, dtype=spec.dtype
+    )
+
+
+def read_tokens(spec: KVCacheSpec, cache: Mapping[str, torch.Tensor], name: str, slots: torch.Tensor) -> torch.Tensor:
+    """The tokens at ``slots``, ``[len(slots), *per_token_shape]``."""
+    view = token_major(spec, cache[name])
+    slots = slots.to(device=view.device, dtype=torch.long)
+    return view[slots // spec.block_size, slots % spec.block_size]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@attrs.frozen(kw_only=True)
+class _Batch:
+    """Per-sequence lengths (decodes first) and where each sequence's blocks live."""
+
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    num_blocks: int
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(c + q for c, q in zip(self.context_lens, self.query_lens, strict=True))
+
+    def metadata(self, block_size: int, device: torch.device | str) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            query_lens=self.query_lens,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            block_size=block_size,
+            device=device,
+        )
+
+    def context_slots(self, block_size: int) -> torch.Tensor:
+        """Slots of every already-cached token, sequence by sequence."""
+        slots = [
+            blocks[pos // block_size] * block_size + pos % block_size
+            for blocks, context in zip(self.block_tables, self.context_lens, strict=True)
+            for pos in range(context)
+        ]
+        return torch.tensor(slots, dtype=torch.long)
+
+
+def _randint(gen: torch.Generator, low: int, high: int) -> int:
+    """Uniform in [low, high]."""
+    return int(torch.randint(low, high + 1, (1,), generator=gen).item())
+
+
+def _make_batch(
+    lengths: Sequence[tuple[int, int]], block_size: int, gen: torch.Generator, *, shuffle: bool = False
+) -> _Batch:
+    """Blocks for ``(context_len, query_len)`` sequences.
+
+    In order they are handed out 0, 1, 2, ...; shuffled they are drawn at random
+    from a pool twice the size, so tables are non-contiguous, out of order and leave
+    unused blocks (full of garbage) between them.
+    """
+    needed = [math.ceil((c + q) / block_size) for c, q in lengths]
+    total = sum(needed)
+    if shuffle:
+        num_blocks = 2 * total + 3
+        pool = torch.randperm(num_blocks, generator=gen)[:total].tolist()
+    else:
+        num_blocks = total + 1
+        pool = list(range(total))
+    tables, used = [], 0
+    for count in needed:
+        tables.append(tuple(pool[used : used + count]))
+        used += count
+    return _Batch(
+        context_lens=tuple(c for c, _ in lengths),
+        query_lens=tuple(q for _, q in lengths),
+        block_tables=tuple(tables),
+        num_blocks=num_blocks,
+    )
+
+
+# Each scenario returns (context_len, query_len) per sequence, decodes first.
+
+
+def _decode_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    # seq_len 1, exactly one block, one past a block, and random longer ones.
+    return [(0, 1), (bs - 1, 1), (bs, 1), (2 * bs + _randint(gen, 0, bs - 1), 1), (_randint(gen, 1, 60), 1)]
+
+
+def _prefill_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    return [(0, bs), (0, bs + 1), (0, _randint(gen, 2, 40)), (0, 2), (0, _randint(gen, 2, 40))]
+
+
+def _mixed_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    decodes = [(_randint(gen, 1, 40), 1) for _ in range(3)]
+    prefills = [(0, _randint(gen, 2, 30)) for _ in range(3)]
+    return decodes + prefills
+
+
+def _chunked_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    # Contexts and totals ending exactly on and one past block boundaries.
+    return [
+        (bs, bs),
+        (bs - 1, 2),
+        (bs + 1, bs - 1),
+        (2 * bs, bs + 1),
+        (_randint(gen, 1, 20), _randint(gen, 2, 20)),
+    ]
+
+
+def _long_block_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    # Several blocks per sequence, so a wrong block-table walk cannot go unnoticed.
+    return [(3 * bs + 2, 1), (2 * bs - 1, 1), (0, 2 * bs + 3), (0, bs + 5)]
+
+
+_SCENARIOS: dict[str, tuple[Callable[[int, torch.Generator], list[tuple[int, int]]], tuple[str, ...]]] = {
+    "decode": (_decode_lengths, ("decode",)),
+    "prefill": (_prefill_lengths, ("prefill",)),
+    "mixed": (_mixed_lengths, ("decode", "prefill")),
+    "chunked": (_chunked_lengths, ("prefill", "chunked-prefill")),
+}
+
+
+def _random(shape: Sequence[int], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    # Generated in float32 on the CPU and then rounded, so both backends see the same values.
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32).to(dtype)
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- the suite
+
+
+@attrs.frozen(kw_only=True)
+class _Pair:
+    """The candidate and the reference, each with its device and cache spec."""
+
+    candidate: Any
+    reference: Any
+    device: torch.device
+    candidate_spec: KVCacheSpec
+    reference_spec: KVCacheSpec
+
+
+class AttentionBackendSuite(ComponentSuite):
+    """Compares an attention backend with ``torch-reference`` on random paged batches.
+
+    Class attributes a subclass may set:
+
+    * ``dtypes``: the dtypes to test (default float32 and bfloat16);
+    * ``block_sizes``: the cache block sizes to test;
+    * ``head_size``, ``kv_lora_rank``, ``qk_rope_head_dim``: layer widths, for kernels
+      that only support some;
+    * ``tolerances``: dtype -> (atol, rtol). Loosen only with a reason you can state
+      (e.g. TF32 matmuls), since this is what "conformant" means.
+    """
+
+    kind: ClassVar[str] = "attention"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
+    block_sizes: ClassVar[tuple[int, ...]] = (4, 16)
+    head_size: ClassVar[int] = 32
+    kv_lora_rank: ClassVar[int] = 32
+    qk_rope_head_dim: ClassVar[int] = 16
+    tolerances: ClassVar[Mapping[torch.dtype, tuple[float, float]]] = {
+        torch.float32: (1e-4, 1e-4),
+        torch.float16: (5e-3, 5e-3),
+        torch.bfloat16: (2e-2, 2e-2),
+    }
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        # Parametrised here rather than with marks so a subclass's ClassVars take effect.
+        if "dtype" in metafunc.fixturenames:
+            metafunc.parametrize("dtype", self.dtypes, ids=_dtype_id)
+        if "block_size" in metafunc.fixturenames:
+            metafunc.parametrize("block_size", self.block_sizes, ids=lambda b: f"block{b}")
+
+    # ----------------------------------------------------------------------- building
+
+    def _build(
+        self,
+        manager: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        block_size: int,
+    ) -> tuple[Any, Any, torch.device]:
+        device = torch.device(platform_info.device_type)
+        candidate = provided.record.factory(
+            AttentionBackendContext(platform=platform_info, device=device, dtype=dtype, block_size=block_size)
+        )
+        cpu = manager.platforms()["cpu"]
+        reference = find_component(manager, "attention", REFERENCE).record.factory(
+            AttentionBackendContext(platform=cpu, device=torch.device("cpu"), dtype=dtype, block_size=block_size)
+        )
+        return candidate, reference, device
+
+    def _pair(
+        self,
+        manager: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        layer: AttentionLayerSpec,
+        dtype: torch.dtype,
+        block_size: int,
+    ) -> _Pair:
+        candidate, reference, device = self._build(manager, provided, platform_info, dtype, block_size)
+        protocol = MLAAttentionBackend if layer.kind == "mla" else AttentionBackend
+        assert isinstance(candidate, protocol), (
+            f"{provided.record.name}'s factory returned {candidate!r}, which does not satisfy {protocol.__name__}"
+        )
+        candidate_spec = candidate.kv_cache_spec(layer, block_size, dtype)
+        _check_spec(candidate_spec, layer, block_size, dtype, provided.record.name)
+        return _Pair(
+            candidate=candidate,
+            reference=reference,
+            device=device,
+            candidate_spec=candidate_spec,
+            reference_spec=reference.kv_cache_spec(layer, block_size, dtype),
+        )
+
+    def _gqa_heads(self, provided: Provided) -> tuple[int, int]:
+        """4 query heads over 2 kv heads where GQA is declared, else plain MHA."""
+        capabilities = provided.record.capabilities
+        if "gqa" in capabilities:
+            return 4, 2
+        if "mha" in capabilities:
+            return 4, 4
+        pytest.skip(f"{provided.record.name} declares neither 'gqa' nor 'mha'")
+
+    # ----------------------------------------------------------------------- running
+
+    def _run_gqa(
+        self,
+        pair: _Pair,
+        layer: AttentionLayerSpec,
+        batch: _Batch,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+        what: str,
+    ) -> None:
+        gen = generator(seed)
+        num_tokens = sum(batch.query_lens)
+        kv_shape = (layer.num_kv_heads, layer.head_size)
+        query = _random((num_tokens, layer.num_heads, layer.head_size), gen, dtype)
+        key = _random((num_tokens, *kv_shape), gen, dtype)
+        value = _random((num_tokens, *kv_shape), gen, dtype)
+        context_slots = batch.context_slots(block_size)
+        context = {
+            "key": _random((len(context_slots), *kv_shape), gen, dtype),
+            "value": _random((len(context_slots), *kv_shape), gen, dtype),
+        }
+        where = f"{what}; context_lens={batch.context_lens} query_lens={batch.query_lens} (seed={seed})"
+
+        candidate_cache, reference_cache = _prepared_caches(pair, batch, context_slots, context, gen)
+        before = {name: t.clone() for name, t in candidate_cache.items()}
+        candidate_meta = batch.metadata(block_size, pair.device)
+        reference_meta = batch.metadata(block_size, "cpu")
+
+        got = pair.candidate.forward(
+            layer,
+            query.to(pair.device),
+            key.to(pair.device),
+            value.to(pair.device),
+            candidate_cache,
+            candidate_meta,
+        )
+        want = pair.reference.forward(layer, query, key, value, reference_cache, reference_meta)
+
+        self._compare(got, want, (num_tokens, layer.num_heads, layer.head_size), dtype, where)
+        new = {"key": key, "value": value}
+        _check_cache_writes(pair.candidate_spec, before, candidate_cache, reference_meta.slot_mapping, new, where)
+
+    def _run_mla(
+        self,
+        pair: _Pair,
+        layer: AttentionLayerSpec,
+        batch: _Batch,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+        what: str,
+    ) -> None:
+        gen = generator(seed)
+        num_tokens = sum(batch.query_lens)
+        rank, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
+        q_latent = _random((num_tokens, layer.num_heads, rank), gen, dtype)
+        q_rope = _random((num_tokens, layer.num_heads, rope), gen, dtype)
+        latent = _random((num_tokens, rank), gen, dtype)
+        k_rope = _random((num_tokens, rope), gen, dtype)
+        context_slots = batch.context_slots(block_size)
+        context = {
+            "latent": _random((len(context_slots), rank), gen, dtype),
+            "rope": _random((len(context_slots), rope), gen, dtype),
+        }
+        where = f"{what}; context_lens={batch.context_lens} query_lens={batch.query_lens} (seed={seed})"
+
+        candidate_cache, reference_cache = _prepared_caches(pair, batch, context_slots, context, gen)
+        before = {name: t.clone() for name, t in candidate_cache.items()}
+        reference_meta = batch.metadata(block_size, "cpu")
+
+        got = pair.candidate.forward_mla(
+            layer,
+            q_latent.to(pair.device),
+            q_rope.to(pair.device),
+            latent.to(pair.device),
+            k_rope.to(pair.device),
+            candidate_cache,
+            batch.metadata(block_size, pair.device),
+        )
+        want = pair.reference.forward_mla(layer, q_latent, q_rope, latent, k_rope, reference_cache, reference_meta)
+
+        self._compare(got, want, (num_tokens, layer.num_heads, rank), dtype, where)
+        _check_cache_writes(
+            pair.candidate_spec,
+            before,
+            candidate_cache,
+            reference_meta.slot_mapping,
+            {"latent": latent, "rope": k_rope},
+            where,
+        )
+
+    def _compare(
+        self, got: torch.Tensor, want: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, where: str
+    ) -> None:
+        assert isinstance(got, torch.Tensor), f"forward returned {type(got).__name__}, not a tensor: {where}"
+        assert tuple(got.shape) == shape, f"output shape {tuple(got.shape)}, expected {shape}: {where}"
+        assert got.dtype == dtype, f"output dtype {got.dtype}, expected the query's {dtype}: {where}"
+        atol, rtol = self.tolerances[dtype]
+        torch.testing.assert_close(
+            got.detach().cpu().float(),
+            want.float(),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda detail: f"output differs from {REFERENCE}: {where}\n{detail}",
+        )
+
+    def _gqa_layer(self, num_heads: int, num_kv_heads: int, sliding_window: int | None = None) -> AttentionLayerSpec:
+        return AttentionLayerSpec(
+            kind="gqa",
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=self.head_size,
+            scale=self.head_size**-0.5,
+            sliding_window=sliding_window,
+        )
+
+    def _mla_layer(self) -> AttentionLayerSpec:
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        return AttentionLayerSpec(
+            kind="mla",
+            num_heads=4,
+            num_kv_heads=1,
+            head_size=width,
+            scale=width**-0.5,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+        )
+
+    def _gqa_scenario(
+        self,
+        manager: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        scenario: str,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(provided, "paged", *capabilities)
+        layer = self._gqa_layer(*self._gqa_heads(provided))
+        pair = self._pair(manager, provided, platform_info, layer, dtype, block_size)
+        gen = generator(seed)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen)
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, f"{scenario} batch, {_dtype_id(dtype)}")
+
+    # ----------------------------------------------------------------------- tests
+
+    def test_kv_cache_spec(
+        self, powertrain_plugins: PluginManager, provided: Provided, platform_info: PlatformInfo, dtype: torch.dtype
+    ) -> None:
+        """The cache the engine will allocate is the one the backend described, and sized."""
+        layer = self._gqa_layer(*self._gqa_heads(provided))
+        block_size = self.block_sizes[-1]
+        candidate, _, _ = self._build(powertrain_plugins, provided, platform_info, dtype, block_size)
+        spec = candidate.kv_cache_spec(layer, block_size, dtype)
+        _check_spec(spec, layer, block_size, dtype, provided.record.name)
+        assert spec.bytes_per_token > 0, f"{provided.record.name}: bytes_per_token is {spec.bytes_per_token}"
+
+    def test_mla_kv_cache_spec(
+        self, powertrain_plugins: PluginManager, provided: Provided, platform_info: PlatformInfo, dtype: torch.dtype
+    ) -> None:
+        """MLA's memory saving is real only if the cache holds latent + rope and nothing else."""
+        self.require(provided, "mla")
+        layer = self._mla_layer()
+        block_size = self.block_sizes[-1]
+        candidate, _, _ = self._build(powertrain_plugins, provided, platform_info, dtype, block_size)
+        spec = candidate.kv_cache_spec(layer, block_size, dtype)
+        _check_spec(spec, layer, block_size, dtype, provided.record.name)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        expected = (layer.kv_lora_rank + layer.qk_rope_head_dim) * itemsize
+        assert spec.bytes_per_token == expected, (
+            f"{provided.record.name}: an MLA cache should take (kv_lora_rank + qk_rope_head_dim) * {itemsize} = "
+            f"{expected} bytes per token, the spec says {spec.bytes_per_token}"
+        )
+
+    def test_decode_batch(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        self._gqa_scenario(powertrain_plugins, provided, platform_info, "decode", dtype, block_size, seed)
+
+    def test_prefill_batch(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """Ragged prompts with nothing cached yet."""
+        self._gqa_scenario(powertrain_plugins, provided, platform_info, "prefill", dtype, block_size, seed)
+
+    def test_mixed_batch(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """Decodes first, then prefills, as continuous batching forms them."""
+        self._gqa_scenario(powertrain_plugins, provided, platform_info, "mixed", dtype, block_size, seed)
+
+    def test_chunked_prefill(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """New tokens after cached ones (an earlier chunk or a prefix-cache hit)."""
+        self._gqa_scenario(powertrain_plugins, provided, platform_info, "chunked", dtype, block_size, seed)
+
+    def test_shuffled_block_tables(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """Blocks scattered over a larger pool, out of order, several per sequence."""
+        self.require(provided, "paged", "decode", "prefill")
+        layer = self._gqa_layer(*self._gqa_heads(provided))
+        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        gen = generator(seed)
+        batch = _make_batch(_long_block_lengths(block_size, gen), block_size, gen, shuffle=True)
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, f"shuffled block tables, {_dtype_id(dtype)}")
+
+    @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])
+    def test_head_ratios(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        dtype: torch.dtype,
+        num_heads: int,
+        num_kv_heads: int,
+        seed: int,
+    ) -> None:
+        """Query head h must read kv head h // (heads / kv_heads)."""
+        self.require(provided, "paged", "decode", "prefill", "mha" if num_heads == num_kv_heads else "gqa")
+        block_size = self.block_sizes[-1]
+        layer = self._gqa_layer(num_heads, num_kv_heads)
+        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        gen = generator(seed)
+        batch = _make_batch(_mixed_lengths(block_size, gen), block_size, gen, shuffle=True)
+        what = f"{num_heads} heads over {num_kv_heads} kv heads, {_dtype_id(dtype)}"
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
+
+    @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
+    def test_sliding_window(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        scenario: str,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """Each token sees itself and the window - 1 tokens before it, across block edges."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(provided, "sliding-window", "paged", *capabilities)
+        gen = generator(seed)
+        window = _randint(gen, 1, block_size + 3)
+        layer = self._gqa_layer(*self._gqa_heads(provided), sliding_window=window)
+        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
+        what = f"sliding window {window}, {scenario} batch, {_dtype_id(dtype)}"
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
+
+    @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
+    def test_mla(
+        self,
+        powertrain_plugins: PluginManager,
+        provided: Provided,
+        platform_info: PlatformInfo,
+        scenario: str,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """forward_mla over the latent cache: decodes + prefills, and chunks after cached tokens."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(provided, "mla", "paged", *capabilities)
+        layer = self._mla_layer()
+        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        gen = generator(seed)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
+        self._run_mla(pair, layer, batch, dtype, block_size, seed, f"MLA {scenario} batch, {_dtype_id(dtype)}")
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_spec(spec: KVCacheSpec, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype, who: str) -> None:
+    """The spec must describe the cache the suite (and the engine) will hand back."""
+    assert isinstance(spec, KVCacheSpec), f"{who}.kv_cache_spec returned {spec!r}, not a KVCacheSpec"
+    assert spec.block_size == block_size, f"{who}: spec block_size {spec.block_size}, asked for {block_size}"
+    assert spec.dtype == dtype, f"{who}: spec dtype {spec.dtype}, asked for {dtype}"
+    if layer.kind == "mla":
+        expected = {"latent": layer.kv_lora_rank, "rope": layer.qk_rope_head_dim}
+    else:
+        expected = {"key": layer.num_kv_heads * layer.head_size, "value": layer.num_kv_heads * layer.head_size}
+    declared = {t.name: math.prod(t.shape) for t in spec.tensors}
+    assert declared == expected, (
+        f"{who}: a {layer.kind} cache must hold tensors (name: elements per token) {expected}, "
+        f"the spec declares {declared}"
+    )
+
+
+def _prepared_caches(
+    pair: _Pair,
+    batch: _Batch,
+    context_slots: torch.Tensor,
+    context: Mapping[str, torch.Tensor],
+    gen: torch.Generator,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Both caches, full of unrelated random garbage except the identical context tokens.
+
+    The garbage differs between the two, so a backend reading a slot it should not
+    (past a sequence's end, an unused block) gives a different answer.
+    """
+    caches = []
+    for spec, device in ((pair.candidate_spec, pair.device), (pair.reference_spec, torch.device("cpu"))):
+        cache = spec.allocate(batch.num_blocks, device)
+        for tensor in cache.values():
+            tensor.copy_(_random(tensor.shape, gen, spec.dtype))
+        for name, values in context.items():
+            write_tokens(spec, cache, name, context_slots, values)
+        caches.append(cache)
+    return caches[0], caches[1]
+
+
+def _check_cache_writes(
+    spec: KVCacheSpec,
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    slots: torch.Tensor,
+    new: Mapping[str, torch.Tensor],
+    where: str,
+) -> None:
+    """``after`` must be ``before`` with exactly the new tokens written at ``slots``."""
+    for name, values in new.items():
+        expected = {name: before[name].clone()}
+        write_tokens(spec, expected, name, slots, values)
+        want = token_major(spec, expected[name]).cpu()
+        got = token_major(spec, after[name]).detach().cpu()
+        wrong = (got != want).flatten(2).any(-1).nonzero().tolist()
+        if wrong:
+            bad_slots = [block * spec.block_size + offset for block, offset in wrong]
+            new_slots = set(slots.tolist())
+            misplaced = [s for s in bad_slots if s not in new_slots]
+            pytest.fail(
+                f"cache tensor {name!r} is wrong at {len(bad_slots)} slots after forward "
+                f"(first: {bad_slots[:8]}; {len(misplaced)} of them are not this step's slots, so were "
+                f"overwritten): {where}"
+            )

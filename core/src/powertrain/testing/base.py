@@ -1,0 +1,79 @@
+"""The frame every per-kind suite builds on: find the component, skip honestly."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from powertrain.components import PlatformInfo
+from powertrain.plugins import PluginManager, Provided
+
+
+def fresh_seed() -> int:
+    """A new seed per test run (never a fixed one), to be printed with any failure."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def find_component(manager: PluginManager, kind: str, name: str) -> Provided:
+    for provided in manager.records(kind):
+        if provided.record.name == name:
+            return provided
+    names = [p.record.name for p in manager.records(kind)]
+    broken = manager.broken()
+    raise LookupError(
+        f"no {kind} named {name!r} is registered; registered: {', '.join(names) or '(none)'}"
+        + (f"; broken plugins: {broken}" if broken else "")
+    )
+
+
+def usable_platform(manager: PluginManager, provided: Provided) -> PlatformInfo:
+    """The first platform the record runs on that is available here, or a pytest skip."""
+    reasons = []
+    priority = {p.record.name: p.record.priority for p in manager.records("platform")}
+    # The best platform first (cuda before cpu), as "auto" would choose it.
+    for info in sorted(manager.platforms().values(), key=lambda i: -priority.get(i.name, 0)):
+        availability = provided.record.availability(info)
+        if availability.available:
+            return info
+        reasons.append(f"{info.name}: {availability.reason}")
+    pytest.skip(f"{provided.record.name} is unavailable on this machine ({'; '.join(reasons)})")
+
+
+class ComponentSuite:
+    """Subclass as ``class TestMine(<Kind>Suite): component = "my-name"``.
+
+    The suite finds the record through the real plugin manager (so the entry point
+    is exercised), skips with the record's own reason where it cannot run, and skips
+    tests whose capability the record does not declare.
+    """
+
+    kind: ClassVar[str]
+    component: ClassVar[str]
+
+    @pytest.fixture
+    def provided(self, powertrain_plugins: PluginManager) -> Provided:
+        return find_component(powertrain_plugins, self.kind, self.component)
+
+    @pytest.fixture
+    def platform_info(self, powertrain_plugins: PluginManager, provided: Provided) -> PlatformInfo:
+        return usable_platform(powertrain_plugins, provided)
+
+    @staticmethod
+    def require(provided: Provided, *capabilities: str) -> None:
+        declared = getattr(provided.record, "capabilities", frozenset())
+        missing = set(capabilities) - set(declared)
+        if missing:
+            pytest.skip(f"{provided.record.name} does not declare {sorted(missing)}")
+
+    @pytest.fixture
+    def seed(self, request: Any) -> int:
+        value = fresh_seed()
+        request.node.user_properties.append(("seed", value))
+        return value
