@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["powertrain.testing"]
+
+
+@pytest.fixture
+def make_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Callable[..., Path]:
+    """Install a real (if tiny) distribution on sys.path: dist-info + entry points + modules.
+
+    importlib.metadata discovers it exactly as it discovers pip-installed packages.
+    """
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+
+    def make(name: str, entry_points: dict[str, str], modules: dict[str, str], version: str = "1.0") -> Path:
+        dist_info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        lines = ["[powertrain.plugins]", *(f"{ep} = {module}" for ep, module in entry_points.items())]
+        (dist_info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        for module, source in modules.items():
+            path = site / (module.replace(".", "/") + ".py")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(source))
+            # Forget the module after the test, so the next test imports its own version.
+            request.addfinalizer(lambda module=module: sys.modules.pop(module, None))
+        importlib.invalidate_caches()
+        return site
+
+    return make

@@ -1,0 +1,192 @@
+"""Config + plugins -> a plan -> built components, through the real hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powertrain import hookimpl
+from powertrain.assemble import AssemblyError, build_attention, build_communicator, plan
+from powertrain.components import AttentionBackendRecord
+from powertrain.config import ComponentsConfig, ConfigError, EngineConfig, ParallelConfig, PluginsConfig, parse_config
+from powertrain.interfaces import AttentionBackend, Communicator
+from powertrain.plugins import PluginManager
+from powertrain.selection import Selection
+
+
+def config(**components: str) -> EngineConfig:
+    return EngineConfig(components=ComponentsConfig(**components))
+
+
+def test_auto_resolves_on_this_machine_and_says_why() -> None:
+    result = plan(config(), strict=False)
+    assert result.platform.name == "cpu"  # this machine has no GPU; cuda reports why
+    assert "highest priority" in result.resolutions["platform"].reason
+    assert "cuda (" in result.resolutions["platform"].reason
+    assert result.resolutions["attention"].name == "torch-reference"
+    assert result.resolutions["communication"].name == "single-process"
+    assert result.resolutions["speculative"].reason == "disabled (speculative = none)"
+    assert result.resolutions["moe"].error == ""  # not needed without a MoE model
+
+
+def test_named_component_that_does_not_exist_lists_available_ones() -> None:
+    result = plan(config(attention="flash-nonexistent"), strict=False)
+    [problem] = [p for p in result.problems if p.startswith("attention")]
+    assert "attention = 'flash-nonexistent'" in problem
+    assert "is not provided by any loaded plugin" in problem
+    assert "available here: torch-reference" in problem and "sdpa" in problem
+    with pytest.raises(AssemblyError):
+        plan(config(attention="flash-nonexistent"))
+
+
+def test_explicit_name_selects_a_lower_priority_plugin() -> None:
+    result = plan(config(attention="sdpa"), strict=False)
+    assert result.resolutions["attention"].name == "sdpa"
+    assert result.resolutions["attention"].provided.plugin.name == "sdpa-example"
+
+
+def test_world_size_decides_the_communicator() -> None:
+    one = plan(config(), strict=False)
+    two = plan(EngineConfig(parallel=ParallelConfig(data_parallel=2, expert_parallel=2)), strict=False)
+    assert one.resolutions["communication"].name == "single-process"
+    assert two.resolutions["communication"].name == "torch-distributed"
+    assert "single-process (lacks world size 2 (at most 1))" in two.resolutions["communication"].reason
+    forced = plan(
+        EngineConfig(components=ComponentsConfig(communication="single-process"), parallel=ParallelConfig(data_parallel=2)),
+        strict=False,
+    )
+    assert "cannot be used here" in forced.resolutions["communication"].error
+
+
+def test_requirements_filter_candidates_and_make_kinds_needed() -> None:
+    result = plan(config(), requirements={"attention": {"mla"}, "moe": set()}, strict=False)
+    assert result.resolutions["attention"].name == "torch-reference"
+    moe = result.resolutions["moe"]
+    assert moe.error.startswith("moe = 'auto': no moe implementation is usable here")
+    sdpa_only = plan(config(attention="sdpa"), requirements={"attention": {"mla"}}, strict=False)
+    assert "lacks mla" in sdpa_only.resolutions["attention"].error
+
+
+def test_unavailable_platform_component_is_refused_with_reason() -> None:
+    manager = PluginManager.load(environ={})
+
+    class GpuOnly:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl
+        def powertrain_attention_backends(self):
+            return [
+                AttentionBackendRecord(
+                    name="gpu-only", platforms={"cuda"}, capabilities={"gqa"}, priority=50, factory=lambda c: None
+                )
+            ]
+
+    manager.register(GpuOnly())
+    assert plan(config(), manager, strict=False).resolutions["attention"].name == "torch-reference"
+    error = plan(config(attention="gpu-only"), manager, strict=False).resolutions["attention"].error
+    assert "gpu-only (runs on cuda, not on platform 'cpu')" in error
+
+
+def test_a_plugin_can_override_selection_and_builtin_rule_runs_last() -> None:
+    manager = PluginManager.load(environ={})
+
+    class PreferSdpa:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl(tryfirst=True)
+        def powertrain_select_component(self, kind, candidates):
+            if kind == "attention":
+                return Selection(name="sdpa", reason="site policy prefers sdpa")
+            return None
+
+    manager.register(PreferSdpa())
+    resolution = plan(config(), manager, strict=False).resolutions["attention"]
+    assert (resolution.name, resolution.reason) == ("sdpa", "site policy prefers sdpa")
+
+
+def test_broken_plugin_is_fatal_only_when_config_needs_what_it_may_provide(make_distribution) -> None:
+    make_distribution("acme-kernels", {"acme": "acme_kernels"}, {"acme_kernels": "import acme_sdk\n"})
+    fine = plan(config(), strict=False)
+    assert not [p for p in fine.problems if not p.startswith("scheduler")]
+    needs = plan(config(attention="acme-flash"), strict=False).resolutions["attention"].error
+    assert "plugins that failed to load, which may provide it: acme (acme-kernels:" in needs
+    assert "No module named 'acme_sdk'" in needs
+
+
+def test_disabled_plugin_is_named_when_its_component_is_requested() -> None:
+    cfg = EngineConfig(components=ComponentsConfig(attention="sdpa"), plugins=PluginsConfig(disable=("sdpa-example",)))
+    error = plan(cfg, strict=False).resolutions["attention"].error
+    assert "disabled plugins: sdpa-example" in error
+
+
+def test_plugin_section_is_validated_through_plan(make_distribution) -> None:
+    make_distribution(
+        "spec-dist",
+        {"specdec": "specdec_plugin"},
+        {
+            "specdec_plugin": """
+            import attrs
+            from powertrain import hookimpl
+            from powertrain.components import ConfigSectionRecord
+            POWERTRAIN_HOOK_API = 1
+            seen = []
+            @attrs.frozen
+            class SpecConfig:
+                max_draft_tokens: int = 5
+            @hookimpl
+            def powertrain_config_sections():
+                return [ConfigSectionRecord(name="specdec", config_class=SpecConfig)]
+            @hookimpl
+            def powertrain_configure(config, sections):
+                seen.append(sections["specdec"])
+            """
+        },
+    )
+    ok = plan(parse_config({"specdec": {"max_draft_tokens": 2}}, "engine.toml"), strict=False)
+    assert ok.sections["specdec"].max_draft_tokens == 2
+    import specdec_plugin
+
+    assert specdec_plugin.seen[-1].max_draft_tokens == 2
+    with pytest.raises(ConfigError) as excinfo:
+        plan(parse_config({"specdec": {"max_draft_tokens": 2.5}}, "engine.toml"))
+    assert excinfo.value.lines() == ["engine.toml: specdec.max_draft_tokens: expected int, got float 2.5"]
+
+
+def test_configure_is_historic() -> None:
+    manager = PluginManager.load(environ={})
+    plan(config(), manager, strict=False)
+    calls = []
+
+    class Late:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl
+        def powertrain_configure(self, config):
+            calls.append(config)
+
+    manager.register(Late())
+    assert len(calls) == 1 and isinstance(calls[0], EngineConfig)
+
+
+def test_build_returns_protocol_objects_and_rejects_impostors() -> None:
+    result = plan(config(), strict=False)
+    assert isinstance(build_attention(result, torch.float32), AttentionBackend)
+    communicator = build_communicator(result)
+    assert isinstance(communicator, Communicator) and communicator.world_size == 1
+
+    manager = PluginManager.load(environ={})
+
+    class Impostor:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl
+        def powertrain_attention_backends(self):
+            return [
+                AttentionBackendRecord(
+                    name="impostor", platforms={"cpu"}, capabilities={"gqa"}, factory=lambda c: object()
+                )
+            ]
+
+    manager.register(Impostor())
+    with pytest.raises(AssemblyError, match="does not implement powertrain.interfaces.AttentionBackend"):
+        build_attention(plan(config(attention="impostor"), manager, strict=False), torch.float32)

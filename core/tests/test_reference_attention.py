@@ -1,0 +1,276 @@
+"""The reference attention backend against a float64 oracle, and against its own suite.
+
+The oracle knows nothing about paging: it holds each sequence's whole key/value
+history as one dense float64 tensor and computes causal softmax attention head by
+head with explicit exp/sum. The backend under test gets the same numbers through a
+paged cache whose unused slots are NaN, so reading anything outside a sequence
+poisons its output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import pytest
+import torch
+
+from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.interfaces import AttentionBackend, AttentionLayerSpec, AttentionMetadata, MLAAttentionBackend
+from powertrain.testing import AttentionBackendSuite, fresh_seed
+
+
+class TestReferenceConformance(AttentionBackendSuite):
+    """The reference must pass the kit it defines (a sanity check of the kit, too)."""
+
+    component = "torch-reference"
+
+
+@pytest.fixture
+def seed() -> int:
+    return fresh_seed()
+
+
+# --------------------------------------------------------------------------- setup
+
+
+@attrs.frozen(kw_only=True)
+class Paged:
+    """A batch laid out in a paged cache, plus the dense history the oracle reads."""
+
+    metadata: AttentionMetadata
+    cache: dict[str, torch.Tensor]
+    #: per sequence, name -> [seq_len, ...] dense history (context then new tokens)
+    history: list[dict[str, torch.Tensor]]
+    #: name -> [num_tokens, ...] this step's new tokens, flat
+    new: dict[str, torch.Tensor]
+
+
+def page(
+    backend: TorchReferenceAttention,
+    layer: AttentionLayerSpec,
+    lengths: Sequence[tuple[int, int]],
+    per_token: dict[str, tuple[int, ...]],
+    block_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> Paged:
+    """Random histories for ``(context_len, query_len)`` sequences, context pre-cached.
+
+    Blocks are drawn at random from a pool twice the needed size; everything not
+    written is NaN.
+    """
+    seq_lens = [c + q for c, q in lengths]
+    needed = [math.ceil(s / block_size) for s in seq_lens]
+    pool = torch.randperm(2 * sum(needed) + 1, generator=gen).tolist()
+    tables, used = [], 0
+    for count in needed:
+        tables.append(pool[used : used + count])
+        used += count
+    cache = backend.kv_cache_spec(layer, block_size, dtype).allocate(len(pool), "cpu")
+    for tensor in cache.values():
+        tensor.fill_(float("nan"))
+
+    history = []
+    for (context, _), seq_len, blocks in zip(lengths, seq_lens, tables, strict=True):
+        seq = {name: torch.randn((seq_len, *shape), generator=gen).to(dtype) for name, shape in per_token.items()}
+        for pos in range(context):
+            for name, values in seq.items():
+                cache[name][blocks[pos // block_size], pos % block_size] = values[pos]
+        history.append(seq)
+    new = {name: torch.cat([seq[name][c:] for seq, (c, _) in zip(history, lengths, strict=True)]) for name in per_token}
+    metadata = AttentionMetadata.build(
+        query_lens=[q for _, q in lengths], seq_lens=seq_lens, block_tables=tables, block_size=block_size
+    )
+    return Paged(metadata=metadata, cache=cache, history=history, new=new)
+
+
+def causal_softmax(scores: torch.Tensor, context: int, window: int | None) -> torch.Tensor:
+    """Row-wise softmax of [q_len, seq_len] scores over the positions each query may see."""
+    q_len, seq_len = scores.shape
+    visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
+    for j in range(q_len):
+        me = context + j
+        first = 0 if window is None else max(0, me - window + 1)
+        visible[j, first : me + 1] = True
+    exp = torch.where(visible, torch.exp(scores - scores.max(dim=-1, keepdim=True).values), 0.0)
+    return exp / exp.sum(dim=-1, keepdim=True)
+
+
+def gqa_oracle(layer: AttentionLayerSpec, paged: Paged, query: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    group = layer.num_heads // layer.num_kv_heads
+    starts = paged.metadata.query_start_loc_host
+    for i, seq in enumerate(paged.history):
+        start, end = starts[i], starts[i + 1]
+        context = seq["key"].shape[0] - (end - start)
+        for h in range(layer.num_heads):
+            q = query[start:end, h].double()
+            k = seq["key"][:, h // group].double()
+            v = seq["value"][:, h // group].double()
+            probs = causal_softmax(q @ k.T * layer.scale, context, layer.sliding_window)
+            out[start:end, h] = probs @ v
+    return out
+
+
+def mla_oracle(layer: AttentionLayerSpec, paged: Paged, q_latent: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(q_latent.shape, dtype=torch.float64)
+    starts = paged.metadata.query_start_loc_host
+    for i, seq in enumerate(paged.history):
+        start, end = starts[i], starts[i + 1]
+        context = seq["latent"].shape[0] - (end - start)
+        latent, rope = seq["latent"].double(), seq["rope"].double()
+        for h in range(layer.num_heads):
+            scores = layer.scale * (q_latent[start:end, h].double() @ latent.T + q_rope[start:end, h].double() @ rope.T)
+            out[start:end, h] = causal_softmax(scores, context, None) @ latent
+    return out
+
+
+def gqa_layer(num_heads: int, num_kv_heads: int, head_size: int = 16, window: int | None = None) -> AttentionLayerSpec:
+    return AttentionLayerSpec(
+        kind="gqa",
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        scale=head_size**-0.5,
+        sliding_window=window,
+    )
+
+
+# (context_len, query_len) per sequence, decodes first.
+BATCHES = {
+    "prefill": [(0, 9), (0, 1 + 16), (0, 3), (0, 33)],
+    "decode": [(0, 1), (15, 1), (16, 1), (40, 1)],
+    "mixed": [(7, 1), (31, 1), (0, 12), (0, 2)],
+    "chunked": [(20, 1), (16, 16), (15, 2), (17, 15), (4, 29)],
+}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_satisfies_both_protocols() -> None:
+    backend = TorchReferenceAttention()
+    assert isinstance(backend, AttentionBackend)
+    assert isinstance(backend, MLAAttentionBackend)
+
+
+def test_kv_cache_specs() -> None:
+    backend = TorchReferenceAttention()
+    gqa = backend.kv_cache_spec(gqa_layer(8, 2, head_size=32), 16, torch.bfloat16)
+    assert [(t.name, t.shape) for t in gqa.tensors] == [("key", (2, 32)), ("value", (2, 32))]
+    assert gqa.bytes_per_token == 2 * 2 * 32 * 2
+    mla = backend.kv_cache_spec(
+        AttentionLayerSpec(
+            kind="mla", num_heads=16, num_kv_heads=1, head_size=576, scale=0.1, kv_lora_rank=512, qk_rope_head_dim=64
+        ),
+        16,
+        torch.bfloat16,
+    )
+    assert [(t.name, t.shape) for t in mla.tensors] == [("latent", (512,)), ("rope", (64,))]
+    assert mla.bytes_per_token == 576 * 2
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_gqa_matches_oracle(batch: str, num_heads: int, num_kv_heads: int, block_size: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    layer = gqa_layer(num_heads, num_kv_heads)
+    shape = (num_kv_heads, layer.head_size)
+    paged = page(backend, layer, BATCHES[batch], {"key": shape, "value": shape}, block_size, torch.float32, gen)
+    query = torch.randn(paged.metadata.num_tokens, num_heads, layer.head_size, generator=gen)
+
+    out = backend.forward(layer, query, paged.new["key"], paged.new["value"], paged.cache, paged.metadata)
+
+    assert out.dtype == torch.float32 and out.shape == query.shape
+    torch.testing.assert_close(
+        out.double(), gqa_oracle(layer, paged, query), atol=1e-5, rtol=1e-5, msg=lambda m: f"{m}\n(seed={seed})"
+    )
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window_matches_oracle(window: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    layer = gqa_layer(4, 2, window=window)
+    shape = (2, layer.head_size)
+    paged = page(backend, layer, BATCHES["chunked"], {"key": shape, "value": shape}, 4, torch.float32, gen)
+    query = torch.randn(paged.metadata.num_tokens, 4, layer.head_size, generator=gen)
+
+    out = backend.forward(layer, query, paged.new["key"], paged.new["value"], paged.cache, paged.metadata)
+
+    torch.testing.assert_close(
+        out.double(), gqa_oracle(layer, paged, query), atol=1e-5, rtol=1e-5, msg=lambda m: f"{m}\n(seed={seed})"
+    )
+
+
+def test_bfloat16_inputs_are_computed_in_float32(seed: int) -> None:
+    """Only the final rounding to bf16 may separate it from the exact answer."""
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    layer = gqa_layer(8, 2)
+    shape = (2, layer.head_size)
+    paged = page(backend, layer, BATCHES["chunked"], {"key": shape, "value": shape}, 16, torch.bfloat16, gen)
+    query = torch.randn(paged.metadata.num_tokens, 8, layer.head_size, generator=gen).to(torch.bfloat16)
+
+    out = backend.forward(layer, query, paged.new["key"], paged.new["value"], paged.cache, paged.metadata)
+
+    assert out.dtype == torch.bfloat16
+    exact = gqa_oracle(layer, paged, query)
+    # One bf16 rounding of the output: half an ulp, 2**-9 relative.
+    torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=2**-8, msg=lambda m: f"{m}\n(seed={seed})")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("batch", ["mixed", "chunked"])
+def test_mla_matches_oracle(batch: str, block_size: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    rank, rope = 32, 16
+    layer = AttentionLayerSpec(
+        kind="mla",
+        num_heads=4,
+        num_kv_heads=1,
+        head_size=rank + rope,
+        scale=0.15,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+    )
+    paged = page(backend, layer, BATCHES[batch], {"latent": (rank,), "rope": (rope,)}, block_size, torch.float32, gen)
+    q_latent = torch.randn(paged.metadata.num_tokens, 4, rank, generator=gen)
+    q_rope = torch.randn(paged.metadata.num_tokens, 4, rope, generator=gen)
+
+    out = backend.forward_mla(
+        layer, q_latent, q_rope, paged.new["latent"], paged.new["rope"], paged.cache, paged.metadata
+    )
+
+    assert out.shape == q_latent.shape
+    torch.testing.assert_close(
+        out.double(),
+        mla_oracle(layer, paged, q_latent, q_rope),
+        atol=1e-5,
+        rtol=1e-5,
+        msg=lambda m: f"{m}\n(seed={seed})",
+    )
+
+
+def test_padding_slots_are_not_written(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    layer = gqa_layer(4, 2)
+    shape = (2, layer.head_size)
+    paged = page(backend, layer, BATCHES["prefill"], {"key": shape, "value": shape}, 4, torch.float32, gen)
+    slots = paged.metadata.slot_mapping.clone()
+    padded = int(slots[-1])
+    slots[-1] = -1
+    metadata = attrs.evolve(paged.metadata, slot_mapping=slots)
+    query = torch.randn(metadata.num_tokens, 4, layer.head_size, generator=gen)
+
+    backend.forward(layer, query, paged.new["key"], paged.new["value"], paged.cache, metadata)
+
+    key_rows = paged.cache["key"].view(-1, *shape)
+    assert key_rows[padded].isnan().all(), f"slot {padded} was marked -1 but written (seed={seed})"
+    assert torch.equal(key_rows[slots[:-1]], paged.new["key"][:-1]), f"new keys not at their slots (seed={seed})"
