@@ -76,7 +76,11 @@ def installed_plugin_module(venv: Path) -> Path:
 
 def test_discovered_through_its_entry_point(venv: Path) -> None:
     found = plugins(venv)["sdpa-example"]
-    assert (found["status"], found["source"], found["distribution"]) == ("available", "entry-point", "powertrain-sdpa-example")
+    assert (found["status"], found["source"], found["distribution"]) == (
+        "available",
+        "entry-point",
+        "powertrain-sdpa-example",
+    )
     assert found["provides"] == {"attention": [{"name": "sdpa", "available": True, "reason": "on cpu"}]}
     # ... and it is the copy installed in this environment, not the workspace's source tree.
     assert str(venv) in str(installed_plugin_module(venv))

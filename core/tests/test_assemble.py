@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from powertrain import hookimpl
 from powertrain.assemble import AssemblyError, build_attention, build_communicator, plan
 from powertrain.components import AttentionBackendRecord
@@ -52,7 +51,9 @@ def test_world_size_decides_the_communicator() -> None:
     assert two.resolutions["communication"].name == "torch-distributed"
     assert "single-process (lacks world size 2 (at most 1))" in two.resolutions["communication"].reason
     forced = plan(
-        EngineConfig(components=ComponentsConfig(communication="single-process"), parallel=ParallelConfig(data_parallel=2)),
+        EngineConfig(
+            components=ComponentsConfig(communication="single-process"), parallel=ParallelConfig(data_parallel=2)
+        ),
         strict=False,
     )
     assert "cannot be used here" in forced.resolutions["communication"].error

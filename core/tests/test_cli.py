@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from click.testing import CliRunner
-
 from powertrain.cli import main
 
 POWERTRAIN = Path(sys.executable).parent / "powertrain"
@@ -38,7 +37,13 @@ def test_plugins_json_lists_builtins_and_the_template() -> None:
 def test_plugins_table_shows_status_and_reasons() -> None:
     result = CliRunner().invoke(main, ["plugins"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for text in ("builtin-attention", "sdpa-example", "powertrain-sdpa-example", "available", "platform cuda: unavailable"):
+    for text in (
+        "builtin-attention",
+        "sdpa-example",
+        "powertrain-sdpa-example",
+        "available",
+        "platform cuda: unavailable",
+    ):
         assert text in result.output
 
 
@@ -84,7 +89,10 @@ def test_config_check_reports_config_errors_one_per_line(tmp_path: Path) -> None
     path.write_text("[dsprak]\nmax_draft_tokens = 5\n")
     proc = run("config", "check", str(path))
     assert proc.returncode == 1
-    assert proc.stderr.strip() == "error: engine.toml: dsprak: unknown section (valid: cache, components, model, parallel, plugins)"
+    assert (
+        proc.stderr.strip()
+        == "error: engine.toml: dsprak: unknown section (valid: cache, components, model, parallel, plugins)"
+    )
 
 
 def test_logs_go_to_stderr_as_json_when_not_a_terminal(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import attrs
 import pytest
-
 from powertrain.config import ConfigError, EngineConfig, load_config, parse_config, validate_sections
 
 
@@ -27,13 +26,18 @@ def test_no_config_means_defaults() -> None:
     assert config == EngineConfig()
     assert config.model.path == "smollm2-135m"
     assert (config.components.attention, config.components.scheduler, config.components.speculative) == (
-        "auto", "fcfs", "none"
+        "auto",
+        "fcfs",
+        "none",
     )
     assert config.cache.block_size == 16 and config.cache.prefix_caching
 
 
 def test_full_config_round_trips(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, """
+    config = load_config(
+        write(
+            tmp_path,
+            """
         [model]
         path = "/models/llama"
         dtype = "bfloat16"
@@ -51,7 +55,9 @@ def test_full_config_round_trips(tmp_path: Path) -> None:
         disable = ["other"]
         [dspark]
         max_draft_tokens = 5
-    """.replace("\n        ", "\n")))
+    """.replace("\n        ", "\n"),
+        )
+    )
     assert config.model.dtype == "bfloat16" and config.components.attention == "sdpa"
     assert config.cache.block_size == 32 and config.cache.prefix_caching is False
     assert (config.parallel.data_parallel, config.parallel.expert_parallel) == (2, 4)
@@ -79,12 +85,16 @@ def test_wrong_type_names_path_and_expected_type(tmp_path: Path) -> None:
 
 
 def test_bad_values_and_every_problem_reported(tmp_path: Path) -> None:
-    lines = errors(write(tmp_path, '[cache]\nblock_size = 12\n[model]\ndtype = "int3"\n[plugins]\ndisable = ["a", 3]\n'))
-    assert sorted(lines) == sorted([
-        "engine.toml: cache.block_size: must be a power of two between 1 and 1024, got 12",
-        "engine.toml: model.dtype: must be one of auto, float32, bfloat16, float16; got 'int3'",
-        "engine.toml: plugins.disable[1]: expected str, got int 3",
-    ])
+    lines = errors(
+        write(tmp_path, '[cache]\nblock_size = 12\n[model]\ndtype = "int3"\n[plugins]\ndisable = ["a", 3]\n')
+    )
+    assert sorted(lines) == sorted(
+        [
+            "engine.toml: cache.block_size: must be a power of two between 1 and 1024, got 12",
+            "engine.toml: model.dtype: must be one of auto, float32, bfloat16, float16; got 'int3'",
+            "engine.toml: plugins.disable[1]: expected str, got int 3",
+        ]
+    )
 
 
 def test_section_that_is_not_a_table(tmp_path: Path) -> None:

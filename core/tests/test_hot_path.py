@@ -5,9 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import torch
-
 import powertrain
+import torch
 from powertrain.assemble import build_attention, plan
 from powertrain.config import EngineConfig
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata

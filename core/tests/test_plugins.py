@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from powertrain.config import PluginsConfig
 from powertrain.plugins import BUILTIN_PLUGINS, PluginError, PluginManager
 
@@ -125,13 +124,20 @@ def test_allowlist_and_autoload_switches(make_distribution) -> None:
 
     assert statuses(environ={}) == {"alpha": "loaded", "beta": "loaded", "builtin-platforms": "loaded"}
     assert statuses(environ={"POWERTRAIN_PLUGINS": "beta"}) == {
-        "alpha": "disabled", "beta": "loaded", "builtin-platforms": "loaded"
+        "alpha": "disabled",
+        "beta": "loaded",
+        "builtin-platforms": "loaded",
     }
     assert statuses(environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"}) == {
-        "alpha": "disabled", "beta": "disabled", "builtin-platforms": "loaded"
+        "alpha": "disabled",
+        "beta": "disabled",
+        "builtin-platforms": "loaded",
     }
     # Autoload off, but explicitly named plugins still load (as pytest's -p does).
-    assert statuses(environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1", "POWERTRAIN_PLUGINS": "alpha"})["alpha"] == "loaded"
+    assert (
+        statuses(environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1", "POWERTRAIN_PLUGINS": "alpha"})["alpha"]
+        == "loaded"
+    )
     assert statuses(config=PluginsConfig(allow=("alpha",)), environ={})["beta"] == "disabled"
     assert statuses(config=PluginsConfig(disable=("alpha",)), environ={})["alpha"] == "disabled"
     manager = PluginManager.load(PluginsConfig(disable=("alpha",)), environ={})

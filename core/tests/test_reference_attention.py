@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import attrs
 import pytest
 import torch
-
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.interfaces import AttentionBackend, AttentionLayerSpec, AttentionMetadata, MLAAttentionBackend
 from powertrain.testing import AttentionBackendSuite, fresh_seed

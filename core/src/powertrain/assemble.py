@@ -116,9 +116,7 @@ def plan(
         ]
         resolutions[kind] = _select(plugins, kind, requested, candidates, platform, requirements, kind in needed)
 
-    result = Plan(
-        config=config, plugins=plugins, platform=platform, sections=sections, resolutions=resolutions
-    )
+    result = Plan(config=config, plugins=plugins, platform=platform, sections=sections, resolutions=resolutions)
     if strict and result.problems:
         raise AssemblyError(result.problems)
     return result
@@ -203,9 +201,10 @@ def _hint_for_missing(plugins: PluginManager) -> str:
     hints = []
     broken = plugins.broken()
     if broken:
-        hints.append("plugins that failed to load, which may provide it: " + "; ".join(
-            f"{name} ({error})" for name, error in broken.items()
-        ))
+        hints.append(
+            "plugins that failed to load, which may provide it: "
+            + "; ".join(f"{name} ({error})" for name, error in broken.items())
+        )
     disabled = plugins.disabled()
     if disabled:
         hints.append("disabled plugins: " + ", ".join(disabled))

@@ -23,9 +23,7 @@ EXIT_PROBLEM = 1
 
 def configure_logging(level: str) -> None:
     """Pretty logs on a terminal, JSON lines otherwise; always on stderr."""
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
-    )
+    renderer: Any = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -97,10 +95,14 @@ def describe_plugins(manager: PluginManager) -> dict[str, Any]:
             by_name = {p.record.name: p.record for p in manager.records(kind) if p.plugin is info}
             provides[kind] = []
             for name in names:
-                availability = _component_availability(manager, kind, by_name[name]) if name in by_name else (
-                    Availability.no("shadowed by a conflicting plugin")
+                availability = (
+                    _component_availability(manager, kind, by_name[name])
+                    if name in by_name
+                    else (Availability.no("shadowed by a conflicting plugin"))
                 )
-                provides[kind].append({"name": name, "available": availability.available, "reason": availability.reason})
+                provides[kind].append(
+                    {"name": name, "available": availability.available, "reason": availability.reason}
+                )
         plugins.append({**_plugin_status(info, provides), "provides": provides})
     platforms = {
         name: {
@@ -137,7 +139,9 @@ def _plugin_status(info: PluginInfo, provides: dict[str, list[dict[str, Any]]]) 
 
 @main.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="engine.toml whose [plugins] section applies.")
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False), help="engine.toml whose [plugins] section applies."
+)
 def plugins_command(as_json: bool, config_path: str | None) -> None:
     """List plugins, what they provide, and whether they can run here."""
     config = _load_config_or_exit(config_path)
@@ -161,12 +165,16 @@ def _print_plugins(report: dict[str, Any]) -> None:
         table.add_column(column, overflow="fold")
     styles = {"available": "green", "unavailable": "yellow", "disabled": "dim", "broken": "red", "refused": "red"}
     for plugin in report["plugins"]:
-        provides = "\n".join(
-            f"{kind}: {', '.join(c['name'] for c in items)}" for kind, items in plugin["provides"].items()
-        ) or "-"
+        provides = (
+            "\n".join(f"{kind}: {', '.join(c['name'] for c in items)}" for kind, items in plugin["provides"].items())
+            or "-"
+        )
         status = plugin["status"] + (f": {plugin['reason']}" if plugin["reason"] else "")
         table.add_row(
-            plugin["name"], plugin["distribution"], plugin["version"], provides,
+            plugin["name"],
+            plugin["distribution"],
+            plugin["version"],
+            provides,
             f"[{styles[plugin['status']]}]{status}[/]",
         )
     console.print(table)
@@ -206,8 +214,12 @@ def config_check(path: str, as_json: bool) -> None:
         for r in result.resolutions.values()
     ]
     if as_json:
-        click.echo(json.dumps({"config": path, "ok": not result.problems, "components": rows,
-                               "sections": sorted(result.sections)}, indent=2))
+        click.echo(
+            json.dumps(
+                {"config": path, "ok": not result.problems, "components": rows, "sections": sorted(result.sections)},
+                indent=2,
+            )
+        )
     else:
         click.echo(f"{path}: {'ok' if not result.problems else 'problems found'}")
         for row in rows:
@@ -217,7 +229,6 @@ def config_check(path: str, as_json: bool) -> None:
             click.echo(f"  [{name}] validated by its plugin")
     if result.problems:
         _fail([f"{config.source}: {problem}" for problem in result.problems])
-
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,8 +40,7 @@ def _known_tags(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute, froz
         unknown = set(value) - allowed
         if unknown:
             raise ValueError(
-                f"{type(instance).__name__}.{attribute.name}: unknown tags {sorted(unknown)}; "
-                f"known: {sorted(allowed)}"
+                f"{type(instance).__name__}.{attribute.name}: unknown tags {sorted(unknown)}; known: {sorted(allowed)}"
             )
 
     return check
@@ -130,9 +129,7 @@ class _Implementation:
 
     def availability(self, platform: PlatformInfo) -> Availability:
         if platform.name not in self.platforms:
-            return Availability.no(
-                f"runs on {', '.join(sorted(self.platforms))}, not on platform {platform.name!r}"
-            )
+            return Availability.no(f"runs on {', '.join(sorted(self.platforms))}, not on platform {platform.name!r}")
         if not platform.available:
             return Availability.no(f"platform {platform.name}: {platform.availability.reason}")
         if self.check is None:
@@ -150,9 +147,7 @@ class _Implementation:
 class AttentionBackendRecord(_Implementation):
     """An attention implementation. ``factory(AttentionBackendContext)`` builds it."""
 
-    capabilities: frozenset[str] = attrs.field(
-        converter=frozenset, validator=_known_tags(ATTENTION_CAPABILITIES)
-    )
+    capabilities: frozenset[str] = attrs.field(converter=frozenset, validator=_known_tags(ATTENTION_CAPABILITIES))
 
 
 @attrs.frozen(kw_only=True)

@@ -97,8 +97,7 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device | str) -> dict[str, torch.Tensor]:
         """One layer's cache tensors, uninitialised (blocks are written before read)."""
         return {
-            t.name: torch.empty(self.tensor_shape(t, num_blocks), dtype=self.dtype, device=device)
-            for t in self.tensors
+            t.name: torch.empty(self.tensor_shape(t, num_blocks), dtype=self.dtype, device=device) for t in self.tensors
         }
 
 

@@ -19,7 +19,7 @@ import importlib
 import importlib.metadata
 import os
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, Literal
 
@@ -28,7 +28,7 @@ import pluggy
 import structlog
 
 from powertrain import hookspecs
-from powertrain.components import COMPONENT_KINDS, PlatformInfo, PlatformRecord, Availability
+from powertrain.components import COMPONENT_KINDS, Availability, PlatformInfo, PlatformRecord
 from powertrain.config import PluginsConfig
 
 log = structlog.get_logger(__name__)
@@ -278,9 +278,7 @@ class PluginManager:
             except Exception as exc:
                 raise PluginError(f"{hook_name} raised {type(exc).__name__}: {exc}") from exc
             if not isinstance(result, list | tuple) or not all(isinstance(r, record_type) for r in result):
-                raise PluginError(
-                    f"{hook_name} must return a list of {record_type.__name__}, got {result!r}"
-                )
+                raise PluginError(f"{hook_name} must return a list of {record_type.__name__}, got {result!r}")
             names = [r.name for r in result]
             dupes = {n for n in names if names.count(n) > 1}
             if dupes:
@@ -300,9 +298,7 @@ class PluginManager:
                         f"plugin {p.plugin.name} ({p.plugin.distribution} {p.plugin.version})".replace(" )", ")")
                         for p in provided
                     )
-                    messages.append(
-                        f"{kind} {name!r} is provided by both {who}; disable one with [plugins] disable"
-                    )
+                    messages.append(f"{kind} {name!r} is provided by both {who}; disable one with [plugins] disable")
         for record_kind in ("model",):
             owners: dict[str, list[Provided]] = {}
             for provided in self._records[record_kind].values():
@@ -361,7 +357,3 @@ def _detect(record: PlatformRecord) -> PlatformInfo:
             availability=Availability.no(f"detect() returned {info!r}, not a PlatformInfo"),
         )
     return info
-
-
-def registered_names(manager: PluginManager, kinds: Iterable[str]) -> dict[str, list[str]]:
-    return {kind: [p.record.name for p in manager.records(kind)] for kind in kinds}

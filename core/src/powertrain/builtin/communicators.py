@@ -43,9 +43,7 @@ def _as_tensor(op: str, tensor: object, rank: int, *, min_dim: int = 0) -> torch
     return tensor
 
 
-def check_counts(
-    op: str, name: str, counts: Sequence[int], world_size: int, rank: int, rows: int | None
-) -> list[int]:
+def check_counts(op: str, name: str, counts: Sequence[int], world_size: int, rank: int, rows: int | None) -> list[int]:
     """``counts`` as a list of ints, or a ValueError saying what is wrong and what was expected.
 
     ``rows`` (when given) is what the counts must sum to: the rows of the tensor sent.

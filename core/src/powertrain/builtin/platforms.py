@@ -35,9 +35,7 @@ def detect_cuda() -> PlatformInfo:
     import torch
 
     def unavailable(reason: str) -> PlatformInfo:
-        return PlatformInfo(
-            name="cuda", device_type="cuda", dist_backend="nccl", availability=Availability.no(reason)
-        )
+        return PlatformInfo(name="cuda", device_type="cuda", dist_backend="nccl", availability=Availability.no(reason))
 
     if torch.version.cuda is None:
         return unavailable(f"torch {torch.__version__} was built without CUDA")

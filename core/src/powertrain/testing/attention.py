@@ -27,7 +27,6 @@ import attrs
 import pytest
 import torch
 
-from powertrain.components import PlatformInfo
 from powertrain.interfaces import (
     AttentionBackend,
     AttentionBackendContext,
@@ -37,8 +36,8 @@ from powertrain.interfaces import (
     KVTensorSpec,
     MLAAttentionBackend,
 )
-from powertrain.plugins import PluginManager, Provided
-from powertrain.testing.base import ComponentSuite, find_component, generator
+from powertrain.plugins import Provided
+from powertrain.testing.base import ComponentSuite, Subject, find_component, generator
 
 __all__ = ["AttentionBackendSuite", "read_tokens", "token_major", "write_tokens"]
 
@@ -253,38 +252,35 @@ class AttentionBackendSuite(ComponentSuite):
 
     def _build(
         self,
-        manager: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         block_size: int,
     ) -> tuple[Any, Any, torch.device]:
-        device = torch.device(platform_info.device_type)
-        candidate = provided.record.factory(
-            AttentionBackendContext(platform=platform_info, device=device, dtype=dtype, block_size=block_size)
+        device = torch.device(subject.platform.device_type)
+        candidate = subject.provided.record.factory(
+            AttentionBackendContext(platform=subject.platform, device=device, dtype=dtype, block_size=block_size)
         )
-        cpu = manager.platforms()["cpu"]
-        reference = find_component(manager, "attention", REFERENCE).record.factory(
+        cpu = subject.plugins.platforms()["cpu"]
+        reference = find_component(subject.plugins, "attention", REFERENCE).record.factory(
             AttentionBackendContext(platform=cpu, device=torch.device("cpu"), dtype=dtype, block_size=block_size)
         )
         return candidate, reference, device
 
     def _pair(
         self,
-        manager: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         layer: AttentionLayerSpec,
         dtype: torch.dtype,
         block_size: int,
     ) -> _Pair:
-        candidate, reference, device = self._build(manager, provided, platform_info, dtype, block_size)
+        candidate, reference, device = self._build(subject, dtype, block_size)
         protocol = MLAAttentionBackend if layer.kind == "mla" else AttentionBackend
         assert isinstance(candidate, protocol), (
-            f"{provided.record.name}'s factory returned {candidate!r}, which does not satisfy {protocol.__name__}"
+            f"{subject.provided.record.name}'s factory returned {candidate!r}, "
+            f"which does not satisfy {protocol.__name__}"
         )
         candidate_spec = candidate.kv_cache_spec(layer, block_size, dtype)
-        _check_spec(candidate_spec, layer, block_size, dtype, provided.record.name)
+        _check_spec(candidate_spec, layer, block_size, dtype, subject.provided.record.name)
         return _Pair(
             candidate=candidate,
             reference=reference,
@@ -434,112 +430,97 @@ class AttentionBackendSuite(ComponentSuite):
 
     def _gqa_scenario(
         self,
-        manager: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         scenario: str,
         dtype: torch.dtype,
         block_size: int,
         seed: int,
     ) -> None:
         lengths_of, capabilities = _SCENARIOS[scenario]
-        self.require(provided, "paged", *capabilities)
-        layer = self._gqa_layer(*self._gqa_heads(provided))
-        pair = self._pair(manager, provided, platform_info, layer, dtype, block_size)
+        self.require(subject.provided, "paged", *capabilities)
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided))
+        pair = self._pair(subject, layer, dtype, block_size)
         gen = generator(seed)
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen)
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, f"{scenario} batch, {_dtype_id(dtype)}")
 
     # ----------------------------------------------------------------------- tests
 
-    def test_kv_cache_spec(
-        self, powertrain_plugins: PluginManager, provided: Provided, platform_info: PlatformInfo, dtype: torch.dtype
-    ) -> None:
+    def test_kv_cache_spec(self, subject: Subject, dtype: torch.dtype) -> None:
         """The cache the engine will allocate is the one the backend described, and sized."""
-        layer = self._gqa_layer(*self._gqa_heads(provided))
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided))
         block_size = self.block_sizes[-1]
-        candidate, _, _ = self._build(powertrain_plugins, provided, platform_info, dtype, block_size)
+        candidate, _, _ = self._build(subject, dtype, block_size)
         spec = candidate.kv_cache_spec(layer, block_size, dtype)
-        _check_spec(spec, layer, block_size, dtype, provided.record.name)
-        assert spec.bytes_per_token > 0, f"{provided.record.name}: bytes_per_token is {spec.bytes_per_token}"
+        _check_spec(spec, layer, block_size, dtype, subject.provided.record.name)
+        assert spec.bytes_per_token > 0, f"{subject.provided.record.name}: bytes_per_token is {spec.bytes_per_token}"
 
-    def test_mla_kv_cache_spec(
-        self, powertrain_plugins: PluginManager, provided: Provided, platform_info: PlatformInfo, dtype: torch.dtype
-    ) -> None:
+    def test_mla_kv_cache_spec(self, subject: Subject, dtype: torch.dtype) -> None:
         """MLA's memory saving is real only if the cache holds latent + rope and nothing else."""
-        self.require(provided, "mla")
+        self.require(subject.provided, "mla")
         layer = self._mla_layer()
         block_size = self.block_sizes[-1]
-        candidate, _, _ = self._build(powertrain_plugins, provided, platform_info, dtype, block_size)
+        candidate, _, _ = self._build(subject, dtype, block_size)
         spec = candidate.kv_cache_spec(layer, block_size, dtype)
-        _check_spec(spec, layer, block_size, dtype, provided.record.name)
+        _check_spec(spec, layer, block_size, dtype, subject.provided.record.name)
         itemsize = torch.empty((), dtype=dtype).element_size()
         expected = (layer.kv_lora_rank + layer.qk_rope_head_dim) * itemsize
         assert spec.bytes_per_token == expected, (
-            f"{provided.record.name}: an MLA cache should take (kv_lora_rank + qk_rope_head_dim) * {itemsize} = "
+            f"{subject.provided.record.name}: an MLA cache should take "
+            f"(kv_lora_rank + qk_rope_head_dim) * {itemsize} = "
             f"{expected} bytes per token, the spec says {spec.bytes_per_token}"
         )
 
     def test_decode_batch(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         block_size: int,
         seed: int,
     ) -> None:
-        self._gqa_scenario(powertrain_plugins, provided, platform_info, "decode", dtype, block_size, seed)
+        self._gqa_scenario(subject, "decode", dtype, block_size, seed)
 
     def test_prefill_batch(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         block_size: int,
         seed: int,
     ) -> None:
         """Ragged prompts with nothing cached yet."""
-        self._gqa_scenario(powertrain_plugins, provided, platform_info, "prefill", dtype, block_size, seed)
+        self._gqa_scenario(subject, "prefill", dtype, block_size, seed)
 
     def test_mixed_batch(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         block_size: int,
         seed: int,
     ) -> None:
         """Decodes first, then prefills, as continuous batching forms them."""
-        self._gqa_scenario(powertrain_plugins, provided, platform_info, "mixed", dtype, block_size, seed)
+        self._gqa_scenario(subject, "mixed", dtype, block_size, seed)
 
     def test_chunked_prefill(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         block_size: int,
         seed: int,
     ) -> None:
         """New tokens after cached ones (an earlier chunk or a prefix-cache hit)."""
-        self._gqa_scenario(powertrain_plugins, provided, platform_info, "chunked", dtype, block_size, seed)
+        self._gqa_scenario(subject, "chunked", dtype, block_size, seed)
 
     def test_shuffled_block_tables(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         block_size: int,
         seed: int,
     ) -> None:
         """Blocks scattered over a larger pool, out of order, several per sequence."""
-        self.require(provided, "paged", "decode", "prefill")
-        layer = self._gqa_layer(*self._gqa_heads(provided))
-        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        self.require(subject.provided, "paged", "decode", "prefill")
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided))
+        pair = self._pair(subject, layer, dtype, block_size)
         gen = generator(seed)
         batch = _make_batch(_long_block_lengths(block_size, gen), block_size, gen, shuffle=True)
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, f"shuffled block tables, {_dtype_id(dtype)}")
@@ -547,19 +528,17 @@ class AttentionBackendSuite(ComponentSuite):
     @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])
     def test_head_ratios(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         dtype: torch.dtype,
         num_heads: int,
         num_kv_heads: int,
         seed: int,
     ) -> None:
         """Query head h must read kv head h // (heads / kv_heads)."""
-        self.require(provided, "paged", "decode", "prefill", "mha" if num_heads == num_kv_heads else "gqa")
+        self.require(subject.provided, "paged", "decode", "prefill", "mha" if num_heads == num_kv_heads else "gqa")
         block_size = self.block_sizes[-1]
         layer = self._gqa_layer(num_heads, num_kv_heads)
-        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        pair = self._pair(subject, layer, dtype, block_size)
         gen = generator(seed)
         batch = _make_batch(_mixed_lengths(block_size, gen), block_size, gen, shuffle=True)
         what = f"{num_heads} heads over {num_kv_heads} kv heads, {_dtype_id(dtype)}"
@@ -568,9 +547,7 @@ class AttentionBackendSuite(ComponentSuite):
     @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
     def test_sliding_window(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         scenario: str,
         dtype: torch.dtype,
         block_size: int,
@@ -578,11 +555,11 @@ class AttentionBackendSuite(ComponentSuite):
     ) -> None:
         """Each token sees itself and the window - 1 tokens before it, across block edges."""
         lengths_of, capabilities = _SCENARIOS[scenario]
-        self.require(provided, "sliding-window", "paged", *capabilities)
+        self.require(subject.provided, "sliding-window", "paged", *capabilities)
         gen = generator(seed)
         window = _randint(gen, 1, block_size + 3)
-        layer = self._gqa_layer(*self._gqa_heads(provided), sliding_window=window)
-        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided), sliding_window=window)
+        pair = self._pair(subject, layer, dtype, block_size)
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         what = f"sliding window {window}, {scenario} batch, {_dtype_id(dtype)}"
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
@@ -590,9 +567,7 @@ class AttentionBackendSuite(ComponentSuite):
     @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
     def test_mla(
         self,
-        powertrain_plugins: PluginManager,
-        provided: Provided,
-        platform_info: PlatformInfo,
+        subject: Subject,
         scenario: str,
         dtype: torch.dtype,
         block_size: int,
@@ -600,9 +575,9 @@ class AttentionBackendSuite(ComponentSuite):
     ) -> None:
         """forward_mla over the latent cache: decodes + prefills, and chunks after cached tokens."""
         lengths_of, capabilities = _SCENARIOS[scenario]
-        self.require(provided, "mla", "paged", *capabilities)
+        self.require(subject.provided, "mla", "paged", *capabilities)
         layer = self._mla_layer()
-        pair = self._pair(powertrain_plugins, provided, platform_info, layer, dtype, block_size)
+        pair = self._pair(subject, layer, dtype, block_size)
         gen = generator(seed)
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         self._run_mla(pair, layer, batch, dtype, block_size, seed, f"MLA {scenario} batch, {_dtype_id(dtype)}")

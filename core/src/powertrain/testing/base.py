@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
+import attrs
 import pytest
 import torch
 
@@ -46,6 +47,15 @@ def usable_platform(manager: PluginManager, provided: Provided) -> PlatformInfo:
     pytest.skip(f"{provided.record.name} is unavailable on this machine ({'; '.join(reasons)})")
 
 
+@attrs.frozen
+class Subject:
+    """The component under test: its record, the plugins it came from, where it runs."""
+
+    plugins: PluginManager
+    provided: Provided
+    platform: PlatformInfo
+
+
 class ComponentSuite:
     """Subclass as ``class TestMine(<Kind>Suite): component = "my-name"``.
 
@@ -64,6 +74,10 @@ class ComponentSuite:
     @pytest.fixture
     def platform_info(self, powertrain_plugins: PluginManager, provided: Provided) -> PlatformInfo:
         return usable_platform(powertrain_plugins, provided)
+
+    @pytest.fixture
+    def subject(self, powertrain_plugins: PluginManager, provided: Provided, platform_info: PlatformInfo) -> Subject:
+        return Subject(plugins=powertrain_plugins, provided=provided, platform=platform_info)
 
     @staticmethod
     def require(provided: Provided, *capabilities: str) -> None:

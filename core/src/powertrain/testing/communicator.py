@@ -101,8 +101,7 @@ class Problems:
             return
         if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
             self.found.append(
-                f"{what}: result is {got.dtype} {tuple(got.shape)}, "
-                f"expected {expected.dtype} {tuple(expected.shape)}"
+                f"{what}: result is {got.dtype} {tuple(got.shape)}, expected {expected.dtype} {tuple(expected.shape)}"
             )
             return
         actual = got.detach().cpu()
@@ -384,11 +383,13 @@ def _worker(spec: GroupSpec, rank: int, results: Any, side_barrier: Any) -> None
         try:
             side_barrier.wait(timeout=spec.check_timeout_s)
         except threading.BrokenBarrierError:
-            results.put((
-                "abort",
-                rank,
-                f"rank {rank} finished check {name!r}, but a peer did not within {spec.check_timeout_s:.0f} s",
-            ))
+            results.put(
+                (
+                    "abort",
+                    rank,
+                    f"rank {rank} finished check {name!r}, but a peer did not within {spec.check_timeout_s:.0f} s",
+                )
+            )
             return
     results.put(("done", rank))
 
@@ -569,8 +570,7 @@ class CommunicatorSuite(ComponentSuite):
         platform = cls._platform_for(powertrain_plugins, provided)
         if platform.device_type != "cpu" and world_size > platform.device_count:
             pytest.skip(
-                f"world size {world_size} needs {world_size} {platform.name} devices; "
-                f"{platform.device_count} here"
+                f"world size {world_size} needs {world_size} {platform.name} devices; {platform.device_count} here"
             )
         seed = cls.fixed_seed if cls.fixed_seed is not None else fresh_seed()
         init_file = tmp_path_factory.mktemp(f"{cls.component}-world{world_size}") / "init"

@@ -113,8 +113,7 @@ class PluginContract:
         module = importlib.import_module(info.module)
         declared = getattr(module, "POWERTRAIN_HOOK_API", None)
         assert declared in hookspecs.SUPPORTED_HOOK_APIS, (
-            f"{info.module} declares POWERTRAIN_HOOK_API = {declared!r}; "
-            f"supported: {hookspecs.SUPPORTED_HOOK_APIS}"
+            f"{info.module} declares POWERTRAIN_HOOK_API = {declared!r}; supported: {hookspecs.SUPPORTED_HOOK_APIS}"
         )
 
     def test_every_hookimpl_matches_a_spec(self, info: PluginInfo, powertrain_plugins: PluginManager) -> None:
@@ -157,9 +156,7 @@ class PluginContract:
     def test_imports_no_vendor_sdk(self, info: PluginInfo) -> None:
         report = _probe(info.module, self.plugin, ())
         leaked = sorted(set(report["imported"]) & set(self.vendor_modules))
-        assert not leaked, (
-            f"importing {info.module} imported {leaked}; import vendor SDKs inside detect() or factories"
-        )
+        assert not leaked, f"importing {info.module} imported {leaked}; import vendor SDKs inside detect() or factories"
 
     def test_unavailable_hardware_is_reported_not_crashed(self, info: PluginInfo) -> None:
         """With every vendor SDK missing the plugin loads and says why things can't run."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from powertrain.interfaces import (
     AttentionBackendContext,
     AttentionLayerSpec,
@@ -68,7 +67,11 @@ class SdpaAttention:
             if layer.sliding_window is not None:
                 mask &= positions[None, :] > query_pos[:, None] - layer.sliding_window
             out = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=mask, scale=layer.scale,
+                q.float(),
+                k.float(),
+                v.float(),
+                attn_mask=mask,
+                scale=layer.scale,
                 enable_gqa=layer.num_heads != layer.num_kv_heads,
             )
             output[q_start:q_end] = out.transpose(0, 1).to(query.dtype)
