@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from powertrain import hookimpl
 from powertrain.assemble import AssemblyError, build_attention, build_communicator, plan
 from powertrain.components import AttentionBackendRecord
@@ -191,3 +192,85 @@ def test_build_returns_protocol_objects_and_rejects_impostors() -> None:
     manager.register(Impostor())
     with pytest.raises(AssemblyError, match="does not implement powertrain.interfaces.AttentionBackend"):
         build_attention(plan(config(attention="impostor"), manager, strict=False), torch.float32)
+
+
+def _with_selector(selector) -> PluginManager:
+    manager = PluginManager.load(environ={})
+    manager.register(selector)
+    return manager
+
+
+def test_selection_of_an_unusable_component_is_refused() -> None:
+    class PickCuda:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl(tryfirst=True)
+        def powertrain_select_component(self, kind):
+            return Selection(name="cuda", reason="always cuda") if kind == "platform" else None
+
+    result = plan(config(), _with_selector(PickCuda()), strict=False)
+    error = result.resolutions["platform"].error
+    assert "chose 'cuda', which cannot be used here" in error and "PickCuda" in error
+
+
+def test_a_crashing_selection_hook_is_an_error_naming_plugins() -> None:
+    class Crash:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl(tryfirst=True)
+        def powertrain_select_component(self, kind):
+            if kind == "attention":
+                raise RuntimeError("policy file missing")
+
+    error = plan(config(), _with_selector(Crash()), strict=False).resolutions["attention"].error
+    assert "raised RuntimeError: policy file missing" in error and "Crash" in error
+
+
+def test_without_the_builtin_rule_nothing_is_chosen_and_it_says_so() -> None:
+    manager = PluginManager.load(PluginsConfig(disable=("builtin-selection",)), environ={})
+    error = plan(config(), manager, strict=False).resolutions["attention"].error
+    assert "is builtin-selection disabled?" in error
+
+
+def test_configure_is_called_once_per_config() -> None:
+    manager = PluginManager.load(environ={})
+    cfg = config()
+    for _ in range(3):
+        plan(cfg, manager, strict=False)
+    calls = []
+
+    class Late:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl
+        def powertrain_configure(self, config):
+            calls.append(config)
+
+    manager.register(Late())
+    assert calls == [cfg]
+
+
+def test_mla_only_backend_builds_through_the_mla_protocol() -> None:
+    from powertrain.builtin.reference_attention import TorchReferenceAttention
+    from powertrain.interfaces import MLAAttentionBackend
+
+    class MlaOnly:
+        name = "mla-only"
+        kv_cache_spec = TorchReferenceAttention.kv_cache_spec
+        forward_mla = TorchReferenceAttention.forward_mla
+
+    class Provider:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl
+        def powertrain_attention_backends(self):
+            return [
+                AttentionBackendRecord(
+                    name="mla-only", platforms={"cpu"}, capabilities={"mla", "decode"}, factory=lambda c: MlaOnly()
+                )
+            ]
+
+    manager = PluginManager.load(environ={})
+    manager.register(Provider())
+    backend = build_attention(plan(config(attention="mla-only"), manager, strict=False), torch.float32)
+    assert isinstance(backend, MLAAttentionBackend) and not isinstance(backend, AttentionBackend)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from click.testing import CliRunner
+
 from powertrain.cli import main
 
 POWERTRAIN = Path(sys.executable).parent / "powertrain"

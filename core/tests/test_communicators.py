@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from powertrain.components import PlatformInfo
 from powertrain.interfaces import Communicator, CommunicatorContext
 from powertrain.plugins import PluginManager

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+
 from powertrain.config import ConfigError, EngineConfig, load_config, parse_config, validate_sections
 
 
@@ -142,3 +143,16 @@ def test_unknown_section_suggests_and_mentions_broken_plugins() -> None:
     [line] = excinfo.value.lines()
     assert line.startswith("engine.toml: dsprak: unknown section (did you mean dspark?)")
     assert "dspark-next (ImportError: no torch_npu)" in line
+
+
+def test_a_string_is_not_a_list(tmp_path: Path) -> None:
+    assert errors(write(tmp_path, '[plugins]\ndisable = "sdpa-example"\n')) == [
+        "engine.toml: plugins.disable: expected a list of strings, got str 'sdpa-example'"
+    ]
+
+
+def test_non_utf8_file(tmp_path: Path) -> None:
+    path = tmp_path / "engine.toml"
+    path.write_bytes(b'[model]\npath = "\xff"\n')
+    [line] = errors(path)
+    assert line.startswith("engine.toml: not UTF-8 text")

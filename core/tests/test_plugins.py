@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from powertrain.config import PluginsConfig
 from powertrain.plugins import BUILTIN_PLUGINS, PluginError, PluginManager
 
@@ -183,3 +184,53 @@ def test_platform_detection_never_raises(make_distribution) -> None:
     info = PluginManager.load(environ={}).platforms()["npu"]
     assert not info.available
     assert info.availability.reason == "detection failed: OSError: libascendcl.so: cannot open shared object file"
+
+
+def test_specname_is_collected_and_unknown_specname_rejected(make_distribution) -> None:
+    aliased = GOOD.format(name="aliased").replace(
+        "@hookimpl\ndef powertrain_schedulers():", '@hookimpl(specname="powertrain_schedulers")\ndef my_schedulers():'
+    )
+    make_distribution("alias-dist", {"alias": "alias_plugin"}, {"alias_plugin": aliased})
+    orphan = GOOD.format(name="orphan").replace(
+        "@hookimpl\ndef powertrain_schedulers():", '@hookimpl(specname="powertrain_schedulerz")\ndef my_schedulers():'
+    )
+    make_distribution("orphan-dist", {"orphan": "orphan_plugin"}, {"orphan_plugin": orphan})
+    manager = PluginManager.load(environ={})
+    assert manager.plugins["alias"].provides == {"scheduler": ["aliased"]}
+    assert manager.plugins["orphan"].status == "broken"
+    assert "powertrain_schedulerz" in manager.plugins["orphan"].error
+
+
+def test_plugin_name_clash_is_a_reported_conflict(make_distribution) -> None:
+    make_distribution("aaa-one", {"same": "same_one"}, {"same_one": "import missing_sdk_one\n"})
+    make_distribution("zzz-two", {"same": "same_two"}, {"same_two": GOOD.format(name="two")})
+    make_distribution("imposter", {"builtin-platforms": "imposter_plugin"}, {"imposter_plugin": GOOD.format(name="i")})
+    manager = PluginManager.load(environ={}, strict=False)
+    clashes = [c for c in manager.conflicts() if c.startswith("two plugins are named")]
+    assert len(clashes) == 2
+    assert any("'same'" in c and "aaa-one" in c and "zzz-two" in c for c in clashes)
+    assert any("'builtin-platforms'" in c and "imposter" in c for c in clashes)
+    assert manager.plugins["builtin-platforms"].distribution == "powertrain"  # the first keeps its name
+    same = {info.distribution: info for key, info in manager.plugins.items() if info.name == "same"}
+    assert set(same) == {"aaa-one", "zzz-two"}  # neither vanished
+    assert all(info.status == "broken" or info.distribution == "zzz-two" for info in same.values())
+    with pytest.raises(PluginError, match="two plugins are named"):
+        PluginManager.load(environ={})
+
+
+def test_boolean_hook_api_is_refused(make_distribution) -> None:
+    source = GOOD.format(name="b").replace("POWERTRAIN_HOOK_API = 1", "POWERTRAIN_HOOK_API = True")
+    make_distribution("bool-dist", {"boolish": "bool_plugin"}, {"bool_plugin": source})
+    assert PluginManager.load(environ={}).plugins["boolish"].status == "refused"
+
+
+def test_unknown_plugin_names_in_config_and_environment_are_warned_about() -> None:
+    manager = PluginManager.load(
+        PluginsConfig(disable=("sdpa-exmaple",), allow=("builtin-platforms",)),
+        environ={"POWERTRAIN_PLUGINS": "nothing-like-this"},
+    )
+    assert any(
+        "[plugins] disable names 'sdpa-exmaple'" in w and "did you mean sdpa-example?" in w for w in manager.warnings
+    )
+    assert any("POWERTRAIN_PLUGINS names 'nothing-like-this'" in w for w in manager.warnings)
+    assert not any("allow" in w for w in manager.warnings)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 import pytest
 import torch
+
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.interfaces import AttentionBackend, AttentionLayerSpec, AttentionMetadata, MLAAttentionBackend
 from powertrain.testing import AttentionBackendSuite, fresh_seed

@@ -100,7 +100,9 @@ def plan(
 
     section_classes = {p.record.name: p.record.config_class for p in plugins.records("config-section")}
     sections = validate_sections(config, section_classes, plugins.broken())
-    plugins.hook.powertrain_configure.call_historic(kwargs={"config": config, "sections": sections})
+    if plugins.configured_with is not config:  # once per config, however often it is planned
+        plugins.configured_with = config
+        plugins.hook.powertrain_configure.call_historic(kwargs={"config": config, "sections": sections})
 
     resolutions: dict[str, Resolution] = {}
     platform_resolution, platform = _resolve_platform(config, plugins)
@@ -181,19 +183,41 @@ def _select(
         if requested != "auto" or needed:
             return Resolution(kind=kind, requested=requested, error=message + _hint_for_missing(plugins))
         return Resolution(kind=kind, requested=requested, reason=f"not needed by this model; {exc}")
-    if not isinstance(selection, Selection):
-        return Resolution(
-            kind=kind, requested=requested, error=f"{kind}: selection hook returned {selection!r}, not a Selection"
-        )
-    match = next((c for c in candidates if c.name == selection.name), None)
-    if match is None:
+    except Exception as exc:  # a plugin's selection rule crashed: say whose, keep going
         return Resolution(
             kind=kind,
             requested=requested,
-            error=f"{kind}: a selection hook chose {selection.name!r}, which no loaded plugin provides",
+            error=f"{kind}: a selection hook (plugins: {_selection_plugins(plugins)}) raised "
+            f"{type(exc).__name__}: {exc}",
+        )
+    if selection is None:
+        return Resolution(
+            kind=kind,
+            requested=requested,
+            error=f"{kind}: no selection rule chose anything (is builtin-selection disabled?)",
+        )
+    if not isinstance(selection, Selection):
+        return Resolution(
+            kind=kind,
+            requested=requested,
+            error=f"{kind}: a selection hook (plugins: {_selection_plugins(plugins)}) returned {selection!r}, "
+            "not a Selection",
+        )
+    match = next((c for c in candidates if c.name == selection.name), None)
+    if match is None or not match.usable:
+        why = "which no loaded plugin provides" if match is None else f"which cannot be used here: {match.describe()}"
+        return Resolution(
+            kind=kind,
+            requested=requested,
+            error=f"{kind}: a selection hook (plugins: {_selection_plugins(plugins)}) chose {selection.name!r}, {why}",
         )
     provided = next(p for p in plugins.records(kind) if p.record.name == selection.name)
     return Resolution(kind=kind, requested=requested, provided=provided, reason=selection.reason)
+
+
+def _selection_plugins(plugins: PluginManager) -> str:
+    impls = plugins.hook.powertrain_select_component.get_hookimpls()
+    return ", ".join(impl.plugin_name for impl in impls) or "(none)"
 
 
 def _hint_for_missing(plugins: PluginManager) -> str:
@@ -214,40 +238,70 @@ def _hint_for_missing(plugins: PluginManager) -> str:
 # --------------------------------------------------------------------------- building
 
 
-def _build(plan: Plan, kind: str, context: Any, protocol: type) -> Any:
+def _build(plan: Plan, kind: str, context: Any, protocols: tuple[type, ...]) -> Any:
     provided = plan.chosen(kind)
     obj = provided.record.factory(context)
-    if not isinstance(obj, protocol):
+    lacking = [p.__name__ for p in protocols if not isinstance(obj, p)]
+    if lacking:
         raise AssemblyError(
             [
                 f"{kind} {provided.record.name!r} from plugin {provided.plugin.name} "
                 f"({provided.plugin.distribution}) built {type(obj).__name__}, which does not "
-                f"implement powertrain.interfaces.{protocol.__name__}"
+                f"implement powertrain.interfaces.{' and '.join(lacking)}"
             ]
         )
     log.debug("component built", kind=kind, name=provided.record.name, plugin=provided.plugin.name)
     return obj
 
 
-def build_attention(plan: Plan, dtype: torch.dtype, block_size: int | None = None) -> interfaces.AttentionBackend:
+def _device(plan: Plan, local_rank: int | None) -> torch.device:
+    """The device of this process: each local rank owns one accelerator."""
+    if plan.platform.device_type == "cpu" or local_rank is None:
+        return plan.device
+    return torch.device(plan.platform.device_type, local_rank)
+
+
+def build_attention(
+    plan: Plan, dtype: torch.dtype, block_size: int | None = None, *, local_rank: int | None = None
+) -> Any:
+    """The chosen attention backend; it must implement the Protocols its capabilities claim
+    (``AttentionBackend`` for gqa/mha, ``MLAAttentionBackend`` for mla)."""
     context = interfaces.AttentionBackendContext(
         platform=plan.platform,
-        device=plan.device,
+        device=_device(plan, local_rank),
         dtype=dtype,
         block_size=block_size or plan.config.cache.block_size,
     )
-    return _build(plan, "attention", context, interfaces.AttentionBackend)
+    capabilities = plan.chosen("attention").record.capabilities
+    protocols = tuple(
+        protocol
+        for protocol, tags in (
+            (interfaces.AttentionBackend, {"gqa", "mha"}),
+            (interfaces.MLAAttentionBackend, {"mla"}),
+        )
+        if capabilities & tags
+    )
+    return _build(plan, "attention", context, protocols or (interfaces.AttentionBackend,))
 
 
-def build_moe(plan: Plan, dtype: torch.dtype) -> interfaces.MoEBackend:
-    context = interfaces.MoEBackendContext(platform=plan.platform, device=plan.device, dtype=dtype)
-    return _build(plan, "moe", context, interfaces.MoEBackend)
+def build_moe(plan: Plan, dtype: torch.dtype, *, local_rank: int | None = None) -> interfaces.MoEBackend:
+    context = interfaces.MoEBackendContext(platform=plan.platform, device=_device(plan, local_rank), dtype=dtype)
+    return _build(plan, "moe", context, (interfaces.MoEBackend,))
 
 
 def build_communicator(
-    plan: Plan, *, rank: int = 0, world_size: int = 1, init_method: str = "env://"
+    plan: Plan,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    init_method: str = "env://",
+    local_rank: int | None = None,
 ) -> interfaces.Communicator:
     context = interfaces.CommunicatorContext(
-        platform=plan.platform, device=plan.device, rank=rank, world_size=world_size, init_method=init_method
+        platform=plan.platform,
+        device=_device(plan, rank if local_rank is None else local_rank),
+        rank=rank,
+        world_size=world_size,
+        init_method=init_method,
     )
-    return _build(plan, "communication", context, interfaces.Communicator)
+    return _build(plan, "communication", context, (interfaces.Communicator,))

@@ -69,21 +69,12 @@ def _load_config_or_exit(path: str | None) -> Any:
 
 def _component_availability(manager: PluginManager, kind: str, record: Any) -> Availability:
     """Usable on some platform detected here? Records without a platform always are."""
-    platforms = manager.platforms()
     if kind == "platform":
-        return platforms[record.name].availability
+        return manager.platforms()[record.name].availability
     if not hasattr(record, "availability"):
         return Availability.yes()
-    reasons = []
-    for info in platforms.values():
-        availability = record.availability(info)
-        if availability.available:
-            return Availability.yes(f"on {info.name}")
-        if info.name in record.platforms:
-            reasons.append(availability.reason)
-    if not reasons:
-        reasons.append(f"needs platform {', '.join(sorted(record.platforms))}, which no plugin here provides")
-    return Availability.no("; ".join(reasons))
+    platform, reasons = manager.best_platform(record)
+    return Availability.yes(f"on {platform.name}") if platform else Availability.no("; ".join(reasons))
 
 
 def describe_plugins(manager: PluginManager) -> dict[str, Any]:
@@ -116,7 +107,13 @@ def describe_plugins(manager: PluginManager) -> dict[str, Any]:
         }
         for name, info in manager.platforms().items()
     }
-    return {"powertrain": __version__, "plugins": plugins, "platforms": platforms, "conflicts": manager.conflicts()}
+    return {
+        "powertrain": __version__,
+        "plugins": plugins,
+        "platforms": platforms,
+        "conflicts": manager.conflicts(),
+        "warnings": manager.warnings,
+    }
 
 
 def _plugin_status(info: PluginInfo, provides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -159,7 +156,8 @@ def plugins_command(as_json: bool, config_path: str | None) -> None:
 
 
 def _print_plugins(report: dict[str, Any]) -> None:
-    console = Console(soft_wrap=False)
+    # Piped output gets a wide fixed width instead of wrapping names at 80 columns.
+    console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"powertrain {report['powertrain']} plugins", expand=False)
     for column in ("plugin", "distribution", "version", "provides", "status"):
         table.add_column(column, overflow="fold")
@@ -181,6 +179,8 @@ def _print_plugins(report: dict[str, Any]) -> None:
     for name, platform in report["platforms"].items():
         state = "available" if platform["available"] else "unavailable"
         console.print(f"platform {name}: {state}: {platform['reason']}", highlight=False)
+    for warning in report["warnings"]:
+        console.print(f"warning: {warning}", highlight=False, style="yellow")
 
 
 # --------------------------------------------------------------------------- config
@@ -227,6 +227,8 @@ def config_check(path: str, as_json: bool) -> None:
             click.echo(f"  {row['kind']:<14} {row['requested']:<18} -> {target:<20} {row['error'] or row['reason']}")
         for name in sorted(result.sections):
             click.echo(f"  [{name}] validated by its plugin")
+        for warning in manager.warnings:
+            click.echo(f"warning: {warning}", err=True)
     if result.problems:
         _fail([f"{config.source}: {problem}" for problem in result.problems])
 

@@ -167,14 +167,15 @@ class CommunicatorRecord(_Implementation):
 
     max_world_size: int | None = None
     #: Optional expert-parallel exchange built on a communicator of this kind:
-    #: ``dispatcher(communicator) -> interfaces.ExpertDispatcher``. Without one, the
-    #: engine's generic dispatch over ``all_to_all`` is used.
+    #: ``dispatcher(communicator) -> interfaces.ExpertDispatcher``; the communicator
+    #: exposes its torch.distributed ``group`` for ops that need the process group.
     dispatcher: Callable[[Any], Any] | None = attrs.field(default=None, validator=_callable)
 
 
 @attrs.frozen(kw_only=True)
 class SchedulerRecord:
-    """A batch-forming policy. ``factory(SchedulerContext)`` builds it."""
+    """A batch-forming policy. The engine calls ``factory`` with what the policy needs
+    (its config, the block manager) and gets an ``interfaces.Scheduler``."""
 
     name: str = attrs.field(validator=_valid_name)
     factory: Callable[..., Any] = attrs.field(validator=_callable)
@@ -185,7 +186,7 @@ class SchedulerRecord:
 class SpeculativePolicyRecord:
     """A speculative-decoding method: drafter, length policy and verifier together.
 
-    ``factory(SpeculativeContext)`` builds it. ``config_section`` names the plugin's
+    The engine calls ``factory`` and gets an ``interfaces.SpeculativePolicy``. ``config_section`` names the plugin's
     config section that parameterises it, if any.
     """
 

@@ -146,6 +146,14 @@ def _strict_converter() -> cattrs.Converter:
     converter.register_structure_hook(float, exact(float, (int, float)))
     converter.register_structure_hook(str, exact(str, (str,)))
     converter.register_structure_hook(bool, exact(bool, (bool,)))
+
+    def string_list(value: Any, _: type) -> tuple[str, ...]:
+        # Only a TOML array is a list: a bare string would otherwise become its characters.
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list of strings, got {type(value).__name__} {value!r}")
+        return tuple(converter.structure(value, list[str]))
+
+    converter.register_structure_hook_func(lambda tp: tp == tuple[str, ...], string_list)
     return converter
 
 
@@ -231,6 +239,8 @@ def load_config(path: str | Path | None) -> EngineConfig:
         raise ConfigError(str(path), [("", "no such config file")]) from None
     except OSError as exc:
         raise ConfigError(str(path), [("", f"cannot read: {exc.strerror}")]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [("", f"not UTF-8 text (byte {exc.start}); TOML files are UTF-8")]) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -1,8 +1,10 @@
 """Every hook of powertrain, in one place.
 
-Hooks are the control plane (DESIGN §2): assembly calls the component hooks once
-per engine build to collect records; observers run at most once per engine step.
-Nothing here is called per layer or per token.
+Hooks are the control plane (DESIGN §2). Component hooks are called by the plugin
+manager once per plugin, when it registers the plugin (in every process that loads
+plugins); their records are validated there and kept for assembly and the CLI.
+Observers run at most once per engine step. Nothing here is called per layer or per
+token.
 
 A plugin is a module with ``POWERTRAIN_HOOK_API = <version>`` and functions decorated
 with ``powertrain.hookimpl`` whose names (and argument names) match the specs below.
@@ -50,8 +52,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def powertrain_platforms() -> list[PlatformRecord]:
     """Device families this plugin can detect (``cpu``, ``cuda``, ``npu``, ...).
 
-    Called by assembly and ``powertrain plugins`` once per process. Returns a list
-    of PlatformRecord; all plugins' lists are collected. Detection itself happens in
+    Called by the plugin manager once per plugin at registration. Returns a list of
+    PlatformRecord; all plugins' lists are collected (no first-result). Detection itself happens in
     the record's ``detect`` (lazily, never at import time).
     """
 
@@ -60,10 +62,11 @@ def powertrain_platforms() -> list[PlatformRecord]:
 def powertrain_attention_backends() -> list[AttentionBackendRecord]:
     """Attention implementations: name, platforms, capabilities, priority, factory.
 
-    Called by assembly once per engine build. All plugins' records are collected;
-    the selection hook picks one. The factory receives an AttentionBackendContext and
-    returns an object satisfying ``interfaces.AttentionBackend`` (and
-    ``MLAAttentionBackend`` if the record declares ``mla``).
+    Called by the plugin manager once per plugin at registration. All plugins'
+    records are collected (no first-result); the selection hook picks one per
+    engine. The factory receives an AttentionBackendContext and returns an object
+    satisfying ``interfaces.AttentionBackend`` (if it declares gqa/mha) and
+    ``MLAAttentionBackend`` (if it declares mla).
     """
 
 
@@ -71,7 +74,8 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
 def powertrain_moe_backends() -> list[MoEBackendRecord]:
     """MoE grouped-GEMM implementations (bf16, fp8 block-scaled, ...).
 
-    Called by assembly once per engine build; all results are collected. The factory
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result). The factory
     receives a MoEBackendContext and returns an ``interfaces.MoEBackend``.
     """
 
@@ -80,8 +84,8 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
 def powertrain_communicators() -> list[CommunicatorRecord]:
     """Collectives and expert-parallel dispatch/combine for a platform.
 
-    Called by assembly once per engine build (in every worker process); all results
-    are collected. The factory receives a CommunicatorContext and returns an
+    Called by the plugin manager once per plugin at registration (in every worker
+    process); all results are collected (no first-result). The factory receives a CommunicatorContext and returns an
     ``interfaces.Communicator``.
     """
 
@@ -90,7 +94,8 @@ def powertrain_communicators() -> list[CommunicatorRecord]:
 def powertrain_schedulers() -> list[SchedulerRecord]:
     """Batch-forming policies, chosen by name (``[components] scheduler``).
 
-    Called by assembly once per engine build; all results are collected.
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result).
     """
 
 
@@ -98,8 +103,9 @@ def powertrain_schedulers() -> list[SchedulerRecord]:
 def powertrain_speculative_policies() -> list[SpeculativePolicyRecord]:
     """Speculative-decoding methods (drafter, length policy, verifier).
 
-    Called by assembly once per engine build when ``[components] speculative`` is
-    not ``"none"``; all results are collected.
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result). Assembly picks one unless ``[components]
+    speculative`` is ``"none"``.
     """
 
 
@@ -107,8 +113,9 @@ def powertrain_speculative_policies() -> list[SpeculativePolicyRecord]:
 def powertrain_protocol_adapters() -> list[ProtocolAdapterRecord]:
     """Request protocol adapters (OpenAI chat/responses, Anthropic messages, ...).
 
-    Called by the server at start-up; all results are collected and the highest
-    priority adapter serving a protocol handles it.
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result) and the server uses the highest priority adapter
+    serving a protocol.
     """
 
 
@@ -116,8 +123,9 @@ def powertrain_protocol_adapters() -> list[ProtocolAdapterRecord]:
 def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
     """Model classes by checkpoint architecture name (config.json ``architectures``).
 
-    Called by the loader once per model load; all results are collected and an
-    architecture name provided twice is an error naming both plugins.
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result) and an architecture name provided twice is an error
+    naming both plugins. The loader looks the checkpoint's architecture up here.
     """
 
 
@@ -125,8 +133,9 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
 def powertrain_config_sections() -> list[ConfigSectionRecord]:
     """A plugin's own engine.toml tables and the attrs classes that validate them.
 
-    Called once when a config is loaded; all results are collected. A table in
-    engine.toml that no plugin declares is an error.
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result). Assembly validates each table with its class; a
+    table in engine.toml that no plugin declares is an error.
     """
 
 
@@ -163,8 +172,9 @@ def powertrain_select_component(
 def powertrain_configure(config: EngineConfig, sections: dict[str, Any]) -> None:
     """The engine's validated config, and each plugin section's validated object.
 
-    Called once per process after config loading. Historic: a plugin registered
-    later still receives the call on registration. Return values are ignored.
+    Called by assembly once per config (per process), after validating it.
+    Historic: a plugin registered later still receives the call on registration.
+    Return values are ignored.
     """
 
 

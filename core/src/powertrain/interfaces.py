@@ -4,18 +4,27 @@ Assembly (``assemble.py``) turns records into objects satisfying these Protocols
 after that, the engine, model runner and layers call them directly, with no pluggy
 dispatch in between (DESIGN §2). A kernel pack implements these and nothing else.
 
-The attention contract is shaped so that a Triton kernel and Ascend's
-``npu_fused_infer_attention_score`` both consume it as is:
+The attention contract carries what both a Triton kernel and Ascend's
+``npu_fused_infer_attention_score`` consume, without a translation layer:
 
 * tokens of all sequences are packed into one flat ``[num_tokens, heads, dim]``
-  batch (the op's ``TND`` layout); decode sequences (one new token) come first;
-* ``query_start_loc_host[1:]`` is the op's cumulative ``actual_seq_lengths`` and
-  ``seq_lens_host`` its ``actual_seq_lengths_kv`` (host lists, as the op wants
-  them; the device tensors are the same numbers for kernels);
+  batch; decode sequences (one new token) come first, so a backend may split the
+  batch at ``num_decodes`` (e.g. decode through the op's BSH/BSND paged path, one
+  query token per sequence, and prefill through its TND path);
+* host copies of the lengths, as the op wants them (``actual_seq_lengths`` and
+  ``actual_seq_lengths_kv`` are host int lists): ``query_start_loc_host[1:]`` is
+  the cumulative query length list of TND, ``seq_lens_host`` the per-sequence kv
+  lengths (cumulate them where a layout asks for cumulative kv lengths); the
+  device tensors hold the same numbers for kernels;
 * ``block_tables`` is an int32 ``[batch, max_blocks]`` table into the paged cache,
   the op's ``block_table``;
-* the paged cache is laid out as the backend declares in its ``KVCacheSpec`` and
-  allocated that way by the engine, so no backend re-lays it out per step.
+* the paged cache is laid out as the backend declares in its ``KVCacheSpec``
+  (block-token-major = BSH/BSND, block-head-major = BNBD) and allocated that way
+  by the engine, so no backend re-lays it out per step.
+
+MLA: ``forward_mla`` is the weight-absorbed form. Ascend's rope-split path and
+FlashMLA serve it for decode only; a backend declares ``decode``/``prefill``
+alongside ``mla`` to say which phases it serves.
 """
 
 from __future__ import annotations
@@ -349,6 +358,21 @@ class MoEBackend(Protocol):
         """
         ...
 
+    def forward_grouped(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden], rows grouped by local expert
+        tokens_per_expert: torch.Tensor,  # int64 [local_experts], rows of each group
+        weights: Any,  # what prepare returned
+        scales: torch.Tensor | None = None,  # per-row dynamic quant scales, if dispatch quantised
+    ) -> torch.Tensor:
+        """Each group of rows through its expert, unweighted: ``[rows, hidden]``.
+
+        The expert-parallel path: an ExpertDispatcher has already grouped the rows
+        (``npu_moe_distribute_dispatch``'s expand_x / expert_token_nums feed
+        ``npu_grouped_matmul``'s group_list), and ``combine`` applies the weights.
+        """
+        ...
+
 
 # --------------------------------------------------------------------------- communication
 
@@ -374,7 +398,8 @@ class Communicator(Protocol):
     equally shaped tensors to ``all_gather``, that ``recv_counts`` match what peers
     send) is the caller's guarantee. Results may share memory with inputs (world size
     1 returns the input itself); callers use the returned tensor. Ranks are ranks in
-    this communicator's group.
+    this communicator's group. Implementations on torch.distributed also expose that
+    group as ``group`` (for expert dispatchers whose ops need the process group).
     """
 
     rank: int
@@ -426,8 +451,10 @@ class ExpertDispatcher(Protocol):
 
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Returns (received hidden [R, H], tokens per local expert [local_experts], handle)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]:
+        """Returns (received rows [R, H] grouped by local expert, tokens per local expert
+        [local_experts], per-row quant scales or None, handle) — the inputs of
+        ``MoEBackend.forward_grouped`` plus what ``combine`` needs."""
         ...
 
     def combine(self, expert_output: torch.Tensor, handle: Any) -> torch.Tensor:

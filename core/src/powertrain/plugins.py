@@ -114,6 +114,11 @@ class PluginManager:
         self.plugins: dict[str, PluginInfo] = {}
         self._records: dict[str, dict[str, list[Provided]]] = {kind: {} for kind in COMPONENT_KINDS}
         self._platform_info: dict[str, PlatformInfo] = {}
+        self._name_clashes: list[str] = []
+        #: Names given in config or environment that match no plugin (likely typos).
+        self.warnings: list[str] = []
+        #: The config ``powertrain_configure`` was last called with (called once per config).
+        self.configured_with: Any = None
 
     @property
     def hook(self) -> Any:
@@ -158,10 +163,37 @@ class PluginManager:
             elif config.allow is not None and ep.name not in config.allow:
                 reason = "not in [plugins] allow"
             manager._load_one(ep.name, ep.value, dist, version, "entry-point", disabled, reason, ep)
+        manager._warn_unknown_names("[plugins] disable", disabled)
+        manager._warn_unknown_names("[plugins] allow", set(config.allow or ()))
+        manager._warn_unknown_names(ENV_ALLOWLIST, env_allow or set())
         if strict:
             manager.raise_on_conflicts()
         log.debug("plugins loaded", plugins={n: p.status for n, p in manager.plugins.items()})
         return manager
+
+    def _warn_unknown_names(self, where: str, names: set[str]) -> None:
+        known = [info.name for info in self.plugins.values()]
+        for name in sorted(names - set(known)):
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; installed: {', '.join(sorted(known))}"
+            message = f"{where} names {name!r}, which is not an installed plugin{hint}"
+            self.warnings.append(message)
+            log.warning("unknown plugin name", where=where, name=name, message=message)
+
+    def _remember(self, info: PluginInfo) -> bool:
+        """Record a plugin under its name; a second plugin with a taken name is a clash."""
+        existing = self.plugins.get(info.name)
+        if existing is None or existing is info:
+            self.plugins[info.name] = info
+            return True
+        message = (
+            f"two plugins are named {info.name!r}: {existing.module} ({existing.distribution}) and "
+            f"{info.module} ({info.distribution}); rename one entry point or uninstall one"
+        )
+        self._name_clashes.append(message)
+        info.status, info.error = "broken", message
+        self.plugins[f"{info.name} [{info.distribution}]"] = info
+        return False
 
     def _load_one(
         self,
@@ -177,9 +209,10 @@ class PluginManager:
         info = PluginInfo(name=name, module=module_name, distribution=distribution, version=version, source=source)
         if name in disabled:
             skip_reason = "disabled by [plugins] disable"
+        if not self._remember(info):
+            return info
         if skip_reason:
             info.status, info.error = "disabled", skip_reason
-            self.plugins.setdefault(name, info)
             return info
         try:
             module = entry_point.load() if entry_point is not None else importlib.import_module(module_name)
@@ -187,7 +220,6 @@ class PluginManager:
             info.status = "broken"
             info.error = f"import of {module_name} (entry point {name!r}) failed: {type(exc).__name__}: {exc}"
             info.traceback = traceback.format_exc()
-            self.plugins.setdefault(name, info)
             log.warning("plugin failed to import", plugin=name, distribution=distribution, error=info.error)
             return info
         return self.register(module, info)
@@ -201,14 +233,10 @@ class PluginManager:
                 name=module_name, module=module_name, distribution=dist, version=version, source="explicit"
             )
         existing = self.plugins.get(info.name)
-        if existing is not None and existing.status == "loaded":
-            if self.pm.get_plugin(info.name) is module:
-                return existing
-            raise PluginError(
-                f"two plugins are named {info.name!r}: {existing.module} ({existing.distribution}) "
-                f"and {info.module} ({info.distribution}); rename one entry point"
-            )
-        self.plugins[info.name] = info
+        if existing is not None and existing.status == "loaded" and self.pm.get_plugin(info.name) is module:
+            return existing  # registering the same plugin again changes nothing
+        if not self._remember(info):
+            return info
         refusal = self._check_hook_api(module, info)
         if refusal:
             info.status, info.error = "refused", refusal
@@ -218,7 +246,12 @@ class PluginManager:
             self._check_hook_names(module)
             self.pm.register(module, name=info.name)
         except (pluggy.PluginValidationError, PluginError, ValueError) as exc:
-            info.status, info.error = "broken", str(exc)
+            info.status, info.error = "broken", " ".join(str(exc).split())
+            return info
+        orphans = sorted(c.name for c in self.pm.get_hookcallers(module) or [] if c.spec is None)
+        if orphans:  # e.g. @hookimpl(specname=...) naming a hook that does not exist
+            self.pm.unregister(module)
+            info.status, info.error = "broken", f"hookimpls {orphans} match no hook spec"
             return info
         try:
             collected = self._collect(module, info)
@@ -242,8 +275,9 @@ class PluginManager:
                 f"declares no hook API version; add POWERTRAIN_HOOK_API = {hookspecs.HOOK_API_VERSION} "
                 f"to {info.module} (this powertrain supports: {supported})"
             )
-        info.hook_api = declared if isinstance(declared, int) else None
-        if declared not in hookspecs.SUPPORTED_HOOK_APIS:
+        valid = isinstance(declared, int) and not isinstance(declared, bool)
+        info.hook_api = declared if valid else None
+        if not valid or declared not in hookspecs.SUPPORTED_HOOK_APIS:
             return (
                 f"written for hook API {declared!r}, but powertrain {_core_version()} supports hook API "
                 f"{supported}; use a {info.distribution} release written for hook API {supported}, "
@@ -268,29 +302,34 @@ class PluginManager:
                 raise PluginError(f"{attr} is not decorated with @powertrain.hookimpl, so it would never be called")
 
     def _collect(self, module: Any, info: PluginInfo) -> dict[str, list[Provided]]:
+        """Call this plugin's component hookimpls (through pluggy's registry, so specname
+        works) once, and validate what they return."""
         collected: dict[str, list[Provided]] = {}
         for kind, (hook_name, record_type, _) in COMPONENT_KINDS.items():
-            function = getattr(module, hook_name, None)
-            if function is None or self.pm.parse_hookimpl_opts(module, hook_name) is None:
+            impls = [i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin is module]
+            if not impls:
                 continue
-            try:
-                result = function()
-            except Exception as exc:
-                raise PluginError(f"{hook_name} raised {type(exc).__name__}: {exc}") from exc
-            if not isinstance(result, list | tuple) or not all(isinstance(r, record_type) for r in result):
-                raise PluginError(f"{hook_name} must return a list of {record_type.__name__}, got {result!r}")
-            names = [r.name for r in result]
+            records: list[Any] = []
+            for impl in impls:
+                try:
+                    result = impl.function()
+                except Exception as exc:
+                    raise PluginError(f"{hook_name} raised {type(exc).__name__}: {exc}") from exc
+                if not isinstance(result, list | tuple) or not all(isinstance(r, record_type) for r in result):
+                    raise PluginError(f"{hook_name} must return a list of {record_type.__name__}, got {result!r}")
+                records.extend(result)
+            names = [r.name for r in records]
             dupes = {n for n in names if names.count(n) > 1}
             if dupes:
                 raise PluginError(f"{hook_name} returns {kind} {sorted(dupes)} more than once")
-            collected[kind] = [Provided(record=r, plugin=info) for r in result]
+            collected[kind] = [Provided(record=r, plugin=info) for r in records]
         return collected
 
     # ----------------------------------------------------------------------- queries
 
     def conflicts(self) -> list[str]:
         """One sentence per component name that two or more plugins provide."""
-        messages = []
+        messages = list(self._name_clashes)
         for kind, by_name in self._records.items():
             for name, provided in sorted(by_name.items()):
                 if len(provided) > 1:
@@ -338,22 +377,33 @@ class PluginManager:
                 self._platform_info[provided.record.name] = _detect(provided.record)
         return self._platform_info
 
+    def best_platform(self, record: Any) -> tuple[PlatformInfo | None, list[str]]:
+        """The best detected platform ``record`` can run on (cuda before cpu), or None
+        and one reason per platform it names."""
+        priority = {p.record.name: p.record.priority for p in self.records("platform")}
+        reasons = []
+        for info in sorted(self.platforms().values(), key=lambda i: -priority.get(i.name, 0)):
+            availability = record.availability(info)
+            if availability.available:
+                return info, []
+            if info.name in record.platforms:
+                reasons.append(availability.reason)
+        if not reasons:
+            reasons.append(f"needs platform {', '.join(sorted(record.platforms))}, which no plugin here provides")
+        return None, reasons
+
 
 def _detect(record: PlatformRecord) -> PlatformInfo:
     try:
         info = record.detect()
+        problem = "" if isinstance(info, PlatformInfo) else f"detect() returned {info!r}, not a PlatformInfo"
     except Exception as exc:
-        return PlatformInfo(
-            name=record.name,
-            device_type=record.device_type,
-            dist_backend=record.dist_backend,
-            availability=Availability.no(f"detection failed: {type(exc).__name__}: {exc}"),
-        )
-    if not isinstance(info, PlatformInfo):
-        return PlatformInfo(
-            name=record.name,
-            device_type=record.device_type,
-            dist_backend=record.dist_backend,
-            availability=Availability.no(f"detect() returned {info!r}, not a PlatformInfo"),
-        )
-    return info
+        problem = f"detection failed: {type(exc).__name__}: {exc}"
+    if not problem:
+        return info
+    return PlatformInfo(
+        name=record.name,
+        device_type=record.device_type,
+        dist_backend=record.dist_backend,
+        availability=Availability.no(problem),
+    )

@@ -119,6 +119,7 @@ class SingleProcessCommunicator:
         self.rank = 0
         self.world_size = 1
         self.device = ctx.device
+        self.group = None  # no process group at world size 1
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return _as_tensor("all_reduce", tensor, 0).to(self.device)
@@ -180,6 +181,7 @@ class TorchDistributedCommunicator:
                     f"{ctx.world_size}; launch with matching ranks, or destroy the existing group first"
                 )
             self._owns_group = False
+            self.group = dist.group.WORLD
             self.backend = str(dist.get_backend())
             return
         backend = ctx.platform.dist_backend
@@ -196,6 +198,8 @@ class TorchDistributedCommunicator:
             timeout=timeout,
         )
         self._owns_group = True
+        #: The process group, for expert dispatchers whose ops need it (e.g. an HCCL comm name).
+        self.group = dist.group.WORLD
         self.backend = backend
 
     def _dist(self) -> ModuleType:

@@ -36,15 +36,10 @@ def find_component(manager: PluginManager, kind: str, name: str) -> Provided:
 
 def usable_platform(manager: PluginManager, provided: Provided) -> PlatformInfo:
     """The first platform the record runs on that is available here, or a pytest skip."""
-    reasons = []
-    priority = {p.record.name: p.record.priority for p in manager.records("platform")}
-    # The best platform first (cuda before cpu), as "auto" would choose it.
-    for info in sorted(manager.platforms().values(), key=lambda i: -priority.get(i.name, 0)):
-        availability = provided.record.availability(info)
-        if availability.available:
-            return info
-        reasons.append(f"{info.name}: {availability.reason}")
-    pytest.skip(f"{provided.record.name} is unavailable on this machine ({'; '.join(reasons)})")
+    platform, reasons = manager.best_platform(provided.record)
+    if platform is None:
+        pytest.skip(f"{provided.record.name} is unavailable on this machine ({'; '.join(reasons)})")
+    return platform
 
 
 @attrs.frozen
