@@ -1,0 +1,290 @@
+"""GGUF checkpoints (llama.cpp's format): config, tensors and tokenizer from one file.
+
+Tensors are dequantized to float32 with the ``gguf`` package and renamed to HF names, so models
+see the same state dict whatever the file format. llama.cpp's converter permutes the rows of
+q_proj/k_proj for its interleaved rope; we undo that (as HF transformers' GGUF loader does), since
+our models use HF's half-split rope.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import structlog
+import torch
+
+from powertrain.loader.checkpoint import Checkpoint
+from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.loader.gguf_tokenizer import tokenizer_from_gguf
+
+log = structlog.get_logger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
+#: Llama-3.1-style rope scaling, which llama.cpp bakes into per-frequency factors.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
+    """Read a GGUF file's metadata and tokenizer now; its tensors when ``tensors()`` is iterated."""
+    source = source or str(path)
+    reader = _open(path, source)
+    metadata = _read_metadata(reader, source)
+
+    architecture = metadata.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedCheckpointError(
+            f"{source}: GGUF architecture {architecture!r} is not supported; powertrain reads GGUF files of "
+            f"architecture {', '.join(map(repr, SUPPORTED_ARCHITECTURES))}. Use the model's Hugging Face checkpoint "
+            "folder (safetensors) instead."
+        )
+
+    file_tensors = {tensor.name: tensor for tensor in reader.tensors}
+    names = {name: hf_tensor_name(name, source) for name in file_tensors if name != _ROPE_FREQS}
+    config = _llama_config(metadata, file_tensors, source)
+    tokenizer = tokenizer_from_gguf(metadata, source=source)
+    n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for gguf_name, hf_name in names.items():
+            weights = _dequantize(file_tensors[gguf_name], source)
+            if ".attn_q." in gguf_name:
+                weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)
+            elif ".attn_k." in gguf_name:
+                weights = _unpermute_rope_rows(weights, n_head_kv, gguf_name, source)
+            yield hf_name, torch.from_numpy(weights)
+
+    log.debug("gguf.opened", path=str(path), architecture=architecture, tensors=len(names))
+    return Checkpoint(
+        path=path,
+        format="gguf",
+        config=config,
+        tensor_names=tuple(names.values()),
+        tokenizer=tokenizer,
+        generation_config={},
+        read_tensors=read_tensors,
+    )
+
+
+def hf_tensor_name(gguf_name: str, source: str = "") -> str:
+    """llama.cpp's tensor name -> HF transformers' name.
+
+    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
+    """
+    if match := _BLOCK_NAME.fullmatch(gguf_name):
+        layer, kind, suffix = match.groups()
+        if kind in _BLOCK_TENSORS:
+            return f"model.layers.{layer}.{_BLOCK_TENSORS[kind]}.{suffix}"
+    elif (match := _GLOBAL_NAME.fullmatch(gguf_name)) and match.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"
+    raise UnsupportedCheckpointError(
+        f"{source}: tensor {gguf_name!r} has no counterpart in powertrain's Llama model (mixture-of-experts and "
+        "other non-Llama tensors are not read from GGUF yet). Use the model's Hugging Face checkpoint folder instead."
+    )
+
+
+def _open(path: Path, source: str) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as error:
+        size = path.stat().st_size
+        with path.open("rb") as file:
+            magic = file.read(4)
+        what = "is not a GGUF file (no GGUF magic bytes)" if magic != b"GGUF" else "is truncated or corrupt"
+        raise CorruptCheckpointError(
+            f"{source} {what} ({size} bytes; the reader failed with: {error}). Download or convert it again."
+        ) from error
+
+
+def _read_metadata(reader: gguf.GGUFReader, source: str) -> dict[str, Any]:
+    metadata = {}
+    for key, field in reader.fields.items():
+        try:
+            metadata[key] = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as error:
+            raise CorruptCheckpointError(
+                f"{source}: metadata key {key!r} cannot be read ({error}); the file is damaged. Download or "
+                "convert it again."
+            ) from error
+    return metadata
+
+
+def _llama_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """HF config.json equivalent of a llama GGUF's metadata."""
+
+    def key(name: str, default: Any = ...) -> Any:
+        full = f"llama.{name}"
+        if full in metadata:
+            return metadata[full]
+        if default is ...:
+            raise CorruptCheckpointError(
+                f"{source}: GGUF metadata key {full!r} is missing; a llama GGUF always has it. Download or convert "
+                "the file again."
+            )
+        return default
+
+    hidden_size = int(key("embedding_length"))
+    n_head = int(key("attention.head_count"))
+    n_head_kv = key("attention.head_count_kv", n_head)
+    if isinstance(n_head_kv, list):  # per-layer counts; Llama uses one for all layers
+        if len(set(n_head_kv)) != 1:
+            raise UnsupportedCheckpointError(
+                f"{source}: llama.attention.head_count_kv differs between layers ({n_head_kv}), which a Llama model "
+                "cannot express. Use the model's Hugging Face checkpoint folder instead."
+            )
+        n_head_kv = n_head_kv[0]
+    head_dim = int(key("attention.key_length", hidden_size // n_head))
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    embedding = tensors.get("token_embd.weight")
+    if embedding is None:
+        raise CorruptCheckpointError(
+            f"{source}: tensor 'token_embd.weight' is missing. Download or convert the file again."
+        )
+    rope_scaling = _rope_scaling(metadata, tensors, rope_theta, head_dim, source)
+    # llama.cpp's convert writes output.weight only when it differs from the embedding.
+    tie = "output.weight" not in tensors
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(n_head_kv),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        # transformers >= 5 spells the two above as one dict; both are given so either reading works.
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "vocab_size": int(embedding.shape[-1]),  # GGUF shapes are reversed: [hidden, vocab]
+        "tie_word_embeddings": tie,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "attention_bias": any(f".{kind}.bias" in name for name in tensors for kind in ("attn_q", "attn_k", "attn_v")),
+        "mlp_bias": any(f".{kind}.bias" in name for name in tensors for kind in ("ffn_gate", "ffn_up", "ffn_down")),
+        "torch_dtype": "float32",  # what tensors() yields: quantized weights are dequantized to float32
+    }
+    rope_dims = key("rope.dimension_count", head_dim)
+    if int(rope_dims) != head_dim:
+        raise UnsupportedCheckpointError(
+            f"{source}: llama.rope.dimension_count is {rope_dims} but the head size is {head_dim}; partial "
+            "rotary embeddings are not supported for Llama."
+        )
+    return config
+
+
+def _rope_scaling(
+    metadata: Mapping[str, Any], tensors: Mapping[str, Any], rope_theta: float, head_dim: int, source: str
+) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from llama.cpp's rope.scaling.* keys, or from a rope_freqs tensor (Llama 3.1)."""
+    kind = metadata.get("llama.rope.scaling.type", "none")
+    factor = metadata.get("llama.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor:
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        if (original := metadata.get("llama.rope.scaling.original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if kind not in ("none", "linear", "yarn"):
+        raise UnsupportedCheckpointError(
+            f"{source}: llama.rope.scaling.type {kind!r} is not supported (known: none, linear, yarn). Use the "
+            "model's Hugging Face checkpoint folder instead."
+        )
+    if _ROPE_FREQS in tensors:
+        factors = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type).reshape(-1)
+        return _llama3_scaling_from_factors(factors, rope_theta, head_dim, source)
+    return None
+
+
+def _llama3_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim: int, source: str) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's per-frequency factors.
+
+    llama.cpp's convert computes the factors from (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); every released Llama 3.x uses low=1, high=4, original=8192,
+    so we recompute the factors from those and accept only an exact match.
+    """
+    factor = float(factors.max())
+    candidate = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = []
+    for index in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * rope_theta ** (index / head_dim)
+        if wavelength < 8192 / 4.0:
+            expected.append(1.0)
+        elif wavelength > 8192 / 1.0:
+            expected.append(factor)
+        else:
+            smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
+    if len(expected) == factors.size and np.allclose(factors, expected, rtol=1e-4, atol=0):
+        return candidate
+    raise UnsupportedCheckpointError(
+        f"{source}: tensor {_ROPE_FREQS!r} holds rope frequency factors that are not Llama 3's standard scaling "
+        "(low_freq_factor 1, high_freq_factor 4, original context 8192); powertrain cannot rebuild its rope_scaling. "
+        "Use the model's Hugging Face checkpoint folder instead."
+    )
+
+
+def _dequantize(tensor: Any, source: str) -> np.ndarray:
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))  # GGUF lists dimensions fastest-first
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise UnsupportedCheckpointError(
+            f"{source}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the gguf package cannot "
+            "dequantize. Use a file quantized differently (Q4_0, Q4_1, Q8_0, Q*_K, F16, ...) or the HF checkpoint."
+        ) from error
+    except ValueError as error:
+        raise CorruptCheckpointError(
+            f"{source}: tensor {tensor.name!r} cannot be decoded ({error}); the file is damaged. Download or convert "
+            "it again."
+        ) from error
+    if values.size != math.prod(shape):
+        raise CorruptCheckpointError(
+            f"{source}: tensor {tensor.name!r} decodes to {values.size} values, not {math.prod(shape)} for shape "
+            f"{list(shape)}; the file is damaged. Download or convert it again."
+        )
+    # A copy: the reader's arrays are read-only views of the memory-mapped file.
+    return np.array(values.reshape(shape), dtype=np.float32, copy=True)
+
+
+def _unpermute_rope_rows(weights: np.ndarray, n_head: int, name: str, source: str) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of q/k rows: per head, interleaved (even, odd) pairs -> two halves."""
+    rows = weights.shape[0]
+    if rows % (2 * n_head):
+        raise CorruptCheckpointError(
+            f"{source}: tensor {name!r} has {rows} rows, not a multiple of 2 x {n_head} heads; the metadata and "
+            "tensors disagree."
+        )
+    split = weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:])
+    return np.ascontiguousarray(split.swapaxes(1, 2).reshape(weights.shape))

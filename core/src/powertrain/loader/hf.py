@@ -1,0 +1,231 @@
+"""Hugging Face checkpoint folders: config.json, safetensors weights, tokenizer.json, chat template.
+
+Weights are read only from safetensors. Pickled weights (``*.bin``, ``*.pt``) are refused: loading
+a pickle runs whatever code it contains.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import tokenizers
+import torch
+from safetensors import SafetensorError, safe_open
+
+from powertrain.loader.checkpoint import Checkpoint
+from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def load_hf_folder(folder: Path) -> Checkpoint:
+    """Read config, tokenizer and the safetensors headers now; tensor data when ``tensors()`` is iterated."""
+    config = with_both_rope_spellings(_read_json(folder / "config.json", required=True))
+    generation_config = _read_json(folder / "generation_config.json") or {}
+    shards = _tensor_locations(folder)
+    tokenizer = _tokenizer(folder, config, generation_config)
+
+    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for shard, names in shards.items():
+            with _safe_open(shard) as file:
+                for name in names:
+                    yield name, file.get_tensor(name)
+
+    log.debug("hf.opened", path=str(folder), shards=len(shards))
+    return Checkpoint(
+        path=folder,
+        format="safetensors",
+        config=config,
+        tensor_names=tuple(name for names in shards.values() for name in names),
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        read_tensors=read_tensors,
+    )
+
+
+def with_both_rope_spellings(config: dict[str, Any]) -> dict[str, Any]:
+    """Give both rope spellings: ``rope_theta`` + ``rope_scaling`` (transformers 4) and ``rope_parameters`` (5).
+
+    Checkpoints on the Hub use the first, folders saved by transformers >= 5 only the second;
+    model code may read either.
+    """
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, Mapping) and "rope_theta" in parameters and "rope_theta" not in config:
+        config["rope_theta"] = parameters["rope_theta"]
+        scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
+        config.setdefault("rope_scaling", None if scaling.get("rope_type", "default") == "default" else scaling)
+    elif "rope_theta" in config and "rope_parameters" not in config:
+        scaling = dict(config.get("rope_scaling") or {})
+        if "type" in scaling:  # the older spelling of rope_type
+            scaling.setdefault("rope_type", scaling["type"])
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"], **scaling}
+    return config
+
+
+def _tensor_locations(folder: Path) -> dict[Path, list[str]]:
+    """Shard file -> names of the tensors it holds, checked against the index if there is one."""
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        index = _read_json(index_path, required=True)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, Mapping) or not weight_map:
+            raise CorruptCheckpointError(
+                f"{index_path}: no 'weight_map' (tensor name -> shard file). Re-download the checkpoint or save it "
+                "again with transformers' save_pretrained(..., safe_serialization=True)."
+            )
+        shards: dict[Path, list[str]] = {}
+        for name, shard_name in weight_map.items():
+            shards.setdefault(folder / shard_name, []).append(name)
+        missing = [str(shard.name) for shard in shards if not shard.is_file()]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{folder}: shard(s) {', '.join(missing)} named in {INDEX_FILE} are missing. Download them again "
+                "(an interrupted download leaves this state)."
+            )
+        for shard, names in shards.items():
+            present = set(_header_names(shard))
+            absent = [name for name in names if name not in present]
+            if absent:
+                raise CorruptCheckpointError(
+                    f"{shard}: {INDEX_FILE} places tensor {absent[0]!r}"
+                    + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+                    + " in this shard but the shard does not hold it. Re-download the checkpoint."
+                )
+        return shards
+
+    single = folder / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    if files:
+        shards, seen = {}, {}
+        for file in files:
+            names = _header_names(file)
+            for name in names:
+                if name in seen:
+                    raise CorruptCheckpointError(
+                        f"{folder}: tensor {name!r} is in both {seen[name].name} and {file.name}; keep only the "
+                        f"checkpoint's own weights files (or add a {INDEX_FILE})."
+                    )
+                seen[name] = file
+            shards[file] = names
+        return shards
+
+    pickles = sorted(path.name for path in folder.iterdir() if path.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsupportedCheckpointError(
+            f"{folder}: weights must be safetensors, but this folder has only pickled weights ({', '.join(pickles)}). "
+            "powertrain never loads pickles (unpickling runs arbitrary code). Convert once, in an environment you "
+            "trust: `AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder, "
+            "safe_serialization=True)` with transformers, then copy the tokenizer files along."
+        )
+    raise CorruptCheckpointError(
+        f"{folder}: config.json is there but no weights: expected {SINGLE_FILE}, or {INDEX_FILE} with its shards. "
+        "Download the weights files too."
+    )
+
+
+def _header_names(path: Path) -> list[str]:
+    with _safe_open(path) as file:
+        return list(file.keys())
+
+
+def _safe_open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise CorruptCheckpointError(
+            f"{path}: not a readable safetensors file ({error}); it is truncated or damaged. Download it again."
+        ) from error
+
+
+def _tokenizer(folder: Path, config: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        others = [name for name in ("tokenizer.model", "vocab.json", "merges.txt") if (folder / name).is_file()]
+        raise UnsupportedCheckpointError(
+            f"{folder}: tokenizer.json is missing"
+            + (f" (found {', '.join(others)}, which powertrain does not read)" if others else "")
+            + ". Create it once with transformers: `AutoTokenizer.from_pretrained(folder).save_pretrained(folder)` "
+            "writes tokenizer.json next to the other files."
+        )
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises plain Exception for malformed files
+        raise CorruptCheckpointError(f"{path}: cannot be read as a tokenizer ({error}). Download it again.") from error
+
+    tokenizer_config = _read_json(folder / "tokenizer_config.json") or {}
+
+    def special(name: str) -> str | None:
+        value = tokenizer_config.get(name)
+        if isinstance(value, Mapping):  # serialized AddedToken
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+        for source in (config, generation_config):
+            token_id = _first_id(source.get(f"{name}_id"))
+            if token_id is not None and (token := backend.id_to_token(token_id)) is not None:
+                return token
+        return None
+
+    extra_eos = [*_ids(config.get("eos_token_id")), *_ids(generation_config.get("eos_token_id"))]
+    return Tokenizer(
+        backend,
+        bos_token=special("bos_token"),
+        eos_token=special("eos_token"),
+        unk_token=special("unk_token"),
+        pad_token=special("pad_token"),
+        chat_template=_chat_template(folder, tokenizer_config),
+        extra_eos_token_ids=extra_eos,
+        source=str(folder),
+    )
+
+
+def _chat_template(folder: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """chat_template.jinja (transformers >= 4.43 saves it there), else tokenizer_config.json's."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, Mapping)}
+        template = named.get("default")
+    if template is None and (legacy := _read_json(folder / "chat_template.json")):
+        template = legacy.get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path, *, required: bool = False) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise CorruptCheckpointError(f"{path} is missing. Download the checkpoint again.")
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({error}). Download it again.") from error
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{path}: expected a JSON object, found {type(value).__name__}. Download the checkpoint again."
+        )
+    return value
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+    return []
+
+
+def _first_id(value: Any) -> int | None:
+    ids = _ids(value)
+    return ids[0] if ids else None
