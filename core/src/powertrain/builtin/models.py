@@ -1,0 +1,48 @@
+"""The builtin model architectures, registered like any plugin.
+
+Importing this module stays cheap: a model's implementation is imported by its
+factory, when a checkpoint of that architecture is actually loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from powertrain import hookimpl
+from powertrain.components import ModelArchitectureRecord
+
+if TYPE_CHECKING:
+    from powertrain.interfaces import ModelContext
+    from powertrain.models.llama import LlamaForCausalLM
+
+POWERTRAIN_HOOK_API = 1
+
+
+def build_llama(context: ModelContext) -> LlamaForCausalLM:
+    from powertrain.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM(context)
+
+
+def llama_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Paged GQA attention for prefill (chunked) and decode; a sliding window if any layer slides."""
+    from powertrain.models.llama import LlamaArgs
+
+    needs = {"gqa", "paged", "prefill", "decode", "chunked-prefill"}
+    if any(window is not None for window in LlamaArgs.from_config(config).sliding_windows):
+        needs.add("sliding-window")
+    return {"attention": needs}
+
+
+@hookimpl
+def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
+    return [
+        ModelArchitectureRecord(
+            name="llama",
+            architectures={"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"},
+            factory=build_llama,
+            requirements=llama_requirements,
+            description="Llama-family decoders: Llama 2/3, SmolLM, Mistral, Qwen2 (GQA, RoPE scaling, qkv bias)",
+        )
+    ]

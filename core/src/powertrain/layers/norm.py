@@ -1,0 +1,45 @@
+"""RMSNorm, plain and fused with the residual add that precedes it in every block."""
+
+from __future__ import annotations
+
+from typing import overload
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, with the statistics in float32 as HF computes them.
+
+    ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``:
+    the decoder needs both, and kernel packs fuse the add and the norm into one pass.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        # The sum stays in the activation dtype, as in HF's decoder layer.
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before scaling: HF multiplies the weight in the model dtype.
+        return self.weight * x32.to(x.dtype)

@@ -1,0 +1,139 @@
+"""Rotary position embeddings (RoPE) at explicit per-token positions.
+
+Tokens of many sequences share one flat batch, so each token carries its own
+position rather than an offset per sequence. The convention is HF's "rotate_half"
+(the two halves of the rotary dims form the pairs), which is how HF-format Llama,
+Mistral and Qwen2 checkpoints store q/k. Frequencies follow transformers'
+``modeling_rope_utils`` exactly, so logits match HF to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@attrs.frozen(kw_only=True)
+class RopeParameters:
+    """RoPE settings from a config.json, whichever way it spells them."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    partial_rotary_factor: float = 1.0
+    #: linear and llama3: how much longer the context is than in pretraining.
+    factor: float = 1.0
+    #: llama3 only.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RopeParameters:
+        """Read transformers 5's ``rope_parameters`` dict (theta and type inside it) or the
+        older top-level ``rope_theta`` plus optional ``rope_scaling`` dict."""
+        rope = dict(config.get("rope_scaling") or {})
+        rope.update(config.get("rope_parameters") or {})
+        if any(isinstance(value, Mapping) for value in rope.values()):
+            raise ValueError("per-layer-type rope_parameters are not supported by this model")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        # HF falls back to max_position_embeddings when the pretraining length is not given.
+        original_max = (
+            rope.get("original_max_position_embeddings")
+            or config.get("original_max_position_embeddings")
+            or config.get("max_position_embeddings")
+            or 8192
+        )
+        return cls(
+            theta=float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0),
+            rope_type=rope_type,
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+            ),
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original_max),
+        )
+
+
+def inverse_frequencies(params: RopeParameters, rotary_dim: int) -> torch.Tensor:
+    """float32 ``[rotary_dim // 2]``, computed op for op as transformers does."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / rotary_dim
+    inv_freq = 1.0 / (params.theta**exponents)
+    if params.rope_type == "linear":
+        return inv_freq / params.factor
+    if params.rope_type == "llama3":
+        return _llama3_scaling(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, params: RopeParameters) -> torch.Tensor:
+    """Llama 3.1: slow down long wavelengths by ``factor``, keep short ones, blend between
+    (transformers' ``_compute_llama3_parameters``)."""
+    old_context_len = params.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / params.low_freq_factor
+    high_freq_wavelen = old_context_len / params.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / params.factor, inv_freq)
+    smooth = (old_context_len / wavelen - params.low_freq_factor) / (params.high_freq_factor - params.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / params.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per token position, from a table built on first use.
+
+    The table covers ``max_positions`` (or more when a batch needs it) and lives on the
+    device of the positions it serves; it is a plain attribute, not a buffer, so
+    checkpoints neither carry nor expect it.
+    """
+
+    def __init__(self, head_size: int, params: RopeParameters, max_positions: int) -> None:
+        super().__init__()
+        self.rotary_dim = int(head_size * params.partial_rotary_factor)
+        self.max_positions = max_positions
+        self.inv_freq = inverse_frequencies(params, self.rotary_dim)
+        self._cos = torch.empty(0, self.rotary_dim // 2)
+        self._sin = torch.empty(0, self.rotary_dim // 2)
+
+    def forward(
+        self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[num_tokens, rotary_dim // 2]`` in ``dtype``.
+
+        ``num_positions`` is a host-side bound (every position is below it), so growing
+        the table never reads positions back from the device.
+        """
+        if self._cos.shape[0] < num_positions or self._cos.device != positions.device:
+            self._build(max(num_positions, self.max_positions), positions.device)
+        # HF computes in float32 and casts to the activation dtype before rotating.
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+    def _build(self, num_positions: int, device: torch.device) -> None:
+        position = torch.arange(num_positions, dtype=torch.float32, device=device)
+        freqs = position[:, None] * self.inv_freq.to(device)[None, :]
+        self._cos, self._sin = freqs.cos(), freqs.sin()
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_size]``; dims past the rotary ones pass through.
+
+    Equals HF's ``x * cos + rotate_half(x) * sin`` on the rotary dims, written per half.
+    """
+    half = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)

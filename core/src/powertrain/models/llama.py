@@ -1,0 +1,329 @@
+"""Llama-family decoders: Llama 2/3, SmolLM, Mistral and Qwen2.
+
+These differ only in details their config.json names: grouped-query attention
+(``num_key_value_heads``), RoPE scaling (``layers/rotary.py``), tied embeddings, a
+bias on q/k/v (Qwen2) or on every projection (``attention_bias``), and Mistral's
+sliding window. Each step runs one flat batch of tokens from many sequences;
+attention reads and writes the paged cache through the backend assembly chose.
+
+The checkpoint's q/k/v and gate/up projections are stored fused here (one matmul
+each instead of three and two); ``load_weights`` fills the fused matrices by rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext
+from powertrain.layers.activation import SiluAndMul
+from powertrain.layers.attention import Attention
+from powertrain.layers.norm import RMSNorm
+from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary
+
+#: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
+_IGNORED = re.compile(r"\.rotary_emb\.")
+
+
+@attrs.frozen(kw_only=True)
+class LlamaArgs:
+    """The config.json fields this model reads, with HF's defaults and meaning."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    #: Per layer: the sliding window, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+    rope: RopeParameters
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> LlamaArgs:
+        def required(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"model config lacks {key!r}, which a Llama-family model needs")
+            return config[key]
+
+        activation = config.get("hidden_act", "silu")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Llama-family models use a silu MLP, but the config says hidden_act={activation!r}")
+        hidden, heads = int(required("hidden_size")), int(required("num_attention_heads"))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        num_layers = int(required("num_hidden_layers"))
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            vocab_size=int(required("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(required("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and never an o bias; Llama's attention_bias covers all four.
+            qkv_bias=attention_bias or config.get("model_type") == "qwen2",
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            sliding_windows=_sliding_windows(config, num_layers),
+            rope=RopeParameters.from_config(config),
+        )
+
+
+def _sliding_windows(config: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Which layers attend through a sliding window, decided as HF decides it.
+
+    An explicit ``layer_types`` list wins. Otherwise Qwen2-style configs turn the
+    window on with ``use_sliding_window`` (off by default) and keep the first
+    ``max_window_layers`` layers full; Mistral-style configs use it whenever it is set.
+    """
+    window = config.get("sliding_window")
+    if window is None:
+        return (None,) * num_layers
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers, but num_hidden_layers={num_layers}")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if "use_sliding_window" in config or config.get("model_type") == "qwen2":
+        if not config.get("use_sliding_window", False):
+            return (None,) * num_layers
+        first = int(config.get("max_window_layers") or 0)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (int(window),) * num_layers
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_index: int, backend: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        spec = AttentionLayerSpec(
+            kind="gqa",
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_size=args.head_dim,
+            scale=args.head_dim**-0.5,
+            sliding_window=args.sliding_windows[layer_index],
+        )
+        self.attn = Attention(spec, backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_index: int, backend: Any) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, layer_index, backend)
+        self.mlp = LlamaMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the MLP output and the residual stream it has not been added to yet:
+        the next norm adds them, so the add and the norm can be one fused kernel."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, backend: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, backend) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope, args.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # Every layer rotates by the same angles: look them up once per step.
+        cos, sin = self.rotary_emb(positions, metadata.max_seq_len, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Implements ``interfaces.CausalLM``. Weights are uninitialised until ``load_weights``."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        self.args = args = LlamaArgs.from_config(ctx.config)
+        # Built on the meta device, then allocated uninitialised: initialising weights
+        # that load_weights overwrites anyway costs seconds on large models.
+        with torch.device("meta"):
+            self.model = LlamaModel(args, ctx.attention)
+            self.lm_head = (
+                None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            )
+        self.to(dtype=ctx.dtype).to_empty(device=ctx.device)
+        self.requires_grad_(False)
+        self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(
+            layer.self_attn.attn.spec for layer in self.model.layers
+        )
+        #: Fused parameters -> the checkpoint tensors they stack, in row order, with their row counts.
+        self._fused = {
+            "qkv_proj": (
+                ("q_proj", "k_proj", "v_proj"),
+                (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.num_kv_heads * args.head_dim),
+            ),
+            "gate_up_proj": (("gate_proj", "up_proj"), (args.intermediate_size, args.intermediate_size)),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[num_tokens, hidden]`` of the flat batch.
+
+        Padded rows (past ``metadata.num_tokens``) need a valid position, e.g. 0.
+        """
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # The matmul stays in the model dtype (a float32 copy of a 128k-row head per step
+        # would cost more than it buys); only the result is widened for the sampler.
+        return F.linear(hidden, weight).float()
+
+    # ----------------------------------------------------------------------- loading
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every HF tensor name this model needs -> the parameter rows it fills."""
+        targets: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            module, _, kind = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf not in self._fused:
+                targets[name] = param.data
+                continue
+            parts, rows = self._fused[leaf]
+            for part, shard in zip(parts, param.data.split(rows), strict=True):
+                targets[f"{parent}.{part}.{kind}"] = shard
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (cast to the model's dtype and device).
+
+        Raises ValueError naming unexpected tensors and, once ``weights`` is consumed,
+        missing ones; a shape mismatch raises at once.
+        """
+        targets = self.checkpoint_tensors()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        tied_head: torch.Tensor | None = None
+        with torch.no_grad():
+            for name, tensor in weights:
+                if _IGNORED.search(name):
+                    continue
+                if name == "lm_head.weight" and self.lm_head is None:
+                    tied_head = tensor  # checked against the embedding once both are seen
+                    continue
+                target = targets.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"but this model's config needs {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                loaded.add(name)
+            if tied_head is not None:
+                self._load_tied_head(tied_head, loaded)
+        missing = sorted(targets.keys() - loaded)
+        if unexpected or missing:
+            problems = []
+            if unexpected:
+                problems.append(f"unexpected tensors: {_name_list(unexpected)}")
+            if missing:
+                problems.append(f"missing tensors: {_name_list(missing)}")
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: {'; '.join(problems)}")
+
+    def _load_tied_head(self, head: torch.Tensor, loaded: set[str]) -> None:
+        """With tied embeddings an lm_head tensor is redundant; accept it if it agrees."""
+        name = "model.embed_tokens.weight"
+        embedding = self.model.embed_tokens.weight
+        if head.shape != embedding.shape:
+            raise ValueError(f"lm_head.weight has shape {tuple(head.shape)}, the embedding {tuple(embedding.shape)}")
+        if name not in loaded:
+            embedding.copy_(head)
+            loaded.add(name)
+        elif not torch.equal(head.to(embedding.device, embedding.dtype), embedding):
+            raise ValueError(
+                "the config ties lm_head to the embedding (tie_word_embeddings), "
+                "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight"
+            )
+
+
+def _name_list(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
