@@ -274,3 +274,9 @@ def test_padding_slots_are_not_written(seed: int) -> None:
     key_rows = paged.cache["key"].view(-1, *shape)
     assert key_rows[padded].isnan().all(), f"slot {padded} was marked -1 but written (seed={seed})"
     assert torch.equal(key_rows[slots[:-1]], paged.new["key"][:-1]), f"new keys not at their slots (seed={seed})"
+
+
+class TestBucketedConformance(AttentionBackendSuite):
+    """The default portable backend against the reference, through the kit."""
+
+    component = "torch-bucketed"

@@ -1,4 +1,5 @@
-"""The builtin ``torch-reference`` attention backend, registered like any plugin.
+"""The builtin attention backends, registered like any plugin: ``torch-reference``
+(the oracle) and ``torch-bucketed`` (the portable default, batched decodes).
 
 Importing this module stays cheap: the implementation is imported by the factory,
 when assembly (or the conformance kit) actually builds a backend.
@@ -12,6 +13,7 @@ from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord
 
 if TYPE_CHECKING:
+    from powertrain.builtin.bucketed_attention import BucketedAttention
     from powertrain.builtin.reference_attention import TorchReferenceAttention
     from powertrain.interfaces import AttentionBackendContext
 
@@ -25,9 +27,32 @@ def build_reference(context: AttentionBackendContext) -> TorchReferenceAttention
     return TorchReferenceAttention()
 
 
+def build_bucketed(context: AttentionBackendContext) -> BucketedAttention:
+    from powertrain.builtin.bucketed_attention import BucketedAttention
+
+    return BucketedAttention()
+
+
 @hookimpl
 def powertrain_attention_backends() -> list[AttentionBackendRecord]:
     return [
+        AttentionBackendRecord(
+            name="torch-bucketed",
+            platforms={"cpu", "cuda"},
+            capabilities={
+                "gqa",
+                "mha",
+                "paged",
+                "prefill",
+                "decode",
+                "chunked-prefill",
+                "sliding-window",
+                "batch-invariant",
+            },
+            priority=10,
+            factory=build_bucketed,
+            description="plain-torch paged attention with decodes batched by length bucket; portable default",
+        ),
         AttentionBackendRecord(
             name="torch-reference",
             platforms={"cpu", "cuda"},
@@ -35,5 +60,5 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             priority=0,
             factory=build_reference,
             description="plain-torch paged attention (GQA/MHA/MLA); the oracle, not fast",
-        )
+        ),
     ]

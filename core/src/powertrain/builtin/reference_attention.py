@@ -17,7 +17,6 @@ from powertrain.interfaces import (
     AttentionLayerSpec,
     AttentionMetadata,
     KVCacheSpec,
-    KVTensorSpec,
     LayerKVCache,
 )
 
@@ -29,15 +28,7 @@ class TorchReferenceAttention:
 
     def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """Block-token-major ``key``/``value`` for GQA; only ``latent`` and ``rope`` for MLA."""
-        if layer.kind == "mla":
-            tensors = (
-                KVTensorSpec(name="latent", shape=(layer.kv_lora_rank,)),
-                KVTensorSpec(name="rope", shape=(layer.qk_rope_head_dim,)),
-            )
-        else:
-            per_token = (layer.num_kv_heads, layer.head_size)
-            tensors = (KVTensorSpec(name="key", shape=per_token), KVTensorSpec(name="value", shape=per_token))
-        return KVCacheSpec(block_size=block_size, dtype=dtype, tensors=tensors, layout="block-token-major")
+        return KVCacheSpec.standard(layer, block_size, dtype)
 
     def forward(
         self,

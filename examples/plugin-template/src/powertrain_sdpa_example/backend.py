@@ -10,7 +10,6 @@ from powertrain.interfaces import (
     AttentionLayerSpec,
     AttentionMetadata,
     KVCacheSpec,
-    KVTensorSpec,
     LayerKVCache,
 )
 
@@ -26,12 +25,8 @@ class SdpaAttention:
     def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if layer.kind != "gqa":
             raise ValueError(f"sdpa serves GQA/MHA layers only, not {layer.kind}")
-        per_token = (layer.num_kv_heads, layer.head_size)
-        return KVCacheSpec(
-            block_size=block_size,
-            dtype=dtype,
-            tensors=(KVTensorSpec(name="key", shape=per_token), KVTensorSpec(name="value", shape=per_token)),
-        )
+        # [blocks, block_size, kv_heads, head_size] for key and value.
+        return KVCacheSpec.standard(layer, block_size, dtype)
 
     def forward(
         self,
