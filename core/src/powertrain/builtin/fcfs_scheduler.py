@@ -1,0 +1,104 @@
+"""First-come-first-served continuous batching with chunked prefill.
+
+Each step: running sequences first (in admission order), each taking its next
+tokens (one for a decode, the next chunk of a long prompt); then waiting sequences
+in arrival order, each starting from its longest prefix-cache hit, while the token
+budget and the sequence limit allow. When the cache cannot hold a running
+sequence's next tokens, the most recently admitted sequences are preempted
+(blocks freed, recomputed later), never the oldest: the oldest always progresses,
+so the engine cannot livelock, and nothing ever runs out of memory mid-step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from powertrain.engine.block_manager import BlockManager
+from powertrain.engine.scheduling import ScheduledBatch, SchedulerContext
+from powertrain.engine.sequence import Sequence, SequenceStatus
+
+
+class FcfsScheduler:
+    def __init__(self, context: SchedulerContext) -> None:
+        self.limits = context.limits
+        self.blocks: BlockManager = context.block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        sequence.status = SequenceStatus.WAITING
+        self.waiting.append(sequence)
+
+    def finish(self, sequence: Sequence) -> None:
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self.blocks.free_sequence(sequence)
+        sequence.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.limits.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining <= 0:  # nothing new to compute yet
+                index += 1
+                continue
+            count = min(remaining, budget)
+            target = seq.num_computed_tokens + count
+            while not self.blocks.can_append(seq, target) and self.running[-1] is not seq:
+                preempted.append(self._preempt(self.running[-1]))
+            if not self.blocks.can_append(seq, target):
+                preempted.append(self._preempt(seq))
+                break
+            self.blocks.append(seq, target)
+            chosen.append((seq, count))
+            budget -= count
+            index += 1
+
+        # Admit new work only when memory is not tight (nothing was just preempted).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            matched = self.blocks.match_prefix(seq)
+            cached = len(matched) * self.blocks.block_size
+            remaining = seq.num_tokens - cached
+            count = min(remaining, budget)
+            if count < remaining and not self.limits.chunked_prefill:
+                break
+            if not self.blocks.can_allocate(seq, cached + count, matched):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, cached + count, matched)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, count))
+            budget -= count
+
+        chosen.sort(key=lambda item: item[1] != 1)  # one-token sequences first (stable)
+        for seq, count in chosen:
+            seq.num_computed_tokens += count
+        return ScheduledBatch(
+            seqs=[seq for seq, _ in chosen],
+            num_new_tokens=[count for _, count in chosen],
+            samples=[seq.num_computed_tokens == seq.num_tokens for seq, _ in chosen],
+            preempted=preempted,
+        )
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        """Free ``seq``'s blocks and queue it first, to be recomputed (its full blocks
+        usually come straight back from the prefix cache)."""
+        self.running.remove(seq)
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        return seq

@@ -1,0 +1,332 @@
+"""The engine loop: requests in, a step at a time, outputs out.
+
+With async scheduling (the default) each ``step()`` schedules and prepares step N+1
+on this thread while step N runs on the step thread, then collects N. Anything that
+needs N's tokens is built around that one-step lag: N+1 feeds placeholders that the
+step thread fills from N's result; a sequence that N finishes may already be in N+1,
+whose token for it is then dropped; stop checks and detokenization run here, on N's
+result, while N+1 computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import structlog
+
+from powertrain.engine.block_manager import BlockManager
+from powertrain.engine.errors import EngineDeadError, InvalidRequestError
+from powertrain.engine.model_runner import ModelRunner
+from powertrain.engine.sampler import SamplerOutput
+from powertrain.engine.sampling_params import SamplingParams
+from powertrain.engine.scheduling import ScheduledBatch
+from powertrain.engine.sequence import (
+    PLACEHOLDER,
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    SequenceStatus,
+)
+from powertrain.engine.sequence import (
+    Sequence as Seq,
+)
+from powertrain.interfaces import Scheduler
+from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.define
+class StepStats:
+    """What one step did; handed to step observers."""
+
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_preempted: int
+    duration_s: float
+
+
+@attrs.define
+class _InFlight:
+    batch: ScheduledBatch
+    future: Future[SamplerOutput]
+    #: For each sampling sequence (in sample order): the index its token goes to.
+    token_positions: list[int]
+    started: float
+
+
+class LLMEngine:
+    """Built by ``powertrain.assemble.build_engine``; see that function for how."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        runner: ModelRunner,
+        max_model_len: int,
+        async_scheduling: bool = True,
+        on_step: Callable[[LLMEngine, StepStats], None] | None = None,
+        on_shutdown: Callable[[LLMEngine], None] | None = None,
+        model_name: str = "",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
+        self.model_name = model_name
+        self._on_step = on_step
+        self._on_shutdown = on_shutdown
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._texts: dict[int, str] = {}
+        self._in_flight: _InFlight | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="powertrain-step")
+        self._step_counter = itertools.count()
+        self._request_ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Bad input raises
+        InvalidRequestError and leaves the engine untouched."""
+        self._check_alive()
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(len(token_ids), params)
+        stop_ids = tuple(
+            sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_token_ids))
+        )
+        request = Request(request_id, text, token_ids, params, stop_token_ids=stop_ids)
+        self._requests[request_id] = request
+        for seq in request.sequences:
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=token_ids
+            )
+            self._texts[seq.seq_id] = ""
+            self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty; send at least one character")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt has no tokens; send at least one token id")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        return None, token_ids
+
+    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens; this engine serves at most "
+                f"{self.max_model_len} tokens per sequence (prompt + output); shorten the prompt"
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        needed = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        if needed > capacity:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
+                f"cache slots, but the whole KV cache holds {capacity}; lower max_tokens or raise [cache] memory_gib"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks at once; returns its final output
+        (finish reason "abort"), or None for an unknown or already finished id."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.finished:
+                self._finish(seq, "abort")
+        return self._request_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ----------------------------------------------------------------------- the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Advance by one step; returns the requests that produced tokens (or finished)."""
+        self._check_alive()
+        try:
+            if not self.async_scheduling:
+                launched = self._launch()
+                return self._collect(launched) if launched else []
+            previous = self._in_flight
+            self._in_flight = self._launch()
+            return self._collect(previous) if previous else []
+        except BaseException as exc:
+            self._dead = exc
+            log.error("engine step failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _launch(self) -> _InFlight | None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        prepared = self.runner.prepare(batch)
+        positions = []
+        for seq, samples in zip(batch.seqs, batch.samples, strict=True):
+            if samples:  # this step will sample the sequence's next token
+                positions.append(len(seq.token_ids))
+                seq.token_ids.append(PLACEHOLDER)
+        future = self._executor.submit(self.runner.execute, prepared)
+        return _InFlight(batch=batch, future=future, token_positions=positions, started=time.perf_counter())
+
+    def _collect(self, flight: _InFlight) -> list[RequestOutput]:
+        output = flight.future.result()
+        touched: dict[str, Request] = {}
+        sampled = [seq for seq, samples in zip(flight.batch.seqs, flight.batch.samples, strict=True) if samples]
+        tokens = output.tokens.tolist()
+        for seq, position, token, logprobs in zip(
+            sampled, flight.token_positions, tokens, output.logprobs, strict=True
+        ):
+            if seq.finished:  # finished (or aborted) while this step ran: its token is moot
+                continue
+            seq.token_ids[position] = token
+            self._append_output(seq, position, token, logprobs)
+            touched[seq.request.request_id] = seq.request
+        for seq in flight.batch.seqs:
+            if not seq.finished:
+                self.block_manager.register_computed(seq)
+        stats = StepStats(
+            step=next(self._step_counter),
+            num_seqs=len(flight.batch.seqs),
+            num_tokens=flight.batch.num_tokens,
+            num_preempted=len(flight.batch.preempted),
+            duration_s=time.perf_counter() - flight.started,
+        )
+        if self._on_step is not None:
+            self._on_step(self, stats)
+        return [self._request_output(request) for request in touched.values()]
+
+    def _append_output(self, seq: Seq, position: int, token: int, logprobs: dict[int, float] | None) -> None:
+        request = seq.request
+        params = seq.params
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        produced = position + 1 - seq.num_prompt_tokens
+        detokenizer = self._detokenizers[seq.seq_id]
+        previous = self._texts[seq.seq_id]
+        text = previous + detokenizer.add(token)
+        reason = None
+        if produced >= params.min_tokens:
+            if token in request.stop_token_ids:
+                reason = "stop"
+            elif params.stop:
+                # Earlier text held no stop string, so look only where new text could complete one.
+                start = max(0, len(previous) - max(len(s) for s in params.stop) + 1)
+                text, hit = _cut_at_stop(text, params.stop, params.include_stop_str_in_output, start)
+                reason = "stop" if hit else None
+        if reason is None and (produced >= params.max_tokens or position + 1 >= self.max_model_len):
+            reason = "length"
+            text += detokenizer.finish()  # a character still held back is all there will be
+        self._texts[seq.seq_id] = text
+        if reason is not None:
+            del seq.token_ids[position + 1 :]  # drop the placeholder of a step already under way
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+            seq.token_ids.pop()
+        self.scheduler.finish(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        finished = request.finished
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=self._texts[seq.seq_id],
+                token_ids=[t for t in seq.output_token_ids if t != PLACEHOLDER],
+                finish_reason=seq.finish_reason,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            )
+            for seq in request.sequences
+        ]
+        metrics: dict[str, Any] = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["time_to_first_token_s"] = request.first_token_time - request.arrival_time
+        result = RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=min(seq.num_cached_tokens for seq in request.sequences),
+            metrics=metrics,
+        )
+        if finished:
+            self._forget(request)
+        return result
+
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        for seq in request.sequences:
+            self._detokenizers.pop(seq.seq_id, None)
+            self._texts.pop(seq.seq_id, None)
+
+    # ----------------------------------------------------------------------- lifecycle
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed and cannot serve: {type(self._dead).__name__}: {self._dead}")
+
+    def shutdown(self) -> None:
+        """Finish the step in flight, release the step thread, tell observers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._in_flight is not None:
+            with contextlib.suppress(BaseException):  # a failed step has nothing more to release
+                self._in_flight.future.result()
+            self._in_flight = None
+        self._executor.shutdown(wait=True)
+        if self._on_shutdown is not None:
+            self._on_shutdown(self)
+
+
+def _cut_at_stop(text: str, stops: Sequence[str], include: bool, start: int = 0) -> tuple[str, bool]:
+    """Cut ``text`` at the earliest stop string at or after ``start`` (kept if ``include``)."""
+    found = [(index, s) for s in stops if (index := text.find(s, start)) >= 0]
+    if not found:
+        return text, False
+    index, stop = min(found)
+    return text[: index + len(stop)] if include else text[:index], True

@@ -1,0 +1,123 @@
+"""One step on the device: flat batch in, sampled tokens out.
+
+``prepare`` runs on the CPU thread that schedules (it only reads the scheduled
+batch); ``execute`` runs on the step thread. Under async scheduling step N+1 is
+prepared while step N executes, so N+1 does not yet know the tokens N samples:
+those inputs are placeholders, filled in by ``execute`` from N's result, which the
+step thread holds because steps execute in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from powertrain.engine.sampler import Sampler, SamplerOutput, SamplingInputs
+from powertrain.engine.scheduling import ScheduledBatch
+from powertrain.engine.sequence import PLACEHOLDER
+from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache
+
+
+@attrs.frozen(kw_only=True)
+class PreparedStep:
+    input_ids: torch.Tensor  # int64 [num_tokens], PLACEHOLDER where step N's token goes
+    positions: torch.Tensor  # int64 [num_tokens]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # int64 [num_samples]: flat index of each sampling sequence's last token
+    sampling: SamplingInputs
+    #: Sequence ids in sample order, so the next step can find this step's tokens.
+    sampled_seq_ids: list[int]
+    #: (flat input row, sequence id) pairs whose token comes from the previous step.
+    input_patches: list[tuple[int, int]]
+    #: (sample row, sequence id) pairs whose penalty history ends in that token.
+    history_patches: list[tuple[int, int]]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: Sequence[LayerKVCache],
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+        self._previous_tokens: dict[int, int] = {}  # step thread only
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampled_seq_ids: list[int] = []
+        input_patches: list[tuple[int, int]] = []
+        history_patches: list[tuple[int, int]] = []
+        params, generators, history, num_output, banned = [], [], [], [], []
+        for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
+            end = seq.num_computed_tokens  # the scheduler already counted this step's tokens
+            start = end - count
+            for offset, token in enumerate(seq.token_ids[start:end]):
+                if token == PLACEHOLDER:
+                    input_patches.append((len(input_ids) + offset, seq.seq_id))
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            if not samples:
+                continue
+            sample_rows.append(len(input_ids) - 1)
+            sampled_seq_ids.append(seq.seq_id)
+            p = seq.params
+            params.append(p)
+            generators.append(seq.generator)
+            tokens = seq.token_ids[:end]
+            if tokens and tokens[-1] == PLACEHOLDER:
+                history_patches.append((len(params) - 1, seq.seq_id))
+            history.append(
+                list(tokens) if (p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty) else []
+            )
+            produced = end - seq.num_prompt_tokens
+            num_output.append(produced if history[-1] else 0)
+            banned.append(_banned(seq.request.stop_token_ids, produced, p.min_tokens))
+        metadata = AttentionMetadata.build(
+            query_lens=batch.num_new_tokens,
+            seq_lens=[seq.num_computed_tokens for seq in batch.seqs],
+            block_tables=[seq.block_table for seq in batch.seqs],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        return PreparedStep(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            metadata=metadata,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sampling=SamplingInputs(
+                params=params, generators=generators, history=history, num_output=num_output, banned=banned
+            ),
+            sampled_seq_ids=sampled_seq_ids,
+            input_patches=input_patches,
+            history_patches=history_patches,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        input_ids = step.input_ids
+        for row, seq_id in step.input_patches:
+            input_ids[row] = self._previous_tokens[seq_id]
+        for row, seq_id in step.history_patches:
+            if step.sampling.history[row]:
+                step.sampling.history[row][-1] = self._previous_tokens[seq_id]
+        hidden = self.model.forward(input_ids.to(self.device), step.positions, self.kv_caches, step.metadata)
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        output = self.sampler(logits.cpu(), step.sampling)
+        self._previous_tokens = dict(zip(step.sampled_seq_ids, output.tokens.tolist(), strict=True))
+        return output
+
+
+def _banned(stop_ids: tuple[int, ...], produced: int, min_tokens: int) -> tuple[int, ...]:
+    """EOS and stop ids are not allowed before ``min_tokens`` tokens were produced."""
+    return stop_ids if produced < min_tokens else ()

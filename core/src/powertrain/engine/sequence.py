@@ -1,0 +1,130 @@
+"""Requests, the sequences they expand into, and what the engine reports back."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from powertrain.engine.sampling_params import SamplingParams
+
+#: A token sampled by a step that is still running (async scheduling): its id is
+#: filled in when the step's result arrives; the step after it reads it on the device.
+PLACEHOLDER = -1
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One stream of tokens: a prompt and what has been generated after it.
+
+    ``num_computed_tokens`` counts tokens whose keys/values are (or, for the step in
+    flight, will be) in the cache; ``block_table`` lists the cache blocks holding them.
+    """
+
+    def __init__(self, request: Request, index: int) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] = []
+        params = request.params
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            # One generator per sequence, advanced once per sampled token: the same
+            # request draws the same numbers whatever else is batched with it.
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id}, request={self.request.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )
+
+
+class Request:
+    """A prompt and its sampling settings; ``n`` sequences sample from it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        #: Tokens that end a sequence: the model's EOS ids (unless ignore_eos) and the
+        #: request's own stop ids. None of them may be sampled before min_tokens.
+        self.stop_token_ids = stop_token_ids
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.sequences = [Sequence(self, i) for i in range(params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.sequences)
+
+
+@attrs.define(kw_only=True)
+class CompletionOutput:
+    """One sampled continuation of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    #: Per generated token: {token id: logprob} for the chosen token and the top-k.
+    logprobs: list[dict[int, float]] | None = None
+
+
+@attrs.define(kw_only=True)
+class RequestOutput:
+    """A request's state after a step: all text so far, and whether it is done."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] = attrs.field(factory=dict)

@@ -1,0 +1,144 @@
+"""The sampler against statistics and the definitions of each filter and penalty."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import pytest
+import torch
+
+from powertrain.engine.errors import InvalidRequestError
+from powertrain.engine.sampler import Sampler, SamplingInputs, apply_penalties
+from powertrain.engine.sampling_params import SamplingParams
+
+VOCAB = 12
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def inputs(params: list[SamplingParams], generators=None, history=None, num_output=None, banned=None) -> SamplingInputs:
+    rows = len(params)
+    return SamplingInputs(
+        params=params,
+        generators=generators or [None] * rows,
+        history=history or [[] for _ in range(rows)],
+        num_output=num_output or [0] * rows,
+        banned=banned or [() for _ in range(rows)],
+    )
+
+
+def frequencies(logits: torch.Tensor, params: SamplingParams, draws: int, seed: int) -> torch.Tensor:
+    sampler = Sampler(seed)
+    batch = logits.expand(draws, -1).clone()
+    tokens = sampler(batch, inputs([params] * draws)).tokens
+    return torch.bincount(tokens, minlength=VOCAB).double() / draws
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(5, VOCAB)
+    out = Sampler()(logits.clone(), inputs([SamplingParams(temperature=0)] * 5))
+    assert torch.equal(out.tokens, logits.argmax(-1))
+
+
+def test_temperature_sampling_matches_the_softmax() -> None:
+    seed = fresh_seed()
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed))
+    expected = torch.softmax(logits.double() / 0.7, -1)
+    observed = frequencies(logits, SamplingParams(temperature=0.7), 40000, seed)
+    # 40k draws: each frequency within 5 standard errors of its probability.
+    stderr = (expected * (1 - expected) / 40000).sqrt()
+    assert ((observed - expected).abs() <= 5 * stderr + 1e-4).all(), (seed, observed, expected)
+
+
+def test_top_k_top_p_min_p_supports_and_renormalises() -> None:
+    seed = fresh_seed()
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+    probs = torch.softmax(logits.double(), -1)
+    order = probs.argsort(descending=True)
+
+    observed = frequencies(logits, SamplingParams(top_k=3), 30000, seed)
+    assert set(observed.nonzero().flatten().tolist()) == set(order[:3].tolist()), seed
+    expected = probs[order[:3]] / probs[order[:3]].sum()
+    assert torch.allclose(observed[order[:3]], expected, atol=0.02), seed
+
+    cumulative = probs[order].cumsum(0)
+    keep = int((cumulative - probs[order] < 0.6).sum())
+    observed = frequencies(logits, SamplingParams(top_p=0.6), 30000, seed)
+    assert set(observed.nonzero().flatten().tolist()) == set(order[:keep].tolist()), seed
+
+    threshold = 0.2 * probs.max()
+    observed = frequencies(logits, SamplingParams(min_p=0.2), 30000, seed)
+    assert set(observed.nonzero().flatten().tolist()) == set((probs >= threshold).nonzero().flatten().tolist()), seed
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    seed = fresh_seed()
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(seed))
+    params = SamplingParams(temperature=1.0, seed=seed)
+
+    def run(batch_rows: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        others = torch.randn(batch_rows - 1, 500)
+        tokens = []
+        for _ in range(20):
+            batch = torch.cat([others, logits]) if batch_rows > 1 else logits.clone()
+            rows = [SamplingParams()] * (batch_rows - 1) + [params]
+            gens = [None] * (batch_rows - 1) + [generator]
+            tokens.append(int(Sampler(fresh_seed())(batch, inputs(rows, generators=gens)).tokens[-1]))
+        return tokens
+
+    assert run(1) == run(7) == run(3)
+
+
+def test_penalties_follow_their_definitions() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    history = [[0, 1, 1, 3, 3, 3]]  # the last 4 are output tokens: 1, 3, 3, 3
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    penalised = apply_penalties(logits.clone(), inputs([params], history=history, num_output=[4]))
+    # token 0: seen in the prompt -> 2/2 = 1; token 1: seen, once in the output -> -1*2 - 0.25 - 0.5;
+    # token 2: unseen -> 0.5; token 3: three times in the output -> 3/2 - 0.75 - 0.5
+    assert torch.allclose(penalised, torch.tensor([[1.0, -2.75, 0.5, 0.25]]))
+    # ... and the sampler acts on the penalised logits: greedy picks token 0 now, not 3.
+    greedy = attrs.evolve(params, temperature=0)
+    assert int(Sampler()(logits.clone(), inputs([greedy], history=history, num_output=[4])).tokens[0]) == 0
+
+
+def test_banned_tokens_are_never_sampled() -> None:
+    logits = torch.zeros(200, VOCAB)
+    logits[:, 3] = 10.0
+    out = Sampler()(logits, inputs([SamplingParams()] * 200, banned=[(3, 5)] * 200))
+    assert not ((out.tokens == 3) | (out.tokens == 5)).any()
+
+
+def test_logprobs_are_the_models_log_softmax() -> None:
+    logits = torch.randn(2, VOCAB)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
+    out = Sampler()(logits.clone(), inputs(params))
+    reference = torch.log_softmax(logits, -1)
+    chosen = int(out.tokens[0])
+    assert out.logprobs[1] is None
+    assert out.logprobs[0][chosen] == pytest.approx(float(reference[0, chosen]), abs=1e-6)
+    top = reference[0].topk(3)
+    for value, index in zip(top.values, top.indices, strict=True):
+        assert out.logprobs[0][int(index)] == pytest.approx(float(value), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"n": 0}, "n must be an integer >= 1"),
+        ({"stop": [""]}, "stop must be non-empty strings"),
+        ({"logprobs": 50}, "logprobs must be between 0 and 20"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+    ],
+)
+def test_invalid_parameters_are_refused_clearly(kwargs, message) -> None:
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SamplingParams(**kwargs)
