@@ -23,7 +23,7 @@ def test_auto_resolves_on_this_machine_and_says_why() -> None:
     assert result.platform.name == "cpu"  # this machine has no GPU; cuda reports why
     assert "highest priority" in result.resolutions["platform"].reason
     assert "cuda (" in result.resolutions["platform"].reason
-    assert result.resolutions["attention"].name == "torch-reference"
+    assert result.resolutions["attention"].name == "torch-bucketed"
     assert result.resolutions["communication"].name == "single-process"
     assert result.resolutions["speculative"].reason == "disabled (speculative = none)"
     assert result.resolutions["moe"].error == ""  # not needed without a MoE model
@@ -34,7 +34,7 @@ def test_named_component_that_does_not_exist_lists_available_ones() -> None:
     [problem] = [p for p in result.problems if p.startswith("attention")]
     assert "attention = 'flash-nonexistent'" in problem
     assert "is not provided by any loaded plugin" in problem
-    assert "available here: torch-reference" in problem and "sdpa" in problem
+    assert "available here: torch-bucketed, torch-reference, sdpa" in problem
     with pytest.raises(AssemblyError):
         plan(config(attention="flash-nonexistent"))
 
@@ -84,7 +84,7 @@ def test_unavailable_platform_component_is_refused_with_reason() -> None:
             ]
 
     manager.register(GpuOnly())
-    assert plan(config(), manager, strict=False).resolutions["attention"].name == "torch-reference"
+    assert plan(config(), manager, strict=False).resolutions["attention"].name == "torch-bucketed"
     error = plan(config(attention="gpu-only"), manager, strict=False).resolutions["attention"].error
     assert "gpu-only (runs on cuda, not on platform 'cpu')" in error
 
@@ -109,7 +109,7 @@ def test_a_plugin_can_override_selection_and_builtin_rule_runs_last() -> None:
 def test_broken_plugin_is_fatal_only_when_config_needs_what_it_may_provide(make_distribution) -> None:
     make_distribution("acme-kernels", {"acme": "acme_kernels"}, {"acme_kernels": "import acme_sdk\n"})
     fine = plan(config(), strict=False)
-    assert not [p for p in fine.problems if not p.startswith("scheduler")]
+    assert fine.problems == []
     needs = plan(config(attention="acme-flash"), strict=False).resolutions["attention"].error
     assert "plugins that failed to load, which may provide it: acme (acme-kernels:" in needs
     assert "No module named 'acme_sdk'" in needs

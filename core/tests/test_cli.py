@@ -61,7 +61,8 @@ def test_config_check_prints_resolution_and_reasons(tmp_path: Path) -> None:
     path = tmp_path / "engine.toml"
     path.write_text('[components]\nattention = "sdpa"\nscheduler = "fcfs"\n')
     result = CliRunner().invoke(main, ["config", "check", str(path), "--json"])
-    report = json.loads(result.output.split("\nerror:")[0])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
     rows = {row["kind"]: row for row in report["components"]}
     assert rows["platform"]["resolved"] == "cpu"
     assert rows["attention"]["resolved"] == "sdpa" and rows["attention"]["plugin"] == "sdpa-example"
@@ -75,7 +76,7 @@ def test_config_check_unknown_component_lists_available_ones(tmp_path: Path) -> 
     proc = run("config", "check", str(path))
     assert proc.returncode == 1
     assert "attention = 'flash9': attention 'flash9' is not provided by any loaded plugin" in proc.stderr
-    assert "available here: torch-reference, sdpa" in proc.stderr
+    assert "available here: torch-bucketed, torch-reference, sdpa" in proc.stderr
 
 
 def test_config_check_reports_config_errors_one_per_line(tmp_path: Path) -> None:
@@ -92,7 +93,7 @@ def test_config_check_reports_config_errors_one_per_line(tmp_path: Path) -> None
     assert proc.returncode == 1
     assert (
         proc.stderr.strip()
-        == "error: engine.toml: dsprak: unknown section (valid: cache, components, model, parallel, plugins)"
+        == "error: engine.toml: dsprak: unknown section (valid: cache, components, model, parallel, plugins, scheduler)"
     )
 
 
@@ -102,3 +103,25 @@ def test_logs_go_to_stderr_as_json_when_not_a_terminal(tmp_path: Path) -> None:
     json.loads(proc.stdout)  # stdout stays clean machine output
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     assert any(e["event"] == "plugins loaded" and e["level"] == "debug" for e in events)
+
+
+def test_generate_answers_on_the_embedded_model() -> None:
+    proc = run("generate", "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_generate_json_for_several_prompts_and_clear_errors(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\n\nName a colour.\n")
+    proc = run("generate", "--file", str(prompts), "--json", "--max-tokens", "8", "--no-chat")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["Say hello.", "Name a colour."]
+    assert all(r["output_tokens"] <= 8 and r["finish_reason"] in ("stop", "length") for r in records)
+    proc = run("generate", "--model", str(tmp_path / "nowhere"), "hi")
+    assert proc.returncode == 1 and "error:" in proc.stderr and "nowhere" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run("generate", "--top-p", "1.5", "hi")
+    assert proc.returncode == 1 and "top_p must be in (0, 1]" in proc.stderr
+    assert run("generate").returncode == 1

@@ -305,3 +305,121 @@ def build_communicator(
         init_method=init_method,
     )
     return _build(plan, "communication", context, (interfaces.Communicator,))
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Mapping[str, Any]) -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and fast enough there); on accelerators the
+    checkpoint's half precision, bfloat16 when it names none."""
+    if requested != "auto":
+        return getattr(torch, requested)
+    if platform.device_type == "cpu":
+        return torch.float32
+    stored = str(checkpoint_config.get("torch_dtype") or checkpoint_config.get("dtype") or "bfloat16")
+    return torch.float16 if stored.endswith("float16") and "b" not in stored else torch.bfloat16
+
+
+def _kv_budget_bytes(config: EngineConfig, platform: PlatformInfo, device: torch.device) -> int:
+    if config.cache.memory_gib is not None:
+        return int(config.cache.memory_gib * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    total = platform.total_memory_bytes or 16 * 2**30
+    return int(min(4 * 2**30, total // 4))
+
+
+def _architecture(plugins: PluginManager, checkpoint_config: Mapping[str, Any], where: str) -> Provided:
+    names = list(checkpoint_config.get("architectures") or [])
+    for provided in plugins.records("model"):
+        if any(name in provided.record.architectures for name in names):
+            return provided
+    known = sorted(a for p in plugins.records("model") for a in p.record.architectures)
+    raise AssemblyError(
+        [
+            f"{where}: architecture {names or '(none given)'} is not provided by any loaded plugin; "
+            f"supported: {', '.join(known) or '(none)'}" + _hint_for_missing(plugins)
+        ]
+    )
+
+
+def build_engine(config: EngineConfig | None = None, plugins: PluginManager | None = None) -> Any:
+    """Load the model named by ``config`` and assemble a ready ``LLMEngine``.
+
+    Order matters: the checkpoint's config says which architecture (and so which
+    capabilities) are needed before components are chosen; the chosen attention
+    backend's KVCacheSpec then sizes the cache from the memory budget.
+    """
+    from powertrain.engine.block_manager import BlockManager
+    from powertrain.engine.engine import LLMEngine
+    from powertrain.engine.model_runner import ModelRunner
+    from powertrain.engine.sampler import Sampler
+    from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
+    from powertrain.interfaces import ModelContext
+    from powertrain.loader import load_checkpoint
+
+    config = config or EngineConfig()
+    plugins = plugins or PluginManager.load(config.plugins)
+    checkpoint = load_checkpoint(config.model.path)
+    architecture = _architecture(plugins, checkpoint.config, str(checkpoint.path))
+    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
+    result = plan(config, plugins, requirements=requirements)
+
+    dtype = resolve_dtype(config.model.dtype, result.platform, checkpoint.config)
+    attention = build_attention(result, dtype)
+    context = ModelContext(config=checkpoint.config, dtype=dtype, device=result.device, attention=attention)
+    model = architecture.record.factory(context)
+    if not isinstance(model, interfaces.CausalLM):
+        raise AssemblyError([f"model {architecture.record.name!r} built {type(model).__name__}, not a CausalLM"])
+    model.load_weights(checkpoint.tensors())
+
+    block_size = config.cache.block_size
+    specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in model.attention_layers]
+    bytes_per_block = sum(spec.bytes_per_block for spec in specs)
+    num_blocks = config.cache.num_blocks or _kv_budget_bytes(config, result.platform, result.device) // bytes_per_block
+    if num_blocks < 1:
+        raise AssemblyError(
+            [f"the KV cache budget holds no block of {bytes_per_block} bytes; raise [cache] memory_gib"]
+        )
+    kv_caches = [spec.allocate(num_blocks, result.device) for spec in specs]
+    block_manager = BlockManager(num_blocks, block_size, config.cache.prefix_caching)
+    limits = SchedulerLimits(
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        chunked_prefill=config.scheduler.chunked_prefill,
+    )
+    scheduler = result.chosen("scheduler").record.factory(SchedulerContext(limits=limits, block_manager=block_manager))
+    runner = ModelRunner(model, kv_caches, block_size, result.device, Sampler(config.model.seed))
+    model_limit = int(checkpoint.config.get("max_position_embeddings") or 2048)
+    max_model_len = min(config.model.max_model_len or model_limit, model_limit)
+
+    hooks = plugins.hook
+    on_step = None
+    if hooks.powertrain_step_finished.get_hookimpls():  # no per-step pluggy call unless someone listens
+
+        def on_step(engine: Any, stats: Any) -> None:
+            hooks.powertrain_step_finished(engine=engine, stats=stats)
+
+    engine = LLMEngine(
+        tokenizer=checkpoint.tokenizer,
+        scheduler=scheduler,
+        block_manager=block_manager,
+        runner=runner,
+        max_model_len=max_model_len,
+        async_scheduling=config.scheduler.async_scheduling,
+        on_step=on_step,
+        on_shutdown=lambda e: hooks.powertrain_engine_stopped(engine=e),
+        model_name=config.model.path,
+    )
+    log.info(
+        "engine ready",
+        model=config.model.path,
+        dtype=str(dtype),
+        attention=result.resolutions["attention"].name,
+        kv_blocks=num_blocks,
+        kv_gib=round(num_blocks * bytes_per_block / 2**30, 3),
+    )
+    hooks.powertrain_engine_started(engine=engine)
+    return engine

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from typing import Any
 
 import click
-import structlog
 from rich.console import Console
 from rich.table import Table
 
@@ -16,25 +14,10 @@ from powertrain import __version__
 from powertrain.assemble import AssemblyError, plan
 from powertrain.components import Availability
 from powertrain.config import ConfigError, load_config
+from powertrain.log_setup import configure_logging
 from powertrain.plugins import PluginError, PluginInfo, PluginManager
 
 EXIT_PROBLEM = 1
-
-
-def configure_logging(level: str) -> None:
-    """Pretty logs on a terminal, JSON lines otherwise; always on stderr."""
-    renderer: Any = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -231,6 +214,73 @@ def config_check(path: str, as_json: bool) -> None:
             click.echo(f"warning: {warning}", err=True)
     if result.problems:
         _fail([f"{config.source}: {problem}" for problem in result.problems])
+
+
+# --------------------------------------------------------------------------- generate
+
+
+@main.command("generate")
+@click.argument("prompts", nargs=-1)
+@click.option("--file", "prompt_file", type=click.File("r"), help="Prompts, one per line ('-' for stdin).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="engine.toml to use.")
+@click.option("--model", help="Model: an embedded name, a HF folder or a .gguf file (overrides [model] path).")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the model's chat template.")
+@click.option("--system", help="A system message (with --chat).")
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables it.")
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, help="Make sampling reproducible.")
+@click.option("--stop", multiple=True, help="A stop string (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
+def generate_command(
+    prompts: tuple[str, ...],
+    prompt_file: Any,
+    config_path: str | None,
+    model: str | None,
+    chat: bool,
+    system: str | None,
+    as_json: bool,
+    **sampling: Any,
+) -> None:
+    """Generate text for PROMPTS (default model: the embedded SmolLM2-135M-Instruct)."""
+    from powertrain.engine.errors import InvalidRequestError
+    from powertrain.engine.sampling_params import SamplingParams
+    from powertrain.llm import LLM
+    from powertrain.loader import LoadError
+
+    texts = list(prompts) + ([line.rstrip("\n") for line in prompt_file if line.strip()] if prompt_file else [])
+    if not texts:
+        _fail('give at least one prompt, e.g. powertrain generate "What is the capital of France?"')
+    config = _load_config_or_exit(config_path)
+    try:
+        params = SamplingParams(**sampling)
+        with LLM(model, config=config) as llm:
+            if chat:
+                prefix = [{"role": "system", "content": system}] if system else []
+                conversations = [[*prefix, {"role": "user", "content": text}] for text in texts]
+                outputs = llm.chat(conversations, params)
+            else:
+                outputs = llm.generate(texts, params)
+    except (ConfigError, PluginError, AssemblyError, LoadError, InvalidRequestError) as exc:
+        _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
+    for index, (text, output) in enumerate(zip(texts, outputs, strict=True)):
+        completion = output.outputs[0]
+        if as_json:
+            record = {
+                "prompt": text,
+                "text": completion.text,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": len(output.prompt_token_ids),
+                "output_tokens": len(completion.token_ids),
+            }
+            click.echo(json.dumps(record))
+        elif len(texts) == 1:
+            click.echo(completion.text)
+        else:
+            click.echo(f"--- [{index}] {text}\n{completion.text}\n")
 
 
 if __name__ == "__main__":  # pragma: no cover

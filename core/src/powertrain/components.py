@@ -215,6 +215,9 @@ class ModelArchitectureRecord:
     name: str = attrs.field(validator=_valid_name)
     architectures: frozenset[str] = attrs.field(converter=frozenset)
     factory: Callable[..., Any] = attrs.field(validator=_callable)
+    #: checkpoint config -> capability tags the model needs per component kind, e.g.
+    #: {"attention": {"gqa", "sliding-window"}}; assembly selects accordingly.
+    requirements: Callable[[Any], Any] | None = attrs.field(default=None, validator=_callable)
     description: str = ""
 
 

@@ -63,11 +63,20 @@ def _names(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...] | N
             raise ValueError("plugin names must not be empty", attribute)
 
 
+def _optional_positive(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"must be positive when set, got {value}", attribute)
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     #: "smollm2-135m" (the embedded default), a HF checkpoint folder or a GGUF file.
     path: str = "smollm2-135m"
     dtype: str = attrs.field(default="auto", validator=_one_of(*DTYPES))
+    #: Longest sequence (prompt + output); default: the model's own limit.
+    max_model_len: int | None = attrs.field(default=None, validator=_optional_positive)
+    #: Seed of the generator for requests that bring no seed of their own.
+    seed: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +96,22 @@ class ComponentsConfig:
 class CacheConfig:
     block_size: int = attrs.field(default=16, validator=_power_of_two)
     prefix_caching: bool = True
+    #: KV cache budget; default: a quarter of RAM (at most 4 GiB) on CPU, 85% of the
+    #: memory left after the weights on an accelerator.
+    memory_gib: float | None = attrs.field(default=None, validator=_optional_positive)
+    #: Exact number of blocks (overrides memory_gib); mostly for tests and experiments.
+    num_blocks: int | None = attrs.field(default=None, validator=_optional_positive)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    #: Sequences running at once.
+    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    #: Tokens computed per step; long prompts are chunked to fit.
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
+    chunked_prefill: bool = True
+    #: Schedule step N+1 on the CPU while step N runs (DESIGN §3).
+    async_scheduling: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +132,7 @@ CORE_SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "components": ComponentsConfig,
     "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "plugins": PluginsConfig,
 }
@@ -117,6 +143,7 @@ class EngineConfig:
     model: ModelConfig = ModelConfig()
     components: ComponentsConfig = ComponentsConfig()
     cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     plugins: PluginsConfig = PluginsConfig()
     #: Plugin-owned tables, raw until ``validate_sections``.

@@ -30,7 +30,7 @@ alongside ``mla`` to say which phases it serves.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -103,6 +103,22 @@ class KVCacheSpec:
             return (num_blocks, tensor.shape[0], self.block_size, *tensor.shape[1:])
         return (num_blocks, self.block_size, *tensor.shape)
 
+    @classmethod
+    def standard(
+        cls, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype, layout: KVLayout = "block-token-major"
+    ) -> KVCacheSpec:
+        """The usual cache of ``layer``: ``key`` and ``value`` of (kv_heads, head_size)
+        per token for GQA/MHA; only ``latent`` and ``rope`` for MLA."""
+        if layer.kind == "mla":
+            tensors = (
+                KVTensorSpec(name="latent", shape=(layer.kv_lora_rank,)),
+                KVTensorSpec(name="rope", shape=(layer.qk_rope_head_dim,)),
+            )
+        else:
+            per_token = (layer.num_kv_heads, layer.head_size)
+            tensors = (KVTensorSpec(name="key", shape=per_token), KVTensorSpec(name="value", shape=per_token))
+        return cls(block_size=block_size, dtype=dtype, tensors=tensors, layout=layout)
+
     def allocate(self, num_blocks: int, device: torch.device | str) -> dict[str, torch.Tensor]:
         """One layer's cache tensors, uninitialised (blocks are written before read)."""
         return {
@@ -145,8 +161,10 @@ class AttentionMetadata:
     ``query_len`` are this step's new tokens (so prefix-cache hits and earlier chunks are
     simply cached tokens before them). ``slot_mapping[t]`` = block * block_size + offset
     is where new token ``t``'s key/value go. A runner may pad the flat batch past
-    ``num_tokens`` (e.g. to a captured graph size): padded rows have slot -1, are not
-    written to the cache, and their outputs are unspecified. Entries of
+    ``num_tokens`` (e.g. to a captured graph size): padded rows have slot -1 and
+    position 0, are not written to the cache, and their outputs are unspecified. Any
+    sequence with one new token counts as a decode, whether it decodes or ends a
+    prompt with a one-token chunk: the runner places all of them first. Entries of
     ``block_tables`` past a sequence's last block are 0 and never read. Query/key/value
     may be strided views (e.g. of a fused qkv projection); a kernel that needs
     contiguous inputs makes them so itself.
@@ -469,16 +487,22 @@ class ExpertDispatcher(Protocol):
 class Scheduler(Protocol):
     """Forms each step's batch from waiting and running sequences.
 
-    The engine owns sequences and the block manager; the scheduler decides which
-    sequences run and how many tokens each contributes this step.
+    Built by its record's factory from an ``engine.scheduling.SchedulerContext`` (the
+    limits and the block manager). The engine owns the sequences; the scheduler
+    decides which run, how many tokens each computes, and whom to preempt when the
+    cache runs out (their blocks are freed and they are recomputed later).
     """
 
-    def add(self, sequence: Any) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
+    def add(self, sequence: Any) -> None:
+        """Queue a new (or preempted) sequence."""
+        ...
 
     def schedule(self) -> Any:
-        """The next step's batch (sequences, tokens per sequence, preempted ones)."""
+        """The next step's ``engine.scheduling.ScheduledBatch`` (empty when idle)."""
+        ...
+
+    def finish(self, sequence: Any) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
         ...
 
     def has_unfinished(self) -> bool: ...
@@ -510,3 +534,45 @@ class ProtocolAdapter(Protocol):
     def parse_request(self, protocol: str, body: bytes) -> Any: ...
 
     def render_response(self, protocol: str, request: Any, output: Any) -> bytes: ...
+
+
+# --------------------------------------------------------------------------- models
+
+
+@attrs.frozen(kw_only=True)
+class ModelContext:
+    """What a model architecture's factory is given: the checkpoint's config (HF
+    ``config.json`` semantics, whatever the file format) and the built components."""
+
+    config: Mapping[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+    attention: Any  # an AttentionBackend (or MLAAttentionBackend)
+    moe: Any = None  # a MoEBackend, for MoE architectures
+    communicator: Any = None  # a Communicator, for expert parallelism
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder the model runner drives: one flat batch of tokens per step."""
+
+    #: One entry per attention layer, in order; the engine allocates one cache each.
+    attention_layers: Sequence[AttentionLayerSpec]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take tensors named as in the HF checkpoint; missing or unexpected names raise
+        ValueError naming them."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens], position of each token in its sequence
+        kv_caches: Sequence[LayerKVCache],  # one per attention layer
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden]`` -> float32 ``[rows, vocab]`` (only rows that are sampled)."""
+        ...

@@ -43,6 +43,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-selection": "powertrain.builtin.selection",
     "builtin-communicators": "powertrain.builtin.communicators",
     "builtin-attention": "powertrain.builtin.attention",
+    "builtin-scheduler": "powertrain.builtin.scheduler",
+    "builtin-models": "powertrain.builtin.models",
 }
 
 Status = Literal["loaded", "disabled", "broken", "refused"]

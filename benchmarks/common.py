@@ -1,0 +1,34 @@
+"""Shared by the benchmarks: what machine this is, and how results are printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def report(title: str, results: dict[str, Any]) -> None:
+    """Print the command, the machine and the results (also as one JSON line)."""
+    print(f"# {title}")
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"machine: {json.dumps(machine())}")
+    width = max(len(key) for key in results)
+    for key, value in results.items():
+        shown = f"{value:.3f}" if isinstance(value, float) else value
+        print(f"  {key:<{width}}  {shown}")
+    print("json: " + json.dumps({"title": title, "machine": machine(), "results": results}))

@@ -1,0 +1,132 @@
+"""``powertrain.LLM``: offline batched generation in a few lines.
+
+llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+llm.generate(["Hello"], SamplingParams(max_tokens=32))
+llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from powertrain.config import CORE_SECTIONS, EngineConfig, load_config
+from powertrain.engine.errors import InvalidRequestError
+from powertrain.engine.sampling_params import SamplingParams
+from powertrain.engine.sequence import RequestOutput
+
+Message = Mapping[str, Any]
+
+
+def _override(config: EngineConfig, overrides: Mapping[str, Any]) -> EngineConfig:
+    """Apply keyword overrides like ``dtype="float32"`` or ``num_blocks=64`` to the
+    config section that owns each key (a key two sections share must be spelled
+    ``section__key``, e.g. ``cache__block_size``)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if "__" in key:
+            section, _, field = key.partition("__")
+            owners = [section] if section in CORE_SECTIONS else []
+        else:
+            field = key
+            owners = [name for name, cls in CORE_SECTIONS.items() if field in attrs.fields_dict(cls)]
+        if len(owners) != 1 or field not in attrs.fields_dict(CORE_SECTIONS[owners[0]]):
+            valid = sorted({f for cls in CORE_SECTIONS.values() for f in attrs.fields_dict(cls)})
+            raise TypeError(f"LLM() got an unknown setting {key!r}; settings: {', '.join(valid)}")
+        changes.setdefault(owners[0], {})[field] = value
+    return attrs.evolve(
+        config, **{section: attrs.evolve(getattr(config, section), **fields) for section, fields in changes.items()}
+    )
+
+
+class LLM:
+    """A loaded model and its engine. Use as a context manager, or call ``shutdown()``."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | str | Path | None = None, **settings: Any):
+        from powertrain.assemble import build_engine
+        from powertrain.log_setup import configure_logging
+
+        configure_logging("warning", only_if_unconfigured=True)
+        if not isinstance(config, EngineConfig):
+            config = load_config(config)
+        if model is not None:
+            settings = {"path": model, **settings}
+        self.config = _override(config, settings)
+        self.engine = build_engine(self.config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            return []
+        params = _params_per_prompt(sampling_params, len(prompts))
+        request_ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_ids.append(self.engine.add_request(prompt, p))
+        except InvalidRequestError:
+            for request_id in request_ids:  # all or nothing: the batch was refused
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    finished[output.request_id] = output
+                    pending.discard(output.request_id)
+        while self.engine.has_unfinished_requests():  # let a step still in flight land
+            self.engine.step()
+        return [finished[request_id] for request_id in request_ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts; pass one, or one each")
+    return params

@@ -1,0 +1,31 @@
+"""Configuring structlog, for entry points only (the CLI, ``LLM``): library modules
+just call ``structlog.get_logger(__name__)``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+
+def configure_logging(level: str = "warning", *, only_if_unconfigured: bool = False) -> None:
+    """Pretty logs on a terminal, JSON lines otherwise; always on stderr.
+
+    ``only_if_unconfigured`` leaves an application's own structlog setup alone.
+    """
+    if only_if_unconfigured and structlog.is_configured():
+        return
+    renderer: Any = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )

