@@ -64,8 +64,12 @@ def run_hf_static(model, prompts, max_tokens, batch_size: int, pad_id: int) -> f
         new = max(max_tokens[i] for i in batch)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=pad_id,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
             )
         assert out.shape[1] == width + new
     elapsed = time.perf_counter() - started

@@ -20,14 +20,33 @@ from common import report
 from powertrain import LLM, SamplingParams
 
 TOPICS = [
-    "volcanoes", "the history of tea", "prime numbers", "sailing", "bread baking", "black holes",
-    "chess openings", "honey bees", "the Roman empire", "solar panels", "jazz", "glaciers",
-    "octopuses", "origami", "the printing press", "rain forests", "bicycles", "coffee",
+    "volcanoes",
+    "the history of tea",
+    "prime numbers",
+    "sailing",
+    "bread baking",
+    "black holes",
+    "chess openings",
+    "honey bees",
+    "the Roman empire",
+    "solar panels",
+    "jazz",
+    "glaciers",
+    "octopuses",
+    "origami",
+    "the printing press",
+    "rain forests",
+    "bicycles",
+    "coffee",
 ]
 FOLLOW_UPS = [
-    "Tell me more about that.", "Why is that?", "Can you give an example?",
-    "What is a common misconception about it?", "Summarise that in one sentence.",
-    "What should a beginner know?", "How did that change over time?",
+    "Tell me more about that.",
+    "Why is that?",
+    "Can you give an example?",
+    "What is a common misconception about it?",
+    "Summarise that in one sentence.",
+    "What should a beginner know?",
+    "How did that change over time?",
 ]
 
 

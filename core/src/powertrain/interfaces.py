@@ -200,6 +200,19 @@ class AttentionMetadata:
         """Tokens already cached before this step, per sequence."""
         return tuple(s - q for s, q in zip(self.seq_lens_host, self.query_lens_host, strict=True))
 
+    def store(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        """Write this step's per-token ``new`` values into a block-token-major cache tensor
+        at ``slot_mapping`` (padding rows, slot -1, are skipped): the cache write every
+        plain-torch backend does; fused kernels do it themselves."""
+        if cache.shape[1] != self.block_size:
+            raise ValueError(
+                f"cache blocks hold {cache.shape[1]} tokens but the metadata says block_size={self.block_size}; "
+                "allocate the cache from the backend's kv_cache_spec with the engine's block size"
+            )
+        rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *per_token]: a slot is a row
+        keep = self.slot_mapping >= 0
+        rows[self.slot_mapping[keep]] = new[: self.slot_mapping.shape[0]][keep].to(cache.dtype)
+
     @classmethod
     def build(
         cls,

@@ -45,12 +45,10 @@ class BucketedAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
+        metadata.store(key_cache, key)
+        metadata.store(value_cache, value)
         keys = key_cache.flatten(0, 1)  # [slots, kv_heads, dim]: a slot is a row
         values = value_cache.flatten(0, 1)
-        written = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[written]
-        keys[slots] = key[: len(written)][written].to(keys.dtype)
-        values[slots] = value[: len(written)][written].to(values.dtype)
 
         output = torch.zeros_like(query)
         decodes = metadata.num_decodes

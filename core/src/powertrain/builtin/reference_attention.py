@@ -45,8 +45,8 @@ class TorchReferenceAttention:
         if layer.num_heads % layer.num_kv_heads:
             raise ValueError(f"num_heads={layer.num_heads} is not a multiple of num_kv_heads={layer.num_kv_heads}")
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
-        _write_slots(key_cache, metadata, key)
-        _write_slots(value_cache, metadata, value)
+        metadata.store(key_cache, key)
+        metadata.store(value_cache, value)
 
         compute = _compute_dtype(query.dtype)
         # Zeros, not empty: rows past the batch's tokens (padding) must not be garbage.
@@ -84,8 +84,8 @@ class TorchReferenceAttention:
         if layer.kind != "mla":
             raise ValueError(f"forward_mla() serves MLA layers, got a {layer.kind!r} layer")
         latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
-        _write_slots(latent_cache, metadata, latent)
-        _write_slots(rope_cache, metadata, k_rope)
+        metadata.store(latent_cache, latent)
+        metadata.store(rope_cache, k_rope)
 
         compute = _compute_dtype(q_latent.dtype)
         num_tokens, num_heads, rank = q_latent.shape
@@ -111,23 +111,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half-precision softmax loses too much to serve as an oracle; float64 stays float64
     # so tests can run the reference at full precision.
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check_block_size(cache: torch.Tensor, metadata: AttentionMetadata) -> None:
-    if cache.shape[1] != metadata.block_size:
-        raise ValueError(
-            f"cache blocks hold {cache.shape[1]} tokens but the metadata says block_size={metadata.block_size}; "
-            "allocate the cache from this backend's kv_cache_spec with the engine's block size"
-        )
-
-
-def _write_slots(cache: torch.Tensor, metadata: AttentionMetadata, new: torch.Tensor) -> None:
-    """Store new tokens at their slots; slot -1 marks padding, which is never stored."""
-    _check_block_size(cache, metadata)
-    slots = metadata.slot_mapping
-    rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *per_token]: a slot is a row
-    keep = slots >= 0
-    rows[slots[keep]] = new[: slots.shape[0]][keep].to(cache.dtype)
 
 
 def _gather_sequence(cache: torch.Tensor, metadata: AttentionMetadata, index: int, seq_len: int) -> torch.Tensor:

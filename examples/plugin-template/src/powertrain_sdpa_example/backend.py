@@ -38,12 +38,11 @@ class SdpaAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
+        metadata.store(key_cache, key)
+        metadata.store(value_cache, value)
         block_size = key_cache.shape[1]
         flat_keys = key_cache.view(-1, *key_cache.shape[2:])
         flat_values = value_cache.view(-1, *value_cache.shape[2:])
-        written = metadata.slot_mapping >= 0
-        flat_keys[metadata.slot_mapping[written]] = key[written].to(key_cache.dtype)
-        flat_values[metadata.slot_mapping[written]] = value[written].to(value_cache.dtype)
 
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
