@@ -154,10 +154,9 @@ def test_plugin_section_is_validated_through_plan(make_distribution) -> None:
     assert excinfo.value.lines() == ["engine.toml: specdec.max_draft_tokens: expected int, got float 2.5"]
 
 
-def test_configure_is_historic() -> None:
-    manager = PluginManager.load(environ={})
-    plan(config(), manager, strict=False)
-    calls = []
+def _late_configure_listener(manager: PluginManager) -> list[EngineConfig]:
+    """Register, after planning, a plugin that records every configure call it gets."""
+    calls: list[EngineConfig] = []
 
     class Late:
         POWERTRAIN_HOOK_API = 1
@@ -167,6 +166,13 @@ def test_configure_is_historic() -> None:
             calls.append(config)
 
     manager.register(Late())
+    return calls
+
+
+def test_configure_is_historic() -> None:
+    manager = PluginManager.load(environ={})
+    plan(config(), manager, strict=False)
+    calls = _late_configure_listener(manager)
     assert len(calls) == 1 and isinstance(calls[0], EngineConfig)
 
 
@@ -237,17 +243,7 @@ def test_configure_is_called_once_per_config() -> None:
     cfg = config()
     for _ in range(3):
         plan(cfg, manager, strict=False)
-    calls = []
-
-    class Late:
-        POWERTRAIN_HOOK_API = 1
-
-        @hookimpl
-        def powertrain_configure(self, config):
-            calls.append(config)
-
-    manager.register(Late())
-    assert calls == [cfg]
+    assert _late_configure_listener(manager) == [cfg]
 
 
 def test_mla_only_backend_builds_through_the_mla_protocol() -> None:

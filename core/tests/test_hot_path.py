@@ -68,3 +68,29 @@ def test_layer_loop_makes_no_hook_calls() -> None:
     plan(EngineConfig(), result.plugins, strict=False)
     undo()
     assert "powertrain_select_component" in calls
+
+
+def test_generation_through_the_engine_makes_no_hook_calls() -> None:
+    """Steps of a real engine (scheduler, runner, model, attention, sampler) stay off pluggy."""
+    from powertrain.assemble import build_engine
+    from powertrain.config import CacheConfig, ModelConfig
+    from powertrain.engine.sampling_params import SamplingParams
+    from powertrain.plugins import PluginManager
+
+    manager = PluginManager.load()
+    engine = build_engine(EngineConfig(model=ModelConfig(dtype="float32"), cache=CacheConfig(num_blocks=64)), manager)
+    calls: list[str] = []
+    undo = manager.pm.add_hookcall_monitoring(
+        before=lambda name, impls, kwargs: calls.append(name), after=lambda *a: None
+    )
+    try:
+        engine.add_request("Name three rivers:", SamplingParams(temperature=0, max_tokens=6))
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    finally:
+        undo()
+        engine.shutdown()
+    assert steps >= 6
+    assert calls == [], f"hooks called while generating: {calls}"

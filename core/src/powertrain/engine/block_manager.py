@@ -124,18 +124,22 @@ class BlockManager:
         """Publish ``seq``'s full, computed blocks to the prefix cache (after their step ran)."""
         if not self.enable_prefix_caching:
             return
-        previous = None
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        for index in range(full):
+        # Hashed blocks always form a prefix of the table: resume after the last one
+        # instead of walking the whole sequence every step.
+        first = full
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        previous = self.blocks[seq.block_table[first - 1]].hash if first else None
+        for index in range(first, full):
             block = self.blocks[seq.block_table[index]]
             tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
-            if block.hash is None:
-                if any(t < 0 for t in tokens):  # a placeholder: the token is not known yet
-                    return
-                block.hash = self._chain(previous, tokens)
-                block.token_ids = tokens
-                # First writer wins; an identical block computed twice stays private.
-                self.cached.setdefault(block.hash, block.block_id)
+            if any(t < 0 for t in tokens):  # a placeholder: the token is not known yet
+                return
+            block.hash = self._chain(previous, tokens)
+            block.token_ids = tokens
+            # First writer wins; an identical block computed twice stays private.
+            self.cached.setdefault(block.hash, block.block_id)
             previous = block.hash
 
     def free_sequence(self, seq: Sequence) -> None:

@@ -171,10 +171,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # ----------------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:

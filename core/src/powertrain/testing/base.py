@@ -38,6 +38,7 @@ def usable_platform(manager: PluginManager, provided: Provided) -> PlatformInfo:
     """The first platform the record runs on that is available here, or a pytest skip."""
     platform, reasons = manager.best_platform(provided.record)
     if platform is None:
+        # Absent hardware is not a failure (DESIGN §5): the record's own reason is reported.
         pytest.skip(f"{provided.record.name} is unavailable on this machine ({'; '.join(reasons)})")
     return platform
 
@@ -79,6 +80,7 @@ class ComponentSuite:
         declared = getattr(provided.record, "capabilities", frozenset())
         missing = set(capabilities) - set(declared)
         if missing:
+            # Declared capabilities decide which tests apply (DESIGN §5).
             pytest.skip(f"{provided.record.name} does not declare {sorted(missing)}")
 
     @pytest.fixture

@@ -551,6 +551,7 @@ class CommunicatorSuite(ComponentSuite):
         if cls.platform is None:
             return usable_platform(manager, provided)
         info = manager.platforms().get(cls.platform)
+        # A suite pinned to a platform this machine lacks reports why instead of failing.
         if info is None:
             pytest.skip(f"platform {cls.platform!r} is not registered here")
         availability = provided.record.availability(info)
@@ -565,6 +566,7 @@ class CommunicatorSuite(ComponentSuite):
     ) -> GroupRun:
         provided = find_component(powertrain_plugins, cls.kind, cls.component)
         limit = provided.record.max_world_size
+        # Group sizes the record (or this machine's device count) cannot serve do not apply.
         if limit is not None and world_size > limit:
             pytest.skip(f"{cls.component} declares max_world_size={limit}, so world size {world_size} is not for it")
         platform = cls._platform_for(powertrain_plugins, provided)
