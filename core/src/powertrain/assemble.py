@@ -345,31 +345,11 @@ def _architecture(plugins: PluginManager, checkpoint_config: Mapping[str, Any], 
     )
 
 
-def build_engine(config: EngineConfig | None = None, plugins: PluginManager | None = None) -> Any:
-    """Load the model named by ``config`` and assemble a ready ``LLMEngine``.
-
-    Order matters: the checkpoint's config says which architecture (and so which
-    capabilities) are needed before components are chosen; the chosen attention
-    backend's KVCacheSpec then sizes the cache from the memory budget.
-    """
-    from powertrain.engine.block_manager import BlockManager
-    from powertrain.engine.engine import LLMEngine
-    from powertrain.engine.model_runner import ModelRunner
-    from powertrain.engine.sampler import Sampler
-    from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
-    from powertrain.interfaces import ModelContext
-    from powertrain.loader import load_checkpoint
-
-    config = config or EngineConfig()
-    plugins = plugins or PluginManager.load(config.plugins)
-    checkpoint = load_checkpoint(config.model.path)
-    architecture = _architecture(plugins, checkpoint.config, str(checkpoint.path))
-    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
-    result = plan(config, plugins, requirements=requirements)
-
-    dtype = resolve_dtype(config.model.dtype, result.platform, checkpoint.config)
-    attention = build_attention(result, dtype)
-    context = ModelContext(config=checkpoint.config, dtype=dtype, device=result.device, attention=attention)
+def _load_model(
+    config: EngineConfig, result: Plan, architecture: Provided, checkpoint: Any, attention: Any, dtype: torch.dtype
+) -> tuple[Any, list[Any], int, int]:
+    """Build the model, load its weights and allocate its KV cache (on the device thread)."""
+    context = interfaces.ModelContext(config=checkpoint.config, dtype=dtype, device=result.device, attention=attention)
     model = architecture.record.factory(context)
     if not isinstance(model, interfaces.CausalLM):
         raise AssemblyError([f"model {architecture.record.name!r} built {type(model).__name__}, not a CausalLM"])
@@ -384,6 +364,42 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
             [f"the KV cache budget holds no block of {bytes_per_block} bytes; raise [cache] memory_gib"]
         )
     kv_caches = [spec.allocate(num_blocks, result.device) for spec in specs]
+    return model, kv_caches, num_blocks, bytes_per_block
+
+
+def build_engine(config: EngineConfig | None = None, plugins: PluginManager | None = None) -> Any:
+    """Load the model named by ``config`` and assemble a ready ``LLMEngine``.
+
+    Order matters: the checkpoint's config says which architecture (and so which
+    capabilities) are needed before components are chosen; the chosen attention
+    backend's KVCacheSpec then sizes the cache from the memory budget.
+    """
+    from powertrain.engine.block_manager import BlockManager
+    from powertrain.engine.device_thread import DeviceThread
+    from powertrain.engine.engine import LLMEngine
+    from powertrain.engine.model_runner import ModelRunner
+    from powertrain.engine.sampler import Sampler
+    from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
+    from powertrain.loader import load_checkpoint
+
+    config = config or EngineConfig()
+    plugins = plugins or PluginManager.load(config.plugins)
+    checkpoint = load_checkpoint(config.model.path)
+    architecture = _architecture(plugins, checkpoint.config, str(checkpoint.path))
+    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
+    result = plan(config, plugins, requirements=requirements)
+
+    dtype = resolve_dtype(config.model.dtype, result.platform, checkpoint.config)
+    attention = build_attention(result, dtype)
+    device_thread = DeviceThread()
+    try:
+        model, kv_caches, num_blocks, bytes_per_block = device_thread.run(
+            _load_model, config, result, architecture, checkpoint, attention, dtype
+        )
+    except BaseException:
+        device_thread.shutdown()
+        raise
+    block_size = config.cache.block_size
     block_manager = BlockManager(num_blocks, block_size, config.cache.prefix_caching)
     limits = SchedulerLimits(
         max_num_seqs=config.scheduler.max_num_seqs,
@@ -412,6 +428,7 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
         on_step=on_step,
         on_shutdown=lambda e: hooks.powertrain_engine_stopped(engine=e),
         model_name=config.model.path,
+        device_thread=device_thread,
     )
     log.info(
         "engine ready",

@@ -4,7 +4,8 @@ The reference backend walks sequences one by one, which costs a few dozen small
 ops per sequence per layer; a decode batch of 64 spends more time in that loop than
 in the model's matmuls. Here decodes are batched: each decode row is padded to a
 length bucket that depends on its own length only (the next multiple of
-``BUCKET``), rows of one bucket attend in one batched matmul, and masked positions
+``BUCKET``), rows of one bucket attend in one batched ``scaled_dot_product_attention``
+call (GQA heads share their kv head without copies), and masked positions
 contribute exact zeros. A row therefore sees the same shapes and the same arithmetic
 whatever else is in the batch, which keeps results batch-invariant. Prefill rows,
 which carry many tokens each, go through ``scaled_dot_product_attention`` per
@@ -72,7 +73,6 @@ class BucketedAttention:
         lengths = metadata.seq_lens[: len(query)].to(torch.long)
         buckets = (lengths + BUCKET - 1) // BUCKET
         output = torch.empty_like(query)
-        groups = layer.num_heads // layer.num_kv_heads
         for bucket in sorted(set(buckets.tolist())):
             rows = (buckets == bucket).nonzero().flatten()
             num_blocks = -(-bucket * BUCKET // block_size)
@@ -82,27 +82,28 @@ class BucketedAttention:
             table = table[:, :num_blocks]
             width = num_blocks * block_size
             # Whole blocks are gathered (a few large copies, not one per token) and read in
-            # place as [rows, width, kv_heads * dim]: one matmul for all heads, against a
-            # block-diagonal query (each head's query meets only its own kv head's keys).
-            keys = self._gather_blocks("key", key_cache, table).float().flatten(2)
-            values = self._gather_blocks("value", value_cache, table).float().flatten(2)
+            # place as [rows, kv_heads, width, dim] strided views.
+            keys = self._gather_blocks("key", key_cache, table).float()
+            values = self._gather_blocks("value", value_cache, table).float()
             positions = torch.arange(width, device=query.device)
             visible = positions[None, :] < lengths[rows, None]
             if layer.sliding_window is not None:
                 visible &= positions[None, :] >= lengths[rows, None] - layer.sliding_window
             # Slots past a sequence's end hold stale or never-written memory: keep it out of
-            # the sums entirely (0 * NaN would still be NaN). Only the last bucket's worth of
-            # columns can lie past any of these rows' ends.
+            # the sums entirely (a masked NaN score, or 0 * NaN, would still be NaN). Only the
+            # last bucket's worth of columns can lie past any of these rows' ends.
             tail = (bucket - 1) * BUCKET
-            values[:, tail:].masked_fill_(~visible[:, tail:, None], 0.0)
-            q = _block_diagonal(query[rows].float(), layer.num_kv_heads)  # [r, heads, kv*d]
-            scores = torch.bmm(q, keys.transpose(1, 2)) * layer.scale  # [r, heads, width]
-            scores.masked_fill_(~visible[:, None, :], float("-inf"))
-            mixed = torch.bmm(torch.softmax(scores, dim=-1), values)  # [r, heads, kv*d]
-            dim = layer.head_size
-            head_kv = torch.arange(layer.num_heads, device=query.device) // groups
-            columns = head_kv[:, None] * dim + torch.arange(dim, device=query.device)  # each head's own kv head
-            out = mixed.gather(2, columns.expand(len(rows), -1, -1))
+            hidden = ~visible[:, tail:, None, None]
+            keys[:, tail:].masked_fill_(hidden, 0.0)
+            values[:, tail:].masked_fill_(hidden, 0.0)
+            out = F.scaled_dot_product_attention(
+                query[rows].float().unsqueeze(2),  # [r, heads, 1, dim]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=visible[:, None, None, :],
+                scale=layer.scale,
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            ).squeeze(2)
             output[rows] = out.to(query.dtype)
         return output
 
@@ -152,13 +153,3 @@ class BucketedAttention:
         )
         return out.transpose(0, 1).to(query.dtype)
 
-
-def _block_diagonal(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """``[rows, heads, dim]`` -> ``[rows, heads, kv_heads * dim]``: head ``h`` keeps its query
-    in the columns of its own kv head and exact zeros elsewhere."""
-    rows, heads, dim = query.shape
-    groups = heads // num_kv_heads
-    result = query.new_zeros(rows, heads, num_kv_heads, dim)
-    for kv in range(num_kv_heads):
-        result[:, kv * groups : (kv + 1) * groups, kv] = query[:, kv * groups : (kv + 1) * groups]
-    return result.flatten(2)

@@ -1,9 +1,9 @@
 """The engine loop: requests in, a step at a time, outputs out.
 
 With async scheduling (the default) each ``step()`` schedules and prepares step N+1
-on this thread while step N runs on the step thread, then collects N. Anything that
+on this thread while step N runs on the device thread, then collects N. Anything that
 needs N's tokens is built around that one-step lag: N+1 feeds placeholders that the
-step thread fills from N's result; a sequence that N finishes may already be in N+1,
+device thread fills from N's result; a sequence that N finishes may already be in N+1,
 whose token for it is then dropped; stop checks and detokenization run here, on N's
 result, while N+1 computes.
 """
@@ -14,13 +14,14 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
 import structlog
 
 from powertrain.engine.block_manager import BlockManager
+from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.errors import EngineDeadError, InvalidRequestError
 from powertrain.engine.model_runner import ModelRunner
 from powertrain.engine.sampler import SamplerOutput
@@ -77,6 +78,7 @@ class LLMEngine:
         on_step: Callable[[LLMEngine, StepStats], None] | None = None,
         on_shutdown: Callable[[LLMEngine], None] | None = None,
         model_name: str = "",
+        device_thread: DeviceThread | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -91,7 +93,7 @@ class LLMEngine:
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._texts: dict[int, str] = {}
         self._in_flight: _InFlight | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="powertrain-step")
+        self._device_thread = device_thread or DeviceThread()  # where steps execute
         self._step_counter = itertools.count()
         self._request_ids = itertools.count()
         self._dead: BaseException | None = None
@@ -198,7 +200,7 @@ class LLMEngine:
             if samples:  # this step will sample the sequence's next token
                 positions.append(len(seq.token_ids))
                 seq.token_ids.append(PLACEHOLDER)
-        future = self._executor.submit(self.runner.execute, prepared)
+        future = self._device_thread.submit(self.runner.execute, prepared)
         return _InFlight(batch=batch, future=future, token_positions=positions, started=time.perf_counter())
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
@@ -306,7 +308,7 @@ class LLMEngine:
             raise EngineDeadError(f"the engine failed and cannot serve: {type(self._dead).__name__}: {self._dead}")
 
     def shutdown(self) -> None:
-        """Finish the step in flight, release the step thread, tell observers. Idempotent."""
+        """Finish the step in flight, release the device thread, tell observers. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -314,7 +316,7 @@ class LLMEngine:
             with contextlib.suppress(BaseException):  # a failed step has nothing more to release
                 self._in_flight.future.result()
             self._in_flight = None
-        self._executor.shutdown(wait=True)
+        self._device_thread.shutdown()
         if self._on_shutdown is not None:
             self._on_shutdown(self)
 

@@ -1,10 +1,10 @@
 """One step on the device: flat batch in, sampled tokens out.
 
 ``prepare`` runs on the CPU thread that schedules (it only reads the scheduled
-batch); ``execute`` runs on the step thread. Under async scheduling step N+1 is
+batch); ``execute`` runs on the device thread. Under async scheduling step N+1 is
 prepared while step N executes, so N+1 does not yet know the tokens N samples:
 those inputs are placeholders, filled in by ``execute`` from N's result, which the
-step thread holds because steps execute in order.
+device thread holds because steps execute in order.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        self._previous_tokens: dict[int, int] = {}  # step thread only
+        self._previous_tokens: dict[int, int] = {}  # device thread only
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         input_ids: list[int] = []
