@@ -19,3 +19,7 @@ class TestCommunicators(PluginContract):
 
 class TestAttention(PluginContract):
     plugin = "builtin-attention"
+
+
+class TestMoE(PluginContract):
+    plugin = "builtin-moe"

@@ -43,6 +43,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-selection": "powertrain.builtin.selection",
     "builtin-communicators": "powertrain.builtin.communicators",
     "builtin-attention": "powertrain.builtin.attention",
+    "builtin-moe": "powertrain.builtin.moe",
     "builtin-scheduler": "powertrain.builtin.scheduler",
     "builtin-models": "powertrain.builtin.models",
 }

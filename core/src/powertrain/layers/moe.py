@@ -1,0 +1,474 @@
+"""DeepSeek MoE routing, and the routed-experts layer a MoE model calls.
+
+Routing stays in the core (DESIGN §3): every backend gets the same expert choice,
+so a kernel pack can only change how fast the experts run, never which ones. The
+layer computes the router logits in float32, picks ``top_k`` experts per token with
+DeepSeek's rules (``route``) and hands the choice to the ``MoEBackend`` assembly
+built. Shared experts are not here: they are a plain MLP the model adds.
+
+DeepSeek's gates, as their checkpoints' config.json name them:
+
+* ``scoring_func``: ``softmax`` over all experts (V2) or an independent ``sigmoid``
+  per expert (V3);
+* ``topk_method``: ``greedy`` (plain top-k), ``group_limited_greedy`` (V2: keep the
+  ``topk_group`` groups whose best expert scores highest, then top-k inside them) or
+  ``noaux_tc`` (V3: a learned ``e_score_correction_bias`` is added to the scores for
+  the *choice* only, and a group's score is the sum of its two best biased scores);
+* ``norm_topk_prob``: the chosen (unbiased) scores are divided by their sum;
+* ``routed_scaling_factor``: the weights are then multiplied by it.
+
+Normalising and then scaling, independently, is what DeepSeek-V3's reference code,
+HF transformers' V3 router and vLLM do. DeepSeek-V2's original remote code applied
+*either* the normalisation *or* the scaling, and transformers' V2 router ignores
+``norm_topk_prob``; the published V2 checkpoints all have ``norm_topk_prob: false``,
+where every one of these rules agrees.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch import nn
+
+from powertrain.interfaces import ExpertWeights, MoEBackend
+from powertrain.loader.fp8 import FP8_DTYPE
+
+Scoring = Literal["sigmoid", "softmax"]
+TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+#: RoutingConfig field -> the config.json key it is read from (errors name both).
+CONFIG_KEYS = {
+    "num_experts": "n_routed_experts",
+    "top_k": "num_experts_per_tok",
+    "scoring": "scoring_func",
+    "topk_method": "topk_method",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+    "norm_topk_prob": "norm_topk_prob",
+    "routed_scaling_factor": "routed_scaling_factor",
+}
+
+#: What HF's DeepseekV2Config / DeepseekV3Config assume when config.json omits a key
+#: (scoring_func and topk_method are not config fields there: HF's V2 gate always
+#: uses softmax, its V3 gate always sigmoid + noaux_tc). ``None`` = no usable default.
+#: Kimi K2 ships DeepSeek-V3's architecture under its own model_type.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        "n_routed_experts": 64,
+        "num_experts_per_tok": None,
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+    },
+    "deepseek_v3": {
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    },
+}
+_DEFAULTS["kimi_k2"] = _DEFAULTS["deepseek_v3"]
+
+
+def _problem(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"MoE routing: {CONFIG_KEYS[field]} = {value!r} (RoutingConfig.{field}) {why}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@attrs.frozen(kw_only=True)
+class RoutingConfig:
+    """How one MoE layer picks its experts; validated on construction, so a bad
+    config.json fails at model build naming the key, not inside a forward pass."""
+
+    num_experts: int
+    top_k: int
+    scoring: Scoring
+    topk_method: TopkMethod
+    #: Expert groups (DeepSeek places each group on one node). 1 = no grouping.
+    n_group: int = 1
+    #: Groups a token may draw its experts from (group-limited methods only).
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        for field in ("num_experts", "top_k", "n_group", "topk_group"):
+            value = getattr(self, field)
+            if not _is_int(value) or value < 1:
+                raise _problem(field, value, "must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise _problem("top_k", self.top_k, f"exceeds n_routed_experts = {self.num_experts}")
+        if self.scoring not in SCORING_FUNCS:
+            raise _problem("scoring", self.scoring, f"is not one of {', '.join(SCORING_FUNCS)}")
+        if self.topk_method not in TOPK_METHODS:
+            raise _problem("topk_method", self.topk_method, f"is not one of {', '.join(TOPK_METHODS)}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise _problem("norm_topk_prob", self.norm_topk_prob, "must be true or false")
+        factor = self.routed_scaling_factor
+        if not (_is_int(factor) or isinstance(factor, float)) or not math.isfinite(factor) or factor <= 0:
+            raise _problem("routed_scaling_factor", factor, "must be a positive number")
+        if self.topk_method != "greedy":
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        if self.num_experts % self.n_group:
+            raise _problem("n_group", self.n_group, f"must divide n_routed_experts = {self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise _problem("topk_group", self.topk_group, f"exceeds n_group = {self.n_group}")
+        reachable = self.topk_group * self.experts_per_group
+        if self.top_k > reachable:
+            raise _problem(
+                "top_k",
+                self.top_k,
+                f"exceeds the {reachable} experts in topk_group = {self.topk_group} groups of {self.experts_per_group}",
+            )
+        if self.topk_method == "noaux_tc" and self.limits_groups and self.experts_per_group < 2:
+            raise _problem(
+                "n_group",
+                self.n_group,
+                "leaves fewer than 2 experts per group; noaux_tc scores a group by its best two",
+            )
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.n_group
+
+    @property
+    def limits_groups(self) -> bool:
+        """Whether group selection can exclude anything (it cannot when every group is kept)."""
+        return self.topk_method != "greedy" and self.topk_group < self.n_group
+
+    @property
+    def uses_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
+        """Read a deepseek_v2 / deepseek_v3 config.json dict; an absent (or null) key
+        takes the default HF's config class of that ``model_type`` uses."""
+        model_type = config.get("model_type")
+        defaults = _DEFAULTS.get(model_type)
+        if defaults is None:
+            raise ValueError(
+                f"MoE routing: model_type = {model_type!r} has no known routing defaults "
+                f"(known: {', '.join(sorted(_DEFAULTS))}); build a RoutingConfig directly"
+            )
+
+        def read(field: str) -> Any:
+            key = CONFIG_KEYS[field]
+            value = config.get(key)
+            if value is None:
+                value = defaults[key]
+            if value is None:
+                raise ValueError(
+                    f"MoE routing: config.json of a {model_type} model lacks {key!r}, which has no default"
+                )
+            return value
+
+        method = read("topk_method")
+        grouped = method != "greedy"
+        return cls(
+            num_experts=read("num_experts"),
+            top_k=read("top_k"),
+            scoring=read("scoring"),
+            topk_method=method,
+            # Greedy ignores groups; V2's group keys are null then, which means one group.
+            n_group=read("n_group") if grouped else (config.get("n_group") or 1),
+            topk_group=read("topk_group") if grouped else (config.get("topk_group") or 1),
+            norm_topk_prob=read("norm_topk_prob"),
+            routed_scaling_factor=read("routed_scaling_factor"),
+        )
+
+
+def route(
+    router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's expert choice: float32 ``[T, E]`` logits -> (int32 ids, float32 weights), ``[T, top_k]`` each.
+
+    The correction bias (noaux_tc) only steers which experts are chosen; the weights
+    are always the unbiased scores of the chosen experts.
+    """
+    if router_logits.dim() != 2 or router_logits.shape[1] != config.num_experts:
+        raise ValueError(f"router_logits must be [num_tokens, {config.num_experts}], got {tuple(router_logits.shape)}")
+    if config.uses_correction_bias != (correction_bias is not None):
+        need = "needs" if config.uses_correction_bias else "takes no"
+        raise ValueError(f"topk_method {config.topk_method!r} {need} e_score_correction_bias")
+    logits = router_logits.float()
+    scores = logits.sigmoid() if config.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if config.limits_groups:
+        grouped = choice.view(-1, config.n_group, config.experts_per_group)
+        if config.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        kept_groups = group_scores.topk(config.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(config.experts_per_group, dim=1), float("-inf"))
+    topk_ids = choice.topk(config.top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if config.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    topk_weights = topk_weights * config.routed_scaling_factor
+    return topk_ids.to(torch.int32), topk_weights
+
+
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class MoE(nn.Module):
+    """The routed experts of one layer: router + the chosen ``MoEBackend``.
+
+    Weight names are relative to the layer's ``mlp.`` prefix, in either checkpoint
+    layout: DeepSeek's per-expert ``experts.{e}.{gate,up,down}_proj.weight`` or
+    transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``. Under
+    expert parallelism the layer holds experts ``first_expert ... first_expert +
+    local_experts - 1`` and accepts (and drops) the others' tensors.
+
+    Build it with its final dtype and device: the router weight must stay float32
+    (a ``Module.to(dtype)`` would round it, and ``finish_loading`` refuses that).
+
+    With ``fp8_block`` the experts stay as the checkpoint stores them: float8_e4m3
+    weights plus their ``weight_scale_inv`` block scales (per-expert names only), for
+    a backend that declares ``fp8-block``. Gate and up stack into one w13 whose scale
+    rows stack the same way, which needs the intermediate size to be whole blocks.
+    """
+
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        hidden_size: int,
+        intermediate_size: int,
+        backend: MoEBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        first_expert: int = 0,
+        local_experts: int | None = None,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if fp8_block is not None and intermediate_size % fp8_block[0]:
+            raise ValueError(
+                f"FP8 experts with {fp8_block[0]}-row blocks need an intermediate size that is a multiple of "
+                f"{fp8_block[0]}, got {intermediate_size}; load them dequantized instead"
+            )
+        self.fp8_block = fp8_block
+        local_experts = routing.num_experts - first_expert if local_experts is None else local_experts
+        if first_expert < 0 or local_experts < 1 or first_expert + local_experts > routing.num_experts:
+            raise ValueError(
+                f"experts {first_expert}..{first_expert + local_experts - 1} are not a slice of "
+                f"the {routing.num_experts} experts"
+            )
+        self.routing = routing
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.backend = backend
+        self.first_expert = first_expert
+        self.local_experts = local_experts
+        self.register_buffer(
+            "gate_weight", torch.empty(routing.num_experts, hidden_size, dtype=torch.float32, device=device)
+        )
+        bias = (
+            torch.empty(routing.num_experts, dtype=torch.float32, device=device)
+            if routing.uses_correction_bias
+            else None
+        )
+        self.register_buffer("e_score_correction_bias", bias)
+        # Expert weights are plain tensors, not buffers: after ``finish_loading`` the
+        # backend owns them (possibly re-laid out) and the layer lets go of its copy.
+        shape13 = (local_experts, 2 * intermediate_size, hidden_size)
+        shape2 = (local_experts, hidden_size, intermediate_size)
+        weight_dtype = dtype if fp8_block is None else FP8_DTYPE
+        self._w13: torch.Tensor | None = torch.empty(shape13, dtype=weight_dtype, device=device)
+        self._w2: torch.Tensor | None = torch.empty(shape2, dtype=weight_dtype, device=device)
+        self._w13_scale = self._w2_scale = None
+        if fp8_block is not None:
+            self._w13_scale = torch.empty(_scale_shape(shape13, fp8_block), dtype=torch.float32, device=device)
+            self._w2_scale = torch.empty(_scale_shape(shape2, fp8_block), dtype=torch.float32, device=device)
+        #: [local expert, projection] -> loaded? (projections in _PROJECTIONS order; scales
+        #: in the second half when the experts stay FP8)
+        self._loaded_parts = torch.zeros(
+            local_experts, len(_PROJECTIONS) * (1 if fp8_block is None else 2), dtype=torch.bool
+        )
+        self._loaded_router: set[str] = set()
+        self.prepared: Any = None
+
+    # ----------------------------------------------------------------------- loading
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one checkpoint tensor in; False if ``name`` is not this layer's."""
+        E, H, I = self.routing.num_experts, self.hidden_size, self.intermediate_size  # noqa: E741
+        if name == "gate.weight":
+            self._copy(name, tensor, (E, H), self.gate_weight)
+            self._loaded_router.add(name)
+            return True
+        if name == "gate.e_score_correction_bias":
+            if self.e_score_correction_bias is None:
+                return False  # only noaux_tc routing has one; the model reports it as unexpected
+            self._copy(name, tensor, (E,), self.e_score_correction_bias)
+            self._loaded_router.add(name)
+            return True
+        if name in ("experts.gate_up_proj", "experts.down_proj") and self.fp8_block is not None:
+            raise ValueError(f"mlp.{name}: FP8 experts are read from per-expert tensors only")
+        if name == "experts.gate_up_proj":
+            self._copy(name, tensor, (E, 2 * I, H), self._experts(name)[0], rows=self._local_slice())
+            self._loaded_parts[:, :2] = True
+            return True
+        if name == "experts.down_proj":
+            self._copy(name, tensor, (E, H, I), self._experts(name)[1], rows=self._local_slice())
+            self._loaded_parts[:, 2] = True
+            return True
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            return False
+        expert, projection, is_scale = int(match.group(1)), match.group(2), match.group(3) is not None
+        if expert >= E:
+            raise ValueError(f"mlp.{name}: expert {expert} does not exist; the config has {E} routed experts")
+        if is_scale and self.fp8_block is None:
+            return False  # the loader folds scales into their weights unless the experts stay FP8
+        local = expert - self.first_expert
+        if is_scale:
+            return self._load_scale(name, tensor, local, projection)
+        if not 0 <= local < self.local_experts:
+            self._check(name, tensor, (H, I) if projection == "down_proj" else (I, H))
+            return True  # another expert-parallel rank's expert
+        w13, w2 = self._experts(name)
+        if projection == "gate_proj":
+            self._copy(name, tensor, (I, H), w13[local, :I])
+        elif projection == "up_proj":
+            self._copy(name, tensor, (I, H), w13[local, I:])
+        else:
+            self._copy(name, tensor, (H, I), w2[local])
+        self._loaded_parts[local, _PROJECTIONS.index(projection)] = True
+        return True
+
+    def _load_scale(self, name: str, tensor: torch.Tensor, local: int, projection: str) -> bool:
+        assert self.fp8_block is not None and self._w13_scale is not None and self._w2_scale is not None
+        H, I = self.hidden_size, self.intermediate_size  # noqa: E741
+        shape = _scale_shape((H, I) if projection == "down_proj" else (I, H), self.fp8_block)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"mlp.{name} has shape {tuple(tensor.shape)}, but this layer's config needs {shape}")
+        if not 0 <= local < self.local_experts:
+            return True
+        self._experts(name)  # refuses after finish_loading
+        rows = shape[0]
+        target = {
+            "gate_proj": self._w13_scale[local, :rows],
+            "up_proj": self._w13_scale[local, rows:],
+            "down_proj": self._w2_scale[local],
+        }[projection]
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._loaded_parts[local, len(_PROJECTIONS) + _PROJECTIONS.index(projection)] = True
+        return True
+
+    def _experts(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._w13 is None or self._w2 is None:
+            raise RuntimeError(f"mlp.{name}: this MoE layer has finished loading; its experts belong to the backend")
+        return self._w13, self._w2
+
+    def _local_slice(self) -> slice:
+        return slice(self.first_expert, self.first_expert + self.local_experts)
+
+    def _check(self, name: str, tensor: torch.Tensor, want: tuple[int, ...]) -> None:
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"mlp.{name} has shape {tuple(tensor.shape)}, but this layer's config needs {want}")
+        if self.fp8_block is not None and name.startswith("experts.") and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"mlp.{name} is {tensor.dtype}, but this layer keeps its experts in {FP8_DTYPE}")
+        if self.fp8_block is None and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(
+                f"mlp.{name} is {tensor.dtype}: dequantize FP8 weights with their weight_scale_inv "
+                "(powertrain.loader.fp8.dequantize_blocks) before handing them to the layer"
+            )
+
+    def _copy(
+        self, name: str, tensor: torch.Tensor, want: tuple[int, ...], target: torch.Tensor, rows: slice | None = None
+    ) -> None:
+        self._check(name, tensor, want)
+        with torch.no_grad():
+            target.copy_(tensor if rows is None else tensor[rows])
+
+    def missing_weights(self) -> list[str]:
+        """Checkpoint names (relative to ``mlp.``) not loaded yet."""
+        missing = [
+            name
+            for name in ("gate.weight", "gate.e_score_correction_bias")
+            if name not in self._loaded_router and (name == "gate.weight" or self.e_score_correction_bias is not None)
+        ]
+        for local, part in (~self._loaded_parts).nonzero().tolist():
+            suffix = "weight" if part < len(_PROJECTIONS) else "weight_scale_inv"
+            missing.append(f"experts.{self.first_expert + local}.{_PROJECTIONS[part % len(_PROJECTIONS)]}.{suffix}")
+        return missing
+
+    def finish_loading(self) -> None:
+        """Check every weight arrived, then let the backend prepare the experts (once)."""
+        if self.prepared is not None:
+            return
+        missing = self.missing_weights()
+        if missing:
+            shown = ", ".join(f"mlp.{n}" for n in missing[:8])
+            more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+            raise ValueError(f"MoE layer weights never loaded: {shown}{more}")
+        if self.gate_weight.dtype != torch.float32:
+            raise ValueError(
+                f"the router weight is {self.gate_weight.dtype}, not float32: build the MoE layer with its "
+                "final dtype and device instead of casting the model afterwards, or routing loses precision"
+            )
+        assert self._w13 is not None and self._w2 is not None
+        weights = ExpertWeights(
+            w13=self._w13,
+            w2=self._w2,
+            num_experts=self.routing.num_experts,
+            first_expert=self.first_expert,
+            w13_scale=self._w13_scale,
+            w2_scale=self._w2_scale,
+            block_shape=self.fp8_block,
+        )
+        self.prepared = self.backend.prepare(weights)
+        self._w13 = self._w2 = self._w13_scale = self._w2_scale = None
+
+    # ----------------------------------------------------------------------- running
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> the routed experts' weighted sum, ``[T, H]`` in ``hidden``'s dtype."""
+        if self.prepared is None:
+            raise RuntimeError("MoE.forward before finish_loading(): the backend has no weights yet")
+        router_logits = hidden.float() @ self.gate_weight.T
+        topk_ids, topk_weights = route(router_logits, self.routing, self.e_score_correction_bias)
+        return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
+
+    def extra_repr(self) -> str:
+        r = self.routing
+        text = (
+            f"backend={self.backend.name}, experts={r.num_experts}, top_k={r.top_k}, "
+            f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, {r.scoring}/{r.topk_method}"
+        )
+        if self.local_experts != r.num_experts:
+            text += f", local experts {self.first_expert}..{self.first_expert + self.local_experts - 1}"
+        return text
+
+
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """One scale per ``block`` of the last two dimensions (the last blocks may be partial)."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
