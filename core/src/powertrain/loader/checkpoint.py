@@ -12,6 +12,7 @@ import attrs
 import structlog
 import torch
 
+from powertrain.loader.fp8 import dequantize_stream
 from powertrain.loader.progress import with_progress
 from powertrain.tokenizer import Tokenizer
 
@@ -35,7 +36,7 @@ class Checkpoint:
     format: Literal["gguf", "safetensors"]
     #: HF config.json keys (for GGUF, rebuilt from the file's metadata).
     config: Mapping[str, Any] = attrs.field(converter=_read_only)
-    #: HF names of the tensors ``tensors()`` yields, in that order.
+    #: HF names of the tensors ``tensors()`` yields, in that order (FP8 scales folded into their weights).
     tensor_names: tuple[str, ...] = attrs.field(repr=False)
     tokenizer: Tokenizer
     #: generation_config.json, or {} when the checkpoint has none.
@@ -43,28 +44,38 @@ class Checkpoint:
     _read_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]] = attrs.field(
         alias="read_tensors", repr=False, eq=False
     )
+    #: ``(rows, cols)`` of the FP8 weight blocks (DeepSeek-V3's quantization_config), or None when the
+    #: stored weights are not FP8. ``_read_tensors`` then yields each FP8 weight and its scale together.
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def num_tensors(self) -> int:
         return len(self.tensor_names)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, *, fp8_dtype: torch.dtype = torch.float32, keep_fp8: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF name, tensor)`` one at a time, read on demand, with a progress bar on a terminal.
 
-        GGUF tensors are dequantized to float32; safetensors keep their stored dtype. Each call
-        reads the checkpoint again, so a caller keeps only what it copies into its model.
+        GGUF tensors are dequantized to float32; safetensors keep their stored dtype, except FP8
+        block-scaled weights (``fp8_block`` is set): those are dequantized to ``fp8_dtype`` and their
+        ``*_scale_inv`` tensors dropped, unless ``keep_fp8(name)`` asks for the stored FP8 weight
+        and its scale (for kernels that multiply FP8 directly). Each call reads the checkpoint
+        again, so a caller keeps only what it copies into its model.
         """
+        stream = self._read_tensors()
+        if self.fp8_block is not None:
+            stream = dequantize_stream(stream, self.fp8_block, fp8_dtype, keep=keep_fp8 or (lambda name: False))
         started = time.perf_counter()
         count = 0
-        for item in with_progress(
-            self._read_tensors(), total=self.num_tensors, description=f"Loading {self.path.name}"
-        ):
+        for item in with_progress(stream, total=self.num_tensors, description=f"Loading {self.path.name}"):
             count += 1
             yield item
         log.info(
             "checkpoint.loaded",
             path=str(self.path),
             format=self.format,
+            fp8_block=self.fp8_block,
             tensors=count,
             seconds=round(time.perf_counter() - started, 2),
         )

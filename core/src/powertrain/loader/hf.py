@@ -7,7 +7,7 @@ a pickle runs whatever code it contains.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from powertrain.loader.checkpoint import Checkpoint
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.loader.fp8 import SCALE_SUFFIX, fp8_block_from_config
 from powertrain.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -31,6 +32,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     """Read config, tokenizer and the safetensors headers now; tensor data when ``tensors()`` is iterated."""
     config = with_both_rope_spellings(_read_json(folder / "config.json", required=True))
     generation_config = _read_json(folder / "generation_config.json") or {}
+    fp8_block = fp8_block_from_config(config, source=str(folder / "config.json"))
     shards = _tensor_locations(folder)
     tokenizer = _tokenizer(folder, config, generation_config)
 
@@ -40,16 +42,51 @@ def load_hf_folder(folder: Path) -> Checkpoint:
                 for name in names:
                     yield name, file.get_tensor(name)
 
-    log.debug("hf.opened", path=str(folder), shards=len(shards))
+    tensor_names = [name for names in shards.values() for name in names]
+    if fp8_block is not None:
+        read_tensors, tensor_names = _fp8_reader(shards)
+
+    log.debug("hf.opened", path=str(folder), shards=len(shards), fp8_block=fp8_block)
     return Checkpoint(
         path=folder,
         format="safetensors",
         config=config,
-        tensor_names=tuple(name for names in shards.values() for name in names),
+        tensor_names=tuple(tensor_names),
         tokenizer=tokenizer,
         generation_config=generation_config,
         read_tensors=read_tensors,
+        fp8_block=fp8_block,
     )
+
+
+def _fp8_reader(
+    shards: Mapping[Path, list[str]],
+) -> tuple[Callable[[], Iterator[tuple[str, torch.Tensor]]], list[str]]:
+    """Read an FP8 checkpoint in stored order but with each ``X_scale_inv`` right after ``X``, even when
+    another shard holds it, so the dequantizing stream never holds a weight back. Also returns the
+    names that stream yields (scales folded into their weights)."""
+    location = {name: shard for shard, names in shards.items() for name in names}
+    plan = {
+        shard: [
+            (name, location.get(name + SCALE_SUFFIX))
+            for name in names
+            if not (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in location)
+        ]
+        for shard, names in shards.items()
+    }
+
+    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for shard, entries in plan.items():
+            with _safe_open(shard) as file:
+                for name, scale_shard in entries:
+                    yield name, file.get_tensor(name)
+                    if scale_shard == shard:
+                        yield name + SCALE_SUFFIX, file.get_tensor(name + SCALE_SUFFIX)
+                    elif scale_shard is not None:
+                        with _safe_open(scale_shard) as other:
+                            yield name + SCALE_SUFFIX, other.get_tensor(name + SCALE_SUFFIX)
+
+    return read_tensors, [name for entries in plan.values() for name, _ in entries]
 
 
 def with_both_rope_spellings(config: dict[str, Any]) -> dict[str, Any]:

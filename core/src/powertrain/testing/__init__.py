@@ -15,8 +15,19 @@ then subclass the suites that fit what your plugin provides::
     class TestAttention(AttentionBackendSuite):
         component = "my-attention"
 
+    class TestMoE(MoEBackendSuite):
+        component = "my-moe"
+
 Every suite compares your implementation with the builtin reference on fresh
 random inputs and skips, with your record's reason, what cannot run here.
+
+Testing checkpoints: no model hub is needed to test code that loads or runs a
+DeepSeek model. ``write_tiny_deepseek(folder)`` writes a tiny random DeepSeek-V3
+(or ``variant="v2-lite"``) checkpoint with HF transformers, MTP layer and tokenizer
+included, in well under a second; ``quantize_checkpoint_fp8(folder, fp8_folder)``
+turns it into DeepSeek-V3's FP8 block-scaled layout. Both are deterministic per seed;
+cache them with a session-scoped fixture over ``tmp_path_factory`` (see
+``powertrain.testing.checkpoints``).
 """
 
 from __future__ import annotations
@@ -26,15 +37,20 @@ import pytest
 from powertrain.plugins import PluginManager
 from powertrain.testing.attention import AttentionBackendSuite
 from powertrain.testing.base import ComponentSuite, fresh_seed
+from powertrain.testing.checkpoints import quantize_checkpoint_fp8, write_tiny_deepseek
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
+from powertrain.testing.moe import MoEBackendSuite
 
 __all__ = [
     "AttentionBackendSuite",
     "CommunicatorSuite",
     "ComponentSuite",
+    "MoEBackendSuite",
     "PluginContract",
     "fresh_seed",
+    "quantize_checkpoint_fp8",
+    "write_tiny_deepseek",
 ]
 
 

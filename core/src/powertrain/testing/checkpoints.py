@@ -1,0 +1,532 @@
+"""Tiny random DeepSeek checkpoints, written locally, for tests of model code, loaders and kernels.
+
+No model hub is needed: ``write_tiny_deepseek`` builds the model with HF transformers (the
+oracle that model code is tested against), fills it with seeded random weights and saves it as
+a Hugging Face checkpoint folder. ``quantize_checkpoint_fp8`` turns such a folder into the FP8
+block-scaled layout DeepSeek-V3 is released in. Cache a checkpoint per test session::
+
+    @pytest.fixture(scope="session")
+    def tiny_v3(tmp_path_factory):
+        return write_tiny_deepseek(tmp_path_factory.mktemp("tiny-v3"))
+
+    @pytest.fixture(scope="session")
+    def tiny_v3_fp8(tmp_path_factory, tiny_v3):
+        return quantize_checkpoint_fp8(tiny_v3, tmp_path_factory.mktemp("tiny-v3-fp8"))
+
+Writing takes well under a second once transformers is imported (importing it takes a few).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from types import EllipsisType
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from powertrain.loader.fp8 import SCALE_SUFFIX, quantize_blocks
+
+__all__ = [
+    "DEEPSEEK_V3_QUANTIZATION_CONFIG",
+    "TINY_DEEPSEEK_CONFIGS",
+    "fp8_quantized_in_deepseek_v3",
+    "quantize_checkpoint_fp8",
+    "tiny_tokenizer",
+    "write_tiny_deepseek",
+]
+
+Variant = Literal["v3", "v2-lite"]
+
+#: Written next to the weights; a second call with the same arguments finds it and returns at once.
+RECIPE_FILE = "powertrain_tiny_checkpoint.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
+#: HF config arguments of each variant, before ``**overrides`` and the tokenizer's vocab size.
+#: hidden 256 makes every projection span several 128x128 FP8 blocks, some of them partial.
+TINY_DEEPSEEK_CONFIGS: Mapping[Variant, Mapping[str, Any]] = {
+    # DeepSeek-V3 / R1: sigmoid scores + correction bias, group-limited top-k, YaRN, MTP.
+    "v3": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",  # not read by transformers; real DeepSeek-V3 configs carry it
+        "topk_method": "noaux_tc",
+        "kv_lora_rank": 64,
+        "q_lora_rank": 96,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "max_position_embeddings": 512,
+        "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    # DeepSeek-V2-Lite: no q LoRA, softmax scores, plain greedy top-k, 2 shared experts.
+    "v2-lite": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "kv_lora_rank": 64,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "max_position_embeddings": 512,
+        "rope_parameters": {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+}
+
+#: What DeepSeek-V3's config.json says about its FP8 weights (the block shape is filled in).
+DEEPSEEK_V3_QUANTIZATION_CONFIG: Mapping[str, Any] = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+#: DeepSeek-V3's template, cut down to system/user/assistant turns.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+TOKENIZER_VOCAB_SIZE = 512
+
+# The tokenizer's training text: varied enough for 500 merges, fixed so every run gets the same vocab.
+_CORPUS = """\
+A mixture-of-experts layer sends each token to a few of its experts. The router scores every expert,
+keeps the best ones, and the layer adds their outputs, weighted by the scores. Shared experts see
+every token, so the routed ones can specialise.
+
+Multi-head latent attention compresses keys and values into one small latent vector per token. The
+cache stores that latent and a short rotary key; each head expands them again when it attends. This
+is why a long context costs so little memory.
+
+The engine schedules requests in batches. It prefills a prompt in chunks, decodes one token per step
+for every running sequence, and frees the cache blocks of finished requests. Prefix caching lets two
+requests that begin with the same system prompt share those blocks.
+
+Weights are stored in eight-bit floating point, one scale per block of 128 by 128 values. Loading
+multiplies each block by its scale; a kernel may instead keep the bytes and apply the scale inside
+the matrix multiplication, which halves the memory traffic of every layer.
+
+Speculative decoding drafts several tokens cheaply and verifies them in one forward pass of the big
+model. Accepted tokens cost almost nothing; a rejected token is replaced by the verifier's own sample,
+so the output distribution does not change. Numbers 0123456789, punctuation (!?.,;:) and "quotes".
+"""
+
+
+def write_tiny_deepseek(
+    path: str | Path,
+    *,
+    variant: Variant = "v3",
+    q_lora_rank: int | None | EllipsisType = ...,
+    num_nextn_predict_layers: int | EllipsisType = ...,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    per_expert_names: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random DeepSeek checkpoint folder to ``path`` (new or empty) and return it.
+
+    The folder is what real DeepSeek releases look like, shrunk: ``config.json`` (saved by
+    transformers 5: rope settings as ``rope_parameters`` with ``rope_type``; the loader adds the
+    ``rope_scaling`` spelling), safetensors weights, ``tokenizer.json`` + ``tokenizer_config.json``
+    (a byte-level BPE with DeepSeek's special tokens and a chat template) and
+    ``generation_config.json``. ``transformers`` loads it back with ``from_pretrained``, so its
+    forward pass is the oracle for model code.
+
+    - ``variant="v3"``: ``DeepseekV3ForCausalLM`` (sigmoid routing with ``e_score_correction_bias``,
+      2 expert groups of which 1 is kept, YaRN rope, ``rope_interleave=True`` as transformers'
+      default for the class). ``"v2-lite"``: ``DeepseekV2ForCausalLM``, DeepSeek-V2-Lite's shape
+      (no q LoRA, softmax routing, greedy top-k, 2 shared experts, YaRN with mscale 0.707; the
+      V2 class always rotates interleaved pairs). Sizes: ``TINY_DEEPSEEK_CONFIGS``; any config
+      key can be overridden by keyword.
+    - ``q_lora_rank``: ``...`` is the variant's (96 for v3, None for v2-lite); ``None`` gives a
+      plain ``q_proj``.
+    - ``num_nextn_predict_layers``: ``...`` is 1 for v3 and 0 for v2-lite (V2 has no MTP). Each MTP
+      layer ``L = num_hidden_layers + k`` is stored as DeepSeek-V3 stores it, in its own shard:
+      ``model.layers.{L}.enorm / hnorm / eh_proj [hidden, 2*hidden] / shared_head.norm /
+      shared_head.head / embed_tokens`` plus a full MoE decoder block (``self_attn.*``, ``mlp.*``,
+      both layernorms). transformers' ``DeepseekV3ForCausalLM`` builds no MTP layer, so it skips
+      these tensors with an "unexpected keys" note, and its logits do not change. transformers'
+      generic ``modeling_layers.MtpModel.from_pretrained(main_model)`` reads them (an oracle for
+      MTP code) once the pattern list ``main_model._keys_to_ignore_on_load_unexpected`` matches
+      ``model.layers.{L}.*`` (the class lists layer 61, the real model's).
+    - Weights: seeded (``seed``), independent of torch's global RNG, identical on every call.
+      Linear and expert weights ~ N(0, 1/fan_in) so activations keep unit scale and logits spread
+      out; embeddings ~ N(0, 1); every RMSNorm weight 1 + 0.1 N(0, 1); the router weight is random
+      like any linear and ``e_score_correction_bias`` ~ 0.1 N(0, 1) (transformers leaves it at
+      zero), so routing is neither uniform nor independent of the bias. All tensors are ``dtype``
+      except ``e_score_correction_bias``, which stays float32 as in DeepSeek-V3's release.
+    - Expert names: transformers 5 keeps experts fused in memory (``mlp.experts.gate_up_proj``
+      ``[E, 2*I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``) but ``save_pretrained`` writes them
+      per expert (``mlp.experts.{e}.gate_proj.weight``), as real DeepSeek checkpoints do.
+      ``per_expert_names=True`` guarantees that layout whatever transformers writes; ``False``
+      stores the fused tensors instead (transformers loads both).
+
+    Calling again with the same arguments on the same folder returns at once (a recipe file
+    records them); other arguments rewrite it. A folder holding anything else is refused.
+    """
+    folder = Path(path)
+    defaults = TINY_DEEPSEEK_CONFIGS.get(variant)
+    if defaults is None:
+        raise ValueError(f"variant must be one of {sorted(TINY_DEEPSEEK_CONFIGS)}, got {variant!r}")
+    if num_nextn_predict_layers is ...:
+        num_nextn_predict_layers = 1 if variant == "v3" else 0
+    config_args = {
+        **defaults,
+        **({} if q_lora_rank is ... else {"q_lora_rank": q_lora_rank}),
+        # V2 configs have no such key; transformers keeps unknown keys, as config.json shows them.
+        **(
+            {"num_nextn_predict_layers": num_nextn_predict_layers}
+            if variant == "v3" or num_nextn_predict_layers
+            else {}
+        ),
+        **overrides,
+    }
+    recipe = {
+        "variant": variant,
+        "seed": seed,
+        "dtype": str(dtype),
+        "per_expert_names": per_expert_names,
+        "config": json.loads(json.dumps(config_args, default=repr)),
+    }
+    if _recipe_matches(folder, recipe):
+        return folder
+    _clear(folder)
+
+    transformers = _import_transformers()
+    tokenizer = tiny_tokenizer()
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if config_args.setdefault("vocab_size", vocab_size) != vocab_size:
+        raise ValueError(f"vocab_size must be the tokenizer's size, {vocab_size}; got {config_args['vocab_size']}")
+    config_class, model_class = (
+        (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+        if variant == "v3"
+        else (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)
+    )
+    config = config_class(**config_args)
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
+        model = model_class(config)
+    generator = torch.Generator().manual_seed(seed)
+    _randomize(model.state_dict(keep_vars=True), generator)
+    model = _to_dtype(model, dtype)
+    model.save_pretrained(folder)
+    saved = folder / "model.safetensors"
+    _write_tensors(saved, _expert_layout(load_file(saved), per_expert=per_expert_names))
+
+    if num_nextn_predict_layers:
+        layer_class = type(model.model.layers[-1])
+        main = model.state_dict()
+        mtp = {}
+        for index in range(config.num_hidden_layers, config.num_hidden_layers + num_nextn_predict_layers):
+            # A separate generator: the main weights are the same with or without MTP layers.
+            mtp_generator = torch.Generator().manual_seed(seed + 1_000_003 * (index + 1))
+            block = _to_dtype(layer_class(config, layer_idx=index), dtype).state_dict(keep_vars=True)
+            layer = {
+                "enorm.weight": torch.empty(config.hidden_size),
+                "hnorm.weight": torch.empty(config.hidden_size),
+                "eh_proj.weight": torch.empty(config.hidden_size, 2 * config.hidden_size),
+                "shared_head.norm.weight": torch.empty(config.hidden_size),
+            }
+            _randomize(layer, mtp_generator)
+            _randomize(block, mtp_generator)
+            layer |= {name: tensor.detach() for name, tensor in block.items()}
+            layer |= {
+                "embed_tokens.weight": main["model.embed_tokens.weight"],
+                "shared_head.head.weight": main["lm_head.weight"],
+            }
+            for name, tensor in layer.items():
+                keep_float32 = name.endswith("e_score_correction_bias")
+                mtp[f"model.layers.{index}.{name}"] = tensor.to(torch.float32 if keep_float32 else dtype).clone()
+        _add_shard(folder, _expert_layout(mtp, per_expert=per_expert_names))
+
+    _write_tokenizer(folder, tokenizer)
+    files = sorted(file.name for file in folder.iterdir())
+    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
+    return folder
+
+
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE with ``TOKENIZER_VOCAB_SIZE`` entries, DeepSeek-V3's special tokens (BOS id 0,
+    EOS id 1, then User and Assistant) and a post-processor that adds BOS, trained offline on a
+    fixed text (the same vocab every time). Returns a ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=[BOS, EOS, USER, ASSISTANT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS.split("\n\n"), trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, backend.token_to_id(BOS))]
+    )
+    return backend
+
+
+def fp8_quantized_in_deepseek_v3(name: str) -> bool:
+    """Whether DeepSeek-V3's release stores this tensor as FP8 (with a ``<name>_scale_inv``).
+
+    FP8: the weights of every attention projection (``q_proj``/``q_a_proj``/``q_b_proj``,
+    ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``) and of every MLP (dense, shared and routed
+    experts), MTP layer included: the matrix multiplications that dominate time and memory.
+    Kept in high precision: embeddings, ``lm_head`` and the MTP copies (``shared_head.head``,
+    ``embed_tokens``), norms, the router (``mlp.gate.weight``) and ``e_score_correction_bias``
+    (small, and routing decisions are sensitive to them) and the MTP ``eh_proj`` (BF16 in the
+    release). Fused expert tensors (``mlp.experts.gate_up_proj``/``down_proj``) count as experts.
+    """
+    return _FP8_WEIGHT.search(name) is not None
+
+
+_FP8_WEIGHT = re.compile(
+    r"\.(?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight"
+    r"|mlp\.(?:shared_experts\.|experts\.\d+\.)?(?:gate_proj|up_proj|down_proj)\.weight"
+    r"|mlp\.experts\.(?:gate_up_proj|down_proj))$"
+)
+
+
+def quantize_checkpoint_fp8(src: str | Path, dst: str | Path, *, block: tuple[int, int] = (128, 128)) -> Path:
+    """Copy the float checkpoint folder ``src`` to ``dst`` (new or empty) in DeepSeek-V3's FP8 layout.
+
+    Each tensor ``fp8_quantized_in_deepseek_v3`` selects becomes float8_e4m3fn plus a float32
+    ``<name>_scale_inv`` of one factor per ``block`` (``powertrain.loader.fp8.quantize_blocks``), in
+    the same shard; everything else is copied unchanged. config.json gains DeepSeek-V3's
+    ``quantization_config`` with ``weight_block_size = block``; the index is rewritten; tokenizer and
+    generation files are copied. Returns ``dst``.
+    """
+    source, target = Path(src), Path(dst)
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in config:
+        raise ValueError(f"{source} is already quantized ({config['quantization_config']}); pass a float checkpoint")
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} is not empty; quantize_checkpoint_fp8 writes into a new or empty folder")
+    target.mkdir(parents=True, exist_ok=True)
+
+    index_path = source / INDEX_FILE
+    shard_names = (
+        sorted(set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values()))
+        if index_path.is_file()
+        else sorted(file.name for file in source.glob("*.safetensors"))
+    )
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for shard_name in shard_names:
+        quantized: dict[str, torch.Tensor] = {}
+        for name, tensor in load_file(source / shard_name).items():
+            if fp8_quantized_in_deepseek_v3(name):
+                quantized[name], quantized[name + SCALE_SUFFIX] = quantize_blocks(tensor, block)
+            else:
+                quantized[name] = tensor
+        _write_tensors(target / shard_name, quantized)
+        weight_map |= dict.fromkeys(quantized, shard_name)
+        total_size += sum(tensor.numel() * tensor.element_size() for tensor in quantized.values())
+    if index_path.is_file():
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (target / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    config["quantization_config"] = {**DEEPSEEK_V3_QUANTIZATION_CONFIG, "weight_block_size": list(block)}
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written_here = {INDEX_FILE, "config.json", RECIPE_FILE}
+    for file in source.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in written_here:
+            shutil.copy2(file, target / file.name)
+    return target
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            "write_tiny_deepseek builds the model with HF transformers (>= 5), which is not installed: "
+            "`pip install 'transformers>=5'`."
+        ) from error
+    return transformers
+
+
+def _randomize(tensors: Mapping[str, torch.Tensor], generator: torch.Generator) -> None:
+    """Overwrite every tensor in place, in name order, from ``generator`` (see write_tiny_deepseek)."""
+    with torch.no_grad():
+        for name in sorted(tensors):
+            tensor = tensors[name]
+            values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("e_score_correction_bias"):
+                values = 0.1 * values
+            elif "norm" in name.rsplit(".", 2)[-2]:  # input_layernorm, q_a_layernorm, enorm, shared_head.norm
+                values = 1 + 0.1 * values
+            elif "embed_tokens" not in name:
+                values = values / tensor.shape[-1] ** 0.5  # fan-in scaled: linears, experts, router
+            tensor.copy_(values)
+
+
+def _to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> Any:
+    module = module.to(dtype)
+    for submodule in module.modules():
+        bias = getattr(submodule, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            submodule.e_score_correction_bias = bias.float()
+    return module
+
+
+_FUSED_EXPERTS = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)")
+_PER_EXPERT = re.compile(
+    r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight"
+)
+
+
+def _expert_layout(tensors: Mapping[str, torch.Tensor], *, per_expert: bool) -> dict[str, torch.Tensor]:
+    """Routed experts as ``experts.{e}.<proj>.weight`` (per_expert) or fused ``experts.gate_up_proj``
+    ``[E, 2I, H]`` (gate rows first, as transformers chunks it) and ``experts.down_proj`` ``[E, H, I]``."""
+    result: dict[str, torch.Tensor] = {}
+    if per_expert:
+        for name, tensor in tensors.items():
+            if match := _FUSED_EXPERTS.fullmatch(name):
+                prefix = match["prefix"]
+                for expert, weight in enumerate(tensor):
+                    if match["kind"] == "down_proj":
+                        result[f"{prefix}.{expert}.down_proj.weight"] = weight.clone()
+                    else:
+                        gate, up = weight.chunk(2, dim=0)
+                        result[f"{prefix}.{expert}.gate_proj.weight"] = gate.clone()
+                        result[f"{prefix}.{expert}.up_proj.weight"] = up.clone()
+            else:
+                result[name] = tensor
+        return result
+
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        if match := _PER_EXPERT.fullmatch(name):
+            experts.setdefault(match["prefix"], {}).setdefault(match["kind"], {})[int(match["expert"])] = tensor
+        else:
+            result[name] = tensor
+    for prefix, kinds in experts.items():
+        count = len(kinds["down_proj"])
+        result[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in range(count)]
+        )
+        result[f"{prefix}.down_proj"] = torch.stack([kinds["down_proj"][e] for e in range(count)])
+    return result
+
+
+def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    # transformers refuses safetensors files without {"format": "pt"}.
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def _add_shard(folder: Path, extra: Mapping[str, torch.Tensor]) -> None:
+    """Turn the single ``model.safetensors`` into a two-shard checkpoint with ``extra`` in the second."""
+    main = folder / "model.safetensors"
+    shards = [folder / "model-00001-of-00002.safetensors", folder / "model-00002-of-00002.safetensors"]
+    main.rename(shards[0])
+    _write_tensors(shards[1], extra)
+    weight_map, total_size = {}, 0
+    for shard in shards:
+        for name, tensor in load_file(shard).items():
+            weight_map[name] = shard.name
+            total_size += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_tokenizer(folder: Path, tokenizer: Any) -> None:
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    generation_config = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+
+
+def _recipe_matches(folder: Path, recipe: Mapping[str, Any]) -> bool:
+    try:
+        written = json.loads((folder / RECIPE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    files = written.pop("files", [])
+    return written == recipe and all((folder / name).is_file() for name in files)
+
+
+def _clear(folder: Path) -> None:
+    """Make ``folder`` an empty folder; only files an earlier write_tiny_deepseek wrote may be removed."""
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        return
+    present = {file.name for file in folder.iterdir()}
+    if not present:
+        return
+    try:
+        ours = set(json.loads((folder / RECIPE_FILE).read_text(encoding="utf-8"))["files"]) | {RECIPE_FILE}
+    except (OSError, ValueError, KeyError, TypeError):
+        ours = set()
+    foreign = present - ours
+    if foreign:
+        raise FileExistsError(
+            f"{folder} holds files write_tiny_deepseek did not write ({', '.join(sorted(foreign)[:5])}); "
+            "pass a new or empty folder"
+        )
+    for name in present:
+        (folder / name).unlink()
