@@ -23,10 +23,11 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 
 import powertrain.builtin.models
 from powertrain.builtin.reference_attention import TorchReferenceAttention
-from powertrain.interfaces import AttentionMetadata, CausalLM, ModelContext
+from powertrain.interfaces import CausalLM, ModelContext
 from powertrain.layers.rotary import RopeParameters, inverse_frequencies
 from powertrain.models.llama import LlamaArgs, LlamaForCausalLM
 from powertrain.plugins import PluginManager
+from powertrain.testing.paged import PagedRunner
 
 VOCAB = 256
 COMMON = dict(
@@ -114,51 +115,8 @@ def make_ours(hf_model: Any, dtype: torch.dtype = torch.float32) -> LlamaForCaus
     return model
 
 
-class PagedBatches:
-    """What the engine's block manager and runner do for the model, minimally: blocks
-    drawn from a shuffled pool as sequences grow, one flat batch + metadata per step.
-
-    The cache starts as NaN, so reading a slot that was never written poisons the output.
-    """
-
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype = torch.float32, block_size: int = 4) -> None:
-        self.model = model
-        self.block_size = block_size
-        backend = TorchReferenceAttention()
-        num_blocks = 96
-        self.free = torch.randperm(num_blocks).tolist()
-        self.caches = []
-        for layer in model.attention_layers:
-            cache = backend.kv_cache_spec(layer, block_size, dtype).allocate(num_blocks, "cpu")
-            for tensor in cache.values():
-                tensor.fill_(float("nan"))
-            self.caches.append(cache)
-        self.blocks: dict[str, list[int]] = {}
-        self.lengths: dict[str, int] = {}
-
-    def step(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
-        """Run one step (decodes first, as the engine orders them); logits per chunk."""
-        query_lens, seq_lens, tables, positions = [], [], [], []
-        for seq, tokens in chunks:
-            context = self.lengths.get(seq, 0)
-            total = context + len(tokens)
-            blocks = self.blocks.setdefault(seq, [])
-            while len(blocks) * self.block_size < total:
-                blocks.append(self.free.pop())
-            query_lens.append(len(tokens))
-            seq_lens.append(total)
-            tables.append(list(blocks))
-            positions.extend(range(context, total))
-            self.lengths[seq] = total
-        metadata = AttentionMetadata.build(
-            query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, block_size=self.block_size
-        )
-        input_ids = torch.tensor([t for _, tokens in chunks for t in tokens], dtype=torch.int64)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.int64), self.caches, metadata)
-            logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32 and logits.shape == (len(input_ids), VOCAB)
-        return list(logits.split(query_lens))
+def paged(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> PagedRunner:
+    return PagedRunner(model, TorchReferenceAttention(), dtype=dtype)
 
 
 def hf_logits(hf_model: Any, tokens: Sequence[int]) -> torch.Tensor:
@@ -185,7 +143,7 @@ def test_ragged_prefill_batch_matches_hf_per_prompt(variant: str, seed: int) -> 
     # A one-token prompt counts as a decode, so the engine puts it first.
     lengths = [1, *(random.randint(2, 31) for _ in range(3)), 29]
     prompts = {f"p{i}": random_tokens(n) for i, n in enumerate(lengths)}
-    batches = PagedBatches(model)
+    batches = paged(model)
     outputs = batches.step(list(prompts.items()))
     for (name, tokens), ours in zip(prompts.items(), outputs, strict=True):
         assert_matches(ours, hf_logits(hf, tokens), seed, f"{variant} prefill of {name} ({len(tokens)} tokens)")
@@ -195,7 +153,7 @@ def test_ragged_prefill_batch_matches_hf_per_prompt(variant: str, seed: int) -> 
 def test_decode_steps_reuse_the_cache_and_match_hf(variant: str, seed: int) -> None:
     hf = make_hf(variant)
     model = make_ours(hf)
-    batches = PagedBatches(model)
+    batches = paged(model)
     sequences = {f"s{i}": random_tokens(random.randint(2, 24)) for i in range(3)}
     batches.step(list(sequences.items()))
     for step in range(6):
@@ -218,8 +176,8 @@ def test_chunked_prefill_equals_unchunked(variant: str, seed: int) -> None:
     cuts = sorted(random.sample(range(1, len(prompt)), 2))
     chunks = [prompt[: cuts[0]], prompt[cuts[0] : cuts[1]], prompt[cuts[1] :]]
 
-    whole = PagedBatches(model).step([("p", prompt)])[0]
-    batches = PagedBatches(model)
+    whole = paged(model).step([("p", prompt)])[0]
+    batches = paged(model)
     neighbour = random_tokens(6)
     batches.step([("other", neighbour)])
     pieces = []
@@ -254,7 +212,7 @@ def test_bfloat16_is_finite_and_close_to_float32(seed: int) -> None:
     model = make_ours(hf, torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     prompts = [("a", random_tokens(13)), ("b", random_tokens(27))]
-    batches = PagedBatches(model, torch.bfloat16)
+    batches = paged(model, torch.bfloat16)
     outputs = batches.step(prompts)
     outputs += batches.step([("a", random_tokens(1)), ("b", random_tokens(1))])
     for ours in outputs:
@@ -293,8 +251,8 @@ def test_rope_parameters_read_the_older_config_spelling() -> None:
         ).original_max_position_embeddings
         == 64
     )
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        RopeParameters.from_config({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+        RopeParameters.from_config({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
 
 
 # --------------------------------------------------------------------------- config

@@ -346,14 +346,33 @@ def _architecture(plugins: PluginManager, checkpoint_config: Mapping[str, Any], 
 
 
 def _load_model(
-    config: EngineConfig, result: Plan, architecture: Provided, checkpoint: Any, attention: Any, dtype: torch.dtype
+    config: EngineConfig,
+    result: Plan,
+    architecture: Provided,
+    checkpoint: Any,
+    attention: Any,
+    dtype: torch.dtype,
+    needs_moe: bool,
 ) -> tuple[Any, list[Any], int, int]:
     """Build the model, load its weights and allocate its KV cache (on the device thread)."""
-    context = interfaces.ModelContext(config=checkpoint.config, dtype=dtype, device=result.device, attention=attention)
+    moe = build_moe(result, dtype) if needs_moe else None
+    # FP8 experts stay FP8 only where the MoE backend multiplies them itself; on a CPU
+    # everything is dequantized at load (there is no FP8 matmul to gain from).
+    keeps_fp8 = (
+        moe is not None and result.device.type != "cpu" and "fp8-block" in result.chosen("moe").record.capabilities
+    )
+    context = interfaces.ModelContext(
+        config=checkpoint.config,
+        dtype=dtype,
+        device=result.device,
+        attention=attention,
+        moe=moe,
+        fp8_block=checkpoint.fp8_block if keeps_fp8 else None,
+    )
     model = architecture.record.factory(context)
     if not isinstance(model, interfaces.CausalLM):
         raise AssemblyError([f"model {architecture.record.name!r} built {type(model).__name__}, not a CausalLM"])
-    model.load_weights(checkpoint.tensors())
+    model.load_weights(checkpoint.tensors(fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None)))
 
     block_size = config.cache.block_size
     specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in model.attention_layers]
@@ -364,6 +383,15 @@ def _load_model(
             [f"the KV cache budget holds no block of {bytes_per_block} bytes; raise [cache] memory_gib"]
         )
     kv_caches = [spec.allocate(num_blocks, result.device) for spec in specs]
+    per_token = sum(spec.bytes_per_token for spec in specs)
+    naive = getattr(model, "naive_kv_bytes_per_token", None)
+    log.info(
+        "kv cache",
+        bytes_per_token=per_token,
+        **({"bytes_per_token_uncompressed": naive(dtype)} if naive else {}),
+        blocks=num_blocks,
+        block_size=block_size,
+    )
     return model, kv_caches, num_blocks, bytes_per_block
 
 
@@ -394,7 +422,7 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
     device_thread = DeviceThread()
     try:
         model, kv_caches, num_blocks, bytes_per_block = device_thread.run(
-            _load_model, config, result, architecture, checkpoint, attention, dtype
+            _load_model, config, result, architecture, checkpoint, attention, dtype, "moe" in requirements
         )
     except BaseException:
         device_thread.shutdown()

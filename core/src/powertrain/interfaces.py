@@ -562,6 +562,10 @@ class ModelContext:
     device: torch.device
     attention: Any  # an AttentionBackend (or MLAAttentionBackend)
     moe: Any = None  # a MoEBackend, for MoE architectures
+    #: The checkpoint's FP8 block shape when the MoE backend multiplies FP8 experts itself:
+    #: the model then keeps routed experts FP8 (and says which tensors through ``keep_fp8``).
+    #: None: every weight reaches the model dequantized.
+    fp8_block: tuple[int, int] | None = None
     communicator: Any = None  # a Communicator, for expert parallelism
 
 

@@ -152,4 +152,3 @@ class BucketedAttention:
             q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads
         )
         return out.transpose(0, 1).to(query.dtype)
-

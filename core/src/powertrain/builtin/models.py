@@ -14,6 +14,7 @@ from powertrain.components import ModelArchitectureRecord
 
 if TYPE_CHECKING:
     from powertrain.interfaces import ModelContext
+    from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
     from powertrain.models.llama import LlamaForCausalLM
 
 POWERTRAIN_HOOK_API = 1
@@ -35,6 +36,20 @@ def llama_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
     return {"attention": needs}
 
 
+def build_deepseek(context: ModelContext) -> DeepseekV3ForCausalLM:
+    from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(context)
+
+
+def deepseek_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Paged MLA attention; a MoE backend when the checkpoint has routed experts."""
+    needs: dict[str, set[str]] = {"attention": {"mla", "paged", "prefill", "decode", "chunked-prefill"}}
+    if config.get("n_routed_experts") is not None:
+        needs["moe"] = set()
+    return needs
+
+
 @hookimpl
 def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
     return [
@@ -44,5 +59,12 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
             factory=build_llama,
             requirements=llama_requirements,
             description="Llama-family decoders: Llama 2/3, SmolLM, Mistral, Qwen2 (GQA, RoPE scaling, qkv bias)",
-        )
+        ),
+        ModelArchitectureRecord(
+            name="deepseek-v3",
+            architectures={"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"},
+            factory=build_deepseek,
+            requirements=deepseek_requirements,
+            description="DeepSeek-V2/V2-Lite/V3/V3.1/R1: MLA with a latent KV cache, DeepSeekMoE, MTP drafter",
+        ),
     ]

@@ -1,4 +1,4 @@
-"""The attention call of a GQA/MHA layer: hand q/k/v to the chosen backend.
+"""The attention calls of GQA/MHA and MLA layers: hand their inputs to the chosen backend.
 
 The projections and rotary live in the model file, which knows the checkpoint's
 layout; this layer only carries the static ``AttentionLayerSpec`` and calls the
@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from powertrain.interfaces import AttentionBackend, AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.interfaces import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    LayerKVCache,
+    MLAAttentionBackend,
+)
 
 
 class Attention(nn.Module):
@@ -34,3 +40,36 @@ class Attention(nn.Module):
         s = self.spec
         text = f"backend={self.backend.name}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_size={s.head_size}"
         return text + (f", sliding_window={s.sliding_window}" if s.sliding_window else "")
+
+
+class MLAAttention(nn.Module):
+    """The attention call of an MLA layer, in the weight-absorbed form.
+
+    The model hands over queries already projected into the latent space plus their
+    rope part, and this step's normalised latents and rotated rope keys; the backend
+    writes the latent cache and returns per-head latent outputs, which the model
+    up-projects through ``kv_b_proj``'s value rows.
+    """
+
+    def __init__(self, spec: AttentionLayerSpec, backend: MLAAttentionBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+
+    def forward(
+        self,
+        q_latent: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+        q_rope: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim]
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank]
+        k_rope: torch.Tensor,  # [num_tokens, qk_rope_head_dim]
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        return self.backend.forward_mla(self.spec, q_latent, q_rope, latent, k_rope, kv_cache, metadata)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (
+            f"backend={self.backend.name}, heads={s.num_heads}, "
+            f"kv_lora_rank={s.kv_lora_rank}, rope={s.qk_rope_head_dim}"
+        )

@@ -17,7 +17,7 @@ import attrs
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @attrs.frozen(kw_only=True)
@@ -33,6 +33,14 @@ class RopeParameters:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    #: yarn only: the ramp between interpolated and extrapolated frequencies, and the
+    #: magnitude correction (``attention_factor``, else derived from mscale/mscale_all_dim).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> RopeParameters:
@@ -58,7 +66,21 @@ class RopeParameters:
             partial_rotary_factor=float(
                 rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
             ),
-            factor=float(rope.get("factor", 1.0)),
+            # DeepSeek-style yarn configs may leave factor out: HF derives it from the two lengths.
+            factor=float(
+                rope.get("factor")
+                or (
+                    int(config.get("max_position_embeddings") or original_max) / int(original_max)
+                    if rope_type == "yarn"
+                    else 1.0
+                )
+            ),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+            attention_factor=rope.get("attention_factor"),
+            truncate=bool(rope.get("truncate", True)),
             low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(original_max),
@@ -68,12 +90,50 @@ class RopeParameters:
 def inverse_frequencies(params: RopeParameters, rotary_dim: int) -> torch.Tensor:
     """float32 ``[rotary_dim // 2]``, computed op for op as transformers does."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / rotary_dim
-    inv_freq = 1.0 / (params.theta**exponents)
+    pos_freqs = params.theta**exponents
+    inv_freq = 1.0 / pos_freqs
     if params.rope_type == "linear":
         return inv_freq / params.factor
     if params.rope_type == "llama3":
         return _llama3_scaling(inv_freq, params)
+    if params.rope_type == "yarn":
+        return _yarn_scaling(pos_freqs, params, rotary_dim)
     return inv_freq
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``factor``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(params: RopeParameters) -> float:
+    """What cos/sin are multiplied by (transformers' ``attention_scaling``): 1 except for yarn."""
+    if params.rope_type != "yarn":
+        return 1.0
+    if params.attention_factor is not None:
+        return float(params.attention_factor)
+    if params.mscale and params.mscale_all_dim:
+        return yarn_mscale(params.factor, params.mscale) / yarn_mscale(params.factor, params.mscale_all_dim)
+    return yarn_mscale(params.factor)
+
+
+def _yarn_scaling(pos_freqs: torch.Tensor, params: RopeParameters, rotary_dim: int) -> torch.Tensor:
+    """YaRN: high frequencies kept (extrapolated), low ones divided by ``factor``
+    (interpolated), a linear ramp between (transformers' ``_compute_yarn_parameters``)."""
+
+    def correction_dim(rotations: float) -> float:
+        length = params.original_max_position_embeddings
+        return (rotary_dim * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(params.theta))
+
+    low, high = correction_dim(params.beta_fast), correction_dim(params.beta_slow)
+    if params.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: avoid dividing by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (params.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, params: RopeParameters) -> torch.Tensor:
@@ -103,6 +163,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_size * params.partial_rotary_factor)
         self.max_positions = max_positions
         self.inv_freq = inverse_frequencies(params, self.rotary_dim)
+        self.scaling = attention_factor(params)
         self._cos = torch.empty(0, self.rotary_dim // 2)
         self._sin = torch.empty(0, self.rotary_dim // 2)
 
@@ -122,7 +183,7 @@ class RotaryEmbedding(nn.Module):
     def _build(self, num_positions: int, device: torch.device) -> None:
         position = torch.arange(num_positions, dtype=torch.float32, device=device)
         freqs = position[:, None] * self.inv_freq.to(device)[None, :]
-        self._cos, self._sin = freqs.cos(), freqs.sin()
+        self._cos, self._sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"

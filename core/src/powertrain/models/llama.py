@@ -26,6 +26,7 @@ from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary
+from powertrain.models.weights import copy_checked, name_list
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
 _IGNORED = re.compile(r"\.rotary_emb\.")
@@ -290,12 +291,7 @@ class LlamaForCausalLM(nn.Module):
                 if target is None:
                     unexpected.append(name)
                     continue
-                if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"but this model's config needs {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
+                copy_checked(name, target, tensor)
                 loaded.add(name)
             if tied_head is not None:
                 self._load_tied_head(tied_head, loaded)
@@ -303,9 +299,9 @@ class LlamaForCausalLM(nn.Module):
         if unexpected or missing:
             problems = []
             if unexpected:
-                problems.append(f"unexpected tensors: {_name_list(unexpected)}")
+                problems.append(f"unexpected tensors: {name_list(unexpected)}")
             if missing:
-                problems.append(f"missing tensors: {_name_list(missing)}")
+                problems.append(f"missing tensors: {name_list(missing)}")
             raise ValueError(f"checkpoint does not match {type(self).__name__}: {'; '.join(problems)}")
 
     def _load_tied_head(self, head: torch.Tensor, loaded: set[str]) -> None:
@@ -322,8 +318,3 @@ class LlamaForCausalLM(nn.Module):
                 "the config ties lm_head to the embedding (tie_word_embeddings), "
                 "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight"
             )
-
-
-def _name_list(names: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,81 @@
+"""Drive a model through a paged KV cache the way the engine does, minus the engine.
+
+For model tests against an oracle (HF transformers): blocks are drawn from a
+shuffled pool as sequences grow, each step is one flat batch with its
+``AttentionMetadata``, and a prefix-cache hit is a new sequence whose table starts
+with another sequence's full blocks. The cache starts as NaN, so reading a slot
+that was never written poisons the output instead of passing silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from powertrain.interfaces import AttentionMetadata
+
+
+class PagedRunner:
+    def __init__(
+        self,
+        model: Any,
+        backend: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        block_size: int = 4,
+        num_blocks: int = 96,
+        layers: Sequence[Any] | None = None,
+    ) -> None:
+        """``layers`` defaults to ``model.attention_layers``; pass others (e.g. a
+        drafter's) to get caches for them."""
+        self.model = model
+        self.block_size = block_size
+        self.free = torch.randperm(num_blocks).tolist()
+        self.caches = []
+        for layer in model.attention_layers if layers is None else layers:
+            cache = backend.kv_cache_spec(layer, block_size, dtype).allocate(num_blocks, "cpu")
+            for tensor in cache.values():
+                tensor.fill_(float("nan"))
+            self.caches.append(cache)
+        self.blocks: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}
+
+    def share_prefix(self, seq: str, source: str, num_tokens: int) -> int:
+        """Start ``seq`` on ``source``'s full blocks covering at most ``num_tokens`` tokens,
+        as a prefix-cache hit does; returns how many tokens it skips."""
+        full = min(num_tokens, self.lengths[source]) // self.block_size
+        self.blocks[seq] = list(self.blocks[source][:full])
+        self.lengths[seq] = full * self.block_size
+        return self.lengths[seq]
+
+    def metadata(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Grow each sequence by its chunk (decodes must come first, as the engine orders
+        them); returns the step's metadata and positions."""
+        query_lens, seq_lens, tables, positions = [], [], [], []
+        for seq, tokens in chunks:
+            context = self.lengths.get(seq, 0)
+            total = context + len(tokens)
+            blocks = self.blocks.setdefault(seq, [])
+            while len(blocks) * self.block_size < total:
+                blocks.append(self.free.pop())
+            query_lens.append(len(tokens))
+            seq_lens.append(total)
+            tables.append(list(blocks))
+            positions.extend(range(context, total))
+            self.lengths[seq] = total
+        metadata = AttentionMetadata.build(
+            query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, block_size=self.block_size
+        )
+        return metadata, torch.tensor(positions, dtype=torch.int64)
+
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """Run one step; float32 logits per chunk."""
+        metadata, positions = self.metadata(chunks)
+        input_ids = torch.tensor([t for _, tokens in chunks for t in tokens], dtype=torch.int64)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.caches, metadata)
+            logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape[0] == len(input_ids)
+        return list(logits.split(metadata.query_lens_host))
