@@ -1,0 +1,59 @@
+"""Type stubs of the Rust extension (src/python.rs)."""
+
+from typing import Any
+
+class RecipeError(Exception):
+    status: int
+    path: str
+    body: str
+
+def parse_request_json(protocol_name: str, body: bytes) -> str: ...
+
+class PromptEncoder:
+    def __init__(self, tokenizer_json: str, tokenizer_config_json: str, model_config_json: str = "{}") -> None: ...
+    def prompt(
+        self, protocol_name: str, body: bytes, add_generation_prompt: bool = True
+    ) -> tuple[str, str, list[int]]: ...
+    def render_request(self, request_json: str, add_generation_prompt: bool = True) -> tuple[str, list[int]]: ...
+    def special_tokens(self) -> list[str]: ...
+    def special_token_ids(self) -> list[int]: ...
+
+class StreamParser:
+    def __init__(
+        self, format: str, stop: list[str] = ..., starts_in_reasoning: bool = False, id_prefix: str | None = None
+    ) -> None: ...
+    def push(self, text: str) -> list[dict[str, Any]]: ...
+    def push_bytes(self, data: bytes) -> list[dict[str, Any]]: ...
+    def finish(self) -> list[dict[str, Any]]: ...
+
+class ResponseWriter:
+    def __init__(
+        self,
+        protocol_name: str,
+        id: str,
+        model: str,
+        created: int,
+        include_usage: bool = False,
+        prompt_tokens: int = 0,
+        cached_prompt_tokens: int = 0,
+    ) -> None: ...
+    def start(self) -> list[str]: ...
+    def events(self, events: list[dict[str, Any]]) -> list[str]: ...
+    def finish(
+        self,
+        reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_prompt_tokens: int = 0,
+        reasoning_tokens: int = 0,
+        stop_sequence: str | None = None,
+    ) -> list[str]: ...
+    def response(
+        self,
+        reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_prompt_tokens: int = 0,
+        reasoning_tokens: int = 0,
+        stop_sequence: str | None = None,
+    ) -> str: ...

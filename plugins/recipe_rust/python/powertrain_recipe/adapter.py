@@ -1,0 +1,111 @@
+"""The adapter object the server and engine hold for one model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from powertrain_recipe._native import PromptEncoder, ResponseWriter, StreamParser, parse_request_json
+
+#: Protocol names as the core's ProtocolAdapterRecord spells them -> the native names.
+PROTOCOLS = {
+    "openai.chat": "chat_completions",
+    "openai.responses": "responses",
+    "anthropic.messages": "anthropic_messages",
+}
+
+
+def _native_protocol(protocol: str) -> str:
+    return PROTOCOLS.get(protocol, protocol)
+
+
+def parse_request(protocol: str, body: bytes | str) -> dict[str, Any]:
+    """A request body -> the engine request as a dict (raises RecipeError with .status/.path/.body)."""
+    data = body.encode() if isinstance(body, str) else body
+    return json.loads(parse_request_json(_native_protocol(protocol), data))
+
+
+def output_format(model_config: Mapping[str, Any]) -> str:
+    """Which markup the model writes, from its config.json."""
+    model_type = str(model_config.get("model_type", ""))
+    architectures = " ".join(model_config.get("architectures") or [])
+    if model_type in ("deepseek_v4", "deepseek_v32") or "DeepseekV4" in architectures or "DeepseekV32" in architectures:
+        return "deepseek_v4"
+    if model_type in ("deepseek_v3", "deepseek_v2") or "Deepseek" in architectures:
+        return "deepseek_v3"
+    return "plain"
+
+
+class RecipeAdapter:
+    """Implements ``powertrain.interfaces.ProtocolAdapter`` for one model.
+
+    Built from what a loaded checkpoint has: its tokenizer.json text, tokenizer
+    config (chat template, bos/eos) and config.json.
+    """
+
+    protocols = frozenset(PROTOCOLS)
+
+    def __init__(self, tokenizer_json: str, tokenizer_config: Mapping[str, Any], model_config: Mapping[str, Any]):
+        self.encoder = PromptEncoder(tokenizer_json, json.dumps(dict(tokenizer_config)), json.dumps(dict(model_config)))
+        self.output_format = output_format(model_config)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, model_config: Mapping[str, Any]) -> RecipeAdapter:
+        """From a ``powertrain.tokenizer.Tokenizer`` (as the loader builds it) and config.json."""
+        config = {
+            "chat_template": tokenizer.chat_template,
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+        }
+        return cls(tokenizer.backend.to_str(), config, model_config)
+
+    def parse_request(self, protocol: str, body: bytes) -> dict[str, Any]:
+        """Parse, render and tokenize: the engine request with ``prompt`` and ``prompt_token_ids`` added."""
+        request_json, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body)
+        request = json.loads(request_json)
+        request["prompt"] = prompt
+        request["prompt_token_ids"] = ids
+        return request
+
+    def stream_parser(self, request: Mapping[str, Any], id_prefix: str | None = None) -> StreamParser:
+        """A parser for this request's generated text (its stop sequences; reasoning first
+        when the prompt already opened a thinking block)."""
+        return StreamParser(
+            self.output_format,
+            list(request["sampling"]["stop"]),
+            starts_in_reasoning=str(request.get("prompt", "")).endswith("<think>"),
+            id_prefix=id_prefix,
+        )
+
+    def render_response(self, protocol: str, request: Mapping[str, Any], output: Any) -> bytes:
+        """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body."""
+        completion = output.outputs[0]
+        parser = self.stream_parser(request, id_prefix=f"call_{output.request_id}")
+        events = parser.push(completion.text) + parser.finish()
+        writer = ResponseWriter(
+            _native_protocol(protocol),
+            str(output.request_id),
+            request["model"],
+            0,
+            prompt_tokens=len(output.prompt_token_ids),
+            cached_prompt_tokens=output.num_cached_tokens,
+        )
+        writer.events(events)
+        stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)
+        if stopped is not None:
+            reason = "stop_sequence"
+        elif completion.finish_reason == "length":
+            reason = "length"
+        elif any(e["type"] == "tool_call_start" for e in events):
+            reason = "tool_calls"
+        else:
+            reason = "stop"
+        body = writer.response(
+            reason,
+            len(output.prompt_token_ids),
+            len(completion.token_ids),
+            cached_prompt_tokens=output.num_cached_tokens,
+            stop_sequence=stopped,
+        )
+        return body.encode()

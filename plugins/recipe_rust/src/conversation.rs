@@ -1,0 +1,220 @@
+//! The one typed conversation every protocol parses into, and the request around it.
+//!
+//! Chat Completions, Responses and Anthropic Messages say the same things in three
+//! shapes; after parsing nothing downstream (rendering, tokenizing, the engine)
+//! knows which protocol a request came in. Two requests that mean the same
+//! conversation compare equal here, which is what makes "the same prompt from every
+//! protocol" testable.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Which wire protocol a request arrived in (and its response must leave in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Protocol {
+    ChatCompletions,
+    Responses,
+    AnthropicMessages,
+}
+
+impl Protocol {
+    pub fn parse(name: &str) -> Option<Protocol> {
+        match name {
+            "chat_completions" | "chat.completions" | "openai_chat" => Some(Protocol::ChatCompletions),
+            "responses" | "openai_responses" => Some(Protocol::Responses),
+            "anthropic_messages" | "messages" | "anthropic" => Some(Protocol::AnthropicMessages),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::ChatCompletions => "chat_completions",
+            Protocol::Responses => "responses",
+            Protocol::AnthropicMessages => "anthropic_messages",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    System,
+    /// OpenAI's "developer" messages: system-level instructions from the application.
+    Developer,
+    User,
+    Assistant,
+    Tool,
+}
+
+/// One piece of a message's content. Images are references only: never fetched here.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ContentPart {
+    Text { text: String },
+    Image { url: String },
+}
+
+/// An assistant's call of a tool; ``arguments`` is the JSON text the model produced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    pub content: Vec<ContentPart>,
+    /// An assistant turn's reasoning ("thinking") text, when the history carries it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's tool name (Anthropic and Responses do not always say it; it is
+    /// filled from the matching call when the history has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl Message {
+    pub fn text(role: Role, text: impl Into<String>) -> Message {
+        Message {
+            role,
+            content: vec![ContentPart::Text { text: text.into() }],
+            reasoning: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }
+    }
+
+    /// The text parts joined (what a text-only template sees as ``content``).
+    pub fn joined_text(&self) -> String {
+        self.content
+            .iter()
+            .filter_map(|part| match part {
+                ContentPart::Text { text } => Some(text.as_str()),
+                ContentPart::Image { .. } => None,
+            })
+            .collect::<Vec<_>>()
+            .join("")
+    }
+}
+
+/// A function the model may call; ``parameters`` is its JSON schema.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    pub parameters: Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(tag = "type", content = "name", rename_all = "snake_case")]
+pub enum ToolChoice {
+    #[default]
+    Auto,
+    None,
+    Required,
+    Named(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningEffort {
+    Minimal,
+    Low,
+    Medium,
+    High,
+    Max,
+}
+
+/// Thinking mode: ``enabled`` None leaves it to the model's default.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Thinking {
+    pub enabled: Option<bool>,
+    pub effort: Option<ReasoningEffort>,
+    /// Anthropic's thinking budget in tokens, when given.
+    pub budget_tokens: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Conversation {
+    pub messages: Vec<Message>,
+    pub tools: Vec<Tool>,
+    pub tool_choice: ToolChoice,
+    pub thinking: Thinking,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    #[default]
+    Text,
+    JsonObject,
+    JsonSchema {
+        name: String,
+        schema: Value,
+        strict: bool,
+    },
+}
+
+/// What the sampler is asked for; None means the engine's default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingSettings {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<u32>,
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub seed: Option<u64>,
+    pub n: u32,
+    /// Log-probabilities of the chosen tokens were asked for.
+    pub logprobs: bool,
+    /// How many alternatives per position, when logprobs are on.
+    pub top_logprobs: Option<u32>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+}
+
+impl Default for SamplingSettings {
+    fn default() -> Self {
+        SamplingSettings {
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            max_tokens: None,
+            stop: Vec::new(),
+            seed: None,
+            n: 1,
+            logprobs: false,
+            top_logprobs: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+        }
+    }
+}
+
+/// A parsed request: everything the engine needs, protocol-free except for the
+/// protocol to answer in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineRequest {
+    pub protocol: Protocol,
+    pub model: String,
+    pub conversation: Conversation,
+    pub sampling: SamplingSettings,
+    pub response_format: ResponseFormat,
+    pub stream: bool,
+    /// Chat Completions' stream_options.include_usage (the other protocols always report usage).
+    pub include_usage: bool,
+    pub metadata: Map<String, Value>,
+    /// A caller-chosen end-user id, when the protocol carries one.
+    pub user: Option<String>,
+}

@@ -1,0 +1,428 @@
+//! Server-sent events for each protocol, from parser events.
+//!
+//! Each returned `String` is one complete frame: `data: {...}\n\n` for Chat
+//! Completions (ending with `data: [DONE]\n\n`), `event: <type>\ndata: {...}\n\n` for
+//! Responses and Anthropic Messages. JSON is compact.
+//!
+//! - Chat Completions: `start` sends the role chunk (`delta: {role, content: ""}`);
+//!   each text / reasoning / tool-call delta is one `chat.completion.chunk`
+//!   (`content`, `reasoning_content`, `tool_calls[{index, id, type, function{name,
+//!   arguments: ""}}]` on a call's start, then `tool_calls[{index, function{arguments}}]`);
+//!   `finish` sends an empty delta with `finish_reason`, a `choices: []` usage chunk when
+//!   include_usage is on (every chunk then carries `usage: null`), and `[DONE]`.
+//! - Responses: `response.created`, `response.in_progress`; per output item
+//!   `response.output_item.added`, then for a message `response.content_part.added`,
+//!   `response.output_text.delta`…, `response.output_text.done`,
+//!   `response.content_part.done`; for reasoning the same with `reasoning_text`
+//!   (`response.reasoning_text.delta` / `.done`); for a call
+//!   `response.function_call_arguments.delta`… / `.done`; then
+//!   `response.output_item.done`; finally `response.completed` (or
+//!   `response.incomplete` on Length) with the whole response and usage. Every event
+//!   has `sequence_number` from 0. Item ids follow [`responses_item_id`].
+//! - Anthropic: `message_start`, per block `content_block_start` /
+//!   `content_block_delta` (`thinking_delta`, `text_delta`, `input_json_delta`) /
+//!   `content_block_stop`, then `message_delta` (stop_reason, stop_sequence, usage) and
+//!   `message_stop`. No `ping` and no `signature_delta` are sent (thinking blocks
+//!   carry `signature: ""`). `message_start` usage comes from
+//!   [`SseWriter::with_prompt_usage`] (0 otherwise).
+
+use serde_json::{json, Value};
+
+use crate::conversation::Protocol;
+use crate::output::parser::OutputEvent;
+use crate::output::response::{
+    anthropic_usage, responses_item, responses_item_id, responses_object, responses_reasoning_part,
+    responses_text_part, FinishReason, ResponseBuilder, Segment, Usage,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Open {
+    Reasoning,
+    Text,
+    Tool(usize),
+}
+
+#[derive(Debug, Clone)]
+pub struct SseWriter {
+    protocol: Protocol,
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+    prompt_tokens: u32,
+    cached_prompt_tokens: u32,
+    sequence: u64,
+    builder: ResponseBuilder,
+    /// The open item / block and its position (output_index / block index).
+    open: Option<(Open, usize)>,
+    finished: bool,
+}
+
+impl SseWriter {
+    pub fn new(protocol: Protocol, id: impl Into<String>, model: impl Into<String>, created: u64) -> SseWriter {
+        SseWriter {
+            protocol,
+            id: id.into(),
+            model: model.into(),
+            created,
+            include_usage: false,
+            prompt_tokens: 0,
+            cached_prompt_tokens: 0,
+            sequence: 0,
+            builder: ResponseBuilder::new(),
+            open: None,
+            finished: false,
+        }
+    }
+
+    /// Chat Completions' `stream_options.include_usage` (other protocols always report usage).
+    pub fn with_include_usage(mut self, include_usage: bool) -> SseWriter {
+        self.include_usage = include_usage;
+        self
+    }
+
+    /// Prompt token counts for Anthropic's `message_start` usage.
+    pub fn with_prompt_usage(mut self, prompt_tokens: u32, cached_prompt_tokens: u32) -> SseWriter {
+        self.prompt_tokens = prompt_tokens;
+        self.cached_prompt_tokens = cached_prompt_tokens;
+        self
+    }
+
+    /// Everything seen so far, for logging or a final non-streaming body.
+    pub fn builder(&self) -> &ResponseBuilder {
+        &self.builder
+    }
+
+    pub fn start(&mut self) -> Vec<String> {
+        match self.protocol {
+            Protocol::ChatCompletions => vec![self.chat_chunk(json!({"role": "assistant", "content": ""}), None)],
+            Protocol::Responses => {
+                let response = responses_object(&self.id, &self.model, self.created, None, vec![], None);
+                vec![
+                    self.responses_frame("response.created", json!({"response": response.clone()})),
+                    self.responses_frame("response.in_progress", json!({"response": response})),
+                ]
+            }
+            Protocol::AnthropicMessages => {
+                let usage = Usage {
+                    prompt_tokens: self.prompt_tokens,
+                    cached_prompt_tokens: self.cached_prompt_tokens,
+                    completion_tokens: 0,
+                    reasoning_tokens: 0,
+                };
+                vec![frame(
+                    "message_start",
+                    json!({
+                        "type": "message_start",
+                        "message": {
+                            "id": self.id,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": self.model,
+                            "content": [],
+                            "stop_reason": null,
+                            "stop_sequence": null,
+                            "usage": anthropic_usage(&usage),
+                        },
+                    }),
+                )]
+            }
+        }
+    }
+
+    pub fn events(&mut self, events: &[OutputEvent]) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.finished {
+            return out;
+        }
+        for event in events {
+            match event {
+                OutputEvent::Reasoning(s) | OutputEvent::Text(s) if s.is_empty() => continue,
+                _ => {}
+            }
+            self.builder.push(event);
+            match self.protocol {
+                Protocol::ChatCompletions => self.chat_event(event, &mut out),
+                Protocol::Responses => self.responses_event(event, &mut out),
+                Protocol::AnthropicMessages => self.anthropic_event(event, &mut out),
+            }
+        }
+        out
+    }
+
+    pub fn finish(&mut self, finish_reason: &FinishReason, usage: &Usage) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.finished {
+            return out;
+        }
+        self.finished = true;
+        match self.protocol {
+            Protocol::ChatCompletions => {
+                out.push(self.chat_chunk(json!({}), Some(finish_reason.chat_completions())));
+                if self.include_usage {
+                    let body = json!({
+                        "id": self.id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": crate::output::response::chat_usage(usage),
+                    });
+                    out.push(data_frame(&body));
+                }
+                out.push("data: [DONE]\n\n".to_string());
+            }
+            Protocol::Responses => {
+                self.responses_close(&mut out);
+                let response =
+                    self.builder.build(Protocol::Responses, &self.id, &self.model, self.created, finish_reason, usage);
+                let kind = if *finish_reason == FinishReason::Length { "response.incomplete" } else { "response.completed" };
+                out.push(self.responses_frame(kind, json!({"response": response})));
+            }
+            Protocol::AnthropicMessages => {
+                self.anthropic_close(&mut out);
+                out.push(frame(
+                    "message_delta",
+                    json!({
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": finish_reason.anthropic(),
+                            "stop_sequence": finish_reason.stop_sequence(),
+                        },
+                        "usage": anthropic_usage(usage),
+                    }),
+                ));
+                out.push(frame("message_stop", json!({"type": "message_stop"})));
+            }
+        }
+        out
+    }
+
+    // ---- Chat Completions ----
+
+    fn chat_chunk(&self, delta: Value, finish_reason: Option<&str>) -> String {
+        let mut body = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+        });
+        if self.include_usage {
+            body["usage"] = Value::Null;
+        }
+        data_frame(&body)
+    }
+
+    fn chat_event(&mut self, event: &OutputEvent, out: &mut Vec<String>) {
+        let delta = match event {
+            OutputEvent::Reasoning(s) => json!({"reasoning_content": s}),
+            OutputEvent::Text(s) => json!({"content": s}),
+            OutputEvent::ToolCallStart { index, id, name } => json!({"tool_calls": [{
+                "index": index,
+                "id": id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }]}),
+            OutputEvent::ToolCallArguments { index, delta } => {
+                json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]})
+            }
+            OutputEvent::ToolCallEnd { .. } | OutputEvent::Stopped { .. } => return,
+        };
+        out.push(self.chat_chunk(delta, None));
+    }
+
+    // ---- Responses ----
+
+    fn responses_frame(&mut self, kind: &str, fields: Value) -> String {
+        let mut body = json!({"type": kind});
+        if let Value::Object(map) = fields {
+            for (k, v) in map {
+                body[k] = v;
+            }
+        }
+        body["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        frame(kind, body)
+    }
+
+    fn segment(&self, position: usize) -> Segment {
+        self.builder.segments().get(position).cloned().unwrap_or(Segment::Text(String::new()))
+    }
+
+    fn responses_open(&mut self, kind: Open, out: &mut Vec<String>) -> (usize, String) {
+        if let Some((open, position)) = self.open {
+            if open == kind {
+                let id = responses_item_id(&self.id, position, &self.segment(position));
+                return (position, id);
+            }
+        }
+        self.responses_close(out);
+        // The builder has just pushed the event that opens this item: it is the last segment.
+        let position = self.builder.segments().len() - 1;
+        let seg = self.segment(position);
+        let item_id = responses_item_id(&self.id, position, &seg);
+        let mut item = responses_item(&self.id, position, &seg, "in_progress");
+        if let Segment::ToolCall(_) = seg {
+            item["arguments"] = json!("");
+        }
+        out.push(self.responses_frame("response.output_item.added", json!({"output_index": position, "item": item})));
+        let part = match kind {
+            Open::Reasoning => Some(responses_reasoning_part("")),
+            Open::Text => Some(responses_text_part("")),
+            Open::Tool(_) => None,
+        };
+        if let Some(part) = part {
+            out.push(self.responses_frame(
+                "response.content_part.added",
+                json!({"item_id": item_id, "output_index": position, "content_index": 0, "part": part}),
+            ));
+        }
+        self.open = Some((kind, position));
+        (position, item_id)
+    }
+
+    fn responses_close(&mut self, out: &mut Vec<String>) {
+        let Some((kind, position)) = self.open.take() else { return };
+        let seg = self.segment(position);
+        let item_id = responses_item_id(&self.id, position, &seg);
+        match (&seg, kind) {
+            (Segment::Reasoning(text), _) => {
+                out.push(self.responses_frame(
+                    "response.reasoning_text.done",
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "text": text}),
+                ));
+                out.push(self.responses_frame(
+                    "response.content_part.done",
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "part": responses_reasoning_part(text)}),
+                ));
+            }
+            (Segment::Text(text), _) => {
+                out.push(self.responses_frame(
+                    "response.output_text.done",
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "text": text, "logprobs": []}),
+                ));
+                out.push(self.responses_frame(
+                    "response.content_part.done",
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "part": responses_text_part(text)}),
+                ));
+            }
+            (Segment::ToolCall(call), _) => {
+                out.push(self.responses_frame(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": item_id, "output_index": position, "name": call.name, "arguments": call.arguments}),
+                ));
+            }
+        }
+        let item = responses_item(&self.id, position, &seg, "completed");
+        out.push(self.responses_frame("response.output_item.done", json!({"output_index": position, "item": item})));
+    }
+
+    fn responses_event(&mut self, event: &OutputEvent, out: &mut Vec<String>) {
+        match event {
+            OutputEvent::Reasoning(s) => {
+                let (position, item_id) = self.responses_open(Open::Reasoning, out);
+                out.push(self.responses_frame(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "delta": s}),
+                ));
+            }
+            OutputEvent::Text(s) => {
+                let (position, item_id) = self.responses_open(Open::Text, out);
+                out.push(self.responses_frame(
+                    "response.output_text.delta",
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "delta": s, "logprobs": []}),
+                ));
+            }
+            OutputEvent::ToolCallStart { index, .. } => {
+                self.responses_close(out);
+                self.responses_open(Open::Tool(*index), out);
+            }
+            OutputEvent::ToolCallArguments { index, delta } => {
+                if let Some((Open::Tool(i), position)) = self.open {
+                    if i == *index {
+                        let item_id = responses_item_id(&self.id, position, &self.segment(position));
+                        out.push(self.responses_frame(
+                            "response.function_call_arguments.delta",
+                            json!({"item_id": item_id, "output_index": position, "delta": delta}),
+                        ));
+                    }
+                }
+            }
+            OutputEvent::ToolCallEnd { index } => {
+                if matches!(self.open, Some((Open::Tool(i), _)) if i == *index) {
+                    self.responses_close(out);
+                }
+            }
+            OutputEvent::Stopped { .. } => {}
+        }
+    }
+
+    // ---- Anthropic ----
+
+    fn anthropic_open(&mut self, kind: Open, out: &mut Vec<String>) -> usize {
+        if let Some((open, position)) = self.open {
+            if open == kind {
+                return position;
+            }
+        }
+        self.anthropic_close(out);
+        let position = self.builder.segments().len() - 1;
+        let block = match self.segment(position) {
+            Segment::Reasoning(_) => json!({"type": "thinking", "thinking": "", "signature": ""}),
+            Segment::Text(_) => json!({"type": "text", "text": ""}),
+            Segment::ToolCall(c) => json!({"type": "tool_use", "id": c.id, "name": c.name, "input": {}}),
+        };
+        out.push(frame(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": position, "content_block": block}),
+        ));
+        self.open = Some((kind, position));
+        position
+    }
+
+    fn anthropic_close(&mut self, out: &mut Vec<String>) {
+        if let Some((_, position)) = self.open.take() {
+            out.push(frame("content_block_stop", json!({"type": "content_block_stop", "index": position})));
+        }
+    }
+
+    fn anthropic_event(&mut self, event: &OutputEvent, out: &mut Vec<String>) {
+        let (kind, delta) = match event {
+            OutputEvent::Reasoning(s) => (Open::Reasoning, json!({"type": "thinking_delta", "thinking": s})),
+            OutputEvent::Text(s) => (Open::Text, json!({"type": "text_delta", "text": s})),
+            OutputEvent::ToolCallStart { index, .. } => {
+                self.anthropic_close(out);
+                self.anthropic_open(Open::Tool(*index), out);
+                return;
+            }
+            OutputEvent::ToolCallArguments { index, delta } => {
+                (Open::Tool(*index), json!({"type": "input_json_delta", "partial_json": delta}))
+            }
+            OutputEvent::ToolCallEnd { index } => {
+                if matches!(self.open, Some((Open::Tool(i), _)) if i == *index) {
+                    self.anthropic_close(out);
+                }
+                return;
+            }
+            OutputEvent::Stopped { .. } => return,
+        };
+        let position = match (kind, self.open) {
+            (Open::Tool(i), Some((Open::Tool(j), position))) if i == j => position,
+            (Open::Tool(_), _) => return, // arguments for a call that is not open: dropped
+            _ => self.anthropic_open(kind, out),
+        };
+        out.push(frame(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": position, "delta": delta}),
+        ));
+    }
+}
+
+fn data_frame(body: &Value) -> String {
+    format!("data: {}\n\n", serde_json::to_string(body).unwrap_or_default())
+}
+
+fn frame(kind: &str, body: Value) -> String {
+    format!("event: {kind}\ndata: {}\n\n", serde_json::to_string(&body).unwrap_or_default())
+}

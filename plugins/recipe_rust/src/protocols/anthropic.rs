@@ -1,0 +1,526 @@
+//! Anthropic Messages request -> ``EngineRequest``.
+//!
+//! Accepted: ``model``, ``messages`` and ``max_tokens`` (all required), ``system``
+//! (string or text blocks), user blocks ``text`` / ``image`` (base64 -> a
+//! ``data:<media_type>;base64,...`` reference, url -> the url) / ``tool_result``,
+//! assistant blocks ``text`` / ``tool_use`` / ``thinking``, ``tools`` (custom tools:
+//! name, description, input_schema), ``tool_choice`` (auto / any -> Required / none /
+//! tool), ``thinking`` (enabled with budget_tokens >= 1024 and < max_tokens, or
+//! disabled), ``temperature`` (0..=1), ``top_p``, ``top_k``, ``stop_sequences``,
+//! ``stream``, ``metadata.user_id`` (-> ``user``), ``service_tier`` ("auto" only).
+//!
+//! Each ``tool_result`` becomes a Role::Tool message, in order, split out of its user
+//! turn and placed before the remaining user content of that turn.
+//!
+//! Ignored hints: ``cache_control`` everywhere, ``citations`` on text blocks,
+//! thinking ``signature``, and ``tool_result.is_error`` (the conversation has no
+//! error flag; the result's text is kept as is).
+
+use serde_json::{Map, Value};
+
+use super::*;
+use crate::conversation::*;
+use crate::error::{index, RecipeError, Result};
+
+const TOP_LEVEL: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "service_tier",
+    // Known, rejected as unsupported:
+    "container",
+    "mcp_servers",
+    "context_management",
+];
+
+pub fn parse(body: &Value) -> Result<EngineRequest> {
+    let top = Fields::new(body, "")?;
+    top.check_known(TOP_LEVEL)?;
+    top.reject("container", "code execution containers")?;
+    top.reject("mcp_servers", "MCP connectors")?;
+    top.reject("context_management", "server-side context management")?;
+    if let Some(tier) = top.str("service_tier")? {
+        if tier != "auto" {
+            return Err(unsupported_field(
+                &top.at("service_tier"),
+                "service_tier",
+                "service tiers",
+            ));
+        }
+    }
+
+    let model = top.req_str("model")?.to_string();
+    let max_tokens = top
+        .positive_u32("max_tokens")?
+        .ok_or_else(|| top.missing("max_tokens"))?;
+
+    let tools = match top.array("tools")? {
+        Some(items) => parse_tools(items, &top.at("tools"))?,
+        None => Vec::new(),
+    };
+    let tool_choice = match top.object("tool_choice")? {
+        Some(f) => parse_tool_choice(&f, &tools)?,
+        None => ToolChoice::Auto,
+    };
+
+    let mut messages = Vec::new();
+    if let Some(system) = top.get("system") {
+        let content = system_content(system, &top.at("system"))?;
+        messages.push(Message {
+            role: Role::System,
+            content,
+            reasoning: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        });
+    }
+    let list = as_array(top.require("messages")?, &top.at("messages"))?;
+    if list.is_empty() {
+        return Err(RecipeError::invalid(
+            top.at("messages"),
+            "at least one message is required",
+        ));
+    }
+    parse_messages(list, &top.at("messages"), &mut messages)?;
+
+    let mut thinking = Thinking::default();
+    if let Some(t) = top.object("thinking")? {
+        match t.req_str("type")? {
+            "enabled" => {
+                t.check_known(&["type", "budget_tokens"])?;
+                let budget = t
+                    .u32("budget_tokens")?
+                    .ok_or_else(|| t.missing("budget_tokens"))?;
+                if budget < 1024 {
+                    return Err(RecipeError::invalid(
+                        t.at("budget_tokens"),
+                        format!("must be >= 1024, got {budget}"),
+                    ));
+                }
+                if budget >= max_tokens {
+                    return Err(RecipeError::invalid(
+                        t.at("budget_tokens"),
+                        format!("must be less than max_tokens ({max_tokens}), got {budget}"),
+                    ));
+                }
+                thinking.enabled = Some(true);
+                thinking.budget_tokens = Some(budget);
+            }
+            "disabled" => {
+                t.check_known(&["type"])?;
+                thinking.enabled = Some(false);
+            }
+            other => {
+                return Err(RecipeError::invalid(
+                    t.at("type"),
+                    format!("unknown thinking type {other:?} (expected enabled or disabled)"),
+                ))
+            }
+        }
+    }
+
+    let mut sampling = SamplingSettings {
+        max_tokens: Some(max_tokens),
+        temperature: top.f64_in("temperature", 0.0, 1.0, false)?,
+        top_p: top.f64_in("top_p", 0.0, 1.0, true)?,
+        top_k: top.positive_u32("top_k")?,
+        ..SamplingSettings::default()
+    };
+    if let Some(list) = top.array("stop_sequences")? {
+        for (i, v) in list.iter().enumerate() {
+            let s = as_str(v, &index(&top.at("stop_sequences"), i))?;
+            sampling.stop.push(s.to_string());
+        }
+    }
+
+    let stream = top.bool("stream")?.unwrap_or(false);
+    let mut user = None;
+    if let Some(meta) = top.object("metadata")? {
+        meta.check_known(&["user_id"])?;
+        user = meta.str("user_id")?.map(str::to_string);
+    }
+
+    Ok(EngineRequest {
+        protocol: Protocol::AnthropicMessages,
+        model,
+        conversation: Conversation {
+            messages,
+            tools,
+            tool_choice,
+            thinking,
+        },
+        sampling,
+        response_format: ResponseFormat::Text,
+        stream,
+        include_usage: true,
+        metadata: Map::new(),
+        user,
+    })
+}
+
+fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
+    let mut tools: Vec<Tool> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let t = Fields::new(item, &index(path, i))?;
+        if let Some(ty) = t.str("type")? {
+            if ty != "custom" {
+                return Err(unsupported_field(
+                    &t.at("type"),
+                    ty,
+                    "server and built-in tools; declare custom tools",
+                ));
+            }
+        }
+        t.check_known(&[
+            "type",
+            "name",
+            "description",
+            "input_schema",
+            "cache_control",
+        ])?;
+        let name = t.req_str("name")?;
+        check_tool_name(name, &t.at("name"))?;
+        if tools.iter().any(|existing| existing.name == name) {
+            return Err(RecipeError::invalid(
+                t.at("name"),
+                format!("duplicate tool name {name:?}"),
+            ));
+        }
+        let description = t.str("description")?.map(str::to_string);
+        let parameters = schema_object(t.require("input_schema")?, &t.at("input_schema"))?;
+        tools.push(Tool {
+            name: name.to_string(),
+            description,
+            parameters,
+        });
+    }
+    Ok(tools)
+}
+
+fn parse_tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice> {
+    let ty = f.req_str("type")?;
+    let choice = match ty {
+        "auto" | "any" => {
+            f.check_known(&["type", "disable_parallel_tool_use"])?;
+            if ty == "auto" {
+                ToolChoice::Auto
+            } else {
+                ToolChoice::Required
+            }
+        }
+        "none" => {
+            f.check_known(&["type"])?;
+            ToolChoice::None
+        }
+        "tool" => {
+            f.check_known(&["type", "name", "disable_parallel_tool_use"])?;
+            super::chat::named_choice(f.req_str("name")?, &f.at("name"), tools)?
+        }
+        other => {
+            return Err(RecipeError::invalid(
+                f.at("type"),
+                format!("unknown tool_choice type {other:?} (expected auto, any, none or tool)"),
+            ))
+        }
+    };
+    if f.bool("disable_parallel_tool_use")? == Some(true) {
+        return Err(unsupported_field(
+            &f.at("disable_parallel_tool_use"),
+            "disable_parallel_tool_use",
+            "limiting the model to one tool call",
+        ));
+    }
+    super::chat::check_choice_has_tools(&choice, &f.path, tools)?;
+    Ok(choice)
+}
+
+fn system_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
+    match value {
+        Value::String(s) => Ok(normalize_content(vec![ContentPart::Text {
+            text: s.clone(),
+        }])),
+        Value::Array(items) => {
+            let mut parts = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                let b = Fields::new(item, &index(path, i))?;
+                let ty = b.req_str("type")?;
+                if ty != "text" {
+                    return Err(RecipeError::invalid(
+                        b.at("type"),
+                        format!("system blocks must be text, got {ty:?}"),
+                    ));
+                }
+                parts.push(text_block(&b)?);
+            }
+            Ok(normalize_content(parts))
+        }
+        other => Err(expected(path, "string or array of text blocks", other)),
+    }
+}
+
+fn text_block(b: &Fields) -> Result<ContentPart> {
+    b.check_known(&["type", "text", "cache_control", "citations"])?;
+    b.object("cache_control")?;
+    b.array("citations")?;
+    Ok(ContentPart::Text {
+        text: b.req_str("text")?.to_string(),
+    })
+}
+
+fn image_block(b: &Fields) -> Result<ContentPart> {
+    b.check_known(&["type", "source", "cache_control"])?;
+    let s = b.object("source")?.ok_or_else(|| b.missing("source"))?;
+    let url = match s.req_str("type")? {
+        "base64" => {
+            s.check_known(&["type", "media_type", "data"])?;
+            let media = s.req_str("media_type")?;
+            if !matches!(
+                media,
+                "image/jpeg" | "image/png" | "image/gif" | "image/webp"
+            ) {
+                return Err(RecipeError::invalid(
+                    s.at("media_type"),
+                    format!("unsupported image media type {media:?} (expected image/jpeg, image/png, image/gif or image/webp)"),
+                ));
+            }
+            let data = s.req_str("data")?;
+            if data.is_empty() {
+                return Err(RecipeError::invalid(s.at("data"), "must not be empty"));
+            }
+            format!("data:{media};base64,{data}")
+        }
+        "url" => {
+            s.check_known(&["type", "url"])?;
+            let url = s.req_str("url")?;
+            if url.is_empty() {
+                return Err(RecipeError::invalid(s.at("url"), "must not be empty"));
+            }
+            url.to_string()
+        }
+        "file" => {
+            return Err(unsupported_field(
+                &s.at("type"),
+                "file",
+                "uploaded files; send base64 or url",
+            ))
+        }
+        other => {
+            return Err(RecipeError::invalid(
+                s.at("type"),
+                format!("unknown image source type {other:?} (expected base64 or url)"),
+            ))
+        }
+    };
+    Ok(ContentPart::Image { url })
+}
+
+const UNSUPPORTED_BLOCKS: &[&str] = &[
+    "document",
+    "search_result",
+    "redacted_thinking",
+    "server_tool_use",
+    "web_search_tool_result",
+    "web_fetch_tool_result",
+    "code_execution_tool_result",
+    "bash_code_execution_tool_result",
+    "text_editor_code_execution_tool_result",
+    "mcp_tool_use",
+    "mcp_tool_result",
+    "container_upload",
+];
+
+fn parse_messages(items: &[Value], path: &str, out: &mut Vec<Message>) -> Result<()> {
+    let mut calls = CallTracker::default();
+    for (i, item) in items.iter().enumerate() {
+        let m = Fields::new(item, &index(path, i))?;
+        m.check_known(&["role", "content"])?;
+        let role = m.req_str("role")?;
+        let content_path = m.at("content");
+        let content = m.require("content")?;
+        let blocks: Vec<Fields> = match content {
+            Value::String(s) => {
+                let role = match role {
+                    "user" => Role::User,
+                    "assistant" => Role::Assistant,
+                    other => return Err(unknown_role(&m, other)),
+                };
+                out.push(Message {
+                    role,
+                    content: normalize_content(vec![ContentPart::Text { text: s.clone() }]),
+                    reasoning: None,
+                    tool_calls: Vec::new(),
+                    tool_call_id: None,
+                    name: None,
+                });
+                continue;
+            }
+            Value::Array(list) => list
+                .iter()
+                .enumerate()
+                .map(|(j, v)| Fields::new(v, &index(&content_path, j)))
+                .collect::<Result<_>>()?,
+            other => {
+                return Err(expected(
+                    &content_path,
+                    "string or array of content blocks",
+                    other,
+                ))
+            }
+        };
+        match role {
+            "user" => {
+                let mut parts = Vec::new();
+                let mut had_tool_result = false;
+                for b in &blocks {
+                    let ty = b.req_str("type")?;
+                    match ty {
+                        "text" => parts.push(text_block(b)?),
+                        "image" => parts.push(image_block(b)?),
+                        "tool_result" => {
+                            had_tool_result = true;
+                            out.push(tool_result(b, &calls)?);
+                        }
+                        "tool_use" | "thinking" => {
+                            return Err(RecipeError::invalid(
+                                b.at("type"),
+                                format!("{ty} blocks are only allowed in assistant messages"),
+                            ))
+                        }
+                        other => return Err(unknown_block(b, other)),
+                    }
+                }
+                let parts = normalize_content(parts);
+                if !parts.is_empty() || !had_tool_result {
+                    out.push(Message {
+                        role: Role::User,
+                        content: parts,
+                        reasoning: None,
+                        tool_calls: Vec::new(),
+                        tool_call_id: None,
+                        name: None,
+                    });
+                }
+            }
+            "assistant" => {
+                let mut msg = Message {
+                    role: Role::Assistant,
+                    content: Vec::new(),
+                    reasoning: None,
+                    tool_calls: Vec::new(),
+                    tool_call_id: None,
+                    name: None,
+                };
+                for b in &blocks {
+                    let ty = b.req_str("type")?;
+                    match ty {
+                        "text" => msg.content.push(text_block(b)?),
+                        "tool_use" => {
+                            b.check_known(&["type", "id", "name", "input", "cache_control"])?;
+                            let id = b.req_str("id")?;
+                            check_call_id(id, &b.at("id"))?;
+                            let name = b.req_str("name")?;
+                            check_tool_name(name, &b.at("name"))?;
+                            let input = b.require("input")?;
+                            as_object(input, &b.at("input"))?;
+                            msg.tool_calls.push(ToolCall {
+                                id: id.to_string(),
+                                name: name.to_string(),
+                                arguments: compact_value(input)?,
+                            });
+                        }
+                        "thinking" => {
+                            b.check_known(&["type", "thinking", "signature"])?;
+                            b.str("signature")?;
+                            let text = b.req_str("thinking")?;
+                            if !text.is_empty() {
+                                append_reasoning(&mut msg.reasoning, text);
+                            }
+                        }
+                        "image" | "tool_result" => {
+                            return Err(RecipeError::invalid(
+                                b.at("type"),
+                                format!("{ty} blocks are only allowed in user messages"),
+                            ))
+                        }
+                        other => return Err(unknown_block(b, other)),
+                    }
+                }
+                msg.content = normalize_content(msg.content);
+                calls.record(&msg.tool_calls);
+                out.push(msg);
+            }
+            other => return Err(unknown_role(&m, other)),
+        }
+    }
+    Ok(())
+}
+
+fn unknown_role(m: &Fields, role: &str) -> RecipeError {
+    RecipeError::invalid(
+        m.at("role"),
+        format!("unknown role {role:?} (expected user or assistant)"),
+    )
+}
+
+fn unknown_block(b: &Fields, ty: &str) -> RecipeError {
+    if UNSUPPORTED_BLOCKS.contains(&ty) {
+        unsupported_field(&b.at("type"), ty, "this content block type")
+    } else {
+        RecipeError::invalid(b.at("type"), format!("unknown content block type {ty:?}"))
+    }
+}
+
+fn tool_result(b: &Fields, calls: &CallTracker) -> Result<Message> {
+    b.check_known(&[
+        "type",
+        "tool_use_id",
+        "content",
+        "is_error",
+        "cache_control",
+    ])?;
+    let id = b.req_str("tool_use_id")?;
+    let name = calls.resolve(id, &b.at("tool_use_id"))?;
+    b.bool("is_error")?;
+    let content = match b.get("content") {
+        None => Vec::new(),
+        Some(Value::String(s)) => normalize_content(vec![ContentPart::Text { text: s.clone() }]),
+        Some(Value::Array(list)) => {
+            let mut parts = Vec::with_capacity(list.len());
+            for (j, v) in list.iter().enumerate() {
+                let cb = Fields::new(v, &index(&b.at("content"), j))?;
+                match cb.req_str("type")? {
+                    "text" => parts.push(text_block(&cb)?),
+                    "image" => parts.push(image_block(&cb)?),
+                    other => return Err(unknown_block(&cb, other)),
+                }
+            }
+            normalize_content(parts)
+        }
+        Some(other) => {
+            return Err(expected(
+                &b.at("content"),
+                "string or array of content blocks",
+                other,
+            ))
+        }
+    };
+    Ok(Message {
+        role: Role::Tool,
+        content,
+        reasoning: None,
+        tool_calls: Vec::new(),
+        tool_call_id: Some(id.to_string()),
+        name: Some(name),
+    })
+}

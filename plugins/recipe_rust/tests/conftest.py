@@ -1,0 +1,2 @@
+# The conformance kit is a pytest plugin; plugin packages enable it here.
+pytest_plugins = ["powertrain.testing"]

@@ -1,0 +1,1314 @@
+//! Protocol parsing: the same conversation from all three protocols compares equal;
+//! bad bodies fail with the exact path; nothing panics.
+
+use powertrain_recipe::error::ErrorKind;
+use powertrain_recipe::protocols::{parse_request, parse_value};
+use powertrain_recipe::*;
+use serde_json::{json, Value};
+
+const CHAT: Protocol = Protocol::ChatCompletions;
+const RESP: Protocol = Protocol::Responses;
+const ANTH: Protocol = Protocol::AnthropicMessages;
+
+fn ok(protocol: Protocol, body: &Value) -> EngineRequest {
+    match parse_value(protocol, body) {
+        Ok(r) => r,
+        Err(e) => panic!("{protocol:?} rejected {body}: {e:?}"),
+    }
+}
+
+/// Parses the three forms, asserts equal conversations and shared sampling settings.
+fn same(chat: Value, responses: Value, anthropic: Value) -> Conversation {
+    let c = ok(CHAT, &chat);
+    let r = ok(RESP, &responses);
+    let a = ok(ANTH, &anthropic);
+    assert_eq!(c.conversation, r.conversation, "chat vs responses");
+    assert_eq!(c.conversation, a.conversation, "chat vs anthropic");
+    for (name, other) in [("responses", &r), ("anthropic", &a)] {
+        assert_eq!(
+            c.sampling.temperature, other.sampling.temperature,
+            "temperature vs {name}"
+        );
+        assert_eq!(c.sampling.top_p, other.sampling.top_p, "top_p vs {name}");
+        assert_eq!(
+            c.sampling.max_tokens, other.sampling.max_tokens,
+            "max_tokens vs {name}"
+        );
+        assert_eq!(c.stream, other.stream, "stream vs {name}");
+        assert_eq!(c.model, other.model, "model vs {name}");
+    }
+    c.conversation
+}
+
+fn weather_tools_chat() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time", "description": "Local time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}])
+}
+fn weather_tools_responses() -> Value {
+    json!([{"type": "function", "name": "get_weather", "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        {"type": "function", "name": "get_time", "description": "Local time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}])
+}
+fn weather_tools_anthropic() -> Value {
+    json!([{"name": "get_weather", "description": "Current weather",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        {"name": "get_time", "description": "Local time",
+        "input_schema": {"type": "object", "properties": {"tz": {"type": "string"}}}}])
+}
+
+// ---------------------------------------------------------------------------
+// Cross-protocol equality.
+
+#[test]
+fn conv01_single_user_message() {
+    let conv = same(
+        json!({"model": "m", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64, "temperature": 0.5, "top_p": 0.9}),
+        json!({"model": "m", "input": "Hello!", "max_output_tokens": 64, "temperature": 0.5, "top_p": 0.9}),
+        json!({"model": "m", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64, "temperature": 0.5, "top_p": 0.9}),
+    );
+    assert_eq!(conv.messages, vec![Message::text(Role::User, "Hello!")]);
+    assert_eq!(conv.tool_choice, ToolChoice::Auto);
+}
+
+#[test]
+fn conv02_system_prompt() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 10, "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+        json!({"model": "m", "max_output_tokens": 10, "instructions": "You are terse.",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}),
+        json!({"model": "m", "max_tokens": 10, "system": "You are terse.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+    );
+    assert_eq!(
+        conv.messages[0],
+        Message::text(Role::System, "You are terse.")
+    );
+}
+
+#[test]
+fn conv03_system_in_parts_joined_the_same_way() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 10, "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be kind. "}, {"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "Hi"}]}),
+        json!({"model": "m", "max_output_tokens": 10, "instructions": "Be kind. Be brief.", "input": "Hi"}),
+        json!({"model": "m", "max_tokens": 10,
+            "system": [{"type": "text", "text": "Be kind. "}, {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(
+        conv.messages[0].content,
+        vec![ContentPart::Text {
+            text: "Be kind. Be brief.".into()
+        }]
+    );
+}
+
+#[test]
+fn conv04_multi_turn() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 100, "messages": [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3+3?"}]}),
+        json!({"model": "m", "max_output_tokens": 100, "instructions": "sys", "input": [
+            {"role": "user", "content": "What is 2+2?"},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "4.", "annotations": []}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And 3+3?"}]}]}),
+        json!({"model": "m", "max_tokens": 100, "system": [{"type": "text", "text": "sys"}], "messages": [
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "4."}]},
+            {"role": "user", "content": "And 3+3?"}]}),
+    );
+    assert_eq!(conv.messages.len(), 4);
+    assert_eq!(conv.messages[2], Message::text(Role::Assistant, "4."));
+}
+
+#[test]
+fn conv05_single_tool_call_round_trip() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 50, "tools": weather_tools_chat(), "tool_choice": "auto", "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{ \"city\" : \"Paris\" }"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
+            {"role": "assistant", "content": "It is 18C and sunny."}]}),
+        json!({"model": "m", "max_output_tokens": 50, "tools": weather_tools_responses(), "tool_choice": "auto", "input": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18C, sunny"},
+            {"role": "assistant", "content": "It is 18C and sunny."}]}),
+        json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(), "tool_choice": {"type": "auto"}, "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "18C, sunny"}]},
+            {"role": "assistant", "content": "It is 18C and sunny."}]}),
+    );
+    let call = &conv.messages[1];
+    assert_eq!(call.content, vec![]);
+    assert_eq!(
+        call.tool_calls,
+        vec![ToolCall {
+            id: "call_1".into(),
+            name: "get_weather".into(),
+            arguments: "{\"city\":\"Paris\"}".into()
+        }]
+    );
+    let result = &conv.messages[2];
+    assert_eq!(result.role, Role::Tool);
+    assert_eq!(result.name.as_deref(), Some("get_weather"));
+    assert_eq!(result.tool_call_id.as_deref(), Some("call_1"));
+    assert_eq!(conv.tools.len(), 2);
+}
+
+#[test]
+fn conv06_parallel_tool_calls() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 50, "tools": weather_tools_chat(), "messages": [
+            {"role": "user", "content": "Weather and time in Paris and Rome?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}},
+                {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"CET\"}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "18C"},
+            {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "25C"}]},
+            {"role": "tool", "tool_call_id": "c", "content": "14:00"},
+            {"role": "assistant", "content": "Paris 18C, Rome 25C, 14:00."}]}),
+        json!({"model": "m", "max_output_tokens": 50, "tools": weather_tools_responses(), "input": [
+            {"role": "user", "content": "Weather and time in Paris and Rome?"},
+            {"type": "function_call", "id": "fc_1", "call_id": "a", "name": "get_weather", "arguments": "{\"city\":\"Paris\"}", "status": "completed"},
+            {"type": "function_call", "call_id": "b", "name": "get_weather", "arguments": "{\"city\":\"Rome\"}"},
+            {"type": "function_call", "call_id": "c", "name": "get_time", "arguments": "{\"tz\":\"CET\"}"},
+            {"type": "function_call_output", "call_id": "a", "output": "18C"},
+            {"type": "function_call_output", "call_id": "b", "output": [{"type": "input_text", "text": "25C"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "14:00"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris 18C, Rome 25C, 14:00."}]}]}),
+        json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(), "messages": [
+            {"role": "user", "content": "Weather and time in Paris and Rome?"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "a", "name": "get_weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "b", "name": "get_weather", "input": {"city": "Rome"}},
+                {"type": "tool_use", "id": "c", "name": "get_time", "input": {"tz": "CET"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "a", "content": "18C"},
+                {"type": "tool_result", "tool_use_id": "b", "content": [{"type": "text", "text": "25C"}]},
+                {"type": "tool_result", "tool_use_id": "c", "content": "14:00", "is_error": false}]},
+            {"role": "assistant", "content": "Paris 18C, Rome 25C, 14:00."}]}),
+    );
+    assert_eq!(conv.messages.len(), 6);
+    assert_eq!(conv.messages[1].tool_calls.len(), 3);
+    let names: Vec<_> = conv.messages[2..5]
+        .iter()
+        .map(|m| m.name.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(names, ["get_weather", "get_weather", "get_time"]);
+}
+
+#[test]
+fn conv07_text_and_tool_call_in_one_assistant_turn() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 50, "tools": weather_tools_chat(), "tool_choice": "required", "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\",\"units\":{\"c\":true}}"}}]},
+            {"role": "tool", "tool_call_id": "t1", "content": "-3C"}]}),
+        json!({"model": "m", "max_output_tokens": 50, "tools": weather_tools_responses(), "tool_choice": "required", "input": [
+            {"role": "user", "content": "Weather?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+            {"type": "function_call", "call_id": "t1", "name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"units\": {\"c\": true}}"},
+            {"type": "function_call_output", "call_id": "t1", "output": "-3C"}]}),
+        json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(), "tool_choice": {"type": "any"}, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo", "units": {"c": true}}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "-3C"}]}]}]}),
+    );
+    assert_eq!(conv.tool_choice, ToolChoice::Required);
+    assert_eq!(conv.messages[1].joined_text(), "Let me check.");
+    assert_eq!(
+        conv.messages[1].tool_calls[0].arguments,
+        "{\"city\":\"Oslo\",\"units\":{\"c\":true}}"
+    );
+    assert_eq!(conv.messages.len(), 3);
+}
+
+#[test]
+fn conv08_reasoning_history() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 500, "messages": [
+            {"role": "user", "content": "Is 91 prime?"},
+            {"role": "assistant", "reasoning_content": "91 = 7 * 13.", "content": "No, 91 = 7 x 13."},
+            {"role": "user", "content": "And 97?"}]}),
+        json!({"model": "m", "max_output_tokens": 500, "input": [
+            {"role": "user", "content": "Is 91 prime?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "91 = 7 * 13."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "No, 91 = 7 x 13."}]},
+            {"role": "user", "content": "And 97?"}]}),
+        json!({"model": "m", "max_tokens": 500, "messages": [
+            {"role": "user", "content": "Is 91 prime?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "91 = 7 * 13.", "signature": "sig"},
+                {"type": "text", "text": "No, 91 = 7 x 13."}]},
+            {"role": "user", "content": "And 97?"}]}),
+    );
+    assert_eq!(conv.messages[1].reasoning.as_deref(), Some("91 = 7 * 13."));
+}
+
+#[test]
+fn conv09_reasoning_with_tool_calls_across_turns() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 500, "tools": weather_tools_chat(), "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Weather in Lima?"},
+            {"role": "assistant", "reasoning_content": "Need the tool.", "tool_calls": [
+                {"id": "w", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Lima\"}"}}]},
+            {"role": "tool", "tool_call_id": "w", "content": "20C"},
+            {"role": "assistant", "reasoning_content": "Got it.", "content": "20C in Lima."}]}),
+        json!({"model": "m", "max_output_tokens": 500, "tools": weather_tools_responses(), "instructions": "Use tools.", "input": [
+            {"role": "user", "content": "Weather in Lima?"},
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Need the tool."}]},
+            {"type": "function_call", "call_id": "w", "name": "get_weather", "arguments": "{\"city\":\"Lima\"}"},
+            {"type": "function_call_output", "call_id": "w", "output": "20C"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Got it."}]},
+            {"role": "assistant", "content": "20C in Lima."}]}),
+        json!({"model": "m", "max_tokens": 500, "tools": weather_tools_anthropic(), "system": "Use tools.", "messages": [
+            {"role": "user", "content": "Weather in Lima?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Need the tool.", "signature": "s"},
+                {"type": "tool_use", "id": "w", "name": "get_weather", "input": {"city": "Lima"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "w", "content": "20C"}]},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "Got it.", "signature": "s"},
+                {"type": "text", "text": "20C in Lima."}]}]}),
+    );
+    assert_eq!(
+        conv.messages[2].reasoning.as_deref(),
+        Some("Need the tool.")
+    );
+    assert_eq!(conv.messages[2].content, vec![]);
+    assert_eq!(conv.messages[4].reasoning.as_deref(), Some("Got it."));
+}
+
+#[test]
+fn conv10_image_by_url() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png", "detail": "auto"}}]}]}),
+        json!({"model": "m", "max_output_tokens": 20, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"},
+            {"type": "input_image", "image_url": "https://example.com/cat.png", "detail": "auto"}]}]}),
+        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]}),
+    );
+    assert_eq!(
+        conv.messages[0].content[1],
+        ContentPart::Image {
+            url: "https://example.com/cat.png".into()
+        }
+    );
+}
+
+#[test]
+fn conv11_image_base64() {
+    let data_url = "data:image/png;base64,iVBORw0KGgo=";
+    let conv = same(
+        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "Describe."}]}]}),
+        json!({"model": "m", "max_output_tokens": 20, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url}, {"type": "input_text", "text": "Describe."}]}]}),
+        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+            {"type": "text", "text": "Describe."}]}]}),
+    );
+    assert_eq!(
+        conv.messages[0].content[0],
+        ContentPart::Image {
+            url: data_url.into()
+        }
+    );
+}
+
+#[test]
+fn conv12_tool_result_then_user_text_in_one_anthropic_turn() {
+    let conv = same(
+        json!({"model": "m", "max_tokens": 20, "tools": weather_tools_chat(), "messages": [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "tool_calls": [{"id": "x", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "x", "content": "09:00"},
+            {"role": "user", "content": "Thanks, and tomorrow?"}]}),
+        json!({"model": "m", "max_output_tokens": 20, "tools": weather_tools_responses(), "input": [
+            {"role": "user", "content": "Time?"},
+            {"type": "function_call", "call_id": "x", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "x", "output": "09:00"},
+            {"role": "user", "content": "Thanks, and tomorrow?"}]}),
+        json!({"model": "m", "max_tokens": 20, "tools": weather_tools_anthropic(), "messages": [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "get_time", "input": {}}]},
+            // the text block comes first on the wire; the tool result still goes first.
+            {"role": "user", "content": [{"type": "text", "text": "Thanks, and tomorrow?"},
+                {"type": "tool_result", "tool_use_id": "x", "content": "09:00"}]}]}),
+    );
+    let roles: Vec<Role> = conv.messages.iter().map(|m| m.role).collect();
+    assert_eq!(roles, [Role::User, Role::Assistant, Role::Tool, Role::User]);
+}
+
+#[test]
+fn conv13_named_tool_choice_and_sampling() {
+    let conv = same(
+        json!({"model": "big", "max_tokens": 300, "temperature": 0.2, "top_p": 0.5, "stream": true,
+            "tools": weather_tools_chat(), "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "messages": [{"role": "user", "content": "Time in Tokyo"}]}),
+        json!({"model": "big", "max_output_tokens": 300, "temperature": 0.2, "top_p": 0.5, "stream": true,
+            "tools": weather_tools_responses(), "tool_choice": {"type": "function", "name": "get_time"},
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Time in Tokyo"}]}]}),
+        json!({"model": "big", "max_tokens": 300, "temperature": 0.2, "top_p": 0.5, "stream": true,
+            "tools": weather_tools_anthropic(), "tool_choice": {"type": "tool", "name": "get_time"},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Time in Tokyo"}]}]}),
+    );
+    assert_eq!(conv.tool_choice, ToolChoice::Named("get_time".into()));
+}
+
+#[test]
+fn conv14_thinking_settings_chat_and_anthropic() {
+    let c = ok(
+        CHAT,
+        &json!({"model": "m", "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    let a = ok(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(c.conversation, a.conversation);
+    assert_eq!(
+        a.conversation.thinking,
+        Thinking {
+            enabled: Some(true),
+            effort: None,
+            budget_tokens: Some(2048)
+        }
+    );
+
+    let off = ok(
+        CHAT,
+        &json!({"model": "m", "chat_template_kwargs": {"thinking": false}, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(off.conversation.thinking.enabled, Some(false));
+    let off_a = ok(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 5, "thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(off_a.conversation.thinking.enabled, Some(false));
+
+    let effort_c = ok(
+        CHAT,
+        &json!({"model": "m", "reasoning_effort": "high", "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    let effort_r = ok(
+        RESP,
+        &json!({"model": "m", "reasoning": {"effort": "high", "summary": "auto"}, "input": "hi"}),
+    );
+    assert_eq!(effort_c.conversation, effort_r.conversation);
+    assert_eq!(
+        effort_c.conversation.thinking.effort,
+        Some(ReasoningEffort::High)
+    );
+}
+
+#[test]
+fn developer_role_chat_and_responses() {
+    let c = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "x"}]}),
+    );
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(c.conversation, r.conversation);
+    assert_eq!(c.conversation.messages[0].role, Role::Developer);
+}
+
+#[test]
+fn response_formats_chat_and_responses() {
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let c = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": true}}}),
+    );
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x",
+        "text": {"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": true}}}),
+    );
+    let expected = ResponseFormat::JsonSchema {
+        name: "thing".into(),
+        schema: schema.clone(),
+        strict: true,
+    };
+    assert_eq!(c.response_format, expected);
+    assert_eq!(r.response_format, expected);
+
+    let c = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+    );
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "text": {"format": {"type": "json_object"}}}),
+    );
+    assert_eq!(c.response_format, ResponseFormat::JsonObject);
+    assert_eq!(r.response_format, ResponseFormat::JsonObject);
+    let c = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}}),
+    );
+    assert_eq!(c.response_format, ResponseFormat::Text);
+}
+
+#[test]
+fn chat_sampling_fields() {
+    let r = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+        "temperature": 0, "top_p": 1, "max_completion_tokens": 7, "stop": "END", "seed": 42, "n": 3,
+        "logprobs": true, "top_logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": -1,
+        "stream": true, "stream_options": {"include_usage": true}, "metadata": {"k": "v"}, "user": "u1",
+        "parallel_tool_calls": true, "store": false, "modalities": ["text"], "logit_bias": {}}),
+    );
+    let s = &r.sampling;
+    assert_eq!(
+        (s.temperature, s.top_p, s.max_tokens, s.seed, s.n),
+        (Some(0.0), Some(1.0), Some(7), Some(42), 3)
+    );
+    assert_eq!(s.stop, vec!["END".to_string()]);
+    assert!(s.logprobs);
+    assert_eq!(s.top_logprobs, Some(5));
+    assert_eq!(
+        (s.presence_penalty, s.frequency_penalty),
+        (Some(0.5), Some(-1.0))
+    );
+    assert!(r.stream && r.include_usage);
+    assert_eq!(r.metadata.get("k"), Some(&json!("v")));
+    assert_eq!(r.user.as_deref(), Some("u1"));
+    let r = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b"]}),
+    );
+    assert_eq!(r.sampling.stop, vec!["a".to_string(), "b".to_string()]);
+}
+
+#[test]
+fn anthropic_sampling_fields() {
+    let r = ok(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
+        "top_k": 40, "stop_sequences": ["\n\nHuman:"], "metadata": {"user_id": "abc"}}),
+    );
+    assert_eq!(r.sampling.top_k, Some(40));
+    assert_eq!(r.sampling.stop, vec!["\n\nHuman:".to_string()]);
+    assert_eq!(r.user.as_deref(), Some("abc"));
+    assert!(r.include_usage);
+}
+
+#[test]
+fn null_optional_fields_are_absent() {
+    let r = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y", "tool_calls": null, "reasoning_content": null}],
+        "temperature": null, "tools": null, "stop": null}),
+    );
+    assert_eq!(r.sampling.temperature, None);
+    assert_eq!(
+        r.conversation.messages[1],
+        Message::text(Role::Assistant, "y")
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Errors: kind and exact path.
+
+use ErrorKind::{InvalidRequest as Inv, Unsupported as Uns};
+
+fn check_errors(protocol: Protocol, cases: Vec<(Value, ErrorKind, &str)>) {
+    for (body, kind, path) in cases {
+        match parse_value(protocol, &body) {
+            Ok(_) => panic!("{protocol:?} accepted {body}"),
+            Err(e) => {
+                assert_eq!(
+                    (e.kind, e.path.as_str()),
+                    (kind, path),
+                    "{protocol:?} {body}: {}",
+                    e.describe()
+                );
+            }
+        }
+    }
+}
+
+fn chat_with(extra: Value) -> Value {
+    let mut base = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+    if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    base
+}
+
+#[test]
+fn chat_errors() {
+    let call = |args: &str| json!({"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]});
+    check_errors(
+        CHAT,
+        vec![
+            (json!([1]), Inv, ""),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}]}),
+                Inv,
+                "model",
+            ),
+            (json!({"model": "m"}), Inv, "messages"),
+            (json!({"model": "m", "messages": []}), Inv, "messages"),
+            (json!({"model": "m", "messages": {}}), Inv, "messages"),
+            (chat_with(json!({"bogus": 1})), Inv, "bogus"),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}]}),
+                Inv,
+                "messages[1].role",
+            ),
+            (
+                json!({"model": "m", "messages": [{"content": "x"}]}),
+                Inv,
+                "messages[0].role",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x", "extra": 1}]}),
+                Inv,
+                "messages[0].extra",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": 5}]}),
+                Inv,
+                "messages[0].content",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"},
+            {"role": "user", "content": [{"type": "video", "url": "u"}]}]}),
+                Inv,
+                "messages[2].content[0].type",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+                Inv,
+                "messages[0].content[0].text",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}),
+                Uns,
+                "messages[0].content[0].type",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}),
+                Inv,
+                "messages[0].content[0].type",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "tool", "tool_call_id": "nope", "content": "r"}]}),
+                Inv,
+                "messages[0].tool_call_id",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}, call("{bad json")]}),
+                Inv,
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}, call("")]}),
+                Inv,
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "bad name", "arguments": "{}"}}]}]}),
+                Inv,
+                "messages[0].tool_calls[0].function.name",
+            ),
+            (chat_with(json!({"temperature": 2.5})), Inv, "temperature"),
+            (chat_with(json!({"temperature": -0.1})), Inv, "temperature"),
+            (chat_with(json!({"temperature": "hot"})), Inv, "temperature"),
+            (chat_with(json!({"top_p": 0})), Inv, "top_p"),
+            (chat_with(json!({"top_p": 1.01})), Inv, "top_p"),
+            (chat_with(json!({"max_tokens": 0})), Inv, "max_tokens"),
+            (
+                chat_with(json!({"max_completion_tokens": -1})),
+                Inv,
+                "max_completion_tokens",
+            ),
+            (chat_with(json!({"max_tokens": 1.5})), Inv, "max_tokens"),
+            (chat_with(json!({"n": 0})), Inv, "n"),
+            (
+                chat_with(json!({"logprobs": true, "top_logprobs": 21})),
+                Inv,
+                "top_logprobs",
+            ),
+            (chat_with(json!({"top_logprobs": 2})), Inv, "top_logprobs"),
+            (chat_with(json!({"stop": [1]})), Inv, "stop[0]"),
+            (
+                chat_with(json!({"stream_options": {"include_usage": true}})),
+                Inv,
+                "stream_options",
+            ),
+            (
+                chat_with(json!({"tools": [{"type": "function", "function": {"name": ""}}]})),
+                Inv,
+                "tools[0].function.name",
+            ),
+            (
+                chat_with(
+                    json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+                ),
+                Inv,
+                "tools[0].function.parameters",
+            ),
+            (
+                chat_with(
+                    json!({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]}),
+                ),
+                Inv,
+                "tools[1].function.name",
+            ),
+            (
+                chat_with(json!({"tools": [{"type": "retrieval"}]})),
+                Inv,
+                "tools[0].type",
+            ),
+            (
+                chat_with(
+                    json!({"tool_choice": {"type": "function", "function": {"name": "missing"}}}),
+                ),
+                Inv,
+                "tool_choice.function.name",
+            ),
+            (
+                chat_with(json!({"tool_choice": "required"})),
+                Inv,
+                "tool_choice",
+            ),
+            (
+                chat_with(json!({"tool_choice": "sometimes"})),
+                Inv,
+                "tool_choice",
+            ),
+            (
+                chat_with(json!({"response_format": {"type": "yaml"}})),
+                Inv,
+                "response_format.type",
+            ),
+            (
+                chat_with(
+                    json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}),
+                ),
+                Inv,
+                "response_format.json_schema.schema",
+            ),
+            (
+                chat_with(json!({"audio": {"voice": "alloy"}})),
+                Uns,
+                "audio",
+            ),
+            (
+                chat_with(json!({"modalities": ["text", "audio"]})),
+                Uns,
+                "modalities[1]",
+            ),
+            (
+                chat_with(json!({"prediction": {"type": "content", "content": "x"}})),
+                Uns,
+                "prediction",
+            ),
+            (
+                chat_with(json!({"web_search_options": {}})),
+                Uns,
+                "web_search_options",
+            ),
+            (
+                chat_with(json!({"logit_bias": {"50256": -100}})),
+                Uns,
+                "logit_bias",
+            ),
+            (chat_with(json!({"store": true})), Uns, "store"),
+            (
+                chat_with(json!({"thinking": {"type": "maybe"}})),
+                Inv,
+                "thinking.type",
+            ),
+            (
+                chat_with(
+                    json!({"thinking": {"type": "enabled"}, "chat_template_kwargs": {"thinking": false}}),
+                ),
+                Inv,
+                "chat_template_kwargs.thinking",
+            ),
+            (
+                chat_with(json!({"chat_template_kwargs": {"foo": 1}})),
+                Inv,
+                "chat_template_kwargs.foo",
+            ),
+            (
+                chat_with(json!({"reasoning_effort": "extreme"})),
+                Inv,
+                "reasoning_effort",
+            ),
+            (chat_with(json!({"metadata": {"k": 1}})), Inv, "metadata.k"),
+        ],
+    );
+}
+
+#[test]
+fn responses_errors() {
+    let base = |input: Value| json!({"model": "m", "input": input});
+    let with = |extra: Value| {
+        let mut b = json!({"model": "m", "input": "x"});
+        if let (Some(o), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        b
+    };
+    check_errors(
+        RESP,
+        vec![
+            (json!("x"), Inv, ""),
+            (json!({"input": "x"}), Inv, "model"),
+            (json!({"model": "m"}), Inv, "input"),
+            (base(json!([])), Inv, "input"),
+            (base(json!(3)), Inv, "input"),
+            (with(json!({"foo": 1})), Inv, "foo"),
+            (
+                base(
+                    json!([{"role": "user", "content": "x"}, {"type": "function_call", "name": "f", "arguments": "{}"}]),
+                ),
+                Inv,
+                "input[1].call_id",
+            ),
+            (
+                base(
+                    json!([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "not json"}]),
+                ),
+                Inv,
+                "input[0].arguments",
+            ),
+            (
+                base(json!([{"type": "function_call_output", "call_id": "c", "output": "r"}])),
+                Inv,
+                "input[0].call_id",
+            ),
+            (base(json!([{"type": "telepathy"}])), Inv, "input[0].type"),
+            (
+                base(json!([{"type": "web_search_call", "id": "w"}])),
+                Uns,
+                "input[0].type",
+            ),
+            (
+                base(json!([{"role": "robot", "content": "x"}])),
+                Inv,
+                "input[0].role",
+            ),
+            (
+                base(
+                    json!([{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_video"}]}]),
+                ),
+                Inv,
+                "input[0].content[1].type",
+            ),
+            (
+                base(
+                    json!([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]),
+                ),
+                Uns,
+                "input[0].content[0].type",
+            ),
+            (
+                base(
+                    json!([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]),
+                ),
+                Uns,
+                "input[0].content[0].file_id",
+            ),
+            (
+                base(json!([{"type": "reasoning", "summary": [], "encrypted_content": "xx"}])),
+                Uns,
+                "input[0].encrypted_content",
+            ),
+            (base(json!([{"content": "x"}])), Inv, "input[0].type"),
+            (
+                base(
+                    json!([{"role": "assistant", "content": [{"type": "input_image", "image_url": "u"}]}]),
+                ),
+                Inv,
+                "input[0].content",
+            ),
+            (
+                with(json!({"previous_response_id": "resp_1"})),
+                Uns,
+                "previous_response_id",
+            ),
+            (with(json!({"store": true})), Uns, "store"),
+            (with(json!({"background": true})), Uns, "background"),
+            (
+                with(json!({"tools": [{"type": "web_search"}]})),
+                Uns,
+                "tools[0].type",
+            ),
+            (
+                with(
+                    json!({"tools": [{"type": "function", "name": "ok"}, {"type": "function", "name": "no spaces"}]}),
+                ),
+                Inv,
+                "tools[1].name",
+            ),
+            (
+                with(json!({"tools": [{"type": "function", "name": "f", "parameters": []}]})),
+                Inv,
+                "tools[0].parameters",
+            ),
+            (
+                with(json!({"tool_choice": {"type": "function", "name": "g"}})),
+                Inv,
+                "tool_choice.name",
+            ),
+            (with(json!({"temperature": 3})), Inv, "temperature"),
+            (
+                with(json!({"max_output_tokens": 0})),
+                Inv,
+                "max_output_tokens",
+            ),
+            (
+                with(json!({"text": {"format": {"type": "json_schema", "schema": {}}}})),
+                Inv,
+                "text.format.name",
+            ),
+            (
+                with(json!({"text": {"format": {"type": "xml"}}})),
+                Inv,
+                "text.format.type",
+            ),
+            (
+                with(json!({"reasoning": {"effort": "huge"}})),
+                Inv,
+                "reasoning.effort",
+            ),
+            (
+                with(json!({"include": ["reasoning.encrypted_content"]})),
+                Uns,
+                "include[0]",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn anthropic_errors() {
+    let with = |extra: Value| {
+        let mut b =
+            json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]});
+        if let (Some(o), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        b
+    };
+    let msgs = |m: Value| json!({"model": "m", "max_tokens": 10, "messages": m});
+    check_errors(
+        ANTH,
+        vec![
+            (json!(null), Inv, ""),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+                Inv,
+                "max_tokens",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}),
+                Inv,
+                "model",
+            ),
+            (msgs(json!([])), Inv, "messages"),
+            (
+                with(json!({"frequency_penalty": 1})),
+                Inv,
+                "frequency_penalty",
+            ),
+            (with(json!({"temperature": 1.5})), Inv, "temperature"),
+            (with(json!({"top_k": 0})), Inv, "top_k"),
+            (with(json!({"max_tokens": 0})), Inv, "max_tokens"),
+            (with(json!({"stop_sequences": "x"})), Inv, "stop_sequences"),
+            (
+                with(json!({"system": [{"type": "image"}]})),
+                Inv,
+                "system[0].type",
+            ),
+            (
+                with(json!({"metadata": {"user_id": "a", "session": "b"}})),
+                Inv,
+                "metadata.session",
+            ),
+            (with(json!({"container": "c"})), Uns, "container"),
+            (with(json!({"mcp_servers": []})), Uns, "mcp_servers"),
+            (
+                with(json!({"tools": [{"type": "web_search_20250305", "name": "web_search"}]})),
+                Uns,
+                "tools[0].type",
+            ),
+            (
+                with(json!({"tools": [{"name": "f"}]})),
+                Inv,
+                "tools[0].input_schema",
+            ),
+            (
+                with(json!({"tools": [{"name": "", "input_schema": {}}]})),
+                Inv,
+                "tools[0].name",
+            ),
+            (
+                with(json!({"tool_choice": {"type": "tool", "name": "f"}})),
+                Inv,
+                "tool_choice.name",
+            ),
+            (
+                with(json!({"tool_choice": {"type": "any"}})),
+                Inv,
+                "tool_choice",
+            ),
+            (
+                with(json!({"thinking": {"type": "enabled", "budget_tokens": 5}})),
+                Inv,
+                "thinking.budget_tokens",
+            ),
+            (
+                with(json!({"thinking": {"type": "enabled", "budget_tokens": 2048}})),
+                Inv,
+                "thinking.budget_tokens",
+            ),
+            (
+                with(json!({"thinking": {"type": "enabled"}})),
+                Inv,
+                "thinking.budget_tokens",
+            ),
+            (
+                msgs(json!([{"role": "system", "content": "x"}])),
+                Inv,
+                "messages[0].role",
+            ),
+            (
+                msgs(
+                    json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "hologram"}]}]),
+                ),
+                Inv,
+                "messages[2].content[1].type",
+            ),
+            (
+                msgs(json!([{"role": "user", "content": [{"type": "document", "source": {}}]}])),
+                Uns,
+                "messages[0].content[0].type",
+            ),
+            (
+                msgs(
+                    json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "zz", "content": "r"}]}]),
+                ),
+                Inv,
+                "messages[0].content[0].tool_use_id",
+            ),
+            (
+                msgs(
+                    json!([{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]),
+                ),
+                Inv,
+                "messages[0].content[0].type",
+            ),
+            (
+                msgs(
+                    json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": "[]"}]}]),
+                ),
+                Inv,
+                "messages[1].content[0].input",
+            ),
+            (
+                msgs(
+                    json!([{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AA"}}]}]),
+                ),
+                Inv,
+                "messages[0].content[0].source.media_type",
+            ),
+            (
+                msgs(
+                    json!([{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]),
+                ),
+                Uns,
+                "messages[0].content[0].source.type",
+            ),
+            (
+                msgs(
+                    json!([{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]),
+                ),
+                Uns,
+                "messages[0].content[0].type",
+            ),
+            (
+                msgs(json!([{"role": "user", "content": "x", "name": "bob"}])),
+                Inv,
+                "messages[0].name",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn bad_json_reports_line_and_column() {
+    let e = parse_request(CHAT, b"{\n  \"model\": \"m\",\n  oops\n}").unwrap_err();
+    assert_eq!((e.kind, e.path.as_str()), (Inv, ""));
+    assert!(e.message.contains("line 3"), "{}", e.message);
+    assert!(e.message.contains("column"), "{}", e.message);
+    let e = parse_request(ANTH, b"").unwrap_err();
+    assert_eq!(e.path, "");
+    let r = parse_request(RESP, br#"{"model": "m", "input": "hi"}"#).unwrap();
+    assert_eq!(r.protocol, RESP);
+}
+
+#[test]
+fn error_bodies_have_protocol_shapes() {
+    let body = chat_with(json!({"logit_bias": {"1": 2}}));
+    let e = parse_value(CHAT, &body).unwrap_err();
+    let b = e.body(CHAT);
+    assert_eq!(b["error"]["param"], json!("logit_bias"));
+    assert_eq!(b["error"]["type"], json!("invalid_request_error"));
+    assert_eq!(b["error"]["code"], json!("unsupported_parameter"));
+    assert!(b["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("drop the field"));
+    assert_eq!(e.status(), 400);
+
+    let e = parse_value(RESP, &json!({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": "r"}]})).unwrap_err();
+    let b = e.body(RESP);
+    assert_eq!(b["error"]["param"], json!("input[0].call_id"));
+    assert_eq!(b["error"]["code"], Value::Null);
+
+    let e = parse_value(ANTH, &json!({"model": "m", "messages": []})).unwrap_err();
+    let b = e.body(ANTH);
+    assert_eq!(b["type"], json!("error"));
+    assert_eq!(b["error"]["type"], json!("invalid_request_error"));
+    assert!(b["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .starts_with("max_tokens: "));
+    assert_eq!(b.as_object().map(|o| o.len()), Some(2));
+}
+
+// ---------------------------------------------------------------------------
+// Never panics.
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    const KEYS: &[&str] = &[
+        "model",
+        "messages",
+        "input",
+        "role",
+        "content",
+        "type",
+        "text",
+        "tool_calls",
+        "tool_call_id",
+        "id",
+        "function",
+        "name",
+        "arguments",
+        "tools",
+        "tool_choice",
+        "parameters",
+        "input_schema",
+        "system",
+        "instructions",
+        "max_tokens",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "n",
+        "thinking",
+        "budget_tokens",
+        "call_id",
+        "output",
+        "summary",
+        "tool_use_id",
+        "image_url",
+        "url",
+        "source",
+        "data",
+        "media_type",
+        "response_format",
+        "json_schema",
+        "schema",
+        "text",
+        "format",
+        "reasoning",
+        "effort",
+        "reasoning_content",
+        "stream",
+        "stream_options",
+        "metadata",
+        "user_id",
+        "logprobs",
+        "top_logprobs",
+        "chat_template_kwargs",
+        "input",
+        "thinking",
+        "signature",
+        "is_error",
+    ];
+    const STRINGS: &[&str] = &[
+        "user",
+        "assistant",
+        "system",
+        "developer",
+        "tool",
+        "function",
+        "text",
+        "image_url",
+        "image",
+        "tool_use",
+        "tool_result",
+        "thinking",
+        "message",
+        "function_call",
+        "function_call_output",
+        "reasoning",
+        "input_text",
+        "output_text",
+        "input_image",
+        "summary_text",
+        "reasoning_text",
+        "auto",
+        "none",
+        "required",
+        "any",
+        "enabled",
+        "disabled",
+        "json_schema",
+        "json_object",
+        "base64",
+        "url",
+        "image/png",
+        "{}",
+        "{\"a\":1}",
+        "c1",
+        "f",
+        "",
+        "high",
+    ];
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            (-3.0f64..3.0).prop_map(|f| json!(f)),
+            prop::sample::select(STRINGS).prop_map(|s| json!(s)),
+            ".{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(6, 96, 8, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::vec((prop::sample::select(KEYS), inner), 0..8).prop_map(
+                    |pairs| {
+                        Value::Object(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+                    }
+                ),
+            ]
+        })
+    }
+
+    /// Mostly-valid bodies with one subtree replaced, so parsing gets deep.
+    fn near_valid() -> impl Strategy<Value = Value> {
+        let bases = vec![
+            json!({"model": "m", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]}),
+            json!({"model": "m", "input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "r"}]}),
+            json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {}}]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "r"}]}]}),
+        ];
+        (
+            prop::sample::select(bases),
+            prop::sample::select(KEYS),
+            json_value(),
+            0usize..4,
+        )
+            .prop_map(|(mut base, key, value, depth)| {
+                // Replace a field at some depth along the last value of each level.
+                plant(&mut base, depth, key, value);
+                base
+            })
+    }
+
+    fn plant(target: &mut Value, depth: usize, key: &str, value: Value) {
+        if depth > 0 {
+            let next = match target {
+                Value::Object(map) => map.values_mut().last(),
+                Value::Array(items) => items.last_mut(),
+                _ => None,
+            };
+            if let Some(next) = next {
+                return plant(next, depth - 1, key, value);
+            }
+        }
+        if let Value::Object(map) = target {
+            map.insert(key.to_string(), value);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_json_never_panics(v in json_value()) {
+            for p in [CHAT, RESP, ANTH] {
+                let _ = parse_value(p, &v);
+                if let Ok(bytes) = serde_json::to_vec(&v) {
+                    let _ = parse_request(p, &bytes);
+                }
+            }
+        }
+
+        #[test]
+        fn near_valid_never_panics(v in near_valid()) {
+            for p in [CHAT, RESP, ANTH] {
+                if let Err(e) = parse_value(p, &v) {
+                    // Errors are always bodies a client can read.
+                    let _ = e.body(p);
+                }
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            for p in [CHAT, RESP, ANTH] {
+                let _ = parse_request(p, &bytes);
+            }
+        }
+    }
+}
