@@ -3,10 +3,12 @@
 64 requests with prompt lengths 32-512 and max_tokens 16-256 (fixed seed) run
 through powertrain, through HF ``generate`` with static batches (left padding), and
 through HF's continuous-batching manager when the installed transformers has one,
-on the same model, dtype and threads. Output tokens/s counts only the tokens each
-request asked for (static batches generate more for the shorter requests; those
-extra tokens are not counted). EOS is ignored everywhere so every request runs its
-full length.
+on the same model, dtype and threads. Each engine runs in a fresh process of its own:
+torch's OpenMP thread pools belong to the thread that started them, and a second pool
+in one process slows every later parallel op, so whichever engine ran second would be
+handicapped. Output tokens/s counts only the tokens each request asked for (static
+batches generate more for the shorter requests; those extra tokens are not counted).
+EOS is ignored everywhere so every request runs its full length.
 
     uv run python benchmarks/offline_throughput.py
 """
@@ -14,7 +16,10 @@ full length.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -103,6 +108,26 @@ def run_hf_continuous(model, prompts, max_tokens) -> float | None:
     return produced / elapsed
 
 
+ENGINES = ("powertrain", "hf-static", "hf-continuous")
+
+
+def run_engine(engine: str, args: argparse.Namespace, prompts, max_tokens) -> float | None:
+    if engine == "powertrain":
+        return run_powertrain(args.model, prompts, max_tokens, args.dtype)
+    hf = load_hf(getattr(torch, args.dtype))
+    if engine == "hf-static":
+        return run_hf_static(hf, prompts, max_tokens, args.hf_batch_size, pad_id=2)
+    return run_hf_continuous(hf, prompts, max_tokens)
+
+
+def in_subprocess(engine: str) -> float | None:
+    """This script with the same arguments, measuring only ``engine``: its last stdout line."""
+    proc = subprocess.run(
+        [sys.executable, *sys.argv, "--engine", engine], stdout=subprocess.PIPE, text=True, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="HF baselines use the embedded model only")
@@ -114,22 +139,27 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-hf", action="store_true")
+
+    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in this process
     args = parser.parse_args()
 
     prompts, max_tokens = workload(args.requests, args.seed, 49152, *args.prompt_len, *args.max_tokens)
+    if args.engine:
+        print(json.dumps(run_engine(args.engine, args, prompts, max_tokens)))
+        return
     results: dict[str, float | str] = {
         "requests": args.requests,
         "prompt tokens": sum(map(len, prompts)),
         "requested output tokens": sum(max_tokens),
     }
-    ours = run_powertrain(args.model, prompts, max_tokens, args.dtype)
+    rates = {engine: in_subprocess(engine) for engine in ENGINES if engine == "powertrain" or not args.skip_hf}
+    ours = rates["powertrain"]
     results["powertrain output tok/s"] = ours
     if not args.skip_hf:
-        hf = load_hf(getattr(torch, args.dtype))
-        static = run_hf_static(hf, prompts, max_tokens, args.hf_batch_size, pad_id=2)
+        static = rates["hf-static"]
         results[f"hf static (batch {args.hf_batch_size}) output tok/s"] = static
         results["ratio powertrain / hf static"] = ours / static
-        continuous = run_hf_continuous(hf, prompts, max_tokens)
+        continuous = rates["hf-continuous"]
         if continuous is None:
             results["hf continuous batching"] = "not in this transformers"
         else:

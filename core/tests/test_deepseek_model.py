@@ -424,3 +424,27 @@ def test_fp8_experts_kept_for_a_backend_that_multiplies_fp8(checkpoints: dict[st
     assert_close(got, want, "FP8-kept experts vs dequantized at load")
     with pytest.raises(ValueError, match="multiple of 128"):
         DeepseekV3ForCausalLM(attrs.evolve(context, fp8_block=(128, 128)))
+
+
+def test_load_weights_names_missing_and_unexpected_tensors(checkpoints: dict[str, Path]) -> None:
+    checkpoint = load_checkpoint(str(checkpoints["v3"]))
+    context = ModelContext(
+        config=checkpoint.config,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=TorchReferenceAttention(),
+        moe=TorchGroupedMoE(),
+    )
+    tensors = list(checkpoint.tensors())
+    without_expert = [(n, t) for n, t in tensors if n != "model.layers.1.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"mlp\.experts\.3\.up_proj\.weight"):
+        DeepseekV3ForCausalLM(context).load_weights(without_expert)
+    without_norm = [(n, t) for n, t in tensors if n != "model.layers.0.input_layernorm.weight"]
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.0\.input_layernorm\.weight"):
+        DeepseekV3ForCausalLM(context).load_weights(without_norm)
+    extra = [*tensors, ("model.layers.0.self_attn.surprise.weight", torch.ones(2))]
+    with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.0\.self_attn\.surprise\.weight"):
+        DeepseekV3ForCausalLM(context).load_weights(extra)
+    wrong = [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in tensors]
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape"):
+        DeepseekV3ForCausalLM(context).load_weights(wrong)

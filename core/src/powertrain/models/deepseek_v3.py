@@ -41,7 +41,7 @@ from powertrain.layers.attention import MLAAttention
 from powertrain.layers.moe import MoE, RoutingConfig
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary, yarn_mscale
-from powertrain.models.weights import copy_checked, name_list
+from powertrain.models.weights import check_complete, copy_checked
 
 log = structlog.get_logger(__name__)
 
@@ -428,13 +428,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         missing = sorted(targets.keys() - loaded)
         if self.lm_head is None:
             missing = [m for m in missing if m != "lm_head.weight"]
-        if unexpected or missing:
-            problems = []
-            if unexpected:
-                problems.append(f"unexpected tensors: {name_list(unexpected)}")
-            if missing:
-                problems.append(f"missing tensors: {name_list(missing)}")
-            raise ValueError(f"checkpoint does not match {type(self).__name__}: {'; '.join(problems)}")
+        check_complete(type(self).__name__, unexpected, missing)
 
     def _plain_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter rows it fills, for everything but routed experts."""

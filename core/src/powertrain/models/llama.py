@@ -26,7 +26,7 @@ from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary
-from powertrain.models.weights import copy_checked, name_list
+from powertrain.models.weights import check_complete, copy_checked
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
 _IGNORED = re.compile(r"\.rotary_emb\.")
@@ -296,13 +296,7 @@ class LlamaForCausalLM(nn.Module):
             if tied_head is not None:
                 self._load_tied_head(tied_head, loaded)
         missing = sorted(targets.keys() - loaded)
-        if unexpected or missing:
-            problems = []
-            if unexpected:
-                problems.append(f"unexpected tensors: {name_list(unexpected)}")
-            if missing:
-                problems.append(f"missing tensors: {name_list(missing)}")
-            raise ValueError(f"checkpoint does not match {type(self).__name__}: {'; '.join(problems)}")
+        check_complete(type(self).__name__, unexpected, missing)
 
     def _load_tied_head(self, head: torch.Tensor, loaded: set[str]) -> None:
         """With tied embeddings an lm_head tensor is redundant; accept it if it agrees."""

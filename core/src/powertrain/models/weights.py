@@ -21,3 +21,15 @@ def copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
 def name_list(names: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_complete(model: str, unexpected: Sequence[str], missing: Sequence[str]) -> None:
+    """Raise ValueError naming the checkpoint tensors ``model`` did not expect and the
+    ones it needed but never received."""
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected tensors: {name_list(unexpected)}")
+    if missing:
+        problems.append(f"missing tensors: {name_list(missing)}")
+    if problems:
+        raise ValueError(f"checkpoint does not match {model}: {'; '.join(problems)}")

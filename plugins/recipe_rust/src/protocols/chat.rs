@@ -336,25 +336,7 @@ fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
         }
         let f = t.object("function")?.ok_or_else(|| t.missing("function"))?;
         f.check_known(&["name", "description", "parameters", "strict"])?;
-        let name = f.req_str("name")?;
-        check_tool_name(name, &f.at("name"))?;
-        if tools.iter().any(|existing| existing.name == name) {
-            return Err(RecipeError::invalid(
-                f.at("name"),
-                format!("duplicate tool name {name:?}"),
-            ));
-        }
-        let description = f.str("description")?.map(str::to_string);
-        let parameters = match f.get("parameters") {
-            Some(v) => schema_object(v, &f.at("parameters"))?,
-            None => empty_parameters(),
-        };
-        f.bool("strict")?;
-        tools.push(Tool {
-            name: name.to_string(),
-            description,
-            parameters,
-        });
+        tools.push(function_tool(&f, &tools)?);
     }
     Ok(tools)
 }

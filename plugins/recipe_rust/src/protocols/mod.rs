@@ -26,7 +26,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
-use crate::conversation::{ContentPart, EngineRequest, Protocol, ReasoningEffort, ToolCall};
+use crate::conversation::{ContentPart, EngineRequest, Protocol, ReasoningEffort, Tool, ToolCall};
 use crate::error::{child, index, RecipeError, Result};
 
 /// Parses a raw request body. Malformed JSON is ``InvalidRequest`` with path "" and
@@ -385,6 +385,24 @@ pub(crate) fn schema_object(value: &Value, path: &str) -> Result<Value> {
 }
 
 /// The schema a tool without ``parameters`` gets.
+/// A function tool's ``name`` / ``description`` / ``parameters`` / ``strict`` (where
+/// Chat Completions nests them under ``function`` and Responses does not): the name
+/// checked and unique among ``earlier``, the parameters a schema object.
+pub(crate) fn function_tool(f: &Fields, earlier: &[Tool]) -> Result<Tool> {
+    let name = f.req_str("name")?;
+    check_tool_name(name, &f.at("name"))?;
+    if earlier.iter().any(|existing| existing.name == name) {
+        return Err(RecipeError::invalid(f.at("name"), format!("duplicate tool name {name:?}")));
+    }
+    let description = f.str("description")?.map(str::to_string);
+    let parameters = match f.get("parameters") {
+        Some(v) => schema_object(v, &f.at("parameters"))?,
+        None => empty_parameters(),
+    };
+    f.bool("strict")?;
+    Ok(Tool { name: name.to_string(), description, parameters })
+}
+
 pub(crate) fn empty_parameters() -> Value {
     serde_json::json!({"type": "object", "properties": {}})
 }

@@ -320,25 +320,7 @@ fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
             ));
         }
         t.check_known(&["type", "name", "description", "parameters", "strict"])?;
-        let name = t.req_str("name")?;
-        check_tool_name(name, &t.at("name"))?;
-        if tools.iter().any(|existing| existing.name == name) {
-            return Err(RecipeError::invalid(
-                t.at("name"),
-                format!("duplicate tool name {name:?}"),
-            ));
-        }
-        let description = t.str("description")?.map(str::to_string);
-        let parameters = match t.get("parameters") {
-            Some(v) => schema_object(v, &t.at("parameters"))?,
-            None => empty_parameters(),
-        };
-        t.bool("strict")?;
-        tools.push(Tool {
-            name: name.to_string(),
-            description,
-            parameters,
-        });
+        tools.push(function_tool(&t, &tools)?);
     }
     Ok(tools)
 }
