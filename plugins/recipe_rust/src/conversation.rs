@@ -21,7 +21,9 @@ pub enum Protocol {
 impl Protocol {
     pub fn parse(name: &str) -> Option<Protocol> {
         match name {
-            "chat_completions" | "chat.completions" | "openai_chat" => Some(Protocol::ChatCompletions),
+            "chat_completions" | "chat.completions" | "openai_chat" => {
+                Some(Protocol::ChatCompletions)
+            }
             "responses" | "openai_responses" => Some(Protocol::Responses),
             "anthropic_messages" | "messages" | "anthropic" => Some(Protocol::AnthropicMessages),
             _ => None,

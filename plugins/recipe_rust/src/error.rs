@@ -31,15 +31,27 @@ pub struct RecipeError {
 
 impl RecipeError {
     pub fn invalid(path: impl Into<String>, message: impl Into<String>) -> RecipeError {
-        RecipeError { kind: ErrorKind::InvalidRequest, path: path.into(), message: message.into() }
+        RecipeError {
+            kind: ErrorKind::InvalidRequest,
+            path: path.into(),
+            message: message.into(),
+        }
     }
 
     pub fn unsupported(path: impl Into<String>, message: impl Into<String>) -> RecipeError {
-        RecipeError { kind: ErrorKind::Unsupported, path: path.into(), message: message.into() }
+        RecipeError {
+            kind: ErrorKind::Unsupported,
+            path: path.into(),
+            message: message.into(),
+        }
     }
 
     pub fn internal(message: impl Into<String>) -> RecipeError {
-        RecipeError { kind: ErrorKind::Internal, path: String::new(), message: message.into() }
+        RecipeError {
+            kind: ErrorKind::Internal,
+            path: String::new(),
+            message: message.into(),
+        }
     }
 
     pub fn status(&self) -> u16 {

@@ -28,7 +28,9 @@ create_exception!(
 
 fn protocol(name: &str) -> PyResult<Protocol> {
     Protocol::parse(name).ok_or_else(|| {
-        PyValueError::new_err(format!("unknown protocol {name:?}; known: chat_completions, responses, anthropic_messages"))
+        PyValueError::new_err(format!(
+            "unknown protocol {name:?}; known: chat_completions, responses, anthropic_messages"
+        ))
     })
 }
 
@@ -44,14 +46,16 @@ fn to_py(error: Error, protocol: Protocol) -> PyErr {
 }
 
 fn json_arg(what: &str, text: &str) -> PyResult<Value> {
-    serde_json::from_str(text).map_err(|e| PyValueError::new_err(format!("{what} is not valid JSON: {e}")))
+    serde_json::from_str(text)
+        .map_err(|e| PyValueError::new_err(format!("{what} is not valid JSON: {e}")))
 }
 
 /// Parse a request body of ``protocol`` into the engine request (JSON text).
 #[pyfunction]
 fn parse_request_json(protocol_name: &str, body: &[u8]) -> PyResult<String> {
     let protocol = protocol(protocol_name)?;
-    let request = crate::protocols::parse_request(protocol, body).map_err(|e| to_py(e, protocol))?;
+    let request =
+        crate::protocols::parse_request(protocol, body).map_err(|e| to_py(e, protocol))?;
     serde_json::to_string(&request).map_err(|e| to_py(Error::internal(e.to_string()), protocol))
 }
 
@@ -68,13 +72,17 @@ impl PromptEncoder {
     /// its tokenizer_config.json (chat_template, bos/eos); ``model_config_json``: config.json.
     #[new]
     #[pyo3(signature = (tokenizer_json, tokenizer_config_json, model_config_json = "{}"))]
-    fn new(tokenizer_json: &str, tokenizer_config_json: &str, model_config_json: &str) -> PyResult<Self> {
+    fn new(
+        tokenizer_json: &str,
+        tokenizer_config_json: &str,
+        model_config_json: &str,
+    ) -> PyResult<Self> {
         let tokenizer_config = json_arg("tokenizer_config_json", tokenizer_config_json)?;
         let model_config = json_arg("model_config_json", model_config_json)?;
         let encoder = Encoder::from_metadata(&tokenizer_config, &model_config)
             .map_err(|e| PyValueError::new_err(e.describe()))?;
-        let tokenizer =
-            PromptTokenizer::from_bytes(tokenizer_json.as_bytes()).map_err(|e| PyValueError::new_err(e.describe()))?;
+        let tokenizer = PromptTokenizer::from_bytes(tokenizer_json.as_bytes())
+            .map_err(|e| PyValueError::new_err(e.describe()))?;
         Ok(PromptEncoder { encoder, tokenizer })
     }
 
@@ -91,9 +99,12 @@ impl PromptEncoder {
         let body = body.to_vec();
         py.detach(|| {
             let request = crate::protocols::parse_request(protocol, &body)?;
-            let prompt = self.encoder.render(&request.conversation, add_generation_prompt)?;
+            let prompt = self
+                .encoder
+                .render(&request.conversation, add_generation_prompt)?;
             let ids = self.tokenizer.encode(&prompt)?;
-            let json = serde_json::to_string(&request).map_err(|e| Error::internal(e.to_string()))?;
+            let json =
+                serde_json::to_string(&request).map_err(|e| Error::internal(e.to_string()))?;
             Ok((json, prompt.text(), ids))
         })
         .map_err(|e: Error| to_py(e, protocol))
@@ -101,12 +112,22 @@ impl PromptEncoder {
 
     /// Render an already parsed request (``parse_request_json``'s output): ``(prompt text, ids)``.
     #[pyo3(signature = (request_json, add_generation_prompt = true))]
-    fn render_request(&self, request_json: &str, add_generation_prompt: bool) -> PyResult<(String, Vec<u32>)> {
-        let request: EngineRequest =
-            serde_json::from_str(request_json).map_err(|e| PyValueError::new_err(format!("request_json: {e}")))?;
+    fn render_request(
+        &self,
+        request_json: &str,
+        add_generation_prompt: bool,
+    ) -> PyResult<(String, Vec<u32>)> {
+        let request: EngineRequest = serde_json::from_str(request_json)
+            .map_err(|e| PyValueError::new_err(format!("request_json: {e}")))?;
         let protocol = request.protocol;
-        let prompt = self.encoder.render(&request.conversation, add_generation_prompt).map_err(|e| to_py(e, protocol))?;
-        let ids = self.tokenizer.encode(&prompt).map_err(|e| to_py(e, protocol))?;
+        let prompt = self
+            .encoder
+            .render(&request.conversation, add_generation_prompt)
+            .map_err(|e| to_py(e, protocol))?;
+        let ids = self
+            .tokenizer
+            .encode(&prompt)
+            .map_err(|e| to_py(e, protocol))?;
         Ok((prompt.text(), ids))
     }
 
@@ -165,7 +186,8 @@ fn events_to_list<'py>(py: Python<'py>, events: &[OutputEvent]) -> PyResult<Boun
 fn dict_to_event(item: &Bound<'_, PyAny>) -> PyResult<OutputEvent> {
     let dict = item.cast::<PyDict>()?;
     let get = |key: &str| -> PyResult<Bound<'_, PyAny>> {
-        dict.get_item(key)?.ok_or_else(|| PyValueError::new_err(format!("output event lacks {key:?}")))
+        dict.get_item(key)?
+            .ok_or_else(|| PyValueError::new_err(format!("output event lacks {key:?}")))
     };
     let kind: String = get("type")?.extract()?;
     Ok(match kind.as_str() {
@@ -176,12 +198,21 @@ fn dict_to_event(item: &Bound<'_, PyAny>) -> PyResult<OutputEvent> {
             id: get("id")?.extract()?,
             name: get("name")?.extract()?,
         },
-        "tool_call_arguments" => {
-            OutputEvent::ToolCallArguments { index: get("index")?.extract()?, delta: get("delta")?.extract()? }
+        "tool_call_arguments" => OutputEvent::ToolCallArguments {
+            index: get("index")?.extract()?,
+            delta: get("delta")?.extract()?,
+        },
+        "tool_call_end" => OutputEvent::ToolCallEnd {
+            index: get("index")?.extract()?,
+        },
+        "stopped" => OutputEvent::Stopped {
+            stop: get("stop")?.extract()?,
+        },
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown output event type {other:?}"
+            )))
         }
-        "tool_call_end" => OutputEvent::ToolCallEnd { index: get("index")?.extract()? },
-        "stopped" => OutputEvent::Stopped { stop: get("stop")?.extract()? },
-        other => return Err(PyValueError::new_err(format!("unknown output event type {other:?}"))),
     })
 }
 
@@ -196,9 +227,17 @@ impl StreamParser {
     /// ``format``: "plain", "deepseek_v3" (V3/R1/V3.1 markup) or "deepseek_v4" (DSML).
     #[new]
     #[pyo3(signature = (format, stop = Vec::new(), starts_in_reasoning = false, id_prefix = None))]
-    fn new(format: &str, stop: Vec<String>, starts_in_reasoning: bool, id_prefix: Option<String>) -> PyResult<Self> {
-        let format = OutputFormat::parse(format)
-            .ok_or_else(|| PyValueError::new_err(format!("unknown output format {format:?}; known: plain, deepseek_v3, deepseek_v4")))?;
+    fn new(
+        format: &str,
+        stop: Vec<String>,
+        starts_in_reasoning: bool,
+        id_prefix: Option<String>,
+    ) -> PyResult<Self> {
+        let format = OutputFormat::parse(format).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown output format {format:?}; known: plain, deepseek_v3, deepseek_v4"
+            ))
+        })?;
         let mut inner = RustParser::new(format, stop, starts_in_reasoning);
         if let Some(prefix) = id_prefix {
             inner = inner.with_id_prefix(prefix);
@@ -237,8 +276,18 @@ fn finish_reason(reason: &str, stop_sequence: Option<String>) -> PyResult<Finish
     })
 }
 
-fn usage(prompt_tokens: u32, completion_tokens: u32, cached_prompt_tokens: u32, reasoning_tokens: u32) -> Usage {
-    Usage { prompt_tokens, completion_tokens, cached_prompt_tokens, reasoning_tokens }
+fn usage(
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    cached_prompt_tokens: u32,
+    reasoning_tokens: u32,
+) -> Usage {
+    Usage {
+        prompt_tokens,
+        completion_tokens,
+        cached_prompt_tokens,
+        reasoning_tokens,
+    }
 }
 
 /// One response in one protocol: SSE frames as events arrive, or the whole JSON body.
@@ -268,7 +317,13 @@ impl ResponseWriter {
         let writer = SseWriter::new(protocol, id.clone(), model.clone(), created)
             .with_include_usage(include_usage)
             .with_prompt_usage(prompt_tokens, cached_prompt_tokens);
-        Ok(ResponseWriter { protocol, id, model, created, writer })
+        Ok(ResponseWriter {
+            protocol,
+            id,
+            model,
+            created,
+            writer,
+        })
     }
 
     /// The frames that open the stream.
@@ -278,7 +333,10 @@ impl ResponseWriter {
 
     /// Frames for these parser events (also recorded for ``response``).
     fn events(&mut self, events: &Bound<'_, PyList>) -> PyResult<Vec<String>> {
-        let parsed = events.iter().map(|item| dict_to_event(&item)).collect::<PyResult<Vec<_>>>()?;
+        let parsed = events
+            .iter()
+            .map(|item| dict_to_event(&item))
+            .collect::<PyResult<Vec<_>>>()?;
         Ok(self.writer.events(&parsed))
     }
 
@@ -294,7 +352,15 @@ impl ResponseWriter {
         stop_sequence: Option<String>,
     ) -> PyResult<Vec<String>> {
         let reason = finish_reason(reason, stop_sequence)?;
-        Ok(self.writer.finish(&reason, &usage(prompt_tokens, completion_tokens, cached_prompt_tokens, reasoning_tokens)))
+        Ok(self.writer.finish(
+            &reason,
+            &usage(
+                prompt_tokens,
+                completion_tokens,
+                cached_prompt_tokens,
+                reasoning_tokens,
+            ),
+        ))
     }
 
     /// The non-streaming response body (JSON text) for everything recorded so far.
@@ -315,7 +381,12 @@ impl ResponseWriter {
             &self.model,
             self.created,
             &reason,
-            &usage(prompt_tokens, completion_tokens, cached_prompt_tokens, reasoning_tokens),
+            &usage(
+                prompt_tokens,
+                completion_tokens,
+                cached_prompt_tokens,
+                reasoning_tokens,
+            ),
         );
         Ok(body.to_string())
     }

@@ -35,7 +35,9 @@ pub struct PromptTokenizer {
 
 impl std::fmt::Debug for PromptTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PromptTokenizer").field("special", &self.special).finish_non_exhaustive()
+        f.debug_struct("PromptTokenizer")
+            .field("special", &self.special)
+            .finish_non_exhaustive()
     }
 }
 
@@ -52,7 +54,11 @@ impl PromptTokenizer {
             .map(|(id, t)| (t.content, id))
             .collect();
         special.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        Ok(PromptTokenizer { plain, full, special })
+        Ok(PromptTokenizer {
+            plain,
+            full,
+            special,
+        })
     }
 
     /// The special added tokens' strings.
@@ -118,7 +124,11 @@ impl PromptTokenizer {
         while i < bytes.len() {
             // Only check at char boundaries; tokens are longest first.
             if text.is_char_boundary(i) {
-                if let Some((s, id)) = self.special.iter().find(|(s, _)| bytes[i..].starts_with(s.as_bytes())) {
+                if let Some((s, id)) = self
+                    .special
+                    .iter()
+                    .find(|(s, _)| bytes[i..].starts_with(s.as_bytes()))
+                {
                     found.push((i, s.len(), *id));
                     i += s.len();
                     continue;

@@ -2,7 +2,9 @@
 //! and chunking invariance (property tests).
 
 use powertrain_recipe::output::parser::{merge_deltas, parse_all};
-use powertrain_recipe::output::{FinishReason, OutputEvent, OutputFormat, ResponseBuilder, SseWriter, StreamParser, Usage};
+use powertrain_recipe::output::{
+    FinishReason, OutputEvent, OutputFormat, ResponseBuilder, SseWriter, StreamParser, Usage,
+};
 use powertrain_recipe::Protocol;
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -15,7 +17,12 @@ const CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 const CALL_END: &str = "<｜tool▁call▁end｜>";
 const SEP: &str = "<｜tool▁sep｜>";
 
-fn parse_chunks(format: OutputFormat, stops: &[&str], sir: bool, chunks: &[&str]) -> Vec<OutputEvent> {
+fn parse_chunks(
+    format: OutputFormat,
+    stops: &[&str],
+    sir: bool,
+    chunks: &[&str],
+) -> Vec<OutputEvent> {
     let mut p = StreamParser::new(format, stops.iter().map(|s| s.to_string()).collect(), sir);
     let mut events = Vec::new();
     for c in chunks {
@@ -26,15 +33,27 @@ fn parse_chunks(format: OutputFormat, stops: &[&str], sir: bool, chunks: &[&str]
 }
 
 fn one_shot(format: OutputFormat, stops: &[&str], sir: bool, text: &str) -> Vec<OutputEvent> {
-    parse_all(format, stops.iter().map(|s| s.to_string()).collect(), sir, text)
+    parse_all(
+        format,
+        stops.iter().map(|s| s.to_string()).collect(),
+        sir,
+        text,
+    )
 }
 
 fn start(index: usize, name: &str) -> OutputEvent {
-    ToolCallStart { index, id: format!("call_{index}"), name: name.into() }
+    ToolCallStart {
+        index,
+        id: format!("call_{index}"),
+        name: name.into(),
+    }
 }
 
 fn args(index: usize, delta: &str) -> OutputEvent {
-    ToolCallArguments { index, delta: delta.into() }
+    ToolCallArguments {
+        index,
+        delta: delta.into(),
+    }
 }
 
 fn v3_two_calls() -> String {
@@ -68,7 +87,10 @@ fn two_calls_events() -> Vec<OutputEvent> {
 }
 
 fn reasoning_events() -> Vec<OutputEvent> {
-    vec![Reasoning("Let me think.".into()), Text("The answer is 4.".into())]
+    vec![
+        Reasoning("Let me think.".into()),
+        Text("The answer is 4.".into()),
+    ]
 }
 
 // ---------------------------------------------------------------- parser goldens
@@ -76,43 +98,80 @@ fn reasoning_events() -> Vec<OutputEvent> {
 #[test]
 fn plain_is_verbatim() {
     let text = "  <think>not special</think> {CALLS_BEGIN}\n";
-    assert_eq!(one_shot(OutputFormat::Plain, &[], false, text), vec![Text(text.into())]);
+    assert_eq!(
+        one_shot(OutputFormat::Plain, &[], false, text),
+        vec![Text(text.into())]
+    );
     // starts_in_reasoning has no meaning for Plain.
-    assert_eq!(one_shot(OutputFormat::Plain, &[], true, "hi"), vec![Text("hi".into())]);
+    assert_eq!(
+        one_shot(OutputFormat::Plain, &[], true, "hi"),
+        vec![Text("hi".into())]
+    );
 }
 
 #[test]
 fn reasoning_then_text_all_formats() {
     for format in [OutputFormat::DeepseekV3, OutputFormat::DeepseekV4] {
         let text = "<think>\nLet me think.</think>\n\nThe answer is 4.";
-        assert_eq!(one_shot(format, &[], false, text), reasoning_events(), "{format:?}");
+        assert_eq!(
+            one_shot(format, &[], false, text),
+            reasoning_events(),
+            "{format:?}"
+        );
         // Thinking already opened by the prompt.
         let text = "Let me think.</think>\n\nThe answer is 4.";
-        assert_eq!(one_shot(format, &[], true, text), reasoning_events(), "{format:?}");
+        assert_eq!(
+            one_shot(format, &[], true, text),
+            reasoning_events(),
+            "{format:?}"
+        );
         // Unclosed reasoning is still reasoning.
-        assert_eq!(one_shot(format, &[], true, "hmm"), vec![Reasoning("hmm".into())]);
+        assert_eq!(
+            one_shot(format, &[], true, "hmm"),
+            vec![Reasoning("hmm".into())]
+        );
         // <think> after answer text is text.
-        assert_eq!(one_shot(format, &[], false, "a <think>b"), vec![Text("a <think>b".into())]);
+        assert_eq!(
+            one_shot(format, &[], false, "a <think>b"),
+            vec![Text("a <think>b".into())]
+        );
     }
 }
 
 #[test]
 fn v3_r1_form_two_calls() {
-    assert_eq!(one_shot(OutputFormat::DeepseekV3, &[], false, &v3_two_calls()), two_calls_events());
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV3, &[], false, &v3_two_calls()),
+        two_calls_events()
+    );
 }
 
 #[test]
 fn v31_form_two_calls() {
-    assert_eq!(one_shot(OutputFormat::DeepseekV3, &[], false, &v31_two_calls()), two_calls_events());
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV3, &[], false, &v31_two_calls()),
+        two_calls_events()
+    );
     // Without the outer begin/end markers too.
     let bare = format!("Checking.{CALL_BEGIN}get_weather{SEP}{{\"city\": \"Paris\"}}{CALL_END}");
-    assert_eq!(one_shot(OutputFormat::DeepseekV3, &[], false, &bare), two_calls_events()[..4].to_vec());
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV3, &[], false, &bare),
+        two_calls_events()[..4].to_vec()
+    );
 }
 
 #[test]
 fn dsml_two_calls_both_wrappers() {
     for wrapper in ["function_calls", "tool_calls"] {
-        assert_eq!(one_shot(OutputFormat::DeepseekV4, &[], false, &dsml_two_calls(wrapper)), two_calls_events());
+        assert_eq!(
+            one_shot(
+                OutputFormat::DeepseekV4,
+                &[],
+                false,
+                &dsml_two_calls(wrapper)
+            ),
+            two_calls_events()
+        );
     }
 }
 
@@ -128,41 +187,75 @@ fn dsml_typed_parameters() {
             ToolCallEnd { index: 0 },
         ]
     );
-    let ToolCallArguments { delta, .. } = &events[1] else { unreachable!() };
+    let ToolCallArguments { delta, .. } = &events[1] else {
+        unreachable!()
+    };
     let v: Value = serde_json::from_str(delta).unwrap();
-    assert_eq!(v, json!({"s": "a \"q\"\nb", "n": 42, "o": {"k": [1, true]}, "bad": "not json"}));
+    assert_eq!(
+        v,
+        json!({"s": "a \"q\"\nb", "n": 42, "o": {"k": [1, true]}, "bad": "not json"})
+    );
     // No parameters: "{}".
     let text = "<｜DSML｜function_calls><｜DSML｜invoke name=\"f\"></｜DSML｜invoke></｜DSML｜function_calls>";
-    assert_eq!(one_shot(OutputFormat::DeepseekV4, &[], false, text), vec![start(0, "f"), args(0, "{}"), ToolCallEnd { index: 0 }]);
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV4, &[], false, text),
+        vec![start(0, "f"), args(0, "{}"), ToolCallEnd { index: 0 }]
+    );
 }
 
 #[test]
 fn reasoning_then_tool_call_then_text() {
-    let text = format!("<think>plan</think>{CALLS_BEGIN}{CALL_BEGIN}f{SEP}{{}}{CALL_END}{CALLS_END}\n\nDone.");
+    let text = format!(
+        "<think>plan</think>{CALLS_BEGIN}{CALL_BEGIN}f{SEP}{{}}{CALL_END}{CALLS_END}\n\nDone."
+    );
     assert_eq!(
         one_shot(OutputFormat::DeepseekV3, &[], false, &text),
-        vec![Reasoning("plan".into()), start(0, "f"), args(0, "{}"), ToolCallEnd { index: 0 }, Text("Done.".into())]
+        vec![
+            Reasoning("plan".into()),
+            start(0, "f"),
+            args(0, "{}"),
+            ToolCallEnd { index: 0 },
+            Text("Done.".into())
+        ]
     );
 }
 
 #[test]
 fn id_prefix() {
-    let mut p = StreamParser::new(OutputFormat::DeepseekV3, vec![], false).with_id_prefix("toolu_abc");
+    let mut p =
+        StreamParser::new(OutputFormat::DeepseekV3, vec![], false).with_id_prefix("toolu_abc");
     let mut ev = p.push(&v31_two_calls());
     ev.extend(p.finish());
-    let ids: Vec<_> = ev.iter().filter_map(|e| if let ToolCallStart { id, .. } = e { Some(id.clone()) } else { None }).collect();
+    let ids: Vec<_> = ev
+        .iter()
+        .filter_map(|e| {
+            if let ToolCallStart { id, .. } = e {
+                Some(id.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
     assert_eq!(ids, vec!["toolu_abc_0", "toolu_abc_1"]);
 }
 
 #[test]
 fn stop_sequences() {
-    for format in [OutputFormat::Plain, OutputFormat::DeepseekV3, OutputFormat::DeepseekV4] {
+    for format in [
+        OutputFormat::Plain,
+        OutputFormat::DeepseekV3,
+        OutputFormat::DeepseekV4,
+    ] {
         let expected = vec![Text("Hello".into()), Stopped { stop: "END".into() }];
         assert_eq!(one_shot(format, &["END"], false, "HelloEND more"), expected);
         // Split across chunks at every position.
         let text = "HelloEND more";
         for i in 0..=text.len() {
-            assert_eq!(parse_chunks(format, &["END"], false, &[&text[..i], &text[i..]]), expected, "{format:?} {i}");
+            assert_eq!(
+                parse_chunks(format, &["END"], false, &[&text[..i], &text[i..]]),
+                expected,
+                "{format:?} {i}"
+            );
         }
         // Nothing after Stopped, even on later pushes.
         let mut p = StreamParser::new(format, vec!["END".into()], false);
@@ -172,7 +265,10 @@ fn stop_sequences() {
         assert!(p.push("x").is_empty());
         assert!(p.finish().is_empty());
         // A held-back partial that never completes is flushed at finish.
-        assert_eq!(parse_chunks(format, &["END"], false, &["Hello", "EN"]), vec![Text("HelloEN".into())]);
+        assert_eq!(
+            parse_chunks(format, &["END"], false, &["Hello", "EN"]),
+            vec![Text("HelloEN".into())]
+        );
     }
     // Earliest stop wins; at the same position the longest.
     assert_eq!(
@@ -181,8 +277,19 @@ fn stop_sequences() {
     );
     // Stops do not apply inside reasoning.
     assert_eq!(
-        one_shot(OutputFormat::DeepseekV3, &["STOP"], false, "<think>STOP</think>okSTOPno"),
-        vec![Reasoning("STOP".into()), Text("ok".into()), Stopped { stop: "STOP".into() }]
+        one_shot(
+            OutputFormat::DeepseekV3,
+            &["STOP"],
+            false,
+            "<think>STOP</think>okSTOPno"
+        ),
+        vec![
+            Reasoning("STOP".into()),
+            Text("ok".into()),
+            Stopped {
+                stop: "STOP".into()
+            }
+        ]
     );
 }
 
@@ -211,18 +318,35 @@ fn malformed_markup_at_finish() {
     let text = format!("{CALLS_BEGIN}{CALL_BEGIN}f{SEP}{{\"a\": 1");
     assert_eq!(
         one_shot(OutputFormat::DeepseekV3, &[], false, &text),
-        vec![start(0, "f"), args(0, "{\"a\": 1"), ToolCallEnd { index: 0 }]
+        vec![
+            start(0, "f"),
+            args(0, "{\"a\": 1"),
+            ToolCallEnd { index: 0 }
+        ]
     );
     // DSML cut inside a string value: closed into valid JSON.
     let text = "<｜DSML｜function_calls><｜DSML｜invoke name=\"f\"><｜DSML｜parameter name=\"a\" string=\"true\">hel";
     let events = one_shot(OutputFormat::DeepseekV4, &[], false, text);
-    assert_eq!(events, vec![start(0, "f"), args(0, "{\"a\": \"hel\"}"), ToolCallEnd { index: 0 }]);
+    assert_eq!(
+        events,
+        vec![
+            start(0, "f"),
+            args(0, "{\"a\": \"hel\"}"),
+            ToolCallEnd { index: 0 }
+        ]
+    );
     // DSML invoke tag cut: text.
     let text = "ok<｜DSML｜function_calls><｜DSML｜invoke na";
-    assert_eq!(one_shot(OutputFormat::DeepseekV4, &[], false, text), vec![Text("ok<｜DSML｜invoke na".into())]);
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV4, &[], false, text),
+        vec![Text("ok<｜DSML｜invoke na".into())]
+    );
     // call_end before any separator: text.
     let text = format!("{CALLS_BEGIN}{CALL_BEGIN}oops{CALL_END}{CALLS_END}");
-    assert_eq!(one_shot(OutputFormat::DeepseekV3, &[], false, &text), vec![Text(format!("{CALL_BEGIN}oops{CALL_END}"))]);
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV3, &[], false, &text),
+        vec![Text(format!("{CALL_BEGIN}oops{CALL_END}"))]
+    );
 }
 
 #[test]
@@ -248,7 +372,12 @@ fn push_bytes_utf8() {
 fn build(events: &[OutputEvent], protocol: Protocol, finish: &FinishReason) -> Value {
     let mut b = ResponseBuilder::new();
     b.extend(events);
-    let usage = Usage { prompt_tokens: 10, completion_tokens: 5, cached_prompt_tokens: 4, reasoning_tokens: 2 };
+    let usage = Usage {
+        prompt_tokens: 10,
+        completion_tokens: 5,
+        cached_prompt_tokens: 4,
+        reasoning_tokens: 2,
+    };
     let id = match protocol {
         Protocol::ChatCompletions => "chatcmpl-1",
         Protocol::Responses => "resp_1",
@@ -259,7 +388,11 @@ fn build(events: &[OutputEvent], protocol: Protocol, finish: &FinishReason) -> V
 
 #[test]
 fn chat_completion_bodies() {
-    let body = build(&reasoning_events(), Protocol::ChatCompletions, &FinishReason::Stop);
+    let body = build(
+        &reasoning_events(),
+        Protocol::ChatCompletions,
+        &FinishReason::Stop,
+    );
     assert_eq!(
         body,
         json!({
@@ -268,7 +401,11 @@ fn chat_completion_bodies() {
             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens_details": {"reasoning_tokens": 2}},
         })
     );
-    let body = build(&two_calls_events(), Protocol::ChatCompletions, &FinishReason::ToolCalls);
+    let body = build(
+        &two_calls_events(),
+        Protocol::ChatCompletions,
+        &FinishReason::ToolCalls,
+    );
     assert_eq!(
         body["choices"][0],
         json!({"index": 0, "message": {"role": "assistant", "content": "Checking.", "tool_calls": [
@@ -277,18 +414,40 @@ fn chat_completion_bodies() {
         ]}, "logprobs": null, "finish_reason": "tool_calls"})
     );
     let calls_only = &two_calls_events()[1..];
-    assert_eq!(build(calls_only, Protocol::ChatCompletions, &FinishReason::ToolCalls)["choices"][0]["message"]["content"], Value::Null);
+    assert_eq!(
+        build(
+            calls_only,
+            Protocol::ChatCompletions,
+            &FinishReason::ToolCalls
+        )["choices"][0]["message"]["content"],
+        Value::Null
+    );
     let stop = one_shot(OutputFormat::Plain, &["END"], false, "HelloEND");
     let mut b = ResponseBuilder::new();
     b.extend(&stop);
-    assert_eq!(b.finish_reason(false), FinishReason::StopSequence("END".into()));
-    assert_eq!(build(&stop, Protocol::ChatCompletions, &b.finish_reason(false))["choices"][0]["finish_reason"], "stop");
-    assert_eq!(build(&stop, Protocol::ChatCompletions, &FinishReason::Length)["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        b.finish_reason(false),
+        FinishReason::StopSequence("END".into())
+    );
+    assert_eq!(
+        build(&stop, Protocol::ChatCompletions, &b.finish_reason(false))["choices"][0]
+            ["finish_reason"],
+        "stop"
+    );
+    assert_eq!(
+        build(&stop, Protocol::ChatCompletions, &FinishReason::Length)["choices"][0]
+            ["finish_reason"],
+        "length"
+    );
 }
 
 #[test]
 fn responses_bodies() {
-    let body = build(&reasoning_events(), Protocol::Responses, &FinishReason::Stop);
+    let body = build(
+        &reasoning_events(),
+        Protocol::Responses,
+        &FinishReason::Stop,
+    );
     assert_eq!(
         body,
         json!({
@@ -300,20 +459,35 @@ fn responses_bodies() {
             "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 15},
         })
     );
-    let body = build(&two_calls_events(), Protocol::Responses, &FinishReason::ToolCalls);
+    let body = build(
+        &two_calls_events(),
+        Protocol::Responses,
+        &FinishReason::ToolCalls,
+    );
     assert_eq!(
         body["output"][1],
         json!({"id": "fc_1_1", "type": "function_call", "status": "completed", "call_id": "call_0", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"})
     );
     assert_eq!(body["output"][2]["call_id"], "call_1");
-    let body = build(&reasoning_events(), Protocol::Responses, &FinishReason::Length);
+    let body = build(
+        &reasoning_events(),
+        Protocol::Responses,
+        &FinishReason::Length,
+    );
     assert_eq!(body["status"], "incomplete");
-    assert_eq!(body["incomplete_details"], json!({"reason": "max_output_tokens"}));
+    assert_eq!(
+        body["incomplete_details"],
+        json!({"reason": "max_output_tokens"})
+    );
 }
 
 #[test]
 fn anthropic_bodies() {
-    let body = build(&reasoning_events(), Protocol::AnthropicMessages, &FinishReason::Stop);
+    let body = build(
+        &reasoning_events(),
+        Protocol::AnthropicMessages,
+        &FinishReason::Stop,
+    );
     assert_eq!(
         body,
         json!({
@@ -323,7 +497,11 @@ fn anthropic_bodies() {
             "usage": {"input_tokens": 6, "output_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4},
         })
     );
-    let body = build(&two_calls_events(), Protocol::AnthropicMessages, &FinishReason::ToolCalls);
+    let body = build(
+        &two_calls_events(),
+        Protocol::AnthropicMessages,
+        &FinishReason::ToolCalls,
+    );
     assert_eq!(
         body["content"],
         json!([
@@ -333,9 +511,19 @@ fn anthropic_bodies() {
         ])
     );
     assert_eq!(body["stop_reason"], "tool_use");
-    let body = build(&[Text("Hello".into())], Protocol::AnthropicMessages, &FinishReason::StopSequence("END".into()));
-    assert_eq!((body["stop_reason"].clone(), body["stop_sequence"].clone()), (json!("stop_sequence"), json!("END")));
-    assert_eq!(build(&[], Protocol::AnthropicMessages, &FinishReason::Length)["stop_reason"], "max_tokens");
+    let body = build(
+        &[Text("Hello".into())],
+        Protocol::AnthropicMessages,
+        &FinishReason::StopSequence("END".into()),
+    );
+    assert_eq!(
+        (body["stop_reason"].clone(), body["stop_sequence"].clone()),
+        (json!("stop_sequence"), json!("END"))
+    );
+    assert_eq!(
+        build(&[], Protocol::AnthropicMessages, &FinishReason::Length)["stop_reason"],
+        "max_tokens"
+    );
 }
 
 /// Every format's markup for the same output gives the same bodies.
@@ -347,29 +535,49 @@ fn all_formats_agree_per_protocol() {
         (OutputFormat::DeepseekV4, dsml_two_calls("function_calls")),
         (OutputFormat::DeepseekV4, dsml_two_calls("tool_calls")),
     ];
-    for protocol in [Protocol::ChatCompletions, Protocol::Responses, Protocol::AnthropicMessages] {
+    for protocol in [
+        Protocol::ChatCompletions,
+        Protocol::Responses,
+        Protocol::AnthropicMessages,
+    ] {
         let expected = build(&two_calls_events(), protocol, &FinishReason::ToolCalls);
         for (format, text) in &outputs {
             let events = one_shot(*format, &[], false, text);
-            assert_eq!(build(&events, protocol, &FinishReason::ToolCalls), expected, "{format:?} {protocol:?}");
+            assert_eq!(
+                build(&events, protocol, &FinishReason::ToolCalls),
+                expected,
+                "{format:?} {protocol:?}"
+            );
         }
     }
 }
 
 // ---------------------------------------------------------------- SSE
 
-fn sse(protocol: Protocol, events: &[OutputEvent], finish: &FinishReason, include_usage: bool) -> Vec<String> {
+fn sse(
+    protocol: Protocol,
+    events: &[OutputEvent],
+    finish: &FinishReason,
+    include_usage: bool,
+) -> Vec<String> {
     let id = match protocol {
         Protocol::ChatCompletions => "chatcmpl-1",
         Protocol::Responses => "resp_1",
         Protocol::AnthropicMessages => "msg_1",
     };
-    let mut w = SseWriter::new(protocol, id, "m", 1700000000).with_include_usage(include_usage).with_prompt_usage(10, 4);
+    let mut w = SseWriter::new(protocol, id, "m", 1700000000)
+        .with_include_usage(include_usage)
+        .with_prompt_usage(10, 4);
     let mut frames = w.start();
     for e in events {
         frames.extend(w.events(std::slice::from_ref(e)));
     }
-    let usage = Usage { prompt_tokens: 10, completion_tokens: 5, cached_prompt_tokens: 4, reasoning_tokens: 2 };
+    let usage = Usage {
+        prompt_tokens: 10,
+        completion_tokens: 5,
+        cached_prompt_tokens: 4,
+        reasoning_tokens: 2,
+    };
     frames.extend(w.finish(finish, &usage));
     frames
 }
@@ -393,7 +601,12 @@ fn split(frame: &str) -> (String, Value) {
 
 #[test]
 fn chat_sse_exact() {
-    let frames = sse(Protocol::ChatCompletions, &two_calls_events(), &FinishReason::ToolCalls, true);
+    let frames = sse(
+        Protocol::ChatCompletions,
+        &two_calls_events(),
+        &FinishReason::ToolCalls,
+        true,
+    );
     let chunk = |delta: Value, finish: Value| {
         format!(
             "data: {}\n\n",
@@ -415,11 +628,22 @@ fn chat_sse_exact() {
     ];
     assert_eq!(frames, expected);
     // Reasoning, and no usage chunk (nor usage: null) without include_usage.
-    let frames = sse(Protocol::ChatCompletions, &reasoning_events(), &FinishReason::Stop, false);
+    let frames = sse(
+        Protocol::ChatCompletions,
+        &reasoning_events(),
+        &FinishReason::Stop,
+        false,
+    );
     let data: Vec<Value> = frames.iter().map(|f| split(f).1).collect();
     assert_eq!(data.len(), 5);
-    assert_eq!(data[1]["choices"][0]["delta"], json!({"reasoning_content": "Let me think."}));
-    assert_eq!(data[2]["choices"][0]["delta"], json!({"content": "The answer is 4."}));
+    assert_eq!(
+        data[1]["choices"][0]["delta"],
+        json!({"reasoning_content": "Let me think."})
+    );
+    assert_eq!(
+        data[2]["choices"][0]["delta"],
+        json!({"content": "The answer is 4."})
+    );
     assert_eq!(data[3]["choices"][0]["finish_reason"], "stop");
     assert!(data[3].get("usage").is_none());
     assert_eq!(data[4], json!("[DONE]"));
@@ -427,19 +651,32 @@ fn chat_sse_exact() {
 
 #[test]
 fn responses_sse_sequence() {
-    let events = vec![Reasoning("Let ".into()), Reasoning("me think.".into()), Text("The answer is 4.".into())];
+    let events = vec![
+        Reasoning("Let ".into()),
+        Reasoning("me think.".into()),
+        Text("The answer is 4.".into()),
+    ];
     let frames = sse(Protocol::Responses, &events, &FinishReason::Stop, false);
     let parsed: Vec<(String, Value)> = frames.iter().map(|f| split(f)).collect();
     let names: Vec<&str> = parsed.iter().map(|(e, _)| e.as_str()).collect();
     assert_eq!(
         names,
         vec![
-            "response.created", "response.in_progress",
-            "response.output_item.added", "response.content_part.added",
-            "response.reasoning_text.delta", "response.reasoning_text.delta",
-            "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
-            "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-            "response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
             "response.completed",
         ]
     );
@@ -448,23 +685,42 @@ fn responses_sse_sequence() {
         assert_eq!(data["sequence_number"], json!(i));
     }
     assert_eq!(parsed[0].1["response"]["status"], "in_progress");
-    assert_eq!(parsed[11].1, json!({"type": "response.output_text.delta", "item_id": "msg_1_1", "output_index": 1, "content_index": 0, "delta": "The answer is 4.", "logprobs": [], "sequence_number": 11}));
+    assert_eq!(
+        parsed[11].1,
+        json!({"type": "response.output_text.delta", "item_id": "msg_1_1", "output_index": 1, "content_index": 0, "delta": "The answer is 4.", "logprobs": [], "sequence_number": 11})
+    );
     assert_eq!(parsed[6].1["text"], "Let me think.");
     // The final response equals the non-streaming body.
-    assert_eq!(parsed[15].1["response"], build(&events, Protocol::Responses, &FinishReason::Stop));
+    assert_eq!(
+        parsed[15].1["response"],
+        build(&events, Protocol::Responses, &FinishReason::Stop)
+    );
 
-    let frames = sse(Protocol::Responses, &two_calls_events(), &FinishReason::ToolCalls, false);
+    let frames = sse(
+        Protocol::Responses,
+        &two_calls_events(),
+        &FinishReason::ToolCalls,
+        false,
+    );
     let parsed: Vec<(String, Value)> = frames.iter().map(|f| split(f)).collect();
     let names: Vec<&str> = parsed.iter().map(|(e, _)| e.as_str()).collect();
     assert_eq!(
         names[2..],
         [
-            "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-            "response.output_text.done", "response.content_part.done", "response.output_item.done",
-            "response.output_item.added", "response.function_call_arguments.delta",
-            "response.function_call_arguments.done", "response.output_item.done",
-            "response.output_item.added", "response.function_call_arguments.delta",
-            "response.function_call_arguments.done", "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
             "response.completed",
         ]
     );
@@ -473,9 +729,21 @@ fn responses_sse_sequence() {
         json!({"id": "fc_1_1", "type": "function_call", "status": "in_progress", "call_id": "call_0", "name": "get_weather", "arguments": ""})
     );
     assert_eq!(parsed[10].1["arguments"], "{\"city\": \"Paris\"}");
-    assert_eq!(parsed[16].1["response"], build(&two_calls_events(), Protocol::Responses, &FinishReason::ToolCalls));
+    assert_eq!(
+        parsed[16].1["response"],
+        build(
+            &two_calls_events(),
+            Protocol::Responses,
+            &FinishReason::ToolCalls
+        )
+    );
     // Length -> response.incomplete.
-    let frames = sse(Protocol::Responses, &[Text("x".into())], &FinishReason::Length, false);
+    let frames = sse(
+        Protocol::Responses,
+        &[Text("x".into())],
+        &FinishReason::Length,
+        false,
+    );
     assert_eq!(split(frames.last().unwrap()).0, "response.incomplete");
 }
 
@@ -483,7 +751,12 @@ fn responses_sse_sequence() {
 fn anthropic_sse_sequence() {
     let mut events = reasoning_events();
     events.extend(two_calls_events().into_iter().skip(1));
-    let frames = sse(Protocol::AnthropicMessages, &events, &FinishReason::ToolCalls, false);
+    let frames = sse(
+        Protocol::AnthropicMessages,
+        &events,
+        &FinishReason::ToolCalls,
+        false,
+    );
     let parsed: Vec<(String, Value)> = frames.iter().map(|f| split(f)).collect();
     for (name, data) in &parsed {
         assert_eq!(data["type"], json!(name));
@@ -511,15 +784,27 @@ fn anthropic_sse_sequence() {
             json!({"type": "message_stop"}),
         ]
     );
-    let frames = sse(Protocol::AnthropicMessages, &[Text("Hello".into())], &FinishReason::StopSequence("END".into()), false);
-    assert_eq!(split(&frames[frames.len() - 2]).1["delta"], json!({"stop_reason": "stop_sequence", "stop_sequence": "END"}));
+    let frames = sse(
+        Protocol::AnthropicMessages,
+        &[Text("Hello".into())],
+        &FinishReason::StopSequence("END".into()),
+        false,
+    );
+    assert_eq!(
+        split(&frames[frames.len() - 2]).1["delta"],
+        json!({"stop_reason": "stop_sequence", "stop_sequence": "END"})
+    );
 }
 
 /// Streaming a parsed stop-sequence output end to end, each protocol.
 #[test]
 fn stop_sequence_end_to_end() {
     let mut parser = StreamParser::new(OutputFormat::DeepseekV3, vec!["STOP".into()], false);
-    for protocol in [Protocol::ChatCompletions, Protocol::Responses, Protocol::AnthropicMessages] {
+    for protocol in [
+        Protocol::ChatCompletions,
+        Protocol::Responses,
+        Protocol::AnthropicMessages,
+    ] {
         let mut p = parser.clone();
         let mut w = SseWriter::new(protocol, "x", "m", 0);
         let mut b = ResponseBuilder::new();
@@ -546,13 +831,51 @@ fn stop_sequence_end_to_end() {
 
 fn fragments() -> Vec<&'static str> {
     vec![
-        "<think>", "</think>", "<", "</", "<th", "think>", ">", "\n", " ", "```", "```json", "\n```", "json",
-        CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, "<｜tool▁call", "<｜", "｜>", "▁", "function",
-        "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
-        "<｜DSML｜invoke name=\"f\">", "<｜DSML｜invoke", " name=\"g\"", "</｜DSML｜invoke>",
-        "<｜DSML｜parameter name=\"p\" string=\"true\">", "<｜DSML｜parameter name=\"q\" string=\"false\">",
-        "<｜DSML｜parameter", "</｜DSML｜parameter>", "\"", "{\"a\": 1}", "[1,2]", "STOP", "ST", "OP", "é", "\\",
-        "hello", "x",
+        "<think>",
+        "</think>",
+        "<",
+        "</",
+        "<th",
+        "think>",
+        ">",
+        "\n",
+        " ",
+        "```",
+        "```json",
+        "\n```",
+        "json",
+        CALLS_BEGIN,
+        CALLS_END,
+        CALL_BEGIN,
+        CALL_END,
+        SEP,
+        "<｜tool▁call",
+        "<｜",
+        "｜>",
+        "▁",
+        "function",
+        "<｜DSML｜function_calls>",
+        "</｜DSML｜function_calls>",
+        "<｜DSML｜tool_calls>",
+        "</｜DSML｜tool_calls>",
+        "<｜DSML｜invoke name=\"f\">",
+        "<｜DSML｜invoke",
+        " name=\"g\"",
+        "</｜DSML｜invoke>",
+        "<｜DSML｜parameter name=\"p\" string=\"true\">",
+        "<｜DSML｜parameter name=\"q\" string=\"false\">",
+        "<｜DSML｜parameter",
+        "</｜DSML｜parameter>",
+        "\"",
+        "{\"a\": 1}",
+        "[1,2]",
+        "STOP",
+        "ST",
+        "OP",
+        "é",
+        "\\",
+        "hello",
+        "x",
     ]
 }
 
@@ -566,7 +889,11 @@ fn output_text() -> impl Strategy<Value = String> {
 }
 
 fn formats() -> impl Strategy<Value = OutputFormat> {
-    prop_oneof![Just(OutputFormat::Plain), Just(OutputFormat::DeepseekV3), Just(OutputFormat::DeepseekV4)]
+    prop_oneof![
+        Just(OutputFormat::Plain),
+        Just(OutputFormat::DeepseekV3),
+        Just(OutputFormat::DeepseekV4)
+    ]
 }
 
 /// Splits `s` at the given byte offsets (moved down to char boundaries).

@@ -92,11 +92,22 @@ impl OutputFormat {
 pub enum OutputEvent {
     Reasoning(String),
     Text(String),
-    ToolCallStart { index: usize, id: String, name: String },
-    ToolCallArguments { index: usize, delta: String },
-    ToolCallEnd { index: usize },
+    ToolCallStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    ToolCallArguments {
+        index: usize,
+        delta: String,
+    },
+    ToolCallEnd {
+        index: usize,
+    },
     /// A stop sequence matched in answer text; nothing follows.
-    Stopped { stop: String },
+    Stopped {
+        stop: String,
+    },
 }
 
 pub const THINK_OPEN: &str = "<think>";
@@ -190,7 +201,11 @@ impl StreamParser {
             format,
             stops: stop.into_iter().filter(|s| !s.is_empty()).collect(),
             id_prefix: "call".to_string(),
-            state: if reasoning { State::Reasoning } else { State::Answer },
+            state: if reasoning {
+                State::Reasoning
+            } else {
+                State::Answer
+            },
             buf: String::new(),
             pending_bytes: Vec::new(),
             think_allowed: !reasoning,
@@ -254,7 +269,8 @@ impl StreamParser {
                 Err(e) => {
                     let (valid, after) = rest.split_at(e.valid_up_to());
                     // SAFETY-free: from_utf8 said this prefix is valid.
-                    self.buf.push_str(std::str::from_utf8(valid).unwrap_or_default());
+                    self.buf
+                        .push_str(std::str::from_utf8(valid).unwrap_or_default());
                     match e.error_len() {
                         Some(n) => {
                             self.buf.push('\u{FFFD}');
@@ -352,9 +368,18 @@ impl StreamParser {
             State::V3AfterArgs => m.push((V3_CALL_END, Mk::V3CallEnd)),
             State::DsmlSection { tool_calls } => {
                 m.push((DSML_INVOKE, Mk::DsmlInvoke));
-                m.push((if tool_calls { DSML_TOOL_CALLS_END } else { DSML_CALLS_END }, Mk::DsmlEnd));
+                m.push((
+                    if tool_calls {
+                        DSML_TOOL_CALLS_END
+                    } else {
+                        DSML_CALLS_END
+                    },
+                    Mk::DsmlEnd,
+                ));
             }
-            State::DsmlInvokeTag { .. } | State::DsmlParamTag { .. } => m.push((TAG_CLOSE, Mk::TagClose)),
+            State::DsmlInvokeTag { .. } | State::DsmlParamTag { .. } => {
+                m.push((TAG_CLOSE, Mk::TagClose))
+            }
             State::DsmlInvoke { .. } => {
                 m.push((DSML_PARAMETER, Mk::DsmlParam));
                 m.push((DSML_INVOKE_END, Mk::DsmlInvokeEnd));
@@ -405,10 +430,9 @@ impl StreamParser {
                             continue;
                         }
                         let rest = &self.buf[q..];
-                        if markers
-                            .iter()
-                            .any(|&(m, mk)| m.len() > rest.len() && m.starts_with(rest) && self.valid_at(mk, q))
-                        {
+                        if markers.iter().any(|&(m, mk)| {
+                            m.len() > rest.len() && m.starts_with(rest) && self.valid_at(mk, q)
+                        }) {
                             partial = Some(q);
                             break;
                         }
@@ -461,7 +485,9 @@ impl StreamParser {
                 self.acc.push_str(s);
                 self.raw.push_str(s);
             }
-            State::DsmlParamTag { .. } | State::DsmlParamValue { string: false, .. } => self.acc.push_str(s),
+            State::DsmlParamTag { .. } | State::DsmlParamValue { string: false, .. } => {
+                self.acc.push_str(s)
+            }
             State::V3Args { .. } => {
                 let s = self.trim_leading(s);
                 if !s.is_empty() {
@@ -522,7 +548,13 @@ impl StreamParser {
             if !delta.is_empty() {
                 *any = true;
                 let index = *index;
-                push_merge(out, OutputEvent::ToolCallArguments { index, delta: delta.to_string() });
+                push_merge(
+                    out,
+                    OutputEvent::ToolCallArguments {
+                        index,
+                        delta: delta.to_string(),
+                    },
+                );
             }
         }
     }
@@ -535,7 +567,11 @@ impl StreamParser {
         self.call = Some((index, false));
         self.params = 0;
         self.leading = true;
-        out.push(OutputEvent::ToolCallStart { index, id: format!("{}_{}", self.id_prefix, index), name });
+        out.push(OutputEvent::ToolCallStart {
+            index,
+            id: format!("{}_{}", self.id_prefix, index),
+            name,
+        });
     }
 
     fn end_call(&mut self, out: &mut Vec<OutputEvent>) {
@@ -568,7 +604,9 @@ impl StreamParser {
         match (self.state, mk) {
             (_, Mk::Stop(i)) => {
                 self.flush_ws(out);
-                out.push(OutputEvent::Stopped { stop: self.stops[i].clone() });
+                out.push(OutputEvent::Stopped {
+                    stop: self.stops[i].clone(),
+                });
                 self.done = true;
                 self.buf.clear();
             }
@@ -728,7 +766,10 @@ fn attr(tag: &str, key: &str) -> Option<String> {
         let before_ok = at == 0 || tag[..at].ends_with(|c: char| c.is_whitespace());
         let start = at + needle.len();
         if before_ok {
-            let end = tag[start..].find('"').map(|e| start + e).unwrap_or(tag.len());
+            let end = tag[start..]
+                .find('"')
+                .map(|e| start + e)
+                .unwrap_or(tag.len());
             return Some(tag[start..end].to_string());
         }
         from = start;
@@ -737,7 +778,12 @@ fn attr(tag: &str, key: &str) -> Option<String> {
 }
 
 /// Parses a whole output at once (what a non-streaming request does).
-pub fn parse_all(format: OutputFormat, stop: Vec<String>, starts_in_reasoning: bool, text: &str) -> Vec<OutputEvent> {
+pub fn parse_all(
+    format: OutputFormat,
+    stop: Vec<String>,
+    starts_in_reasoning: bool,
+    text: &str,
+) -> Vec<OutputEvent> {
     let mut parser = StreamParser::new(format, stop, starts_in_reasoning);
     let mut events = parser.push(text);
     events.extend(parser.finish());

@@ -172,7 +172,11 @@ impl ResponseBuilder {
             FinishReason::StopSequence(stop.clone())
         } else if hit_length {
             FinishReason::Length
-        } else if self.segments.iter().any(|s| matches!(s, Segment::ToolCall(_))) {
+        } else if self
+            .segments
+            .iter()
+            .any(|s| matches!(s, Segment::ToolCall(_)))
+        {
             FinishReason::ToolCalls
         } else {
             FinishReason::Stop
@@ -196,20 +200,34 @@ impl ResponseBuilder {
         }
     }
 
-    fn chat_completion(&self, id: &str, model: &str, created: u64, finish: &FinishReason, usage: &Usage) -> Value {
+    fn chat_completion(
+        &self,
+        id: &str,
+        model: &str,
+        created: u64,
+        finish: &FinishReason,
+        usage: &Usage,
+    ) -> Value {
         let text = self.text();
         let calls = self.tool_calls();
         let mut message = Map::new();
         message.insert("role".into(), json!("assistant"));
         message.insert(
             "content".into(),
-            if text.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(text) },
+            if text.is_empty() && !calls.is_empty() {
+                Value::Null
+            } else {
+                Value::String(text)
+            },
         );
         if let Some(reasoning) = self.reasoning() {
             message.insert("reasoning_content".into(), Value::String(reasoning));
         }
         if !calls.is_empty() {
-            message.insert("tool_calls".into(), Value::Array(calls.iter().map(chat_tool_call).collect()));
+            message.insert(
+                "tool_calls".into(),
+                Value::Array(calls.iter().map(chat_tool_call).collect()),
+            );
         }
         json!({
             "id": id,
@@ -226,7 +244,14 @@ impl ResponseBuilder {
         })
     }
 
-    fn responses(&self, id: &str, model: &str, created: u64, finish: &FinishReason, usage: &Usage) -> Value {
+    fn responses(
+        &self,
+        id: &str,
+        model: &str,
+        created: u64,
+        finish: &FinishReason,
+        usage: &Usage,
+    ) -> Value {
         let output: Vec<Value> = self
             .segments
             .iter()
@@ -309,7 +334,12 @@ pub(crate) fn responses_text_part(text: &str) -> Value {
 }
 
 /// A Responses output item; `status` is "in_progress" while streaming, else "completed".
-pub(crate) fn responses_item(response_id: &str, output_index: usize, seg: &Segment, status: &str) -> Value {
+pub(crate) fn responses_item(
+    response_id: &str,
+    output_index: usize,
+    seg: &Segment,
+    status: &str,
+) -> Value {
     let item_id = responses_item_id(response_id, output_index, seg);
     let done = status == "completed";
     match seg {

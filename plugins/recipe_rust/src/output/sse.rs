@@ -59,7 +59,12 @@ pub struct SseWriter {
 }
 
 impl SseWriter {
-    pub fn new(protocol: Protocol, id: impl Into<String>, model: impl Into<String>, created: u64) -> SseWriter {
+    pub fn new(
+        protocol: Protocol,
+        id: impl Into<String>,
+        model: impl Into<String>,
+        created: u64,
+    ) -> SseWriter {
         SseWriter {
             protocol,
             id: id.into(),
@@ -95,9 +100,12 @@ impl SseWriter {
 
     pub fn start(&mut self) -> Vec<String> {
         match self.protocol {
-            Protocol::ChatCompletions => vec![self.chat_chunk(json!({"role": "assistant", "content": ""}), None)],
+            Protocol::ChatCompletions => {
+                vec![self.chat_chunk(json!({"role": "assistant", "content": ""}), None)]
+            }
             Protocol::Responses => {
-                let response = responses_object(&self.id, &self.model, self.created, None, vec![], None);
+                let response =
+                    responses_object(&self.id, &self.model, self.created, None, vec![], None);
                 vec![
                     self.responses_frame("response.created", json!({"response": response.clone()})),
                     self.responses_frame("response.in_progress", json!({"response": response})),
@@ -174,9 +182,19 @@ impl SseWriter {
             }
             Protocol::Responses => {
                 self.responses_close(&mut out);
-                let response =
-                    self.builder.build(Protocol::Responses, &self.id, &self.model, self.created, finish_reason, usage);
-                let kind = if *finish_reason == FinishReason::Length { "response.incomplete" } else { "response.completed" };
+                let response = self.builder.build(
+                    Protocol::Responses,
+                    &self.id,
+                    &self.model,
+                    self.created,
+                    finish_reason,
+                    usage,
+                );
+                let kind = if *finish_reason == FinishReason::Length {
+                    "response.incomplete"
+                } else {
+                    "response.completed"
+                };
                 out.push(self.responses_frame(kind, json!({"response": response})));
             }
             Protocol::AnthropicMessages => {
@@ -247,7 +265,11 @@ impl SseWriter {
     }
 
     fn segment(&self, position: usize) -> Segment {
-        self.builder.segments().get(position).cloned().unwrap_or(Segment::Text(String::new()))
+        self.builder
+            .segments()
+            .get(position)
+            .cloned()
+            .unwrap_or(Segment::Text(String::new()))
     }
 
     fn responses_open(&mut self, kind: Open, out: &mut Vec<String>) -> (usize, String) {
@@ -266,7 +288,10 @@ impl SseWriter {
         if let Segment::ToolCall(_) = seg {
             item["arguments"] = json!("");
         }
-        out.push(self.responses_frame("response.output_item.added", json!({"output_index": position, "item": item})));
+        out.push(self.responses_frame(
+            "response.output_item.added",
+            json!({"output_index": position, "item": item}),
+        ));
         let part = match kind {
             Open::Reasoning => Some(responses_reasoning_part("")),
             Open::Text => Some(responses_text_part("")),
@@ -283,7 +308,9 @@ impl SseWriter {
     }
 
     fn responses_close(&mut self, out: &mut Vec<String>) {
-        let Some((kind, position)) = self.open.take() else { return };
+        let Some((kind, position)) = self.open.take() else {
+            return;
+        };
         let seg = self.segment(position);
         let item_id = responses_item_id(&self.id, position, &seg);
         match (&seg, kind) {
@@ -315,7 +342,10 @@ impl SseWriter {
             }
         }
         let item = responses_item(&self.id, position, &seg, "completed");
-        out.push(self.responses_frame("response.output_item.done", json!({"output_index": position, "item": item})));
+        out.push(self.responses_frame(
+            "response.output_item.done",
+            json!({"output_index": position, "item": item}),
+        ));
     }
 
     fn responses_event(&mut self, event: &OutputEvent, out: &mut Vec<String>) {
@@ -341,7 +371,8 @@ impl SseWriter {
             OutputEvent::ToolCallArguments { index, delta } => {
                 if let Some((Open::Tool(i), position)) = self.open {
                     if i == *index {
-                        let item_id = responses_item_id(&self.id, position, &self.segment(position));
+                        let item_id =
+                            responses_item_id(&self.id, position, &self.segment(position));
                         out.push(self.responses_frame(
                             "response.function_call_arguments.delta",
                             json!({"item_id": item_id, "output_index": position, "delta": delta}),
@@ -371,7 +402,9 @@ impl SseWriter {
         let block = match self.segment(position) {
             Segment::Reasoning(_) => json!({"type": "thinking", "thinking": "", "signature": ""}),
             Segment::Text(_) => json!({"type": "text", "text": ""}),
-            Segment::ToolCall(c) => json!({"type": "tool_use", "id": c.id, "name": c.name, "input": {}}),
+            Segment::ToolCall(c) => {
+                json!({"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
+            }
         };
         out.push(frame(
             "content_block_start",
@@ -383,22 +416,29 @@ impl SseWriter {
 
     fn anthropic_close(&mut self, out: &mut Vec<String>) {
         if let Some((_, position)) = self.open.take() {
-            out.push(frame("content_block_stop", json!({"type": "content_block_stop", "index": position})));
+            out.push(frame(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": position}),
+            ));
         }
     }
 
     fn anthropic_event(&mut self, event: &OutputEvent, out: &mut Vec<String>) {
         let (kind, delta) = match event {
-            OutputEvent::Reasoning(s) => (Open::Reasoning, json!({"type": "thinking_delta", "thinking": s})),
+            OutputEvent::Reasoning(s) => (
+                Open::Reasoning,
+                json!({"type": "thinking_delta", "thinking": s}),
+            ),
             OutputEvent::Text(s) => (Open::Text, json!({"type": "text_delta", "text": s})),
             OutputEvent::ToolCallStart { index, .. } => {
                 self.anthropic_close(out);
                 self.anthropic_open(Open::Tool(*index), out);
                 return;
             }
-            OutputEvent::ToolCallArguments { index, delta } => {
-                (Open::Tool(*index), json!({"type": "input_json_delta", "partial_json": delta}))
-            }
+            OutputEvent::ToolCallArguments { index, delta } => (
+                Open::Tool(*index),
+                json!({"type": "input_json_delta", "partial_json": delta}),
+            ),
             OutputEvent::ToolCallEnd { index } => {
                 if matches!(self.open, Some((Open::Tool(i), _)) if i == *index) {
                     self.anthropic_close(out);
@@ -420,9 +460,15 @@ impl SseWriter {
 }
 
 fn data_frame(body: &Value) -> String {
-    format!("data: {}\n\n", serde_json::to_string(body).unwrap_or_default())
+    format!(
+        "data: {}\n\n",
+        serde_json::to_string(body).unwrap_or_default()
+    )
 }
 
 fn frame(kind: &str, body: Value) -> String {
-    format!("event: {kind}\ndata: {}\n\n", serde_json::to_string(&body).unwrap_or_default())
+    format!(
+        "event: {kind}\ndata: {}\n\n",
+        serde_json::to_string(&body).unwrap_or_default()
+    )
 }

@@ -392,7 +392,10 @@ pub(crate) fn function_tool(f: &Fields, earlier: &[Tool]) -> Result<Tool> {
     let name = f.req_str("name")?;
     check_tool_name(name, &f.at("name"))?;
     if earlier.iter().any(|existing| existing.name == name) {
-        return Err(RecipeError::invalid(f.at("name"), format!("duplicate tool name {name:?}")));
+        return Err(RecipeError::invalid(
+            f.at("name"),
+            format!("duplicate tool name {name:?}"),
+        ));
     }
     let description = f.str("description")?.map(str::to_string);
     let parameters = match f.get("parameters") {
@@ -400,7 +403,11 @@ pub(crate) fn function_tool(f: &Fields, earlier: &[Tool]) -> Result<Tool> {
         None => empty_parameters(),
     };
     f.bool("strict")?;
-    Ok(Tool { name: name.to_string(), description, parameters })
+    Ok(Tool {
+        name: name.to_string(),
+        description,
+        parameters,
+    })
 }
 
 pub(crate) fn empty_parameters() -> Value {

@@ -115,12 +115,22 @@ struct Msg {
 
 impl Msg {
     fn new(role: R) -> Msg {
-        Msg { role, content: String::new(), blocks: Vec::new(), reasoning: None, tool_calls: Vec::new(), tools: None }
+        Msg {
+            role,
+            content: String::new(),
+            blocks: Vec::new(),
+            reasoning: None,
+            tool_calls: Vec::new(),
+            tools: None,
+        }
     }
 }
 
 /// Renders a conversation in DeepSeek-V4's format (see the module doc).
-pub fn render_deepseek_v4(conversation: &Conversation, add_generation_prompt: bool) -> Result<Prompt> {
+pub fn render_deepseek_v4(
+    conversation: &Conversation,
+    add_generation_prompt: bool,
+) -> Result<Prompt> {
     let thinking = conversation.thinking.enabled.unwrap_or(false);
     let effort_max = conversation.thinking.effort == Some(ReasoningEffort::Max);
 
@@ -147,7 +157,10 @@ pub fn render_deepseek_v4(conversation: &Conversation, add_generation_prompt: bo
             }
             Role::User | Role::Tool => {
                 let block = if message.role == Role::Tool {
-                    Block::ToolResult { id: message.tool_call_id.clone().unwrap_or_default(), content: text }
+                    Block::ToolResult {
+                        id: message.tool_call_id.clone().unwrap_or_default(),
+                        content: text,
+                    }
                 } else {
                     Block::Text(text)
                 };
@@ -164,8 +177,11 @@ pub fn render_deepseek_v4(conversation: &Conversation, add_generation_prompt: bo
                 let mut m = Msg::new(R::Assistant);
                 m.content = text;
                 m.reasoning = message.reasoning.clone();
-                m.tool_calls =
-                    message.tool_calls.iter().map(|c| (c.id.clone(), c.name.clone(), c.arguments.clone())).collect();
+                m.tool_calls = message
+                    .tool_calls
+                    .iter()
+                    .map(|c| (c.id.clone(), c.name.clone(), c.arguments.clone()))
+                    .collect();
                 messages.push(m);
             }
         }
@@ -196,13 +212,27 @@ pub fn render_deepseek_v4(conversation: &Conversation, add_generation_prompt: bo
     let mut order: Vec<(String, usize)> = Vec::new();
     for m in messages.iter_mut() {
         if m.role == R::Assistant && !m.tool_calls.is_empty() {
-            order = m.tool_calls.iter().enumerate().filter(|(_, c)| !c.0.is_empty()).map(|(i, c)| (c.0.clone(), i)).collect();
+            order = m
+                .tool_calls
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| !c.0.is_empty())
+                .map(|(i, c)| (c.0.clone(), i))
+                .collect();
         } else if m.role == R::User {
-            let results: Vec<Block> =
-                m.blocks.iter().filter(|b| matches!(b, Block::ToolResult { .. })).cloned().collect();
+            let results: Vec<Block> = m
+                .blocks
+                .iter()
+                .filter(|b| matches!(b, Block::ToolResult { .. }))
+                .cloned()
+                .collect();
             if results.len() > 1 && !order.is_empty() {
                 let rank = |b: &Block| match b {
-                    Block::ToolResult { id, .. } => order.iter().find(|(k, _)| k == id).map(|(_, i)| *i).unwrap_or(0),
+                    Block::ToolResult { id, .. } => order
+                        .iter()
+                        .find(|(k, _)| k == id)
+                        .map(|(_, i)| *i)
+                        .unwrap_or(0),
                     Block::Text(_) => 0,
                 };
                 let mut sorted = results;
@@ -210,7 +240,10 @@ pub fn render_deepseek_v4(conversation: &Conversation, add_generation_prompt: bo
                 let mut next = sorted.into_iter();
                 for b in m.blocks.iter_mut() {
                     if matches!(b, Block::ToolResult { .. }) {
-                        *b = next.next().unwrap();
+                        // As many sorted results as ToolResult slots: the same blocks, reordered.
+                        if let Some(result) = next.next() {
+                            *b = result;
+                        }
                     }
                 }
             }
@@ -270,7 +303,7 @@ pub fn render_deepseek_v4(conversation: &Conversation, add_generation_prompt: bo
                 }
             }
             R::Assistant => {
-                let keep_reasoning = !drop_thinking || last_user_idx.map_or(true, |l| index > l);
+                let keep_reasoning = !drop_thinking || last_user_idx.is_none_or(|l| index > l);
                 if thinking && keep_reasoning {
                     prompt.push_untrusted(msg.reasoning.as_deref().unwrap_or(""));
                     prompt.push_trusted(THINK_END);
@@ -331,7 +364,10 @@ fn encode_arguments(prompt: &mut Prompt, arguments: &str) -> Result<()> {
         prompt.push_trusted(&format!("<{DSML}parameter name=\""));
         prompt.push_untrusted(key);
         let is_str = value.is_string();
-        prompt.push_trusted(&format!("\" string=\"{}\">", if is_str { "true" } else { "false" }));
+        prompt.push_trusted(&format!(
+            "\" string=\"{}\">",
+            if is_str { "true" } else { "false" }
+        ));
         match value {
             Value::String(s) => prompt.push_untrusted(s),
             other => prompt.push_untrusted(&python_json_dumps(other, false, None, false)),

@@ -70,7 +70,11 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 impl ChatTemplate {
-    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<ChatTemplate> {
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -81,7 +85,12 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         let source = strip_generation_tags(source);
         env.add_template_owned("chat_template", source)
-            .map_err(|e| RecipeError::internal(format!("the model's chat template does not compile: {}", describe(&e))))?;
+            .map_err(|e| {
+                RecipeError::internal(format!(
+                    "the model's chat template does not compile: {}",
+                    describe(&e)
+                ))
+            })?;
         Ok(ChatTemplate {
             env,
             bos_token: bos_token.map(str::to_string),
@@ -90,7 +99,11 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation; see the module doc for how trust is tracked.
-    pub fn render(&self, conversation: &Conversation, add_generation_prompt: bool) -> Result<Prompt> {
+    pub fn render(
+        &self,
+        conversation: &Conversation,
+        add_generation_prompt: bool,
+    ) -> Result<Prompt> {
         check_no_markers(conversation)?;
         let plain = self.render_text(conversation, add_generation_prompt, false)?;
         let marked = self.render_text(conversation, add_generation_prompt, true)?;
@@ -105,18 +118,46 @@ impl ChatTemplate {
     }
 
     /// The plain rendered text (what transformers' ``apply_chat_template(tokenize=False)`` gives).
-    pub fn render_plain(&self, conversation: &Conversation, add_generation_prompt: bool) -> Result<String> {
+    pub fn render_plain(
+        &self,
+        conversation: &Conversation,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         self.render_text(conversation, add_generation_prompt, false)
     }
 
-    fn render_text(&self, conversation: &Conversation, add_generation_prompt: bool, mark: bool) -> Result<String> {
+    fn render_text(
+        &self,
+        conversation: &Conversation,
+        add_generation_prompt: bool,
+        mark: bool,
+    ) -> Result<String> {
         let ctx = build_context(conversation, mark);
         let mut map: HashMap<&str, JValue> = HashMap::new();
         map.insert("messages", to_jinja(&ctx.messages));
-        map.insert("tools", if ctx.tools.is_empty() { JValue::from(()) } else { to_jinja(&Value::Array(ctx.tools)) });
+        map.insert(
+            "tools",
+            if ctx.tools.is_empty() {
+                JValue::from(())
+            } else {
+                to_jinja(&Value::Array(ctx.tools))
+            },
+        );
         map.insert("add_generation_prompt", JValue::from(add_generation_prompt));
-        map.insert("bos_token", self.bos_token.as_deref().map(JValue::from).unwrap_or_default());
-        map.insert("eos_token", self.eos_token.as_deref().map(JValue::from).unwrap_or_default());
+        map.insert(
+            "bos_token",
+            self.bos_token
+                .as_deref()
+                .map(JValue::from)
+                .unwrap_or_default(),
+        );
+        map.insert(
+            "eos_token",
+            self.eos_token
+                .as_deref()
+                .map(JValue::from)
+                .unwrap_or_default(),
+        );
         if let Some(enabled) = conversation.thinking.enabled {
             map.insert("enable_thinking", JValue::from(enabled));
             map.insert("thinking", JValue::from(enabled));
@@ -138,8 +179,12 @@ impl ChatTemplate {
         template.render(JValue::from(map)).map_err(|e| {
             let message = describe(&e);
             match message.find(RAISED) {
-                Some(at) => RecipeError::invalid("messages", message[at + RAISED.len()..].to_string()),
-                None => RecipeError::internal(format!("the model's chat template failed to render: {message}")),
+                Some(at) => {
+                    RecipeError::invalid("messages", message[at + RAISED.len()..].to_string())
+                }
+                None => RecipeError::internal(format!(
+                    "the model's chat template failed to render: {message}"
+                )),
             }
         })
     }
@@ -157,7 +202,10 @@ fn describe(e: &JError) -> String {
 }
 
 fn raise_exception(message: String) -> std::result::Result<JValue, JError> {
-    Err(JError::new(JErrorKind::InvalidOperation, format!("{RAISED}{message}")))
+    Err(JError::new(
+        JErrorKind::InvalidOperation,
+        format!("{RAISED}{message}"),
+    ))
 }
 
 fn tojson(value: JValue, kwargs: Kwargs) -> std::result::Result<JValue, JError> {
@@ -188,10 +236,28 @@ fn strftime_now(format: String) -> std::result::Result<JValue, JError> {
 /// Formats unix time ``secs`` (UTC) with %Y %m %d %-d %e %H %M %S %B %b %A %a %y %j %p %I %%.
 pub fn strftime(secs: i64, format: &str) -> String {
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-        "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
-    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
     let (hour, minute, second) = (rem / 3600, (rem % 3600) / 60, rem % 60);
@@ -221,7 +287,13 @@ pub fn strftime(secs: i64, format: &str) -> String {
         if no_pad {
             code = chars.next().unwrap_or('%');
         }
-        let num = |v: i64, width: usize| if no_pad { v.to_string() } else { format!("{v:0width$}") };
+        let num = |v: i64, width: usize| {
+            if no_pad {
+                v.to_string()
+            } else {
+                format!("{v:0width$}")
+            }
+        };
         match code {
             'Y' => out.push_str(&year.to_string()),
             'y' => out.push_str(&num(year % 100, 2)),
@@ -260,9 +332,20 @@ fn strip_generation_tags(source: &str) -> String {
             return out;
         };
         let inner = &tag[2..end];
-        let left = if inner.starts_with('-') || inner.starts_with('+') { &inner[..1] } else { "" };
-        let right = if inner.ends_with('-') || inner.ends_with('+') { &inner[inner.len() - 1..] } else { "" };
-        let word = inner.trim_start_matches(['-', '+']).trim_end_matches(['-', '+']).trim();
+        let left = if inner.starts_with('-') || inner.starts_with('+') {
+            &inner[..1]
+        } else {
+            ""
+        };
+        let right = if inner.ends_with('-') || inner.ends_with('+') {
+            &inner[inner.len() - 1..]
+        } else {
+            ""
+        };
+        let word = inner
+            .trim_start_matches(['-', '+'])
+            .trim_end_matches(['-', '+'])
+            .trim();
         match word {
             "generation" => out.push_str(&format!("{{%{left} if true {right}%}}")),
             "endgeneration" => out.push_str(&format!("{{%{left} endif {right}%}}")),
@@ -293,7 +376,10 @@ fn check_no_markers(conversation: &Conversation) -> Result<()> {
         let other_bad = message.reasoning.as_deref().is_some_and(bad)
             || message.tool_call_id.as_deref().is_some_and(bad)
             || message.name.as_deref().is_some_and(bad)
-            || message.tool_calls.iter().any(|c| bad(&c.id) || bad(&c.name) || bad(&c.arguments));
+            || message
+                .tool_calls
+                .iter()
+                .any(|c| bad(&c.id) || bad(&c.name) || bad(&c.arguments));
         if text_bad || other_bad {
             return Err(RecipeError::invalid(
                 format!("messages[{i}]"),
@@ -302,8 +388,14 @@ fn check_no_markers(conversation: &Conversation) -> Result<()> {
         }
     }
     for (i, tool) in conversation.tools.iter().enumerate() {
-        if bad(&tool.name) || tool.description.as_deref().is_some_and(bad) || json_bad(&tool.parameters) {
-            return Err(RecipeError::invalid(format!("tools[{i}]"), "contains the reserved characters U+10FFF0/U+10FFF1"));
+        if bad(&tool.name)
+            || tool.description.as_deref().is_some_and(bad)
+            || json_bad(&tool.parameters)
+        {
+            return Err(RecipeError::invalid(
+                format!("tools[{i}]"),
+                "contains the reserved characters U+10FFF0/U+10FFF1",
+            ));
         }
     }
     Ok(())
@@ -327,10 +419,17 @@ fn wrap(s: &str, mark: bool) -> String {
 fn wrap_json(value: &Value, mark: bool, keys: bool) -> Value {
     match value {
         Value::String(s) => Value::String(wrap(s, mark)),
-        Value::Array(items) => Value::Array(items.iter().map(|v| wrap_json(v, mark, keys)).collect()),
+        Value::Array(items) => {
+            Value::Array(items.iter().map(|v| wrap_json(v, mark, keys)).collect())
+        }
         Value::Object(map) => Value::Object(
             map.iter()
-                .map(|(k, v)| (if keys { wrap(k, mark) } else { k.clone() }, wrap_json(v, mark, keys)))
+                .map(|(k, v)| {
+                    (
+                        if keys { wrap(k, mark) } else { k.clone() },
+                        wrap_json(v, mark, keys),
+                    )
+                })
                 .collect(),
         ),
         other => other.clone(),
@@ -346,10 +445,16 @@ fn wrap_schema(value: &Value, mark: bool) -> Value {
         Value::Object(map) => Value::Object(
             map.iter()
                 .map(|(k, v)| {
-                    let named = matches!(k.as_str(), "properties" | "$defs" | "definitions" | "patternProperties");
+                    let named = matches!(
+                        k.as_str(),
+                        "properties" | "$defs" | "definitions" | "patternProperties"
+                    );
                     let inner = match (named, v) {
                         (true, Value::Object(props)) => Value::Object(
-                            props.iter().map(|(pk, pv)| (wrap(pk, mark), wrap_schema(pv, mark))).collect(),
+                            props
+                                .iter()
+                                .map(|(pk, pv)| (wrap(pk, mark), wrap_schema(pv, mark)))
+                                .collect(),
                         ),
                         _ => wrap_schema(v, mark),
                     };
@@ -376,10 +481,14 @@ fn build_context(conversation: &Conversation, mark: bool) -> Context {
     for message in &conversation.messages {
         let mut m = Map::new();
         m.insert("role".into(), json!(role_name(message.role)));
-        let text_only = message.content.iter().all(|p| matches!(p, ContentPart::Text { .. }));
+        let text_only = message
+            .content
+            .iter()
+            .all(|p| matches!(p, ContentPart::Text { .. }));
         let content = if text_only {
             let text = message.joined_text();
-            if text.is_empty() && message.role == Role::Assistant && !message.tool_calls.is_empty() {
+            if text.is_empty() && message.role == Role::Assistant && !message.tool_calls.is_empty()
+            {
                 Value::Null
             } else {
                 Value::String(wrap(&text, mark))
@@ -390,8 +499,12 @@ fn build_context(conversation: &Conversation, mark: bool) -> Context {
                     .content
                     .iter()
                     .map(|p| match p {
-                        ContentPart::Text { text } => json!({"type": "text", "text": wrap(text, mark)}),
-                        ContentPart::Image { url } => json!({"type": "image", "url": wrap(url, mark)}),
+                        ContentPart::Text { text } => {
+                            json!({"type": "text", "text": wrap(text, mark)})
+                        }
+                        ContentPart::Image { url } => {
+                            json!({"type": "image", "url": wrap(url, mark)})
+                        }
                     })
                     .collect(),
             )
@@ -400,7 +513,10 @@ fn build_context(conversation: &Conversation, mark: bool) -> Context {
             m.insert("content".into(), content);
         }
         if let Some(reasoning) = &message.reasoning {
-            m.insert("reasoning_content".into(), Value::String(wrap(reasoning, mark)));
+            m.insert(
+                "reasoning_content".into(),
+                Value::String(wrap(reasoning, mark)),
+            );
         }
         if !message.tool_calls.is_empty() {
             let calls: Vec<Value> = message
@@ -441,7 +557,10 @@ fn build_context(conversation: &Conversation, mark: bool) -> Context {
             json!({"type": "function", "function": Value::Object(function)})
         })
         .collect();
-    Context { messages: Value::Array(messages), tools }
+    Context {
+        messages: Value::Array(messages),
+        tools,
+    }
 }
 
 /// A JSON object as a minijinja map that keeps its key order (as a Python dict does).
@@ -455,11 +574,19 @@ impl Object for OrderedMap {
 
     fn get_value(self: &Arc<Self>, key: &JValue) -> Option<JValue> {
         let key = key.as_str()?;
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        Enumerator::Values(self.0.iter().map(|(k, _)| JValue::from(k.as_str())).collect())
+        Enumerator::Values(
+            self.0
+                .iter()
+                .map(|(k, _)| JValue::from(k.as_str()))
+                .collect(),
+        )
     }
 }
 
@@ -478,9 +605,9 @@ fn to_jinja(value: &Value) -> JValue {
         }
         Value::String(s) => JValue::from(s.as_str()),
         Value::Array(items) => JValue::from(items.iter().map(to_jinja).collect::<Vec<_>>()),
-        Value::Object(map) => {
-            JValue::from_object(OrderedMap(map.iter().map(|(k, v)| (k.clone(), to_jinja(v))).collect()))
-        }
+        Value::Object(map) => JValue::from_object(OrderedMap(
+            map.iter().map(|(k, v)| (k.clone(), to_jinja(v))).collect(),
+        )),
     }
 }
 
@@ -523,11 +650,17 @@ mod tests {
     #[test]
     fn strftime_formats_known_dates() {
         // 2024-02-29 13:05:09 UTC, a Thursday.
-        assert_eq!(strftime(1_709_211_909, "%d %b %Y %H:%M:%S %A %-d %B %j"), "29 Feb 2024 13:05:09 Thursday 29 February 060");
+        assert_eq!(
+            strftime(1_709_211_909, "%d %b %Y %H:%M:%S %A %-d %B %j"),
+            "29 Feb 2024 13:05:09 Thursday 29 February 060"
+        );
     }
 
     #[test]
     fn generation_tags_become_blocks() {
-        assert_eq!(strip_generation_tags("a{%- generation %}b{% endgeneration -%}c"), "a{%- if true %}b{% endif -%}c");
+        assert_eq!(
+            strip_generation_tags("a{%- generation %}b{% endgeneration -%}c"),
+            "a{%- if true %}b{% endif -%}c"
+        );
     }
 }

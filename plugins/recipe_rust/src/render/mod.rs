@@ -36,11 +36,17 @@ use crate::error::{RecipeError, Result};
 
 impl Segment {
     pub fn trusted(text: impl Into<String>) -> Segment {
-        Segment { text: text.into(), trusted: true }
+        Segment {
+            text: text.into(),
+            trusted: true,
+        }
     }
 
     pub fn untrusted(text: impl Into<String>) -> Segment {
-        Segment { text: text.into(), trusted: false }
+        Segment {
+            text: text.into(),
+            trusted: false,
+        }
     }
 }
 
@@ -53,7 +59,10 @@ impl Prompt {
         }
         match self.segments.last_mut() {
             Some(last) if last.trusted == trusted => last.text.push_str(text),
-            _ => self.segments.push(Segment { text: text.to_string(), trusted }),
+            _ => self.segments.push(Segment {
+                text: text.to_string(),
+                trusted,
+            }),
         }
     }
 
@@ -93,14 +102,19 @@ impl Encoder {
     /// or a list of ``{name, template}`` where "default" wins, else the first) is used,
     /// with ``bos_token``/``eos_token`` read as a string or an AddedToken dict.
     pub fn from_metadata(tokenizer_config: &Value, model_config: &Value) -> Result<Encoder> {
-        let model_type = model_config.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let model_type = model_config
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("");
         let architectures: Vec<&str> = model_config
             .get("architectures")
             .and_then(Value::as_array)
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        let is_v4 = model_type == "deepseek_v4" || architectures.iter().any(|a| a.contains("DeepseekV4"));
-        let is_v32 = model_type == "deepseek_v32" || architectures.iter().any(|a| a.contains("DeepseekV32"));
+        let is_v4 =
+            model_type == "deepseek_v4" || architectures.iter().any(|a| a.contains("DeepseekV4"));
+        let is_v32 =
+            model_type == "deepseek_v32" || architectures.iter().any(|a| a.contains("DeepseekV32"));
         let template = chat_template_source(tokenizer_config)?;
         if is_v4 || (is_v32 && template.is_none()) {
             return Ok(Encoder::DeepseekV4);
@@ -112,10 +126,18 @@ impl Encoder {
         };
         let bos = token_text(tokenizer_config.get("bos_token"));
         let eos = token_text(tokenizer_config.get("eos_token"));
-        Ok(Encoder::HfTemplate(ChatTemplate::new(&source, bos.as_deref(), eos.as_deref())?))
+        Ok(Encoder::HfTemplate(ChatTemplate::new(
+            &source,
+            bos.as_deref(),
+            eos.as_deref(),
+        )?))
     }
 
-    pub fn render(&self, conversation: &Conversation, add_generation_prompt: bool) -> Result<Prompt> {
+    pub fn render(
+        &self,
+        conversation: &Conversation,
+        add_generation_prompt: bool,
+    ) -> Result<Prompt> {
         match self {
             Encoder::HfTemplate(template) => template.render(conversation, add_generation_prompt),
             Encoder::DeepseekV4 => render_deepseek_v4(conversation, add_generation_prompt),
@@ -140,14 +162,19 @@ fn chat_template_source(tokenizer_config: &Value) -> Result<Option<String>> {
                 .or_else(|| named.first())
                 .map(|(_, t)| t.to_string()))
         }
-        Some(_) => Err(RecipeError::internal("tokenizer_config.json: chat_template is neither a string nor a list")),
+        Some(_) => Err(RecipeError::internal(
+            "tokenizer_config.json: chat_template is neither a string nor a list",
+        )),
     }
 }
 
 fn token_text(value: Option<&Value>) -> Option<String> {
     match value? {
         Value::String(s) => Some(s.clone()),
-        Value::Object(map) => map.get("content").and_then(Value::as_str).map(str::to_string),
+        Value::Object(map) => map
+            .get("content")
+            .and_then(Value::as_str)
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -155,17 +182,29 @@ fn token_text(value: Option<&Value>) -> Option<String> {
 /// Python's ``json.dumps(value, ensure_ascii=.., indent=.., sort_keys=..)`` with its
 /// default separators (``", "`` and ``": "``; ``","`` at line ends when indenting),
 /// which both HF's ``tojson`` and DeepSeek's ``to_json`` use.
-pub fn python_json_dumps(value: &Value, ensure_ascii: bool, indent: Option<usize>, sort_keys: bool) -> String {
+pub fn python_json_dumps(
+    value: &Value,
+    ensure_ascii: bool,
+    indent: Option<usize>,
+    sort_keys: bool,
+) -> String {
     let mut out = String::new();
     dump(value, ensure_ascii, indent, sort_keys, 0, &mut out);
     out
 }
 
-fn dump(value: &Value, ascii: bool, indent: Option<usize>, sort: bool, level: usize, out: &mut String) {
+fn dump(
+    value: &Value,
+    ascii: bool,
+    indent: Option<usize>,
+    sort: bool,
+    level: usize,
+    out: &mut String,
+) {
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {
             out.push('\n');
-            out.extend(std::iter::repeat(' ').take(n * level));
+            out.extend(std::iter::repeat_n(' ', n * level));
         }
     };
     let item_sep = if indent.is_some() { "," } else { ", " };
@@ -219,24 +258,38 @@ fn python_number(n: &serde_json::Number) -> String {
     if n.is_i64() || n.is_u64() {
         return n.to_string();
     }
-    let Some(f) = n.as_f64() else { return n.to_string() };
+    let Some(f) = n.as_f64() else {
+        return n.to_string();
+    };
     if f.is_nan() {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+        return if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
     }
     // Python's repr(float): shortest round-trip digits, scientific notation when the
     // exponent is < -4 or >= 16, written as "1e-05" / "1.5e+16".
     let sci = format!("{:e}", f); // shortest digits, e.g. "1.5e16", "1e-5"
-    let (mantissa, exp) = sci.split_once('e').unwrap();
-    let exp: i32 = exp.parse().unwrap();
-    if exp < -4 || exp >= 16 {
+    let Some((mantissa, exp)) = sci.split_once('e') else {
+        return sci;
+    };
+    let Ok(exp) = exp.parse::<i32>() else {
+        return sci;
+    };
+    if !(-4..16).contains(&exp) {
         let sign = if exp < 0 { '-' } else { '+' };
         format!("{mantissa}e{sign}{:02}", exp.abs())
     } else {
         let s = format!("{}", f);
-        if s.contains('.') { s } else { format!("{s}.0") }
+        if s.contains('.') {
+            s
+        } else {
+            format!("{s}.0")
+        }
     }
 }
 
