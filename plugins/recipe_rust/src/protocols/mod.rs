@@ -26,7 +26,9 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
-use crate::conversation::{ContentPart, EngineRequest, Protocol, ReasoningEffort, Tool, ToolCall};
+use crate::conversation::{
+    ContentPart, EngineRequest, Protocol, ReasoningEffort, Tool, ToolCall, ToolChoice,
+};
 use crate::error::{child, index, RecipeError, Result};
 
 /// Parses a raw request body. Malformed JSON is ``InvalidRequest`` with path "" and
@@ -385,6 +387,41 @@ pub(crate) fn schema_object(value: &Value, path: &str) -> Result<Value> {
 }
 
 /// The schema a tool without ``parameters`` gets.
+/// ``service_tier`` and ``parallel_tool_calls``, which both OpenAI protocols carry:
+/// only the values that change nothing here are accepted.
+pub(crate) fn check_openai_options(top: &Fields) -> Result<()> {
+    if let Some(tier) = top.str("service_tier")? {
+        if tier != "auto" && tier != "default" {
+            return Err(unsupported_field(
+                &top.at("service_tier"),
+                "service_tier",
+                "service tiers",
+            ));
+        }
+    }
+    if top.bool("parallel_tool_calls")? == Some(false) {
+        return Err(unsupported_field(
+            &top.at("parallel_tool_calls"),
+            "parallel_tool_calls",
+            "limiting the model to one tool call",
+        ));
+    }
+    Ok(())
+}
+
+/// The string forms of an OpenAI ``tool_choice``.
+pub(crate) fn openai_tool_choice_word(word: &str, path: &str) -> Result<ToolChoice> {
+    match word {
+        "auto" => Ok(ToolChoice::Auto),
+        "none" => Ok(ToolChoice::None),
+        "required" => Ok(ToolChoice::Required),
+        other => Err(RecipeError::invalid(
+            path,
+            format!("unknown tool_choice {other:?} (expected auto, none, required or an object)"),
+        )),
+    }
+}
+
 /// A function tool's ``name`` / ``description`` / ``parameters`` / ``strict`` (where
 /// Chat Completions nests them under ``function`` and Responses does not): the name
 /// checked and unique among ``earlier``, the parameters a schema object.

@@ -138,22 +138,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             ));
         }
     }
-    if let Some(tier) = top.str("service_tier")? {
-        if tier != "auto" && tier != "default" {
-            return Err(unsupported_field(
-                &top.at("service_tier"),
-                "service_tier",
-                "service tiers",
-            ));
-        }
-    }
-    if top.bool("parallel_tool_calls")? == Some(false) {
-        return Err(unsupported_field(
-            &top.at("parallel_tool_calls"),
-            "parallel_tool_calls",
-            "limiting the model to one tool call",
-        ));
-    }
+    check_openai_options(&top)?;
 
     let model = top.req_str("model")?.to_string();
 
@@ -327,19 +312,7 @@ fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
 
 fn parse_tool_choice(value: &Value, path: &str, tools: &[Tool]) -> Result<ToolChoice> {
     let choice = match value {
-        Value::String(s) => match s.as_str() {
-            "auto" => ToolChoice::Auto,
-            "none" => ToolChoice::None,
-            "required" => ToolChoice::Required,
-            other => {
-                return Err(RecipeError::invalid(
-                    path,
-                    format!(
-                    "unknown tool_choice {other:?} (expected auto, none, required or an object)"
-                ),
-                ))
-            }
-        },
+        Value::String(s) => openai_tool_choice_word(s, path)?,
         Value::Object(_) => {
             let f = Fields::new(value, path)?;
             let ty = f.req_str("type")?;
