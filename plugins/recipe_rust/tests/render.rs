@@ -533,3 +533,46 @@ fn deepseek_v4_injection() {
         tokenizer.encode(&whole).unwrap()
     );
 }
+
+/// DeepSeek-V3's own template concatenates ``arguments`` as a string; Qwen-style ones pipe
+/// a dict through ``tojson``. Each gets the form it uses, and the text stays untrusted.
+#[test]
+fn tool_call_arguments_take_the_form_the_template_uses() {
+    let call = ToolCall {
+        id: "call_1".into(),
+        name: "get_weather".into(),
+        arguments: r#"{"city":"Paris"}"#.into(),
+    };
+    let mut assistant = Message::text(Role::Assistant, "");
+    assistant.content.clear();
+    assistant.tool_calls.push(call);
+    let conversation = Conversation {
+        messages: vec![Message::text(Role::User, "weather?"), assistant],
+        ..Default::default()
+    };
+    let as_string = ChatTemplate::new(
+        "{% for m in messages %}{% if m['tool_calls'] %}{% for t in m['tool_calls'] %}\
+         {{ '<call>' + t['function']['name'] + ':' + t['function']['arguments'] + '</call>' }}\
+         {% endfor %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}",
+        None,
+        None,
+    )
+    .unwrap();
+    let prompt = as_string.render(&conversation, false).unwrap();
+    assert_eq!(
+        prompt.text(),
+        r#"weather?<call>get_weather:{"city":"Paris"}</call>"#
+    );
+    assert!(untrusted_text(&prompt).contains(r#"{"city":"Paris"}"#));
+    let as_mapping = ChatTemplate::new(
+        "{% for m in messages %}{% for t in m['tool_calls'] or [] %}\
+         {{ t['function']['arguments'] | tojson }}{% endfor %}{% endfor %}",
+        None,
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        as_mapping.render(&conversation, false).unwrap().text(),
+        r#"{"city": "Paris"}"#
+    );
+}

@@ -58,6 +58,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Tool-call arguments go in as a dict (else as their JSON text): see the module doc.
+    arguments_as_mapping: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -84,6 +86,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         let source = strip_generation_tags(source);
+        let arguments_as_mapping = wants_arguments_mapping(&source);
         env.add_template_owned("chat_template", source)
             .map_err(|e| {
                 RecipeError::internal(format!(
@@ -95,6 +98,7 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.map(str::to_string),
             eos_token: eos_token.map(str::to_string),
+            arguments_as_mapping,
         })
     }
 
@@ -132,7 +136,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         mark: bool,
     ) -> Result<String> {
-        let ctx = build_context(conversation, mark);
+        let ctx = build_context(conversation, mark, self.arguments_as_mapping);
         let mut map: HashMap<&str, JValue> = HashMap::new();
         map.insert("messages", to_jinja(&ctx.messages));
         map.insert(
@@ -476,7 +480,18 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-fn build_context(conversation: &Conversation, mark: bool) -> Context {
+/// Whether the template treats tool-call ``arguments`` as a mapping: it pipes them
+/// through ``tojson`` or checks ``arguments is string`` / ``is mapping`` itself.
+fn wants_arguments_mapping(source: &str) -> bool {
+    let compact: String = source.chars().filter(|c| !c.is_whitespace()).collect();
+    compact.match_indices("arguments").any(|(at, word)| {
+        // Past the subscript or call closers: ``.arguments``, ``['arguments']``, ``(x.arguments)``.
+        let rest = compact[at + word.len()..].trim_start_matches(['\'', '"', ']', ')']);
+        rest.starts_with("|tojson") || rest.starts_with("isstring") || rest.starts_with("ismapping")
+    })
+}
+
+fn build_context(conversation: &Conversation, mark: bool, arguments_as_mapping: bool) -> Context {
     let mut messages = Vec::new();
     for message in &conversation.messages {
         let mut m = Map::new();
@@ -523,9 +538,10 @@ fn build_context(conversation: &Conversation, mark: bool) -> Context {
                 .tool_calls
                 .iter()
                 .map(|call| {
-                    let arguments = match serde_json::from_str::<Value>(&call.arguments) {
-                        Ok(parsed) => wrap_json(&parsed, mark, true),
-                        Err(_) => Value::String(wrap(&call.arguments, mark)),
+                    let parsed = serde_json::from_str::<Value>(&call.arguments).ok();
+                    let arguments = match parsed {
+                        Some(parsed) if arguments_as_mapping => wrap_json(&parsed, mark, true),
+                        _ => Value::String(wrap(&call.arguments, mark)),
                     };
                     json!({
                         "type": "function",
