@@ -3,8 +3,9 @@
 On a CPU device torch parallelises ops with OpenMP, and OpenMP keeps one thread team
 per thread that has ever run a parallel region. Once two teams exist there are more
 busy threads than cores and libgomp throttles its spin-waits, so every parallel
-region pays a sleep/wake: on a 2-core machine a decode step's many small ops ran
-about 2x slower and the whole offline benchmark about 12% slower. Running all heavy
+region pays a sleep/wake: on a 2-core machine loops of small ops ran about 2x slower,
+and powertrain's offline benchmark rate went from 90 to 108-118 tok/s once loading
+and steps shared one thread (benchmarks/offline_throughput.py). Running all heavy
 work on a single thread keeps one team; the scheduling thread only builds small
 tensors, which torch does not parallelise. On accelerators the same thread is where
 kernels are launched from, so nothing changes there.
