@@ -69,16 +69,21 @@ def seed() -> int:
     return value
 
 
-def load_ours(path: Path) -> DeepseekV3ForCausalLM:
-    checkpoint = load_checkpoint(str(path))
-    context = ModelContext(
+def cpu_context(checkpoint: Any, fp8_block: tuple[int, int] | None = None) -> ModelContext:
+    """float32 on CPU through the builtin reference attention and MoE backends."""
+    return ModelContext(
         config=checkpoint.config,
         dtype=torch.float32,
         device=torch.device("cpu"),
         attention=TorchReferenceAttention(),
         moe=TorchGroupedMoE(),
+        fp8_block=fp8_block,
     )
-    model = DeepseekV3ForCausalLM(context)
+
+
+def load_ours(path: Path) -> DeepseekV3ForCausalLM:
+    checkpoint = load_checkpoint(str(path))
+    model = DeepseekV3ForCausalLM(cpu_context(checkpoint))
     model.load_weights(checkpoint.tensors())
     return model
 
@@ -405,14 +410,7 @@ def test_fp8_experts_kept_for_a_backend_that_multiplies_fp8(checkpoints: dict[st
     intermediate size (64) must be whole blocks for gate and up to stack."""
     fp8 = quantize_checkpoint_fp8(checkpoints["v3"], tmp_path / "fp8", block=(32, 32))
     checkpoint = load_checkpoint(str(fp8))
-    context = ModelContext(
-        config=checkpoint.config,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        attention=TorchReferenceAttention(),
-        moe=TorchGroupedMoE(),
-        fp8_block=checkpoint.fp8_block,
-    )
+    context = cpu_context(checkpoint, fp8_block=checkpoint.fp8_block)
     kept = DeepseekV3ForCausalLM(context)
     kept.load_weights(checkpoint.tensors(keep_fp8=kept.keep_fp8))
     experts = kept.model.layers[1].mlp.experts.prepared
@@ -428,13 +426,7 @@ def test_fp8_experts_kept_for_a_backend_that_multiplies_fp8(checkpoints: dict[st
 
 def test_load_weights_names_missing_and_unexpected_tensors(checkpoints: dict[str, Path]) -> None:
     checkpoint = load_checkpoint(str(checkpoints["v3"]))
-    context = ModelContext(
-        config=checkpoint.config,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        attention=TorchReferenceAttention(),
-        moe=TorchGroupedMoE(),
-    )
+    context = cpu_context(checkpoint)
     tensors = list(checkpoint.tensors())
     without_expert = [(n, t) for n, t in tensors if n != "model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(ValueError, match=r"mlp\.experts\.3\.up_proj\.weight"):

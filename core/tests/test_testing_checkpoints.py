@@ -162,10 +162,10 @@ def test_mtp_layer_is_stored_as_deepseek_v3_stores_it(tiny_v3: Path, tmp_path: P
 
 
 def test_transformers_mtp_model_reads_the_mtp_layer(tiny_v3: Path) -> None:
-    """transformers' generic MTP module maps DeepSeek's names itself and raises on any missing weight."""
-    modeling_layers = pytest.importorskip("transformers.modeling_layers")
-    if not hasattr(modeling_layers, "MtpModel"):
-        pytest.skip(f"transformers {transformers.__version__} has no MtpModel")
+    """transformers' generic MTP module maps DeepSeek's names itself and raises on any missing weight.
+    (uv.lock pins a transformers that has it; a version without it fails here, loudly.)"""
+    from transformers import modeling_layers
+
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(tiny_v3)
     # Its pattern names layer 61 (the real model's); point it at this checkpoint's MTP layer.
     model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS}\..*"]

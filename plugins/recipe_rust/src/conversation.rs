@@ -29,14 +29,6 @@ impl Protocol {
             _ => None,
         }
     }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Protocol::ChatCompletions => "chat_completions",
-            Protocol::Responses => "responses",
-            Protocol::AnthropicMessages => "anthropic_messages",
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -73,10 +73,6 @@ impl PromptTokenizer {
         self.special.iter().map(|(_, id)| *id).collect()
     }
 
-    pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.full.token_to_id(token)
-    }
-
     pub fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let mut ids = Vec::new();
         let mut pending = String::new();
@@ -97,13 +93,6 @@ impl PromptTokenizer {
             pending.push_str(&text[start..]);
         }
         self.encode_piece(&pending, &mut ids)?;
-        Ok(ids)
-    }
-
-    /// Plain text -> ids, special-token strings in it encoded as text.
-    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
-        let mut ids = Vec::new();
-        self.encode_piece(text, &mut ids)?;
         Ok(ids)
     }
 

@@ -19,7 +19,7 @@
 //! Ignored hints: ``image_url.detail``, ``tools[].function.strict``,
 //! ``response_format.json_schema.description``, ``stream_options.continuous_usage_stats``.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::*;
 use crate::conversation::*;
@@ -143,10 +143,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         opts.bool("continuous_usage_stats")?;
         opts.bool("include_obfuscation")?;
     }
-    let metadata = match top.get("metadata") {
-        Some(v) => string_map(v, &top.at("metadata"))?,
-        None => Map::new(),
-    };
+    let metadata = openai_metadata(&top)?;
     let user = top.str("user")?.map(str::to_string);
 
     Ok(EngineRequest {

@@ -409,6 +409,14 @@ pub(crate) fn check_openai_options(top: &Fields) -> Result<()> {
     Ok(())
 }
 
+/// OpenAI's ``metadata``: string values only (absent means empty).
+pub(crate) fn openai_metadata(top: &Fields) -> Result<Map<String, Value>> {
+    match top.get("metadata") {
+        Some(v) => string_map(v, &top.at("metadata")),
+        None => Ok(Map::new()),
+    }
+}
+
 /// The string forms of an OpenAI ``tool_choice``.
 pub(crate) fn openai_tool_choice_word(word: &str, path: &str) -> Result<ToolChoice> {
     match word {

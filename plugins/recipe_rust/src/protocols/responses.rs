@@ -20,7 +20,7 @@
 //! ``logprobs``, ``input_image.detail``, ``tools[].strict``, ``reasoning.summary``,
 //! ``text.format.description``, ``stream_options.include_obfuscation``.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::chat::{check_choice_has_tools, json_schema_format, named_choice};
 use super::*;
@@ -262,10 +262,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         opts.check_known(&["include_obfuscation"])?;
         opts.bool("include_obfuscation")?;
     }
-    let metadata = match top.get("metadata") {
-        Some(v) => string_map(v, &top.at("metadata"))?,
-        None => Map::new(),
-    };
+    let metadata = openai_metadata(&top)?;
     let user = top.str("user")?.map(str::to_string);
 
     Ok(EngineRequest {
@@ -505,7 +502,12 @@ fn reasoning_texts(f: &Fields, key: &str, part_type: &str) -> Result<Vec<String>
     Ok(out)
 }
 
-fn message_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
+/// Message content: a string or a list of parts, each read by ``part``.
+fn content_parts(
+    value: &Value,
+    path: &str,
+    part: fn(&Fields, &str) -> Result<ContentPart>,
+) -> Result<Vec<ContentPart>> {
     let items = match value {
         Value::String(s) => {
             return Ok(normalize_content(vec![ContentPart::Text {
@@ -519,33 +521,39 @@ fn message_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
     for (i, item) in items.iter().enumerate() {
         let p = Fields::new(item, &index(path, i))?;
         let ty = p.req_str("type")?;
-        match ty {
-            "input_text" => {
-                p.check_known(&["type", "text"])?;
-                parts.push(ContentPart::Text { text: p.req_str("text")?.to_string() });
-            }
-            "output_text" => {
-                p.check_known(&["type", "text", "annotations", "logprobs"])?;
-                p.array("annotations")?;
-                p.array("logprobs")?;
-                parts.push(ContentPart::Text { text: p.req_str("text")?.to_string() });
-            }
-            "refusal" => {
-                p.check_known(&["type", "refusal"])?;
-                parts.push(ContentPart::Text { text: p.req_str("refusal")?.to_string() });
-            }
-            "input_image" => parts.push(input_image(&p)?),
-            "input_file" => return Err(unsupported_field(&p.at("type"), ty, "file input")),
-            "input_audio" => return Err(unsupported_field(&p.at("type"), ty, "audio input")),
-            other => {
-                return Err(RecipeError::invalid(
-                    p.at("type"),
-                    format!("unknown content part type {other:?} (expected input_text, output_text, refusal or input_image)"),
-                ))
-            }
-        }
+        parts.push(part(&p, ty)?);
     }
     Ok(normalize_content(parts))
+}
+
+fn message_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
+    content_parts(value, path, message_part)
+}
+
+fn message_part(p: &Fields, ty: &str) -> Result<ContentPart> {
+    match ty {
+        "input_text" => {
+            p.check_known(&["type", "text"])?;
+            Ok(ContentPart::Text { text: p.req_str("text")?.to_string() })
+        }
+        "output_text" => {
+            p.check_known(&["type", "text", "annotations", "logprobs"])?;
+            p.array("annotations")?;
+            p.array("logprobs")?;
+            Ok(ContentPart::Text { text: p.req_str("text")?.to_string() })
+        }
+        "refusal" => {
+            p.check_known(&["type", "refusal"])?;
+            Ok(ContentPart::Text { text: p.req_str("refusal")?.to_string() })
+        }
+        "input_image" => input_image(p),
+        "input_file" => Err(unsupported_field(&p.at("type"), ty, "file input")),
+        "input_audio" => Err(unsupported_field(&p.at("type"), ty, "audio input")),
+        other => Err(RecipeError::invalid(
+            p.at("type"),
+            format!("unknown content part type {other:?} (expected input_text, output_text, refusal or input_image)"),
+        )),
+    }
 }
 
 fn input_image(p: &Fields) -> Result<ContentPart> {
@@ -570,37 +578,22 @@ fn input_image(p: &Fields) -> Result<ContentPart> {
 
 /// A function_call_output's output: a string or a list of input_text / input_image parts.
 fn output_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
-    let items = match value {
-        Value::String(s) => {
-            return Ok(normalize_content(vec![ContentPart::Text {
-                text: s.clone(),
-            }]))
+    content_parts(value, path, output_part)
+}
+
+fn output_part(p: &Fields, ty: &str) -> Result<ContentPart> {
+    match ty {
+        "input_text" => {
+            p.check_known(&["type", "text"])?;
+            Ok(ContentPart::Text {
+                text: p.req_str("text")?.to_string(),
+            })
         }
-        Value::Array(items) => items,
-        other => return Err(expected(path, "string or array of content parts", other)),
-    };
-    let mut parts = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        let p = Fields::new(item, &index(path, i))?;
-        let ty = p.req_str("type")?;
-        match ty {
-            "input_text" => {
-                p.check_known(&["type", "text"])?;
-                parts.push(ContentPart::Text {
-                    text: p.req_str("text")?.to_string(),
-                });
-            }
-            "input_image" => parts.push(input_image(&p)?),
-            "input_file" => return Err(unsupported_field(&p.at("type"), ty, "file input")),
-            other => {
-                return Err(RecipeError::invalid(
-                    p.at("type"),
-                    format!(
-                        "unknown output part type {other:?} (expected input_text or input_image)"
-                    ),
-                ))
-            }
-        }
+        "input_image" => input_image(p),
+        "input_file" => Err(unsupported_field(&p.at("type"), ty, "file input")),
+        other => Err(RecipeError::invalid(
+            p.at("type"),
+            format!("unknown output part type {other:?} (expected input_text or input_image)"),
+        )),
     }
-    Ok(normalize_content(parts))
 }

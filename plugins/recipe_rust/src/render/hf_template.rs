@@ -121,15 +121,6 @@ impl ChatTemplate {
         Ok(prompt)
     }
 
-    /// The plain rendered text (what transformers' ``apply_chat_template(tokenize=False)`` gives).
-    pub fn render_plain(
-        &self,
-        conversation: &Conversation,
-        add_generation_prompt: bool,
-    ) -> Result<String> {
-        self.render_text(conversation, add_generation_prompt, false)
-    }
-
     fn render_text(
         &self,
         conversation: &Conversation,
