@@ -17,6 +17,7 @@ import torch
 from powertrain import interfaces
 from powertrain.components import Availability, PlatformInfo
 from powertrain.config import EngineConfig, validate_sections
+from powertrain.layers.linear import can_pack, pack_linears
 from powertrain.plugins import PluginManager, Provided
 from powertrain.selection import Candidate, Selection, SelectionError
 
@@ -373,6 +374,8 @@ def _load_model(
     if not isinstance(model, interfaces.CausalLM):
         raise AssemblyError([f"model {architecture.record.name!r} built {type(model).__name__}, not a CausalLM"])
     model.load_weights(checkpoint.tensors(fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None)))
+    if can_pack(result.device, dtype):
+        log.info("packed linear weights for oneDNN", layers=pack_linears(model))
 
     block_size = config.cache.block_size
     specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in model.attention_layers]

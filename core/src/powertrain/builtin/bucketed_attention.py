@@ -14,6 +14,7 @@ sequence.
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,46 @@ from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, KVCache
 BUCKET = 64
 
 
+@attrs.frozen
+class _DecodeBucket:
+    """The decode rows of one length bucket and what attending over them needs."""
+
+    rows: torch.Tensor  # int64 [r]: indices among the decode rows
+    blocks: torch.Tensor  # int64 [r * blocks_per_row]: each row's blocks, padded with block 0
+    visible: torch.Tensor  # bool [r, 1, 1, width]: the keys each row attends to
+    tail: int  # first column that lies past the end of some row
+    stale: torch.Tensor  # bool [r, width - tail, 1, 1]: columns from ``tail`` on that are not visible
+
+    @classmethod
+    def plan(cls, metadata: AttentionMetadata, sliding_window: int | None) -> list[_DecodeBucket]:
+        block_size = metadata.block_size
+        lengths = metadata.seq_lens[: metadata.num_decodes].to(torch.long)
+        buckets = (lengths + BUCKET - 1) // BUCKET
+        plan = []
+        for bucket in sorted(set(buckets.tolist())):
+            rows = (buckets == bucket).nonzero().flatten()
+            num_blocks = -(-bucket * BUCKET // block_size)
+            table = metadata.block_tables[rows].to(torch.long)
+            if table.shape[1] < num_blocks:  # the bucket reaches past the table: those keys are masked
+                table = F.pad(table, (0, num_blocks - table.shape[1]))
+            width = num_blocks * block_size
+            positions = torch.arange(width, device=lengths.device)
+            visible = positions[None, :] < lengths[rows, None]
+            if sliding_window is not None:
+                visible &= positions[None, :] >= lengths[rows, None] - sliding_window
+            tail = (bucket - 1) * BUCKET
+            plan.append(
+                cls(
+                    rows=rows,
+                    blocks=table[:, :num_blocks].flatten(),
+                    visible=visible[:, None, None, :],
+                    tail=tail,
+                    stale=~visible[:, tail:, None, None],
+                )
+            )
+        return plan
+
+
 class BucketedAttention:
     name = "torch-bucketed"
 
@@ -30,6 +71,8 @@ class BucketedAttention:
         # Reused gather buffers: a fresh multi-megabyte tensor per layer costs page faults
         # that take longer than the copy itself. One step thread uses a backend at a time.
         self._scratch: dict[str, torch.Tensor] = {}
+        # The decode plan of the step being run, per sliding window (see _decode_plan).
+        self._plans: tuple[AttentionMetadata | None, dict[int | None, list[_DecodeBucket]]] = (None, {})
 
     def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if layer.kind != "gqa":
@@ -69,51 +112,45 @@ class BucketedAttention:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        block_size = metadata.block_size
-        lengths = metadata.seq_lens[: len(query)].to(torch.long)
-        buckets = (lengths + BUCKET - 1) // BUCKET
-        output = torch.empty_like(query)
-        for bucket in sorted(set(buckets.tolist())):
-            rows = (buckets == bucket).nonzero().flatten()
-            num_blocks = -(-bucket * BUCKET // block_size)
-            table = metadata.block_tables[rows].to(torch.long)
-            if table.shape[1] < num_blocks:  # the bucket reaches past the table: those keys are masked
-                table = F.pad(table, (0, num_blocks - table.shape[1]))
-            table = table[:, :num_blocks]
-            width = num_blocks * block_size
-            # Whole blocks are gathered (a few large copies, not one per token) and read in
-            # place as [rows, kv_heads, width, dim] strided views.
-            keys = self._gather_blocks("key", key_cache, table).float()
-            values = self._gather_blocks("value", value_cache, table).float()
-            positions = torch.arange(width, device=query.device)
-            visible = positions[None, :] < lengths[rows, None]
-            if layer.sliding_window is not None:
-                visible &= positions[None, :] >= lengths[rows, None] - layer.sliding_window
+        decodes, heads, dim = query.shape
+        kv_heads = layer.num_kv_heads
+        # The query heads that share a kv head are that head's query rows (a row of
+        # ``heads // kv_heads`` queries with one mask), so each kv head is read once.
+        grouped = query.view(decodes, kv_heads, heads // kv_heads, dim)
+        output = torch.empty_like(grouped)
+        for bucket in self._decode_plan(metadata, layer.sliding_window):
+            keys = self._gather_blocks("key", key_cache, bucket.blocks, len(bucket.rows))
+            values = self._gather_blocks("value", value_cache, bucket.blocks, len(bucket.rows))
             # Slots past a sequence's end hold stale or never-written memory: keep it out of
             # the sums entirely (a masked NaN score, or 0 * NaN, would still be NaN). Only the
             # last bucket's worth of columns can lie past any of these rows' ends.
-            tail = (bucket - 1) * BUCKET
-            hidden = ~visible[:, tail:, None, None]
-            keys[:, tail:].masked_fill_(hidden, 0.0)
-            values[:, tail:].masked_fill_(hidden, 0.0)
-            out = F.scaled_dot_product_attention(
-                query[rows].float().unsqueeze(2),  # [r, heads, 1, dim]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=visible[:, None, None, :],
+            keys[:, bucket.tail :].masked_fill_(bucket.stale, 0.0)
+            values[:, bucket.tail :].masked_fill_(bucket.stale, 0.0)
+            output[bucket.rows] = F.scaled_dot_product_attention(
+                grouped[bucket.rows],
+                keys.transpose(1, 2).to(query.dtype),  # [r, kv_heads, width, dim]
+                values.transpose(1, 2).to(query.dtype),
+                attn_mask=bucket.visible,
                 scale=layer.scale,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            ).squeeze(2)
-            output[rows] = out.to(query.dtype)
-        return output
+            )
+        return output.view(decodes, heads, dim)
 
-    def _gather_blocks(self, name: str, cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """``cache[table]`` as ``[rows, blocks * block_size, kv_heads, dim]``. index_select over
-        flattened blocks copies whole blocks at memory speed (several times faster than
-        advanced indexing here), into a buffer kept between calls."""
-        rows, count = table.shape
+    def _decode_plan(self, metadata: AttentionMetadata, sliding_window: int | None) -> list[_DecodeBucket]:
+        """Rows, blocks and masks of each length bucket: the same for every layer of a step,
+        so built once per step (and window) and reused."""
+        if self._plans[0] is not metadata:
+            self._plans = (metadata, {})
+        plans = self._plans[1]
+        if sliding_window not in plans:
+            plans[sliding_window] = _DecodeBucket.plan(metadata, sliding_window)
+        return plans[sliding_window]
+
+    def _gather_blocks(self, name: str, cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+        """``cache[blocks]`` as ``[rows, width, kv_heads, dim]`` (``blocks`` is a flat table of
+        ``rows`` rows). index_select over flattened blocks copies whole blocks at memory speed
+        (several times faster than advanced indexing here), into a buffer kept between calls."""
         flat = cache.flatten(1)
-        needed = rows * count * flat.shape[1]
+        needed = blocks.numel() * flat.shape[1]
         scratch = self._scratch.get(name)
         if (
             scratch is None
@@ -122,9 +159,9 @@ class BucketedAttention:
             or scratch.device != cache.device
         ):
             scratch = self._scratch[name] = torch.empty(needed, dtype=cache.dtype, device=cache.device)
-        picked = scratch[:needed].view(rows * count, flat.shape[1])
-        torch.index_select(flat, 0, table.flatten(), out=picked)
-        return picked.view(rows, count * cache.shape[1], *cache.shape[2:])
+        picked = scratch[:needed].view(blocks.numel(), flat.shape[1])
+        torch.index_select(flat, 0, blocks, out=picked)
+        return picked.view(rows, -1, *cache.shape[2:])
 
     def _prefill(
         self,
@@ -141,9 +178,9 @@ class BucketedAttention:
         positions = torch.arange(seq_len, device=query.device)
         blocks = metadata.block_tables[index, : -(-seq_len // block_size)].to(torch.long)
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=query.device)).flatten()[:seq_len]
-        k = keys[slots].float().transpose(0, 1)  # [kv, seq, d]
-        v = values[slots].float().transpose(0, 1)
-        q = query.float().transpose(0, 1)  # [heads, q_len, d]
+        k = keys[slots].to(query.dtype).transpose(0, 1)  # [kv, seq, d]
+        v = values[slots].to(query.dtype).transpose(0, 1)
+        q = query.transpose(0, 1)  # [heads, q_len, d]
         query_pos = positions[seq_len - q_len :, None]
         mask = positions[None, :] <= query_pos
         if layer.sliding_window is not None:
@@ -151,4 +188,4 @@ class BucketedAttention:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads
         )
-        return out.transpose(0, 1).to(query.dtype)
+        return out.transpose(0, 1)

@@ -32,12 +32,12 @@ from typing import Any
 import attrs
 import structlog
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import MLAAttention
+from powertrain.layers.linear import Linear
 from powertrain.layers.moe import MoE, RoutingConfig
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary, yarn_mscale
@@ -158,15 +158,15 @@ class MLA(nn.Module):
         self.args = args
         h, heads = args.hidden_size, args.num_heads
         if args.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, heads * args.qk_head_dim, bias=False)
+            self.q_proj = Linear(h, heads * args.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=args.attention_bias)
+            self.q_a_proj = Linear(h, args.q_lora_rank, bias=args.attention_bias)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-            self.q_b_proj = nn.Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, args.kv_lora_rank + args.qk_rope_head_dim, bias=args.attention_bias)
+            self.q_b_proj = Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, args.kv_lora_rank + args.qk_rope_head_dim, bias=args.attention_bias)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=args.attention_bias)
+        self.o_proj = Linear(heads * args.v_head_dim, h, bias=args.attention_bias)
         self.attn = MLAAttention(mla_layer_spec(args), backend)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,8 +204,8 @@ class MLA(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -280,7 +280,7 @@ class DeepseekMTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * args.hidden_size, args.hidden_size, bias=False)
         # Every MTP layer of the DeepSeek checkpoints is a MoE layer when the model has experts.
         self.block = DeepseekDecoderLayer(args, args.num_layers, ctx, dtype, device)
         self.head_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -364,9 +364,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             torch.set_default_dtype(ctx.dtype)  # parameters are created in the model dtype
             try:
                 self.model = DeepseekModel(args, ctx, ctx.dtype, ctx.device)
-                self.lm_head = (
-                    None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-                )
+                self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+                if args.tie_word_embeddings:
+                    self.lm_head.weight = self.model.embed_tokens.weight
                 mtp_layers = [
                     DeepseekMTPLayer(args, ctx, ctx.dtype, ctx.device) for _ in range(args.num_nextn_predict_layers)
                 ]
@@ -390,8 +390,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def keep_fp8(self, name: str) -> bool:
         """Which FP8 checkpoint tensors to receive as stored (with their scales): routed
@@ -426,7 +425,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 moe.finish_loading()
             self._check_shared_copies(shared_copies)
         missing = sorted(targets.keys() - loaded)
-        if self.lm_head is None:
+        if self.args.tie_word_embeddings:
             missing = [m for m in missing if m != "lm_head.weight"]
         check_complete(type(self).__name__, unexpected, missing)
 
@@ -449,7 +448,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                     targets[f"{prefix}{name}"] = param.data
 
         add("model.", self.model)
-        if self.lm_head is not None:
+        if not a.tie_word_embeddings:
             add("lm_head.", self.lm_head)
         for depth, layer in enumerate(self.mtp.layers if self.mtp else ()):
             index = a.num_layers + depth
@@ -471,7 +470,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         )
 
     def _check_shared_copies(self, copies: Mapping[str, torch.Tensor]) -> None:
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.lm_head.weight
         for name, tensor in copies.items():
             own = self.model.embed_tokens.weight if name.endswith("embed_tokens.weight") else head
             if tensor.shape != own.shape or not torch.equal(tensor.to(own.device, own.dtype), own):

@@ -18,12 +18,12 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
+from powertrain.layers.linear import Linear
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary
 from powertrain.models.weights import check_complete, copy_checked
@@ -117,8 +117,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         spec = AttentionLayerSpec(
             kind="gqa",
             num_heads=args.num_heads,
@@ -147,8 +147,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -218,10 +218,10 @@ class LlamaForCausalLM(nn.Module):
         # that load_weights overwrites anyway costs seconds on large models.
         with torch.device("meta"):
             self.model = LlamaModel(args, ctx.attention)
-            self.lm_head = (
-                None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-            )
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.to(dtype=ctx.dtype).to_empty(device=ctx.device)
+        if args.tie_word_embeddings:  # after to_empty, which would give each its own tensor
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(
             layer.self_attn.attn.spec for layer in self.model.layers
@@ -249,10 +249,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # The matmul stays in the model dtype (a float32 copy of a 128k-row head per step
         # would cost more than it buys); only the result is widened for the sampler.
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     # ----------------------------------------------------------------------- loading
 
@@ -284,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
             for name, tensor in weights:
                 if _IGNORED.search(name):
                     continue
-                if name == "lm_head.weight" and self.lm_head is None:
+                if name == "lm_head.weight" and self.args.tie_word_embeddings:
                     tied_head = tensor  # checked against the embedding once both are seen
                     continue
                 target = targets.get(name)
