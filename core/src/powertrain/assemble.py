@@ -459,6 +459,7 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
         on_step=on_step,
         on_shutdown=lambda e: hooks.powertrain_engine_stopped(engine=e),
         model_name=config.model.path,
+        model_config=checkpoint.config,
         device_thread=device_thread,
     )
     log.info(

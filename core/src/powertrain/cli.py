@@ -283,5 +283,57 @@ def generate_command(
             click.echo(f"--- [{index}] {text}\n{completion.text}\n")
 
 
+@main.command("serve")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="engine.toml to use.")
+@click.option("--model", help="Model: an embedded name, a HF folder or a .gguf file (overrides [model] path).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--api-key",
+    envvar="POWERTRAIN_API_KEY",
+    help="Require this key (Authorization: Bearer or x-api-key). Env: POWERTRAIN_API_KEY.",
+)
+@click.option("--served-model-name", help="The model name clients send (default: the model path).")
+@click.option("--max-body-bytes", type=int, default=4 * 2**20, show_default=True, help="Larger bodies get 413.")
+@click.option("--graceful-shutdown", type=float, default=10.0, show_default=True, help="Seconds for in-flight work.")
+@click.pass_context
+def serve_command(
+    ctx: click.Context,
+    config_path: str | None,
+    model: str | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_body_bytes: int,
+    graceful_shutdown: float,
+) -> None:
+    """Serve OpenAI- and Anthropic-compatible APIs (default model: the embedded SmolLM2-135M-Instruct)."""
+    from powertrain.llm import apply_overrides
+    from powertrain.loader import LoadError
+    from powertrain.serve.run import NoProtocolAdapterError, serve
+    from powertrain.serve.settings import ServeSettings
+
+    # A server logs its requests: info level unless --log-level was given, always JSON lines.
+    parent = ctx.parent
+    explicit = parent is not None and parent.get_parameter_source("log_level") != click.core.ParameterSource.DEFAULT
+    configure_logging(parent.params["log_level"] if explicit and parent else "info", json=True)
+    config = _load_config_or_exit(config_path)
+    if model is not None:
+        config = apply_overrides(config, {"path": model})
+    settings = ServeSettings(
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        served_model_name=served_model_name,
+        max_body_bytes=max_body_bytes,
+        graceful_shutdown_s=graceful_shutdown,
+    )
+    try:
+        serve(config, settings)
+    except (ConfigError, PluginError, AssemblyError, LoadError, NoProtocolAdapterError) as exc:
+        _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

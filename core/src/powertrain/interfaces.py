@@ -544,9 +544,28 @@ class ProtocolAdapter(Protocol):
 
     protocols: frozenset[str]
 
-    def parse_request(self, protocol: str, body: bytes) -> Any: ...
+    def parse_request(self, protocol: str, body: bytes) -> Any:
+        """A request body -> the engine request (with ``prompt_token_ids``); invalid
+        input raises an error carrying ``status`` and a protocol-shaped ``body``."""
+        ...
 
-    def render_response(self, protocol: str, request: Any, output: Any) -> bytes: ...
+    def render_response(self, protocol: str, request: Any, output: Any) -> bytes:
+        """A finished engine output -> the protocol's JSON response body."""
+        ...
+
+    def stream_parser(self, request: Any, id_prefix: str | None = None) -> Any:
+        """Splits streamed text into events (``push(text)``, ``finish()``)."""
+        ...
+
+    def response_writer(
+        self, protocol: str, request: Any, request_id: str, created: int = 0, prompt_tokens: int = 0
+    ) -> Any:
+        """Turns events into SSE frames (``start()``, ``events(...)``, ``finish(...)``)."""
+        ...
+
+    def finish_reason(self, events: list[Any], engine_reason: str | None) -> tuple[str, str | None]:
+        """The writer's finish reason (and stop sequence) from a response's events."""
+        ...
 
 
 # --------------------------------------------------------------------------- models

@@ -21,7 +21,7 @@ from powertrain.engine.sequence import RequestOutput
 Message = Mapping[str, Any]
 
 
-def _override(config: EngineConfig, overrides: Mapping[str, Any]) -> EngineConfig:
+def apply_overrides(config: EngineConfig, overrides: Mapping[str, Any]) -> EngineConfig:
     """Apply keyword overrides like ``dtype="float32"`` or ``num_blocks=64`` to the
     config section that owns each key (a key two sections share must be spelled
     ``section__key``, e.g. ``cache__block_size``)."""
@@ -54,7 +54,7 @@ class LLM:
             config = load_config(config)
         if model is not None:
             settings = {"path": model, **settings}
-        self.config = _override(config, settings)
+        self.config = apply_overrides(config, settings)
         self.engine = build_engine(self.config)
 
     @property

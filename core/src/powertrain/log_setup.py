@@ -10,14 +10,15 @@ from typing import Any
 import structlog
 
 
-def configure_logging(level: str = "warning", *, only_if_unconfigured: bool = False) -> None:
-    """Pretty logs on a terminal, JSON lines otherwise; always on stderr.
+def configure_logging(level: str = "warning", *, only_if_unconfigured: bool = False, json: bool | None = None) -> None:
+    """Pretty logs on a terminal, JSON lines otherwise (or as ``json`` says); always on stderr.
 
     ``only_if_unconfigured`` leaves an application's own structlog setup alone.
     """
     if only_if_unconfigured and structlog.is_configured():
         return
-    renderer: Any = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    pretty = sys.stderr.isatty() if json is None else not json
+    renderer: Any = structlog.dev.ConsoleRenderer() if pretty else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from powertrain.engine.engine import LLMEngine
+from powertrain.engine.engine import EngineStats, LLMEngine
 from powertrain.engine.errors import EngineDeadError
 from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.sequence import RequestOutput
@@ -32,6 +32,8 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._ids = itertools.count()
         self._stopping = threading.Event()
+        #: The engine's counts as of its loop's last turn (readable from any thread).
+        self.stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="powertrain-engine", daemon=True)
         self._thread.start()
 
@@ -63,6 +65,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer went away (or failed): stop the work
                 self._inbox.put(("abort", request_id))
+
+    def is_alive(self) -> bool:
+        """Whether new requests are accepted."""
+        return not self._stopping.is_set() and self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -112,6 +118,7 @@ class AsyncEngine:
                     running = self._handle(kind, payload)
             except queue.Empty:
                 pass
+            self.stats = self.engine.stats()
             if not running or not self.engine.has_unfinished_requests():
                 continue
             try:

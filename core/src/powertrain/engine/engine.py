@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -54,6 +54,20 @@ class StepStats:
     duration_s: float
 
 
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """A snapshot of the engine's load and cumulative counters (for metrics)."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    steps: int
+
+
 @attrs.define
 class _InFlight:
     batch: ScheduledBatch
@@ -78,6 +92,7 @@ class LLMEngine:
         on_step: Callable[[LLMEngine, StepStats], None] | None = None,
         on_shutdown: Callable[[LLMEngine], None] | None = None,
         model_name: str = "",
+        model_config: Mapping[str, Any] | None = None,
         device_thread: DeviceThread | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -87,6 +102,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
         self.model_name = model_name
+        #: The checkpoint's config (config.json semantics): protocol adapters read the
+        #: model family from it.
+        self.model_config: Mapping[str, Any] = model_config or {}
         self._on_step = on_step
         self._on_shutdown = on_shutdown
         self._requests: dict[str, Request] = {}
@@ -98,6 +116,8 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._dead: BaseException | None = None
         self._closed = False
+        self._num_preemptions = 0
+        self._num_steps = 0
 
     # ----------------------------------------------------------------------- requests
 
@@ -170,6 +190,21 @@ class LLMEngine:
                 self._finish(seq, "abort")
         return self._request_output(request)
 
+    def stats(self) -> EngineStats:
+        """Counts as of now; call on the thread that drives the engine."""
+        seqs = [seq for request in self._requests.values() for seq in request.sequences]
+        prefix = self.block_manager.stats
+        return EngineStats(
+            running=sum(seq.status is SequenceStatus.RUNNING for seq in seqs),
+            waiting=sum(seq.status is SequenceStatus.WAITING for seq in seqs),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            prefix_cache_queried_tokens=prefix.queried_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens,
+            preemptions=self._num_preemptions,
+            steps=self._num_steps,
+        )
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
@@ -219,6 +254,8 @@ class LLMEngine:
         for seq in flight.batch.seqs:
             if not seq.finished:
                 self.block_manager.register_computed(seq)
+        self._num_preemptions += len(flight.batch.preempted)
+        self._num_steps += 1
         stats = StepStats(
             step=next(self._step_counter),
             num_seqs=len(flight.batch.seqs),
@@ -240,10 +277,13 @@ class LLMEngine:
         produced = position + 1 - seq.num_prompt_tokens
         detokenizer = self._detokenizers[seq.seq_id]
         previous = self._texts[seq.seq_id]
-        text = previous + detokenizer.add(token)
         reason = None
+        stop_token = produced >= params.min_tokens and token in request.stop_token_ids
+        # A stop token (EOS) ends the text without appearing in it, even when special
+        # tokens are kept (a protocol adapter that parses markup asks for them).
+        text = previous if stop_token else previous + detokenizer.add(token)
         if produced >= params.min_tokens:
-            if token in request.stop_token_ids:
+            if stop_token:
                 reason = "stop"
             elif params.stop:
                 # Earlier text held no stop string, so look only where new text could complete one.

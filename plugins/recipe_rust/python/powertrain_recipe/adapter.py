@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,29 +79,31 @@ class RecipeAdapter:
             id_prefix=id_prefix,
         )
 
+    def response_writer(
+        self, protocol: str, request: Mapping[str, Any], request_id: str, created: int = 0, prompt_tokens: int = 0
+    ) -> ResponseWriter:
+        """The writer of one response: its JSON body, or its SSE events as text arrives."""
+        return ResponseWriter(
+            _native_protocol(protocol),
+            request_id,
+            request["model"],
+            created,
+            include_usage=bool(request.get("include_usage", False)),
+            prompt_tokens=prompt_tokens,
+        )
+
+    @staticmethod
+    def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:
+        return finish_reason(events, engine_reason)
+
     def render_response(self, protocol: str, request: Mapping[str, Any], output: Any) -> bytes:
         """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body."""
         completion = output.outputs[0]
         parser = self.stream_parser(request, id_prefix=f"call_{output.request_id}")
         events = parser.push(completion.text) + parser.finish()
-        writer = ResponseWriter(
-            _native_protocol(protocol),
-            str(output.request_id),
-            request["model"],
-            0,
-            prompt_tokens=len(output.prompt_token_ids),
-            cached_prompt_tokens=output.num_cached_tokens,
-        )
+        writer = self.response_writer(protocol, request, str(output.request_id), int(time.time()))
         writer.events(events)
-        stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)
-        if stopped is not None:
-            reason = "stop_sequence"
-        elif completion.finish_reason == "length":
-            reason = "length"
-        elif any(e["type"] == "tool_call_start" for e in events):
-            reason = "tool_calls"
-        else:
-            reason = "stop"
+        reason, stopped = finish_reason(events, completion.finish_reason)
         body = writer.response(
             reason,
             len(output.prompt_token_ids),
@@ -109,3 +112,16 @@ class RecipeAdapter:
             stop_sequence=stopped,
         )
         return body.encode()
+
+
+def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:
+    """The writer's finish reason from all of a response's parser events and the engine's
+    reason ("stop", "length", "abort"); with the stop sequence that ended it, if any."""
+    stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)
+    if stopped is not None:
+        return "stop_sequence", stopped
+    if engine_reason == "length":
+        return "length", None
+    if any(e["type"] == "tool_call_start" for e in events):
+        return "tool_calls", None
+    return "stop", None

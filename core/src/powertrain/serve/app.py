@@ -1,0 +1,242 @@
+"""The HTTP app: routes, limits, authentication and streaming around the engine.
+
+Protocol work (parsing, prompt rendering, tokenizing, response JSON and SSE frames)
+is the protocol adapter's; a request's errors before generation starts get the
+protocol's status and error body, errors after a stream started end it with the
+protocol's error event, and neither stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from powertrain.engine.async_engine import AsyncEngine
+from powertrain.engine.errors import EngineDeadError, InvalidRequestError
+from powertrain.serve.completions import CompletionsEndpoint
+from powertrain.serve.errors import ApiError, error_body
+from powertrain.serve.generation import Generation, sampling_params
+from powertrain.serve.metrics import ServerMetrics
+from powertrain.serve.settings import ServeSettings
+
+log = structlog.get_logger("powertrain.serve")
+access_log = structlog.get_logger("powertrain.serve.access")
+
+#: Route -> the protocol name adapters use.
+GENERATION_ROUTES = {
+    "/v1/chat/completions": "openai.chat",
+    "/v1/responses": "openai.responses",
+    "/v1/messages": "anthropic.messages",
+}
+
+
+def _json(status: int, body: bytes) -> Response:
+    return Response(body, status_code=status, media_type="application/json")
+
+
+class Server:
+    """What every route shares: the engine, the adapter, settings and metrics."""
+
+    def __init__(self, engine: AsyncEngine, adapter: Any, settings: ServeSettings) -> None:
+        self.engine = engine
+        self.adapter = adapter
+        self.settings = settings
+        self.model_name = settings.served_model_name or engine.engine.model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.metrics = ServerMetrics(lambda: engine.stats)
+        self.created = int(time.time())
+
+    # ----------------------------------------------------------------------- checks
+
+    def authenticate(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        bearer = request.headers.get("authorization", "")
+        offered = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(offered.encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 past the limit (before reading it all)."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body has {declared} bytes; this server accepts at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than this server's limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, name: Any, param: str = "model") -> None:
+        if name != self.model_name:
+            raise ApiError(400, f"unknown model {name!r}; this server serves {self.model_name!r}", param)
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ApiError(
+                400,
+                f"the prompt has {num_tokens} tokens, but this model's context holds {self.max_model_len} "
+                "(prompt and output together); shorten the conversation",
+                "messages",
+            )
+
+    # ----------------------------------------------------------------------- generation
+
+    async def generate(self, protocol: str, request: Request) -> Response:
+        body = await self.read_body(request)
+        try:
+            parsed = self.adapter.parse_request(protocol, body)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            return _json(status, str(exc.body).encode())  # the adapter's protocol-shaped error
+        self.check_model(parsed["model"])
+        self.check_prompt_length(len(parsed["prompt_token_ids"]))
+        try:
+            params = sampling_params(parsed, self.max_model_len)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc)) from exc
+        request_id = f"{uuid.uuid4().hex[:24]}"
+        generation = Generation(self.engine, self.metrics, request_id, list(parsed["prompt_token_ids"]), params)
+        if parsed.get("stream"):
+            return StreamingResponse(
+                self._stream(protocol, parsed, generation),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        final = None
+        async with contextlib.aclosing(generation.outputs()) as outputs:
+            async for output, _ in outputs:
+                final = output
+        if final is None or final.outputs[0].finish_reason == "abort":
+            raise ApiError(503, "the request was aborted: the server is shutting down")
+        self.metrics.requests.labels(protocol, "200").inc()
+        return _json(200, self.adapter.render_response(protocol, parsed, final))
+
+    async def _stream(self, protocol: str, parsed: dict[str, Any], generation: Generation) -> AsyncIterator[str]:
+        prompt_tokens = len(generation.prompt_ids)
+        writer = self.adapter.response_writer(
+            protocol, parsed, generation.request_id, int(time.time()), prompt_tokens=prompt_tokens
+        )
+        parser = self.adapter.stream_parser(parsed, id_prefix=f"call_{generation.request_id}")
+        events: list[Any] = []
+        status = "200"
+        try:
+            for frame in writer.start():
+                yield frame
+            final = None
+            async with contextlib.aclosing(generation.outputs()) as outputs:
+                async for output, delta in outputs:
+                    final = output
+                    if delta:
+                        new = parser.push(delta)
+                        events += new
+                        for frame in writer.events(new):
+                            yield frame
+            new = parser.finish()
+            events += new
+            for frame in writer.events(new):
+                yield frame
+            completion = final.outputs[0] if final is not None else None
+            reason, stopped = self.adapter.finish_reason(events, completion.finish_reason if completion else None)
+            for frame in writer.finish(
+                reason,
+                prompt_tokens,
+                len(completion.token_ids) if completion else 0,
+                cached_prompt_tokens=final.num_cached_tokens if final else 0,
+                stop_sequence=stopped,
+            ):
+                yield frame
+        except (GeneratorExit, asyncio.CancelledError):  # the client left; closing the generation aborted it
+            status = "499"
+            raise
+        except Exception as exc:
+            status = "500"
+            log.error("stream failed", request_id=generation.request_id, error=f"{type(exc).__name__}: {exc}")
+            yield _sse_error(protocol, 500, f"generation failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.metrics.requests.labels(protocol, status).inc()
+
+
+def _sse_error(protocol: str, status: int, message: str) -> str:
+    body = error_body(protocol, status, message).decode()
+    return f"event: error\ndata: {body}\n\n" if protocol == "anthropic.messages" else f"data: {body}\n\n"
+
+
+def create_app(engine: AsyncEngine, adapter: Any, settings: ServeSettings | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; the caller owns the engine's lifetime."""
+    server = Server(engine, adapter, settings or ServeSettings())
+    completions = CompletionsEndpoint(server)
+    app = FastAPI(title="powertrain", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    def protocol_of(path: str) -> str:
+        return GENERATION_ROUTES.get(path, "openai.completions")
+
+    @app.middleware("http")
+    async def access_and_errors(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.perf_counter()
+        protocol = protocol_of(request.url.path)
+        try:
+            if request.url.path.startswith("/v1/"):
+                server.authenticate(request)
+            response = await call_next(request)
+        except ApiError as exc:
+            response = _json(exc.status, error_body(protocol, exc.status, exc.message, exc.param))
+        except EngineDeadError as exc:
+            response = _json(503, error_body(protocol, 503, str(exc)))
+        except Exception as exc:  # a bug or an engine failure fails this request only
+            log.exception("request failed", path=request.url.path)
+            response = _json(500, error_body(protocol, 500, f"internal error: {type(exc).__name__}: {exc}"))
+        if response.status_code != 200 and request.url.path in (*GENERATION_ROUTES, "/v1/completions"):
+            server.metrics.requests.labels(protocol, str(response.status_code)).inc()
+        access_log.info(
+            "request",
+            method=request.method,
+            path=request.url.path,
+            status=response.status_code,
+            duration_ms=round(1000 * (time.perf_counter() - started), 2),
+            client=request.client.host if request.client else None,
+        )
+        return response
+
+    for path, protocol in GENERATION_ROUTES.items():
+
+        async def route(request: Request, protocol: str = protocol) -> Response:
+            return await server.generate(protocol, request)
+
+        app.add_api_route(path, route, methods=["POST"])
+
+    @app.post("/v1/completions")
+    async def legacy_completions(request: Request) -> Response:
+        return await completions.handle(request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        model = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "powertrain"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = engine.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return app

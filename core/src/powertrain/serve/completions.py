@@ -1,0 +1,154 @@
+"""OpenAI's legacy ``POST /v1/completions``: raw prompt in, raw text out.
+
+There is no conversation to render, so the protocol adapter has nothing to do here
+(it covers chat-shaped protocols); this module reads the small request shape itself
+and refuses what it does not implement instead of ignoring it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from powertrain.engine.errors import InvalidRequestError
+from powertrain.engine.sampling_params import SamplingParams
+from powertrain.serve.errors import ApiError
+from powertrain.serve.generation import Generation
+
+if TYPE_CHECKING:
+    from powertrain.serve.app import Server
+
+PROTOCOL = "openai.completions"
+_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+#: Accepted only at the value that means "off".
+_OFF = {"n": (1,), "best_of": (1,), "logprobs": (None,), "echo": (False,), "suffix": (None, ""), "logit_bias": ({},)}
+_KNOWN = {"model", "prompt", "stream", "stream_options", "stop", "user", *_SAMPLING, *_OFF}
+
+
+class CompletionsEndpoint:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    async def handle(self, request: Request) -> Response:
+        server = self.server
+        body = _object(await server.read_body(request))
+        server.check_model(body.get("model"))
+        prompt = self._prompt(body.get("prompt"))
+        params = self._params(body)
+        ids = prompt if isinstance(prompt, list) else server.engine.engine.tokenizer.encode(prompt)
+        server.check_prompt_length(len(ids))
+        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        generation = Generation(server.engine, server.metrics, request_id, ids, params)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return StreamingResponse(
+                self._stream(generation, body["model"], bool(options.get("include_usage"))),
+                media_type="text/event-stream",
+            )
+        final = None
+        async with contextlib.aclosing(generation.outputs()) as outputs:
+            async for output, _ in outputs:
+                final = output
+        if final is None or final.outputs[0].finish_reason == "abort":
+            raise ApiError(503, "the request was aborted: the server is shutting down")
+        completion = final.outputs[0]
+        choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
+        server.metrics.requests.labels(PROTOCOL, "200").inc()
+        return Response(
+            json.dumps(self._chunk(request_id, body["model"], [choice], _usage(ids, completion.token_ids))),
+            media_type="application/json",
+        )
+
+    @staticmethod
+    def _prompt(prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+            return prompt
+        raise ApiError(
+            400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
+        )
+
+    def _params(self, body: dict[str, Any]) -> SamplingParams:
+        unknown = sorted(set(body) - _KNOWN)
+        if unknown:
+            raise ApiError(400, f"unknown or unsupported field {unknown[0]!r}", unknown[0])
+        for field, allowed in _OFF.items():
+            if field in body and body[field] is not None and body[field] not in allowed:
+                raise ApiError(400, f"{field}={body[field]!r} is not supported by this server", field)
+        stop = body.get("stop")
+        if stop is not None and not (
+            isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+        ):
+            raise ApiError(400, "stop must be a string or a list of strings", "stop")
+        values = {key: body[key] for key in _SAMPLING if body.get(key) is not None}
+        try:
+            return SamplingParams(**values, stop=stop)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc)) from exc
+
+    async def _stream(self, generation: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+        status = "200"
+        try:
+            final = None
+            async with contextlib.aclosing(generation.outputs()) as outputs:
+                async for output, delta in outputs:
+                    final = output
+                    reason = output.outputs[0].finish_reason
+                    if delta or reason:
+                        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+                        yield _sse(self._chunk(generation.request_id, model, [choice]))
+            if include_usage and final is not None:
+                usage = _usage(generation.prompt_ids, final.outputs[0].token_ids)
+                yield _sse(self._chunk(generation.request_id, model, [], usage))
+            yield "data: [DONE]\n\n"
+        except (GeneratorExit, asyncio.CancelledError):  # the client left
+            status = "499"
+            raise
+        finally:
+            self.server.metrics.requests.labels(PROTOCOL, status).inc()
+
+    @staticmethod
+    def _chunk(request_id: str, model: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+
+def _object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return value
+
+
+def _usage(prompt_ids: list[int], token_ids: list[int]) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(token_ids),
+        "total_tokens": len(prompt_ids) + len(token_ids),
+    }
+
+
+def _sse(value: dict[str, Any]) -> str:
+    return f"data: {json.dumps(value)}\n\n"

@@ -1,0 +1,95 @@
+"""One generation request through the engine: the adapter's request -> SamplingParams,
+then either the whole response body or its SSE events as tokens arrive."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from powertrain.engine.async_engine import AsyncEngine
+from powertrain.engine.sampling_params import SamplingParams
+from powertrain.engine.sequence import RequestOutput
+from powertrain.serve.errors import ApiError
+from powertrain.serve.metrics import ServerMetrics
+
+
+def sampling_params(request: Mapping[str, Any], max_model_len: int) -> SamplingParams:
+    """The engine's settings for a parsed request; what the server cannot honour is a 400."""
+    sampling = request["sampling"]
+    if sampling.get("n", 1) != 1:
+        raise ApiError(400, "n > 1 is not supported by this server; send n requests instead", "n")
+    if sampling.get("logprobs") or sampling.get("top_logprobs"):
+        raise ApiError(400, "logprobs are not supported by this server yet", "logprobs")
+    response_format = request.get("response_format") or {"type": "text"}
+    if response_format.get("type", "text") != "text":
+        raise ApiError(400, f"response_format {response_format['type']!r} is not supported yet", "response_format")
+    prompt_tokens = len(request["prompt_token_ids"])
+    max_tokens = sampling.get("max_tokens")
+    if max_tokens is None:  # until the model stops or the context is full
+        max_tokens = max(1, max_model_len - prompt_tokens)
+    values = {
+        "max_tokens": max_tokens,
+        "temperature": sampling.get("temperature"),
+        "top_p": sampling.get("top_p"),
+        "top_k": sampling.get("top_k"),
+        "seed": sampling.get("seed"),
+        "presence_penalty": sampling.get("presence_penalty"),
+        "frequency_penalty": sampling.get("frequency_penalty"),
+    }
+    return SamplingParams(
+        **{key: value for key, value in values.items() if value is not None},
+        # The engine stops at a stop string but keeps it: the adapter's parser cuts the text
+        # and reports which one matched (Anthropic's stop_sequence).
+        stop=tuple(sampling.get("stop") or ()),
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    )
+
+
+class Generation:
+    """Runs one request on the engine and keeps the per-request metrics."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrival = time.monotonic()
+        self._last_token_time: float | None = None
+        self._tokens_seen = 0
+
+    async def outputs(self) -> AsyncIterator[tuple[RequestOutput, str]]:
+        """Each engine output with the text it added."""
+        text = ""
+        async for output in self.engine.generate(self.prompt_ids, self.params, request_id=self.request_id):
+            self._observe(output)
+            completion = output.outputs[0]
+            delta, text = completion.text[len(text) :], completion.text
+            yield output, delta
+        self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+
+    def _observe(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        count = len(output.outputs[0].token_ids)
+        new = count - self._tokens_seen
+        if new <= 0:
+            return
+        if self._last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+            new -= 1  # the first token has no gap before it
+        else:
+            gap = (now - self._last_token_time) / new
+            for _ in range(new):
+                self.metrics.inter_token_latency.observe(gap)
+        self.metrics.generation_tokens.inc(count - self._tokens_seen)
+        self._tokens_seen = count
+        self._last_token_time = now

@@ -1,0 +1,318 @@
+"""``powertrain serve`` end to end: a real server on a localhost port, the embedded
+SmolLM2 model, and the official ``openai`` and ``anthropic`` client libraries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from powertrain.assemble import build_engine
+from powertrain.config import EngineConfig
+from powertrain.engine.async_engine import AsyncEngine
+from powertrain.llm import apply_overrides
+from powertrain.plugins import PluginManager
+from powertrain.serve.run import protocol_adapter
+from powertrain.serve.settings import ServeSettings
+from powertrain.testing.server import running_server
+
+MODEL = "smollm2-135m"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def engine_and_adapter() -> Iterator[tuple[AsyncEngine, Any]]:
+    config = apply_overrides(EngineConfig(), {"dtype": "float32"})
+    plugins = PluginManager.load(config.plugins)
+    engine = AsyncEngine(build_engine(config, plugins))
+    try:
+        yield engine, protocol_adapter(plugins, engine.engine.tokenizer, engine.engine.model_config)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine_and_adapter: tuple[AsyncEngine, Any]) -> Iterator[str]:
+    with running_server(*engine_and_adapter) as url:
+        yield url
+
+
+@pytest.fixture
+def oai(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def claude(base_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def metric(base_url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$" if labels else rf"^{re.escape(name)} (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_until_idle(base_url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(base_url, "powertrain_kv_blocks_used") == 0 and metric(base_url, "powertrain_requests_running") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the engine is not idle after {timeout} s: {httpx.get(f'{base_url}/metrics').text}")
+
+
+# --------------------------------------------------------------------------- generation endpoints
+
+
+def test_models_and_health(oai: openai.OpenAI, base_url: str) -> None:
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+
+
+def test_chat_completions_plain_and_streamed_agree(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.prompt_tokens > 0 and 0 < whole.usage.completion_tokens <= 24
+
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_stop_sequence_ends_the_answer(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    free = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    text = free.choices[0].message.content
+    assert "4" in text, text
+    stopped = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=["4"])
+    assert stopped.choices[0].message.content == text[: text.index("4")]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_responses_plain_and_streamed_agree(oai: openai.OpenAI) -> None:
+    whole = oai.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    assert "Paris" in whole.output_text
+    assert whole.status in ("completed", "incomplete")
+    events = list(oai.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+
+
+def test_anthropic_messages_plain_and_streamed_agree(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = claude.messages.create(model=MODEL, max_tokens=24, messages=messages, extra_body={"temperature": 0})
+    answer = "".join(block.text for block in whole.content if block.type == "text")
+    assert "Paris" in answer
+    assert whole.stop_reason in ("end_turn", "max_tokens")
+    with claude.messages.stream(model=MODEL, max_tokens=24, messages=messages, extra_body={"temperature": 0}) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == answer
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_anthropic_system_and_stop_sequence(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        system="You answer in one short sentence.",
+        messages=[{"role": "user", "content": "Count from 1 to 10, separated by commas."}],
+        extra_body={"temperature": 0},  # this SDK no longer sends temperature itself
+        stop_sequences=["5"],
+    )
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "5"
+    assert "5" not in message.content[0].text
+
+
+def test_legacy_completions_plain_and_streamed_agree(oai: openai.OpenAI) -> None:
+    whole = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in whole.choices[0].text
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    chunks = list(
+        oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_bad_requests_get_400_in_each_protocol_shape(
+    oai: openai.OpenAI, claude: anthropic.Anthropic, base_url: str
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="unknown model 'gpt-4o'"):
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as bad_role:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    assert "messages[0].role" in str(bad_role.value)
+    with pytest.raises(anthropic.BadRequestError) as bad_anthropic:
+        claude.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    assert bad_anthropic.value.body["type"] == "invalid_request_error" or "error" in bad_anthropic.value.body
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+
+    malformed = httpx.post(f"{base_url}/v1/chat/completions", content=b"{not json")
+    assert malformed.status_code == 400 and "error" in malformed.json()
+    malformed = httpx.post(f"{base_url}/v1/messages", content=b"[1, 2")
+    assert malformed.status_code == 400 and malformed.json()["type"] == "error"
+    legacy = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 3})
+    assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "logprobs"
+
+    long_prompt = "word " * 9000  # past SmolLM2's 8192-token context
+    with pytest.raises(openai.BadRequestError, match="context"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
+    # Still serving.
+    assert oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_api_key_is_required_when_set(engine_and_adapter: tuple[AsyncEngine, Any]) -> None:
+    with running_server(*engine_and_adapter, ServeSettings(api_key="s3cret")) as url:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert httpx.post(f"{url}/v1/chat/completions", json={}).status_code == 401
+        assert [m.id for m in openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list()] == [MODEL]
+        reply = anthropic.Anthropic(base_url=url, api_key="s3cret", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.usage.output_tokens == 2
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+def test_oversized_bodies_get_413(engine_and_adapter: tuple[AsyncEngine, Any]) -> None:
+    with running_server(*engine_and_adapter, ServeSettings(max_body_bytes=2000)) as url:
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
+        response = httpx.post(f"{url}/v1/chat/completions", json=big)
+        assert response.status_code == 413 and "2000" in response.json()["error"]["message"]
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x" * 5000}]
+            )
+        assert refused.value.status_code == 413 and refused.value.body["error"]["type"] == "request_too_large"
+
+
+# --------------------------------------------------------------------------- load, disconnects, metrics
+
+
+def test_64_concurrent_streams_complete_well_formed(base_url: str) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Write a word that starts with the letter {chr(97 + i % 26)}."}],
+            max_tokens=8,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+        )
+        text, reason = "", None
+        async for chunk in stream:
+            assert reason is None, "a chunk arrived after the finish reason"
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason
+        return text, reason
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    assert all(reason in ("stop", "length") for _, reason in results)
+    assert sum(bool(text) for text, _ in results) >= 60
+    wait_until_idle(base_url)
+
+
+def test_clients_killed_mid_stream_free_their_blocks(base_url: str) -> None:
+    wait_until_idle(base_url)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
+
+    async def killed_client() -> int:
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response,
+        ):
+            received = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    received += 1
+                if received >= 3:
+                    return received  # leaving the block closes the connection mid-stream
+        return received
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(killed_client() for _ in range(8)))
+
+    assert asyncio.run(main()) == [3] * 8
+    wait_until_idle(base_url)  # all eight aborted long before 2,000 tokens
+    assert metric(base_url, "powertrain_requests_total", '{protocol="openai.chat",status="499"}') >= 8
+
+
+def test_metrics_move_with_requests(oai: openai.OpenAI, base_url: str) -> None:
+    before = {
+        (name, labels): metric(base_url, name, labels)
+        for name, labels in (
+            ("powertrain_requests_total", '{protocol="openai.chat",status="200"}'),
+            ("powertrain_generation_tokens_total", ""),
+            ("powertrain_prompt_tokens_total", ""),
+            ("powertrain_time_to_first_token_seconds_count", ""),
+            ("powertrain_prefix_cache_queries_total", ""),
+            ("powertrain_prefix_cache_hits_total", ""),
+            ("powertrain_requests_total", '{protocol="openai.chat",status="400"}'),
+        )
+    }
+    history = [{"role": "user", "content": "Name a color. " * 20}]  # > one block: a prefix-cache hit next time
+    for _ in range(2):
+        reply = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=5, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="nope", messages=history)
+    after = {key: metric(base_url, *key) for key in before}
+    keys = list(before)
+    assert after[keys[0]] - before[keys[0]] == 2
+    assert after[keys[1]] - before[keys[1]] == 2 * reply.usage.completion_tokens
+    assert after[keys[2]] - before[keys[2]] == 2 * reply.usage.prompt_tokens
+    assert after[keys[3]] - before[keys[3]] == 2
+    assert after[keys[4]] - before[keys[4]] == 2 * reply.usage.prompt_tokens
+    assert after[keys[5]] - before[keys[5]] >= 16  # the second request reused the first's blocks
+    assert after[keys[6]] - before[keys[6]] == 1
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in ("powertrain_kv_blocks_free", "powertrain_requests_waiting", "powertrain_preemptions_total"):
+        assert re.search(rf"^{name} ", text, re.MULTILINE), name
+    assert json.loads(httpx.get(f"{base_url}/health").text)["status"] == "ok"
