@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -316,3 +317,33 @@ def test_metrics_move_with_requests(oai: openai.OpenAI, base_url: str) -> None:
     for name in ("powertrain_kv_blocks_free", "powertrain_requests_waiting", "powertrain_preemptions_total"):
         assert re.search(rf"^{name} ", text, re.MULTILINE), name
     assert json.loads(httpx.get(f"{base_url}/health").text)["status"] == "ok"
+
+
+def test_shutdown_ends_in_flight_streams_and_frees_their_blocks(engine_and_adapter: tuple[AsyncEngine, Any]) -> None:
+    engine, _ = engine_and_adapter
+    seen: list[str] = []
+    first = threading.Event()
+
+    def client(url: str) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 4000}
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    seen.append(line)
+                    first.set()
+        except httpx.HTTPError as exc:  # the server may cut the connection: that is a clean end too
+            seen.append(f"closed: {type(exc).__name__}")
+        first.set()
+
+    with running_server(*engine_and_adapter, ServeSettings(graceful_shutdown_s=0.5)) as url:
+        thread = threading.Thread(target=client, args=(url,))
+        thread.start()
+        assert first.wait(60)
+    thread.join(30)
+    assert not thread.is_alive(), "the client still waits after the server stopped"
+    assert any(line.startswith("data: ") for line in seen)
+    deadline = time.monotonic() + 30
+    while engine.stats.kv_blocks_free != engine.stats.kv_blocks_total and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.stats.kv_blocks_free == engine.stats.kv_blocks_total and engine.stats.running == 0
+    assert engine.is_alive()

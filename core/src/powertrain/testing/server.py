@@ -29,7 +29,16 @@ def running_server(engine: AsyncEngine, adapter: Any, settings: ServeSettings | 
     settings = settings or ServeSettings()
     port = free_port()
     app = create_app(engine, adapter, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        )
+    )
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
