@@ -1,0 +1,57 @@
+"""Grammars that make a model write a tool call in its own markup (for constrained decoding).
+
+When a request requires a tool call (``tool_choice`` required, or a named tool) the
+engine can force one: the grammar spells the model's tool-call markers and embeds each
+callable tool's JSON schema for its arguments when the tool is strict (any JSON object
+otherwise). Written in llguidance's Lark dialect (``%json`` embeds a schema).
+
+Only the DeepSeek-V3 markup is covered; other output formats return None (no forced
+call), since a plain model has no tool-call markup to force and DeepSeek-V4's DSML
+spells arguments one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_V3_CALLS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+_V3_CALLS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
+_V3_CALL_BEGIN = "<\uff5ctool\u2581call\u2581begin\uff5c>"
+_V3_CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
+_V3_SEP = "<\uff5ctool\u2581sep\uff5c>"
+_ANY_OBJECT = {"type": "object"}
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # a Lark string literal uses JSON's escapes
+
+
+def forced_tools(tools: Sequence[Mapping[str, Any]], tool_choice: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The tools a request forces a call to: none unless tool_choice requires one."""
+    kind = tool_choice.get("type")
+    if kind == "required":
+        return list(tools)
+    if kind == "named":
+        return [tool for tool in tools if tool.get("name") == tool_choice.get("name")]
+    return []
+
+
+def tool_call_grammar(output_format: str, request: Mapping[str, Any]) -> str | None:
+    """A Lark grammar for exactly one call to one of the request's forced tools, in the
+    model's markup; None when the request forces no call or the format is not covered."""
+    conversation = request.get("conversation") or {}
+    tools = forced_tools(conversation.get("tools") or [], conversation.get("tool_choice") or {})
+    if not tools or output_format != "deepseek_v3":
+        return None
+    lines = [
+        f"start: {_literal(_V3_CALLS_BEGIN)} call {_literal(_V3_CALLS_END)}",
+        "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+    ]
+    for i, tool in enumerate(tools):
+        schema = tool.get("parameters") if tool.get("strict") and tool.get("parameters") else _ANY_OBJECT
+        header = f"{_V3_CALL_BEGIN}function{_V3_SEP}{tool['name']}\n```json\n"
+        lines.append(f"call_{i}: {_literal(header)} args_{i} {_literal(chr(10) + '```' + _V3_CALL_END)}")
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "\n".join(lines) + "\n"
