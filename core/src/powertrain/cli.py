@@ -335,5 +335,92 @@ def serve_command(
         _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
 
 
+# --------------------------------------------------------------------------- bench
+
+
+@main.group("bench")
+def bench_group() -> None:
+    """Benchmarks against a running server."""
+
+
+@bench_group.command("serve")
+@click.option("--base-url", default="http://127.0.0.1:8000", show_default=True, help="The OpenAI-compatible server.")
+@click.option("--model", help="Model name to request (default: the first one GET /v1/models lists).")
+@click.option("--api-key", envvar="POWERTRAIN_API_KEY", help="Sent as a Bearer token (env POWERTRAIN_API_KEY).")
+@click.option(
+    "--workload",
+    type=click.Choice(["synthetic", "multi-turn"]),
+    default="synthetic",
+    show_default=True,
+    help="synthetic: independent random-word prompts; multi-turn: chats resending their history.",
+)
+@click.option(
+    "--rate",
+    "--rates",
+    "rates",
+    help="Request rates (req/s), comma-separated for a sweep; Poisson arrivals; inf sends all at once. [default: inf]",
+)
+@click.option(
+    "--concurrency",
+    "--concurrencies",
+    "concurrencies",
+    help="Closed-loop concurrencies, comma-separated for a sweep (instead of --rate).",
+)
+@click.option("--num-requests", type=click.IntRange(min=1), default=100, show_default=True, help="Per load level.")
+@click.option("--conversations", type=click.IntRange(min=1), help="multi-turn: chats [default: num-requests / turns].")
+@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True, help="multi-turn: turns per chat.")
+@click.option("--input-len", default="128", show_default=True, help="Words per prompt (each turn): N or MIN:MAX.")
+@click.option("--output-len", default="64", show_default=True, help="max_tokens per request: N or MIN:MAX.")
+@click.option("--ignore-eos", is_flag=True, help="Send ignore_eos (a vLLM extension) for exact output lengths.")
+@click.option("--temperature", type=float, help="Sampling temperature (default: the server's).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds prompts and arrival times.")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds per request.")
+@click.option(
+    "--output", type=click.Path(dir_okay=False), default="result.json", show_default=True, help="JSON result."
+)
+@click.option("--plot", type=click.Path(dir_okay=False), help="Latency-vs-load PNG [default: --output with .png].")
+def bench_serve_command(
+    rates: str | None,
+    concurrencies: str | None,
+    input_len: str,
+    output_len: str,
+    output: str,
+    plot: str | None,
+    **options: Any,
+) -> None:
+    """Measure a serving endpoint: TTFT, TPOT, ITL, throughput and prefix-cache hits vs load.
+
+    Example: powertrain bench serve --rates 1,2,4 --num-requests 200 --output run.json
+    """
+    from pathlib import Path
+
+    from powertrain.bench.client import ServerError
+    from powertrain.bench.load import Load
+    from powertrain.bench.serve import BenchConfig, run
+    from powertrain.bench.workloads import LengthRange
+
+    if rates and concurrencies:
+        _fail("give --rate or --concurrency, not both")
+    try:
+        if concurrencies:
+            loads = Load.parse_list("concurrency", concurrencies)
+        else:
+            loads = Load.parse_list("rate", rates or "inf")
+        config = BenchConfig(
+            loads=loads, input_len=LengthRange.parse(input_len), output_len=LengthRange.parse(output_len), **options
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    plot = plot or str(Path(output).with_suffix(".png"))
+    try:
+        result = run(config, [Path(sys.argv[0]).name, *sys.argv[1:]], output, plot, console)
+    except ServerError as exc:
+        _fail(str(exc))
+    idle = [level["load"] for level in result["levels"] if not level["requests"]["completed"]]
+    if idle:
+        _fail([f"no request completed at {load['mode']} {load['target']}" for load in idle])
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
