@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -347,3 +350,22 @@ def test_shutdown_ends_in_flight_streams_and_frees_their_blocks(engine_and_adapt
         time.sleep(0.1)
     assert engine.stats.kv_blocks_free == engine.stats.kv_blocks_total and engine.stats.running == 0
     assert engine.is_alive()
+
+
+def test_bench_serve_measures_this_server(base_url: str, tmp_path: Path) -> None:
+    """The serving benchmark as CI runs it, at a small size, against the real server."""
+    output, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    command = [str(Path(sys.executable).parent / "powertrain"), "bench", "serve", "--base-url", base_url]
+    command += ["--workload", "multi-turn", "--conversations", "2", "--turns", "3", "--concurrency", "1,2"]
+    command += ["--input-len", "40", "--output-len", "6", "--output", str(output), "--plot", str(plot)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    report = json.loads(output.read_text())
+    assert report["config"]["model"] == MODEL
+    assert len(report["levels"]) == 2
+    for level in report["levels"]:
+        assert level["requests"]["completed"] == 6 and level["errors"]["count"] == 0
+        assert level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"]
+        # Each turn resends the conversation so far: later turns hit the prefix cache.
+        assert level["prefix_cache_hit_rate"] > 0.2
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
