@@ -79,33 +79,52 @@ class RecipeAdapter:
         )
 
     def render_response(self, protocol: str, request: Mapping[str, Any], output: Any) -> bytes:
-        """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body."""
-        completion = output.outputs[0]
-        parser = self.stream_parser(request, id_prefix=f"call_{output.request_id}")
-        events = parser.push(completion.text) + parser.finish()
-        writer = ResponseWriter(
-            _native_protocol(protocol),
-            str(output.request_id),
-            request["model"],
-            0,
-            prompt_tokens=len(output.prompt_token_ids),
-            cached_prompt_tokens=output.num_cached_tokens,
-        )
-        writer.events(events)
-        stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)
-        if stopped is not None:
-            reason = "stop_sequence"
-        elif completion.finish_reason == "length":
-            reason = "length"
-        elif any(e["type"] == "tool_call_start" for e in events):
-            reason = "tool_calls"
-        else:
-            reason = "stop"
-        body = writer.response(
-            reason,
-            len(output.prompt_token_ids),
-            len(completion.token_ids),
-            cached_prompt_tokens=output.num_cached_tokens,
-            stop_sequence=stopped,
-        )
-        return body.encode()
+        """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body.
+
+        Every completion of the output becomes one choice (``n`` > 1, Chat Completions
+        only); usage counts the prompt once and the completion tokens of all choices.
+        """
+        native = _native_protocol(protocol)
+        prompt_tokens = len(output.prompt_token_ids)
+        cached = output.num_cached_tokens
+        bodies = []
+        for completion in output.outputs:
+            parser = self.stream_parser(request, id_prefix=f"call_{output.request_id}")
+            events = parser.push(completion.text) + parser.finish()
+            writer = ResponseWriter(
+                native,
+                str(output.request_id),
+                request["model"],
+                0,
+                prompt_tokens=prompt_tokens,
+                cached_prompt_tokens=cached,
+                reasoning_summary=request.get("reasoning_summary") is not None,
+            )
+            writer.events(events)
+            stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)
+            if stopped is not None:
+                reason = "stop_sequence"
+            elif completion.finish_reason == "length":
+                reason = "length"
+            elif any(e["type"] == "tool_call_start" for e in events):
+                reason = "tool_calls"
+            else:
+                reason = "stop"
+            body = writer.response(
+                reason,
+                prompt_tokens,
+                len(completion.token_ids),
+                cached_prompt_tokens=cached,
+                stop_sequence=stopped,
+            )
+            bodies.append(json.loads(body))
+        if len(bodies) == 1:
+            return json.dumps(bodies[0]).encode()
+        if native != "chat_completions":
+            raise ValueError(f"{protocol} has one output per response, got {len(bodies)}")
+        merged = bodies[0]
+        merged["choices"] = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+        usage = merged["usage"]
+        usage["completion_tokens"] = sum(body["usage"]["completion_tokens"] for body in bodies)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return json.dumps(merged).encode()
