@@ -74,6 +74,13 @@ pub struct Message {
     /// filled from the matching call when the history has one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// A tool result that reports a failure (Anthropic's ``tool_result.is_error``).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub is_error: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !*value
 }
 
 impl Message {
@@ -85,6 +92,7 @@ impl Message {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            is_error: false,
         }
     }
 
@@ -130,6 +138,17 @@ pub enum ReasoningEffort {
     Max,
 }
 
+/// Responses' ``reasoning.summary``: the client wants reasoning as summary parts.
+/// This engine has no summariser: whichever level is asked for, the summary is the
+/// model's whole reasoning text (see ``output::response``).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningSummary {
+    Auto,
+    Concise,
+    Detailed,
+}
+
 /// Thinking mode: ``enabled`` None leaves it to the model's default.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Thinking {
@@ -137,6 +156,10 @@ pub struct Thinking {
     pub effort: Option<ReasoningEffort>,
     /// Anthropic's thinking budget in tokens, when given.
     pub budget_tokens: Option<u32>,
+    /// Anthropic's ``{"type": "adaptive"}``: thinking is on (``enabled`` is Some(true))
+    /// and the model decides how much to think, with no token budget.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub adaptive: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -208,7 +231,20 @@ pub struct EngineRequest {
     pub stream: bool,
     /// Chat Completions' stream_options.include_usage (the other protocols always report usage).
     pub include_usage: bool,
+    /// Responses' ``reasoning.summary``, when asked for: reasoning output then goes
+    /// into the reasoning item's ``summary`` instead of its ``content``.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_summary: Option<ReasoningSummary>,
     pub metadata: Map<String, Value>,
-    /// A caller-chosen end-user id, when the protocol carries one.
+    /// A caller-chosen end-user id, when the protocol carries one (OpenAI's older
+    /// ``user``, Anthropic's ``metadata.user_id``).
     pub user: Option<String>,
+    /// OpenAI's ``safety_identifier``: a stable id of the end user for abuse
+    /// detection. Carried, affects nothing here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safety_identifier: Option<String>,
+    /// OpenAI's ``prompt_cache_key``: a routing hint for prompt caching. The prefix
+    /// cache works on token ids whatever the key; carried, affects nothing here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_cache_key: Option<String>,
 }

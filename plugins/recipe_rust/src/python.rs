@@ -302,8 +302,12 @@ struct ResponseWriter {
 
 #[pymethods]
 impl ResponseWriter {
+    /// ``reasoning_summary``: Responses only, the request asked for a reasoning
+    /// summary (its parsed ``reasoning_summary`` is set): reasoning is written as the
+    /// reasoning item's summary instead of its content.
     #[new]
-    #[pyo3(signature = (protocol_name, id, model, created, include_usage = false, prompt_tokens = 0, cached_prompt_tokens = 0))]
+    #[pyo3(signature = (protocol_name, id, model, created, include_usage = false, prompt_tokens = 0, cached_prompt_tokens = 0, reasoning_summary = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         protocol_name: &str,
         id: String,
@@ -312,11 +316,13 @@ impl ResponseWriter {
         include_usage: bool,
         prompt_tokens: u32,
         cached_prompt_tokens: u32,
+        reasoning_summary: bool,
     ) -> PyResult<Self> {
         let protocol = protocol(protocol_name)?;
         let writer = SseWriter::new(protocol, id.clone(), model.clone(), created)
             .with_include_usage(include_usage)
-            .with_prompt_usage(prompt_tokens, cached_prompt_tokens);
+            .with_prompt_usage(prompt_tokens, cached_prompt_tokens)
+            .with_reasoning_summary(reasoning_summary);
         Ok(ResponseWriter {
             protocol,
             id,

@@ -748,6 +748,110 @@ fn responses_sse_sequence() {
 }
 
 #[test]
+fn responses_reasoning_summary_bodies_and_sse() {
+    let events = vec![
+        Reasoning("Let ".into()),
+        Reasoning("me think.".into()),
+        Text("The answer is 4.".into()),
+    ];
+    let usage = Usage {
+        prompt_tokens: 10,
+        completion_tokens: 5,
+        cached_prompt_tokens: 4,
+        reasoning_tokens: 2,
+    };
+    let mut b = ResponseBuilder::new();
+    b.set_reasoning_summary(true);
+    b.extend(&events);
+    let body = b.build(
+        Protocol::Responses,
+        "resp_1",
+        "m",
+        1700000000,
+        &FinishReason::Stop,
+        &usage,
+    );
+    // The reasoning is the item's summary; no content part, as the API shapes a
+    // summarised reasoning item. The message item is unchanged.
+    assert_eq!(
+        body["output"],
+        json!([
+            {"id": "rs_1_0", "type": "reasoning", "summary": [{"type": "summary_text", "text": "Let me think."}]},
+            {"id": "msg_1_1", "type": "message", "status": "completed", "role": "assistant", "content": [{"type": "output_text", "text": "The answer is 4.", "annotations": [], "logprobs": []}]},
+        ])
+    );
+    // Other protocols ignore the setting.
+    let mut plain = ResponseBuilder::new();
+    plain.extend(&events);
+    for protocol in [Protocol::ChatCompletions, Protocol::AnthropicMessages] {
+        assert_eq!(
+            b.build(protocol, "x", "m", 0, &FinishReason::Stop, &usage),
+            plain.build(protocol, "x", "m", 0, &FinishReason::Stop, &usage)
+        );
+    }
+
+    let mut w =
+        SseWriter::new(Protocol::Responses, "resp_1", "m", 1700000000).with_reasoning_summary(true);
+    let mut frames = w.start();
+    for e in &events {
+        frames.extend(w.events(std::slice::from_ref(e)));
+    }
+    frames.extend(w.finish(&FinishReason::Stop, &usage));
+    let parsed: Vec<(String, Value)> = frames.iter().map(|f| split(f)).collect();
+    let names: Vec<&str> = parsed.iter().map(|(e, _)| e.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.reasoning_summary_part.added",
+            "response.reasoning_summary_text.delta",
+            "response.reasoning_summary_text.delta",
+            "response.reasoning_summary_text.done",
+            "response.reasoning_summary_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    for (i, (name, data)) in parsed.iter().enumerate() {
+        assert_eq!(data["type"], json!(name));
+        assert_eq!(data["sequence_number"], json!(i));
+    }
+    assert_eq!(
+        parsed[2].1["item"],
+        json!({"id": "rs_1_0", "type": "reasoning", "summary": []})
+    );
+    assert_eq!(
+        parsed[3].1,
+        json!({"type": "response.reasoning_summary_part.added", "item_id": "rs_1_0", "output_index": 0, "summary_index": 0,
+            "part": {"type": "summary_text", "text": ""}, "sequence_number": 3})
+    );
+    assert_eq!(
+        parsed[5].1,
+        json!({"type": "response.reasoning_summary_text.delta", "item_id": "rs_1_0", "output_index": 0, "summary_index": 0,
+            "delta": "me think.", "sequence_number": 5})
+    );
+    assert_eq!(
+        parsed[6].1,
+        json!({"type": "response.reasoning_summary_text.done", "item_id": "rs_1_0", "output_index": 0, "summary_index": 0,
+            "text": "Let me think.", "sequence_number": 6})
+    );
+    assert_eq!(
+        parsed[7].1["part"],
+        json!({"type": "summary_text", "text": "Let me think."})
+    );
+    assert_eq!(parsed[8].1["item"], body["output"][0]);
+    assert_eq!(parsed[15].1["response"], body);
+}
+
+#[test]
 fn anthropic_sse_sequence() {
     let mut events = reasoning_events();
     events.extend(two_calls_events().into_iter().skip(1));
@@ -767,8 +871,10 @@ fn anthropic_sse_sequence() {
         vec![
             json!({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [], "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": 6, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}}}),
+            json!({"type": "ping"}),
             json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
             json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "Let me think."}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": ""}}),
             json!({"type": "content_block_stop", "index": 0}),
             json!({"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}),
             json!({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "The answer is 4."}}),
@@ -794,6 +900,31 @@ fn anthropic_sse_sequence() {
         split(&frames[frames.len() - 2]).1["delta"],
         json!({"stop_reason": "stop_sequence", "stop_sequence": "END"})
     );
+    // A thinking block closed by the end of the output gets its signature_delta too.
+    let frames = sse(
+        Protocol::AnthropicMessages,
+        &[Reasoning("Hmm".into())],
+        &FinishReason::Length,
+        false,
+    );
+    let data: Vec<Value> = frames.iter().map(|f| split(f).1).collect();
+    assert_eq!(
+        data[3..6],
+        [
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "Hmm"}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": ""}}),
+            json!({"type": "content_block_stop", "index": 0}),
+        ]
+    );
+    assert_eq!(data[6]["delta"]["stop_reason"], "max_tokens");
+    // Without thinking there is no signature_delta.
+    let frames = sse(
+        Protocol::AnthropicMessages,
+        &[Text("Hello".into())],
+        &FinishReason::Stop,
+        false,
+    );
+    assert!(!frames.concat().contains("signature_delta"));
 }
 
 /// Streaming a parsed stop-sequence output end to end, each protocol.

@@ -392,7 +392,8 @@ fn conv14_thinking_settings_chat_and_anthropic() {
         Thinking {
             enabled: Some(true),
             effort: None,
-            budget_tokens: Some(2048)
+            budget_tokens: Some(2048),
+            adaptive: false,
         }
     );
 
@@ -482,7 +483,7 @@ fn chat_sampling_fields() {
         &json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
         "temperature": 0, "top_p": 1, "max_completion_tokens": 7, "stop": "END", "seed": 42, "n": 3,
         "logprobs": true, "top_logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": -1,
-        "stream": true, "stream_options": {"include_usage": true}, "metadata": {"k": "v"}, "user": "u1",
+        "metadata": {"k": "v"}, "user": "u1",
         "parallel_tool_calls": true, "store": false, "modalities": ["text"], "logit_bias": {}}),
     );
     let s = &r.sampling;
@@ -497,9 +498,16 @@ fn chat_sampling_fields() {
         (s.presence_penalty, s.frequency_penalty),
         (Some(0.5), Some(-1.0))
     );
-    assert!(r.stream && r.include_usage);
+    assert!(!r.stream && !r.include_usage);
     assert_eq!(r.metadata.get("k"), Some(&json!("v")));
     assert_eq!(r.user.as_deref(), Some("u1"));
+    let r = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+        "stream": true, "stream_options": {"include_usage": true}, "n": 1, "logprobs": false}),
+    );
+    assert!(r.stream && r.include_usage);
+    assert_eq!((r.sampling.n, r.sampling.logprobs), (1, false));
     let r = ok(
         CHAT,
         &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b"]}),
@@ -1073,6 +1081,460 @@ fn anthropic_errors() {
                 "messages[0].name",
             ),
         ],
+    );
+}
+
+#[test]
+fn openai_cache_and_safety_identifiers_are_carried() {
+    let chat = ok(
+        CHAT,
+        &chat_with(
+            json!({"prompt_cache_key": "tenant-7", "safety_identifier": "hash-42",
+            "user": "legacy-user", "prompt_cache_retention": "in_memory"}),
+        ),
+    );
+    let responses = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "prompt_cache_key": "tenant-7", "safety_identifier": "hash-42",
+            "user": "legacy-user", "prompt_cache_retention": "in_memory"}),
+    );
+    for r in [&chat, &responses] {
+        assert_eq!(r.prompt_cache_key.as_deref(), Some("tenant-7"));
+        assert_eq!(r.safety_identifier.as_deref(), Some("hash-42"));
+        assert_eq!(r.user.as_deref(), Some("legacy-user"));
+        // They change nothing the engine sees.
+        assert_eq!(
+            r.conversation.messages,
+            vec![Message::text(Role::User, "x")]
+        );
+        assert_eq!(r.sampling, SamplingSettings::default());
+    }
+    // Serialised for the Python side, and absent when not given.
+    let text = serde_json::to_value(&chat).unwrap();
+    assert_eq!(text["prompt_cache_key"], json!("tenant-7"));
+    assert_eq!(text["safety_identifier"], json!("hash-42"));
+    let plain = serde_json::to_value(ok(CHAT, &chat_with(json!({})))).unwrap();
+    assert!(plain.get("prompt_cache_key").is_none() && plain.get("safety_identifier").is_none());
+    let back: EngineRequest = serde_json::from_value(text).unwrap();
+    assert_eq!(back, chat);
+
+    for protocol in [CHAT, RESP] {
+        let with = |extra: Value| {
+            let mut b = if protocol == CHAT {
+                chat_with(json!({}))
+            } else {
+                json!({"model": "m", "input": "x"})
+            };
+            if let (Some(o), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+                for (k, v) in e {
+                    o.insert(k.clone(), v.clone());
+                }
+            }
+            b
+        };
+        check_errors(
+            protocol,
+            vec![
+                (
+                    with(json!({"prompt_cache_key": 7})),
+                    Inv,
+                    "prompt_cache_key",
+                ),
+                (
+                    with(json!({"safety_identifier": ["a"]})),
+                    Inv,
+                    "safety_identifier",
+                ),
+                (
+                    with(json!({"prompt_cache_retention": "24h"})),
+                    Uns,
+                    "prompt_cache_retention",
+                ),
+                (
+                    with(json!({"prompt_cache_retention": "forever"})),
+                    Inv,
+                    "prompt_cache_retention",
+                ),
+            ],
+        );
+    }
+}
+
+#[test]
+fn responses_logprobs_and_include() {
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "top_logprobs": 5,
+            "include": ["message.output_text.logprobs", "web_search_call.action.sources", "message.input_image.image_url"]}),
+    );
+    assert!(r.sampling.logprobs);
+    assert_eq!(r.sampling.top_logprobs, Some(5));
+    // The same settings as Chat Completions' logprobs + top_logprobs.
+    let c = ok(
+        CHAT,
+        &chat_with(json!({"logprobs": true, "top_logprobs": 5})),
+    );
+    assert_eq!(
+        (c.sampling.logprobs, c.sampling.top_logprobs),
+        (r.sampling.logprobs, r.sampling.top_logprobs)
+    );
+    // The include alone: chosen tokens' logprobs, no alternatives.
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "include": ["message.output_text.logprobs"]}),
+    );
+    assert_eq!((r.sampling.logprobs, r.sampling.top_logprobs), (true, None));
+    // top_logprobs without the include returns nothing in OpenAI's API either.
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "top_logprobs": 3, "include": []}),
+    );
+    assert_eq!(
+        (r.sampling.logprobs, r.sampling.top_logprobs),
+        (false, None)
+    );
+
+    let with = |extra: Value| {
+        let mut b = json!({"model": "m", "input": "x"});
+        if let (Some(o), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        b
+    };
+    check_errors(
+        RESP,
+        vec![
+            (with(json!({"top_logprobs": 21})), Inv, "top_logprobs"),
+            (with(json!({"top_logprobs": -1})), Inv, "top_logprobs"),
+            (with(json!({"top_logprobs": "5"})), Inv, "top_logprobs"),
+            (
+                with(json!({"include": "message.output_text.logprobs"})),
+                Inv,
+                "include",
+            ),
+            (
+                with(json!({"include": ["file_search_call.results", 3]})),
+                Inv,
+                "include[1]",
+            ),
+            (
+                with(json!({"include": ["message.output_text.logprobs", "everything"]})),
+                Inv,
+                "include[1]",
+            ),
+            (
+                with(
+                    json!({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}),
+                ),
+                Uns,
+                "include[1]",
+            ),
+            (
+                with(
+                    json!({"stream": true, "include": ["code_interpreter_call.outputs", "message.output_text.logprobs"]}),
+                ),
+                Uns,
+                "include[1]",
+            ),
+        ],
+    );
+    let e = parse_value(
+        RESP,
+        &with(json!({"include": ["reasoning.encrypted_content"]})),
+    )
+    .unwrap_err();
+    assert!(e.message.contains("encrypted reasoning"), "{}", e.message);
+    assert_eq!(e.status(), 400);
+    let e = parse_value(
+        RESP,
+        &with(json!({"stream": true, "include": ["message.output_text.logprobs"]})),
+    )
+    .unwrap_err();
+    assert!(e.message.contains("stream: true"), "{}", e.message);
+    assert_eq!(e.body(RESP)["error"]["param"], json!("include[0]"));
+}
+
+#[test]
+fn streaming_refuses_what_the_sse_writer_cannot_write() {
+    let e = parse_value(CHAT, &chat_with(json!({"stream": true, "n": 2}))).unwrap_err();
+    assert_eq!((e.kind, e.path.as_str(), e.status()), (Uns, "n", 400));
+    assert!(e.message.contains("stream: false"), "{}", e.message);
+    let e = parse_value(CHAT, &chat_with(json!({"stream": true, "logprobs": true}))).unwrap_err();
+    assert_eq!((e.kind, e.path.as_str()), (Uns, "logprobs"));
+    let e = parse_value(
+        CHAT,
+        &chat_with(json!({"stream": true, "logprobs": true, "top_logprobs": 2})),
+    )
+    .unwrap_err();
+    assert_eq!((e.kind, e.path.as_str()), (Uns, "logprobs"));
+    assert_eq!(
+        e.body(CHAT)["error"]["code"],
+        json!("unsupported_parameter")
+    );
+    // Without streaming, or with what streaming can write, they are accepted.
+    let r = ok(
+        CHAT,
+        &chat_with(json!({"n": 4, "logprobs": true, "top_logprobs": 2})),
+    );
+    assert_eq!(
+        (r.sampling.n, r.sampling.logprobs, r.sampling.top_logprobs),
+        (4, true, Some(2))
+    );
+    let r = ok(
+        CHAT,
+        &chat_with(json!({"stream": true, "n": 1, "logprobs": false})),
+    );
+    assert!(r.stream);
+    let r = ok(CHAT, &chat_with(json!({"stream": false, "n": 2})));
+    assert_eq!(r.sampling.n, 2);
+}
+
+#[test]
+fn responses_reasoning_summary_setting() {
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "reasoning": {"effort": "high", "summary": "detailed"}}),
+    );
+    assert_eq!(r.reasoning_summary, Some(ReasoningSummary::Detailed));
+    assert_eq!(r.conversation.thinking.effort, Some(ReasoningEffort::High));
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "reasoning": {"generate_summary": "concise"}}),
+    );
+    assert_eq!(r.reasoning_summary, Some(ReasoningSummary::Concise));
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "reasoning": {"effort": "low"}}),
+    );
+    assert_eq!(r.reasoning_summary, None);
+    assert!(serde_json::to_value(&r)
+        .unwrap()
+        .get("reasoning_summary")
+        .is_none());
+    let r = ok(
+        RESP,
+        &json!({"model": "m", "input": "x", "reasoning": {"summary": "auto"}}),
+    );
+    assert_eq!(
+        serde_json::to_value(&r).unwrap()["reasoning_summary"],
+        json!("auto")
+    );
+    check_errors(
+        RESP,
+        vec![
+            (
+                json!({"model": "m", "input": "x", "reasoning": {"summary": "auto", "generate_summary": "detailed"}}),
+                Inv,
+                "reasoning.generate_summary",
+            ),
+            (
+                json!({"model": "m", "input": "x", "reasoning": {"summary": "brief"}}),
+                Inv,
+                "reasoning.summary",
+            ),
+        ],
+    );
+}
+
+fn anthropic_with(extra: Value) -> Value {
+    let mut b =
+        json!({"model": "m", "max_tokens": 4096, "messages": [{"role": "user", "content": "x"}]});
+    if let (Some(o), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            o.insert(k.clone(), v.clone());
+        }
+    }
+    b
+}
+
+#[test]
+fn anthropic_adaptive_thinking_and_output_config() {
+    let r = ok(
+        ANTH,
+        &anthropic_with(json!({"thinking": {"type": "adaptive"}})),
+    );
+    assert_eq!(
+        r.conversation.thinking,
+        Thinking {
+            enabled: Some(true),
+            effort: None,
+            budget_tokens: None,
+            adaptive: true,
+        }
+    );
+    let r = ok(
+        ANTH,
+        &anthropic_with(
+            json!({"thinking": {"type": "adaptive", "display": "summarized"}, "output_config": {"effort": "low"}}),
+        ),
+    );
+    assert_eq!(
+        r.conversation.thinking,
+        Thinking {
+            enabled: Some(true),
+            effort: Some(ReasoningEffort::Low),
+            budget_tokens: None,
+            adaptive: true,
+        }
+    );
+    let r = ok(
+        ANTH,
+        &anthropic_with(json!({"thinking": {"type": "disabled"}})),
+    );
+    assert_eq!(
+        r.conversation.thinking,
+        Thinking {
+            enabled: Some(false),
+            ..Thinking::default()
+        }
+    );
+    // Adaptive is not the fixed-budget form, whose settings stay as they were.
+    let r = ok(
+        ANTH,
+        &anthropic_with(
+            json!({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "summarized"}}),
+        ),
+    );
+    assert!(!r.conversation.thinking.adaptive);
+    assert_eq!(r.conversation.thinking.budget_tokens, Some(1024));
+    // Effort alone, as Chat's reasoning_effort; xhigh and max are both the top effort.
+    let chat = ok(CHAT, &chat_with(json!({"reasoning_effort": "high"})));
+    let r = ok(
+        ANTH,
+        &anthropic_with(json!({"output_config": {"effort": "high"}})),
+    );
+    assert_eq!(r.conversation.thinking, chat.conversation.thinking);
+    for effort in ["xhigh", "max"] {
+        let r = ok(
+            ANTH,
+            &anthropic_with(json!({"output_config": {"effort": effort}})),
+        );
+        assert_eq!(r.conversation.thinking.effort, Some(ReasoningEffort::Max));
+    }
+    // Structured output: a strict JSON-schema format.
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let r = ok(
+        ANTH,
+        &anthropic_with(
+            json!({"output_config": {"format": {"type": "json_schema", "schema": schema.clone()}}, "cache_control": {"type": "ephemeral"}}),
+        ),
+    );
+    assert_eq!(
+        r.response_format,
+        ResponseFormat::JsonSchema {
+            name: "output".into(),
+            schema,
+            strict: true
+        }
+    );
+    check_errors(
+        ANTH,
+        vec![
+            (
+                anthropic_with(json!({"thinking": {"type": "adaptive", "budget_tokens": 2048}})),
+                Inv,
+                "thinking.budget_tokens",
+            ),
+            (
+                anthropic_with(json!({"thinking": {"type": "adaptive", "display": "omitted"}})),
+                Uns,
+                "thinking.display",
+            ),
+            (
+                anthropic_with(
+                    json!({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "hidden"}}),
+                ),
+                Inv,
+                "thinking.display",
+            ),
+            (
+                anthropic_with(json!({"thinking": {"type": "between_tools"}})),
+                Uns,
+                "thinking.type",
+            ),
+            (
+                anthropic_with(json!({"thinking": {"type": "sometimes"}})),
+                Inv,
+                "thinking.type",
+            ),
+            (
+                anthropic_with(json!({"thinking": {"type": "disabled", "budget_tokens": 1024}})),
+                Inv,
+                "thinking.budget_tokens",
+            ),
+            (
+                anthropic_with(json!({"output_config": {"effort": "extreme"}})),
+                Inv,
+                "output_config.effort",
+            ),
+            (
+                anthropic_with(json!({"output_config": {"verbosity": "low"}})),
+                Inv,
+                "output_config.verbosity",
+            ),
+            (
+                anthropic_with(json!({"output_config": {"format": {"type": "xml"}}})),
+                Inv,
+                "output_config.format.type",
+            ),
+            (
+                anthropic_with(json!({"output_config": {"format": {"type": "json_schema"}}})),
+                Inv,
+                "output_config.format.schema",
+            ),
+            (
+                anthropic_with(json!({"cache_control": "yes"})),
+                Inv,
+                "cache_control",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn anthropic_tool_result_errors_are_carried() {
+    let body = |is_error: Value| {
+        json!({"model": "m", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+                                               {"type": "tool_use", "id": "t2", "name": "get_time", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "upstream timeout", "is_error": is_error},
+                {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "12:00"}]},
+            ]},
+        ]})
+    };
+    let r = ok(ANTH, &body(json!(true)));
+    let results: Vec<&Message> = r
+        .conversation
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .collect();
+    assert_eq!(
+        results[0],
+        &Message {
+            tool_call_id: Some("t1".into()),
+            name: Some("get_weather".into()),
+            is_error: true,
+            ..Message::text(Role::Tool, "upstream timeout")
+        }
+    );
+    assert!(!results[1].is_error);
+    let json_form = serde_json::to_value(&r.conversation.messages).unwrap();
+    assert_eq!(json_form[2]["is_error"], json!(true));
+    assert!(json_form[3].get("is_error").is_none());
+    // false is the same as absent.
+    let r_false = ok(ANTH, &body(json!(false)));
+    assert!(r_false.conversation.messages.iter().all(|m| !m.is_error));
+    assert_ne!(r_false.conversation, r.conversation);
+    let e = parse_value(ANTH, &body(json!("yes"))).unwrap_err();
+    assert_eq!(
+        (e.kind, e.path.as_str()),
+        (Inv, "messages[2].content[0].is_error")
     );
 }
 

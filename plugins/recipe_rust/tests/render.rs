@@ -243,6 +243,45 @@ fn template_features() {
 }
 
 #[test]
+fn tool_result_error_flag_reaches_templates() {
+    let src = "{% for m in messages %}{{ m.role }}{% if m.role == 'tool' %}[{{ m.tool_call_id }}{% if m.is_error %} ERROR{% endif %}{% if m.is_error is defined %} defined{% endif %}]{% endif %}:{{ m.content }}\n{% endfor %}";
+    let t = ChatTemplate::new(src, None, None).unwrap();
+    let call = |id: &str| ToolCall {
+        id: id.into(),
+        name: "f".into(),
+        arguments: "{}".into(),
+    };
+    let c = Conversation {
+        messages: vec![
+            Message::text(Role::User, "go"),
+            Message {
+                tool_calls: vec![call("a"), call("b")],
+                ..Message::text(Role::Assistant, "")
+            },
+            Message {
+                tool_call_id: Some("a".into()),
+                name: Some("f".into()),
+                is_error: true,
+                ..Message::text(Role::Tool, "boom")
+            },
+            Message {
+                tool_call_id: Some("b".into()),
+                name: Some("f".into()),
+                ..Message::text(Role::Tool, "ok")
+            },
+        ],
+        ..Default::default()
+    };
+    let p = t.render(&c, false).unwrap();
+    // is_error is a key of the failed result only (absent, not false, elsewhere).
+    assert_eq!(
+        p.text(),
+        "user:go\nassistant:\ntool[a ERROR defined]:boom\ntool[b]:ok\n"
+    );
+    assert!(untrusted_text(&p).contains("boom"));
+}
+
+#[test]
 fn encoder_from_metadata() {
     let config: Value =
         serde_json::from_str(&read("tests/fixtures/smollm2/tokenizer_config.json")).unwrap();
@@ -343,7 +382,7 @@ fn deepseek_v4_thinking_drops_old_reasoning() {
         thinking: Thinking {
             enabled: Some(true),
             effort: Some(ReasoningEffort::Max),
-            budget_tokens: None,
+            ..Default::default()
         },
         ..Default::default()
     };
@@ -414,6 +453,10 @@ fn deepseek_v4_tools_calls_and_results() {
     let p = render_deepseek_v4(&c, true).unwrap();
     assert_eq!(p.text(), expected);
     assert!(untrusted_text(&p).contains(schemas));
+    // The format cannot mark a failed call: an error result renders as any other.
+    let mut failed = c.clone();
+    failed.messages[3].is_error = true;
+    assert_eq!(render_deepseek_v4(&failed, true).unwrap().text(), expected);
     // without a system message an empty one carries the tools
     let mut c2 = c.clone();
     c2.messages.remove(0);

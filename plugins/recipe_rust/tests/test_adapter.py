@@ -5,8 +5,13 @@ oracle, and the engine's own output for responses."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import anthropic
+import httpx2 as httpx
+import openai
 import pytest
 
 from powertrain.loader import load_checkpoint, resolve_model_path
@@ -181,3 +186,234 @@ def test_engine_output_becomes_protocol_responses(smollm2: tuple[RecipeAdapter, 
                 assert response["output"][-1]["content"][0]["text"] == text
             else:
                 assert response["content"][0]["text"] == text and response["type"] == "message"
+
+
+# --------------------------------------------------------------------------- official SDKs as oracles
+
+FIXTURES = Path(__file__).parent / "fixtures" / "smollm2"
+CALLS_BEGIN, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CALL_BEGIN, CALL_END, SEP = (
+    "<\uff5ctool\u2581call\u2581begin\uff5c>",
+    "<\uff5ctool\u2581call\u2581end\uff5c>",
+    "<\uff5ctool\u2581sep\uff5c>",
+)
+#: A DeepSeek-V3.1 style output: reasoning, text, one tool call.
+DEEPSEEK_OUTPUT = (
+    f'<think>The user wants weather.</think>Checking.{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": "Paris"}}'
+    f"{CALL_END}{CALLS_END}"
+)
+
+
+def deepseek_adapter() -> RecipeAdapter:
+    """SmolLM2's tokenizer and template with DeepSeek-V3 output markup (no checkpoint needed)."""
+    config = json.loads((FIXTURES / "tokenizer_config.json").read_text())
+    config["chat_template"] = (FIXTURES / "chat_template.jinja").read_text()
+    return RecipeAdapter((FIXTURES / "tokenizer.json").read_text(), config, {"model_type": "deepseek_v3"})
+
+
+def stream_frames(protocol: str, text: str, *, reasoning_summary: bool = False, **usage: int) -> list[str]:
+    """SSE frames for ``text`` written in chunks of 5 characters, as a server streams them."""
+    parser = StreamParser("deepseek_v3", id_prefix="call_r1")
+    writer = ResponseWriter(
+        protocol,
+        {"chat_completions": "chatcmpl-r1", "responses": "resp_r1", "anthropic_messages": "msg_r1"}[protocol],
+        "ds",
+        1700000000,
+        include_usage=True,
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        cached_prompt_tokens=usage.get("cached_prompt_tokens", 0),
+        reasoning_summary=reasoning_summary,
+    )
+    frames = writer.start()
+    for i in range(0, len(text), 5):
+        frames += writer.events(parser.push(text[i : i + 5]))
+    frames += writer.events(parser.finish())
+    return frames + writer.finish("tool_calls", 30, 12, cached_prompt_tokens=usage.get("cached_prompt_tokens", 0))
+
+
+def mock_http(frames: list[str]) -> httpx.Client:
+    """An HTTP client (the SDKs' own httpx2) that answers every request with these frames."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content="".join(frames).encode())
+
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+def test_anthropic_sdk_parses_our_stream_into_a_message() -> None:
+    frames = stream_frames("anthropic_messages", DEEPSEEK_OUTPUT, prompt_tokens=30, cached_prompt_tokens=8)
+    names = [f.split("\n", 1)[0] for f in frames]
+    assert names[:2] == ["event: message_start", "event: ping"]
+    client = anthropic.Anthropic(api_key="test", base_url="http://recipe.test", http_client=mock_http(frames))
+    with client.messages.stream(
+        model="ds", max_tokens=64, messages=[{"role": "user", "content": "Weather in Paris?"}]
+    ) as stream:
+        kinds = [event.type for event in stream]
+        message = stream.get_final_message()
+    assert "signature" in kinds and kinds[-1] == "message_stop"
+    # Every block well-formed by the SDK's own (strict) model.
+    message = anthropic.types.Message.model_validate(message.model_dump())
+    thinking, text, call = message.content
+    assert (thinking.type, thinking.thinking, thinking.signature) == ("thinking", "The user wants weather.", "")
+    assert (text.type, text.text) == ("text", "Checking.")
+    assert (call.type, call.id, call.name, call.input) == ("tool_use", "call_r1_0", "get_weather", {"city": "Paris"})
+    assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
+    usage = message.usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (22, 8, 12)
+
+
+def test_openai_sdk_parses_our_chat_stream() -> None:
+    frames = stream_frames("chat_completions", DEEPSEEK_OUTPUT, prompt_tokens=30, cached_prompt_tokens=8)
+    client = openai.OpenAI(api_key="test", base_url="http://recipe.test/v1", http_client=mock_http(frames))
+    with client.chat.completions.stream(
+        model="ds", messages=[{"role": "user", "content": "Weather in Paris?"}]
+    ) as stream:
+        for _ in stream:
+            pass
+        completion = stream.get_final_completion()
+    [choice] = completion.choices
+    assert choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+        "call_r1_0",
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert choice.finish_reason == "tool_calls"
+    assert completion.usage.prompt_tokens_details.cached_tokens == 8
+
+
+@pytest.mark.parametrize("summary", [False, True])
+def test_openai_sdk_parses_our_responses_stream(summary: bool) -> None:
+    frames = stream_frames("responses", DEEPSEEK_OUTPUT, reasoning_summary=summary, prompt_tokens=30)
+    client = openai.OpenAI(api_key="test", base_url="http://recipe.test/v1", http_client=mock_http(frames))
+    reasoning = {"effort": "medium", "summary": "auto"} if summary else {"effort": "medium"}
+    with client.responses.stream(model="ds", input="Weather in Paris?", reasoning=reasoning) as stream:
+        kinds = [event.type for event in stream]
+        response = stream.get_final_response()
+    item, message, call = response.output
+    assert item.type == "reasoning"
+    if summary:
+        assert "response.reasoning_summary_text.delta" in kinds and "response.reasoning_text.delta" not in kinds
+        assert [(s.type, s.text) for s in item.summary] == [("summary_text", "The user wants weather.")]
+        assert item.content is None
+    else:
+        assert "response.reasoning_text.delta" in kinds and "response.reasoning_summary_text.delta" not in kinds
+        assert item.summary == []
+        assert [(c.type, c.text) for c in item.content] == [("reasoning_text", "The user wants weather.")]
+    assert response.output_text == "Checking."
+    assert (call.type, call.call_id, call.name, json.loads(call.arguments)) == (
+        "function_call",
+        "call_r1_0",
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert response.status == "completed" and response.usage.input_tokens == 30
+
+
+# --------------------------------------------------------------------------- request options end to end
+
+
+def test_new_request_fields_reach_the_engine_request() -> None:
+    adapter = deepseek_adapter()
+    chat = adapter.parse_request(
+        "openai.chat",
+        chat_body(
+            [{"role": "user", "content": "hi"}],
+            prompt_cache_key="tenant-1",
+            safety_identifier="u-hash",
+            user="legacy",
+        ),
+    )
+    assert (chat["prompt_cache_key"], chat["safety_identifier"], chat["user"]) == ("tenant-1", "u-hash", "legacy")
+    responses = adapter.parse_request(
+        "openai.responses",
+        json.dumps(
+            {
+                "model": "m",
+                "input": "hi",
+                "reasoning": {"summary": "detailed"},
+                "top_logprobs": 4,
+                "include": ["message.output_text.logprobs"],
+            }
+        ).encode(),
+    )
+    assert responses["reasoning_summary"] == "detailed"
+    assert (responses["sampling"]["logprobs"], responses["sampling"]["top_logprobs"]) == (True, 4)
+    messages = adapter.parse_request(
+        "anthropic.messages",
+        json.dumps(
+            {
+                "model": "m",
+                "max_tokens": 64,
+                "thinking": {"type": "adaptive"},
+                "messages": [
+                    {"role": "user", "content": "go"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "text", "text": "Calling f."},
+                            {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom", "is_error": True}],
+                    },
+                ],
+            }
+        ).encode(),
+    )
+    assert messages["conversation"]["thinking"]["adaptive"] is True
+    assert messages["conversation"]["messages"][2] == {
+        "role": "tool",
+        "content": [{"type": "text", "text": "boom"}],
+        "tool_call_id": "t1",
+        "name": "f",
+        "is_error": True,
+    }
+    # The prompt still renders (the template ignores the flag), from the parsed request too.
+    parsed = {k: v for k, v in messages.items() if k not in ("prompt", "prompt_token_ids")}
+    prompt, ids = adapter.encoder.render_request(json.dumps(parsed))
+    assert prompt == messages["prompt"] and ids == messages["prompt_token_ids"]
+    for body in (
+        chat_body([{"role": "user", "content": "hi"}], stream=True, n=2),
+        chat_body([{"role": "user", "content": "hi"}], stream=True, logprobs=True),
+    ):
+        with pytest.raises(RecipeError) as refused:
+            adapter.parse_request("openai.chat", body)
+        assert refused.value.status == 400
+        assert json.loads(refused.value.body)["error"]["code"] == "unsupported_parameter"
+
+
+def fake_output(*texts: str, prompt_len: int = 7) -> Any:
+    completions = [
+        SimpleNamespace(text=text, token_ids=list(range(3 + i)), finish_reason="stop") for i, text in enumerate(texts)
+    ]
+    return SimpleNamespace(
+        request_id="r9", prompt_token_ids=list(range(prompt_len)), num_cached_tokens=2, outputs=completions
+    )
+
+
+def test_render_response_writes_every_choice_and_the_reasoning_summary() -> None:
+    adapter = deepseek_adapter()
+    request = adapter.parse_request("openai.chat", chat_body([{"role": "user", "content": "hi"}], n=2))
+    body = json.loads(adapter.render_response("openai.chat", request, fake_output("<think>a</think>One", "Two")))
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [(0, "One"), (1, "Two")]
+    assert body["choices"][0]["message"]["reasoning_content"] == "a"
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3 + 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+    summary = adapter.parse_request(
+        "openai.responses", json.dumps({"model": "m", "input": "hi", "reasoning": {"summary": "auto"}}).encode()
+    )
+    plain = adapter.parse_request("openai.responses", json.dumps({"model": "m", "input": "hi"}).encode())
+    output = fake_output("<think>Thought.</think>Answer.")
+    with_summary = json.loads(adapter.render_response("openai.responses", summary, output))["output"][0]
+    without = json.loads(adapter.render_response("openai.responses", plain, output))["output"][0]
+    assert with_summary["summary"] == [{"type": "summary_text", "text": "Thought."}] and "content" not in with_summary
+    assert without["summary"] == [] and without["content"] == [{"type": "reasoning_text", "text": "Thought."}]

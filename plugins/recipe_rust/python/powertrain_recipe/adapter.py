@@ -90,6 +90,7 @@ class RecipeAdapter:
             created,
             include_usage=bool(request.get("include_usage", False)),
             prompt_tokens=prompt_tokens,
+            reasoning_summary=request.get("reasoning_summary") is not None,
         )
 
     @staticmethod
@@ -97,21 +98,41 @@ class RecipeAdapter:
         return finish_reason(events, engine_reason)
 
     def render_response(self, protocol: str, request: Mapping[str, Any], output: Any) -> bytes:
-        """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body."""
-        completion = output.outputs[0]
-        parser = self.stream_parser(request, id_prefix=f"call_{output.request_id}")
-        events = parser.push(completion.text) + parser.finish()
-        writer = self.response_writer(protocol, request, str(output.request_id), int(time.time()))
-        writer.events(events)
-        reason, stopped = finish_reason(events, completion.finish_reason)
-        body = writer.response(
-            reason,
-            len(output.prompt_token_ids),
-            len(completion.token_ids),
-            cached_prompt_tokens=output.num_cached_tokens,
-            stop_sequence=stopped,
-        )
-        return body.encode()
+        """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body.
+
+        Every completion of the output becomes one choice (``n`` > 1, Chat Completions
+        only); usage counts the prompt once and the completion tokens of all choices.
+        """
+        native = _native_protocol(protocol)
+        prompt_tokens = len(output.prompt_token_ids)
+        cached = output.num_cached_tokens
+        bodies = []
+        for completion in output.outputs:
+            parser = self.stream_parser(request, id_prefix=f"call_{output.request_id}")
+            events = parser.push(completion.text) + parser.finish()
+            writer = self.response_writer(
+                protocol, request, str(output.request_id), int(time.time()), prompt_tokens=prompt_tokens
+            )
+            writer.events(events)
+            reason, stopped = finish_reason(events, completion.finish_reason)
+            body = writer.response(
+                reason,
+                prompt_tokens,
+                len(completion.token_ids),
+                cached_prompt_tokens=cached,
+                stop_sequence=stopped,
+            )
+            bodies.append(json.loads(body))
+        if len(bodies) == 1:
+            return json.dumps(bodies[0]).encode()
+        if native != "chat_completions":
+            raise ValueError(f"{protocol} has one output per response, got {len(bodies)}")
+        merged = bodies[0]
+        merged["choices"] = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+        usage = merged["usage"]
+        usage["completion_tokens"] = sum(body["usage"]["completion_tokens"] for body in bodies)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return json.dumps(merged).encode()
 
 
 def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:

@@ -5,6 +5,14 @@
 //! ([`responses_item_id`]), the same in the streaming and non-streaming forms.
 //! Anthropic's `usage.input_tokens` counts prompt tokens not read from the cache
 //! (`prompt_tokens - cached_prompt_tokens`), as Anthropic defines it.
+//!
+//! Responses reasoning items: by default the reasoning is the item's `content`
+//! (`[{"type": "reasoning_text", "text"}]`, as OpenAI's API returns an open-weight
+//! model's raw reasoning) with `summary: []`. When the request asked for a summary
+//! (`reasoning.summary`, [`ResponseBuilder::set_reasoning_summary`]) the reasoning is
+//! the item's `summary` (`[{"type": "summary_text", "text"}]`) and `content` is left
+//! out, as the API shapes a summarised reasoning item. There is no summariser here:
+//! the "summary" is the whole reasoning text, whatever level was asked for.
 
 use serde_json::{json, Map, Value};
 
@@ -76,11 +84,22 @@ pub struct ResponseBuilder {
     stopped: Option<String>,
     /// Segment position of each open or finished tool call, by call index.
     calls: Vec<(usize, usize)>,
+    /// Responses: reasoning goes into the item's `summary` rather than its `content`.
+    reasoning_summary: bool,
 }
 
 impl ResponseBuilder {
     pub fn new() -> ResponseBuilder {
         ResponseBuilder::default()
+    }
+
+    /// Responses only: the request asked for a reasoning summary (see the module doc).
+    pub fn set_reasoning_summary(&mut self, on: bool) {
+        self.reasoning_summary = on;
+    }
+
+    pub fn reasoning_summary(&self) -> bool {
+        self.reasoning_summary
     }
 
     pub fn push(&mut self, event: &OutputEvent) {
@@ -256,7 +275,7 @@ impl ResponseBuilder {
             .segments
             .iter()
             .enumerate()
-            .map(|(i, seg)| responses_item(id, i, seg, "completed"))
+            .map(|(i, seg)| responses_item(id, i, seg, "completed", self.reasoning_summary))
             .collect();
         responses_object(id, model, created, Some(finish), output, Some(usage))
     }
@@ -329,20 +348,31 @@ pub(crate) fn responses_reasoning_part(text: &str) -> Value {
     json!({"type": "reasoning_text", "text": text})
 }
 
+pub(crate) fn responses_summary_part(text: &str) -> Value {
+    json!({"type": "summary_text", "text": text})
+}
+
 pub(crate) fn responses_text_part(text: &str) -> Value {
     json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
 }
 
-/// A Responses output item; `status` is "in_progress" while streaming, else "completed".
+/// A Responses output item; `status` is "in_progress" while streaming, else
+/// "completed"; `summary`: reasoning as summary parts (see the module doc).
 pub(crate) fn responses_item(
     response_id: &str,
     output_index: usize,
     seg: &Segment,
     status: &str,
+    summary: bool,
 ) -> Value {
     let item_id = responses_item_id(response_id, output_index, seg);
     let done = status == "completed";
     match seg {
+        Segment::Reasoning(r) if summary => json!({
+            "id": item_id,
+            "type": "reasoning",
+            "summary": if done { vec![responses_summary_part(r)] } else { vec![] },
+        }),
         Segment::Reasoning(r) => json!({
             "id": item_id,
             "type": "reasoning",

@@ -14,17 +14,23 @@
 //!   `response.output_item.added`, then for a message `response.content_part.added`,
 //!   `response.output_text.delta`…, `response.output_text.done`,
 //!   `response.content_part.done`; for reasoning the same with `reasoning_text`
-//!   (`response.reasoning_text.delta` / `.done`); for a call
+//!   (`response.reasoning_text.delta` / `.done`), or, when the request asked for a
+//!   summary ([`SseWriter::with_reasoning_summary`]),
+//!   `response.reasoning_summary_part.added`, `response.reasoning_summary_text.delta`…,
+//!   `response.reasoning_summary_text.done`, `response.reasoning_summary_part.done`
+//!   (`summary_index` 0; see `output::response` for what the summary is); for a call
 //!   `response.function_call_arguments.delta`… / `.done`; then
 //!   `response.output_item.done`; finally `response.completed` (or
 //!   `response.incomplete` on Length) with the whole response and usage. Every event
 //!   has `sequence_number` from 0. Item ids follow [`responses_item_id`].
-//! - Anthropic: `message_start`, per block `content_block_start` /
+//! - Anthropic: `message_start`, one `ping`, per block `content_block_start` /
 //!   `content_block_delta` (`thinking_delta`, `text_delta`, `input_json_delta`) /
 //!   `content_block_stop`, then `message_delta` (stop_reason, stop_sequence, usage) and
-//!   `message_stop`. No `ping` and no `signature_delta` are sent (thinking blocks
-//!   carry `signature: ""`). `message_start` usage comes from
-//!   [`SseWriter::with_prompt_usage`] (0 otherwise).
+//!   `message_stop`, as the Messages API streams them. A thinking block ends with a
+//!   `signature_delta` before its `content_block_stop`, as the API's do; the signature
+//!   is "" (this engine signs nothing; the non-streaming body says `signature: ""` too,
+//!   and a signature sent back in a later request is ignored). `message_start` usage
+//!   comes from [`SseWriter::with_prompt_usage`] (0 otherwise).
 
 use serde_json::{json, Value};
 
@@ -32,7 +38,7 @@ use crate::conversation::Protocol;
 use crate::output::parser::OutputEvent;
 use crate::output::response::{
     anthropic_usage, responses_item, responses_item_id, responses_object, responses_reasoning_part,
-    responses_text_part, FinishReason, ResponseBuilder, Segment, Usage,
+    responses_summary_part, responses_text_part, FinishReason, ResponseBuilder, Segment, Usage,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +86,12 @@ impl SseWriter {
         }
     }
 
+    /// Responses: the request asked for a reasoning summary (`reasoning.summary`).
+    pub fn with_reasoning_summary(mut self, on: bool) -> SseWriter {
+        self.builder.set_reasoning_summary(on);
+        self
+    }
+
     /// Chat Completions' `stream_options.include_usage` (other protocols always report usage).
     pub fn with_include_usage(mut self, include_usage: bool) -> SseWriter {
         self.include_usage = include_usage;
@@ -118,22 +130,25 @@ impl SseWriter {
                     completion_tokens: 0,
                     reasoning_tokens: 0,
                 };
-                vec![frame(
-                    "message_start",
-                    json!({
-                        "type": "message_start",
-                        "message": {
-                            "id": self.id,
-                            "type": "message",
-                            "role": "assistant",
-                            "model": self.model,
-                            "content": [],
-                            "stop_reason": null,
-                            "stop_sequence": null,
-                            "usage": anthropic_usage(&usage),
-                        },
-                    }),
-                )]
+                vec![
+                    frame(
+                        "message_start",
+                        json!({
+                            "type": "message_start",
+                            "message": {
+                                "id": self.id,
+                                "type": "message",
+                                "role": "assistant",
+                                "model": self.model,
+                                "content": [],
+                                "stop_reason": null,
+                                "stop_sequence": null,
+                                "usage": anthropic_usage(&usage),
+                            },
+                        }),
+                    ),
+                    frame("ping", json!({"type": "ping"})),
+                ]
             }
         }
     }
@@ -284,7 +299,8 @@ impl SseWriter {
         let position = self.builder.segments().len() - 1;
         let seg = self.segment(position);
         let item_id = responses_item_id(&self.id, position, &seg);
-        let mut item = responses_item(&self.id, position, &seg, "in_progress");
+        let summary = self.builder.reasoning_summary();
+        let mut item = responses_item(&self.id, position, &seg, "in_progress", summary);
         if let Segment::ToolCall(_) = seg {
             item["arguments"] = json!("");
         }
@@ -293,6 +309,13 @@ impl SseWriter {
             json!({"output_index": position, "item": item}),
         ));
         let part = match kind {
+            Open::Reasoning if summary => {
+                out.push(self.responses_frame(
+                    "response.reasoning_summary_part.added",
+                    json!({"item_id": item_id, "output_index": position, "summary_index": 0, "part": responses_summary_part("")}),
+                ));
+                None
+            }
             Open::Reasoning => Some(responses_reasoning_part("")),
             Open::Text => Some(responses_text_part("")),
             Open::Tool(_) => None,
@@ -313,7 +336,18 @@ impl SseWriter {
         };
         let seg = self.segment(position);
         let item_id = responses_item_id(&self.id, position, &seg);
+        let summary = self.builder.reasoning_summary();
         match (&seg, kind) {
+            (Segment::Reasoning(text), _) if summary => {
+                out.push(self.responses_frame(
+                    "response.reasoning_summary_text.done",
+                    json!({"item_id": item_id, "output_index": position, "summary_index": 0, "text": text}),
+                ));
+                out.push(self.responses_frame(
+                    "response.reasoning_summary_part.done",
+                    json!({"item_id": item_id, "output_index": position, "summary_index": 0, "part": responses_summary_part(text)}),
+                ));
+            }
             (Segment::Reasoning(text), _) => {
                 out.push(self.responses_frame(
                     "response.reasoning_text.done",
@@ -341,7 +375,7 @@ impl SseWriter {
                 ));
             }
         }
-        let item = responses_item(&self.id, position, &seg, "completed");
+        let item = responses_item(&self.id, position, &seg, "completed", summary);
         out.push(self.responses_frame(
             "response.output_item.done",
             json!({"output_index": position, "item": item}),
@@ -352,10 +386,18 @@ impl SseWriter {
         match event {
             OutputEvent::Reasoning(s) => {
                 let (position, item_id) = self.responses_open(Open::Reasoning, out);
-                out.push(self.responses_frame(
-                    "response.reasoning_text.delta",
-                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "delta": s}),
-                ));
+                let delta = if self.builder.reasoning_summary() {
+                    self.responses_frame(
+                        "response.reasoning_summary_text.delta",
+                        json!({"item_id": item_id, "output_index": position, "summary_index": 0, "delta": s}),
+                    )
+                } else {
+                    self.responses_frame(
+                        "response.reasoning_text.delta",
+                        json!({"item_id": item_id, "output_index": position, "content_index": 0, "delta": s}),
+                    )
+                };
+                out.push(delta);
             }
             OutputEvent::Text(s) => {
                 let (position, item_id) = self.responses_open(Open::Text, out);
@@ -415,7 +457,13 @@ impl SseWriter {
     }
 
     fn anthropic_close(&mut self, out: &mut Vec<String>) {
-        if let Some((_, position)) = self.open.take() {
+        if let Some((kind, position)) = self.open.take() {
+            if kind == Open::Reasoning {
+                out.push(frame(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": position, "delta": {"type": "signature_delta", "signature": ""}}),
+                ));
+            }
             out.push(frame(
                 "content_block_stop",
                 json!({"type": "content_block_stop", "index": position}),

@@ -5,16 +5,21 @@
 //! ``data:<media_type>;base64,...`` reference, url -> the url) / ``tool_result``,
 //! assistant blocks ``text`` / ``tool_use`` / ``thinking``, ``tools`` (custom tools:
 //! name, description, input_schema), ``tool_choice`` (auto / any -> Required / none /
-//! tool), ``thinking`` (enabled with budget_tokens >= 1024 and < max_tokens, or
-//! disabled), ``temperature`` (0..=1), ``top_p``, ``top_k``, ``stop_sequences``,
-//! ``stream``, ``metadata.user_id`` (-> ``user``), ``service_tier`` ("auto" only).
+//! tool), ``thinking`` (enabled with budget_tokens >= 1024 and < max_tokens;
+//! adaptive: on, no budget, the model decides how much; or disabled),
+//! ``thinking.display`` ("summarized" only), ``output_config.effort`` (low / medium /
+//! high / xhigh / max -> the reasoning effort; xhigh and max are both Max),
+//! ``output_config.format`` (json_schema -> a strict JSON-schema response format
+//! named "output"),
+//! ``temperature`` (0..=1), ``top_p``, ``top_k``, ``stop_sequences``, ``stream``,
+//! ``metadata.user_id`` (-> ``user``), ``service_tier`` ("auto" only).
 //!
 //! Each ``tool_result`` becomes a Role::Tool message, in order, split out of its user
-//! turn and placed before the remaining user content of that turn.
+//! turn and placed before the remaining user content of that turn; its ``is_error``
+//! becomes the message's ``is_error``.
 //!
-//! Ignored hints: ``cache_control`` everywhere, ``citations`` on text blocks,
-//! thinking ``signature``, and ``tool_result.is_error`` (the conversation has no
-//! error flag; the result's text is kept as is).
+//! Ignored hints: ``cache_control`` everywhere (top level too), ``citations`` on text blocks and
+//! thinking ``signature``.
 
 use serde_json::{Map, Value};
 
@@ -36,7 +41,9 @@ const TOP_LEVEL: &[&str] = &[
     "tools",
     "tool_choice",
     "thinking",
+    "output_config",
     "service_tier",
+    "cache_control",
     // Known, rejected as unsupported:
     "container",
     "mcp_servers",
@@ -49,6 +56,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     top.reject("container", "code execution containers")?;
     top.reject("mcp_servers", "MCP connectors")?;
     top.reject("context_management", "server-side context management")?;
+    top.object("cache_control")?;
     if let Some(tier) = top.str("service_tier")? {
         if tier != "auto" {
             return Err(unsupported_field(
@@ -83,6 +91,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            is_error: false,
         });
     }
     let list = as_array(top.require("messages")?, &top.at("messages"))?;
@@ -98,7 +107,8 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     if let Some(t) = top.object("thinking")? {
         match t.req_str("type")? {
             "enabled" => {
-                t.check_known(&["type", "budget_tokens"])?;
+                t.check_known(&["type", "budget_tokens", "display"])?;
+                check_thinking_display(&t)?;
                 let budget = t
                     .u32("budget_tokens")?
                     .ok_or_else(|| t.missing("budget_tokens"))?;
@@ -117,16 +127,67 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
                 thinking.enabled = Some(true);
                 thinking.budget_tokens = Some(budget);
             }
+            "adaptive" => {
+                t.check_known(&["type", "display"])?;
+                check_thinking_display(&t)?;
+                thinking.enabled = Some(true);
+                thinking.adaptive = true;
+            }
             "disabled" => {
                 t.check_known(&["type"])?;
                 thinking.enabled = Some(false);
             }
+            "between_tools" => {
+                return Err(unsupported_field(
+                    &t.at("type"),
+                    "between_tools",
+                    "thinking only between tool calls",
+                ))
+            }
             other => {
                 return Err(RecipeError::invalid(
                     t.at("type"),
-                    format!("unknown thinking type {other:?} (expected enabled or disabled)"),
+                    format!(
+                        "unknown thinking type {other:?} (expected enabled, adaptive or disabled)"
+                    ),
                 ))
             }
+        }
+    }
+    let mut response_format = ResponseFormat::Text;
+    if let Some(config) = top.object("output_config")? {
+        config.check_known(&["effort", "format"])?;
+        if let Some(effort) = config.str("effort")? {
+            thinking.effort = Some(match effort {
+                "low" => ReasoningEffort::Low,
+                "medium" => ReasoningEffort::Medium,
+                "high" => ReasoningEffort::High,
+                "xhigh" | "max" => ReasoningEffort::Max,
+                other => {
+                    return Err(RecipeError::invalid(
+                        config.at("effort"),
+                        format!(
+                            "unknown effort {other:?} (expected low, medium, high, xhigh or max)"
+                        ),
+                    ))
+                }
+            });
+        }
+        if let Some(format) = config.object("format")? {
+            format.check_known(&["type", "schema"])?;
+            let ty = format.req_str("type")?;
+            if ty != "json_schema" {
+                return Err(RecipeError::invalid(
+                    format.at("type"),
+                    format!("unknown output format type {ty:?} (expected json_schema)"),
+                ));
+            }
+            let schema = schema_object(format.require("schema")?, &format.at("schema"))?;
+            response_format = ResponseFormat::JsonSchema {
+                name: "output".to_string(),
+                schema,
+                strict: true,
+            };
         }
     }
 
@@ -161,12 +222,32 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             thinking,
         },
         sampling,
-        response_format: ResponseFormat::Text,
+        response_format,
         stream,
         include_usage: true,
+        reasoning_summary: None,
         metadata: Map::new(),
         user,
+        safety_identifier: None,
+        prompt_cache_key: None,
     })
+}
+
+/// ``thinking.display``: "summarized" returns thinking as usual; "omitted" (thinking
+/// redacted, only a signature returned) is not supported.
+fn check_thinking_display(t: &Fields) -> Result<()> {
+    match t.str("display")? {
+        None | Some("summarized") => Ok(()),
+        Some("omitted") => Err(unsupported_field(
+            &t.at("display"),
+            "display",
+            "omitting thinking from the response; send summarized or drop the field",
+        )),
+        Some(other) => Err(RecipeError::invalid(
+            t.at("display"),
+            format!("unknown display {other:?} (expected summarized or omitted)"),
+        )),
+    }
 }
 
 fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
@@ -362,6 +443,7 @@ fn parse_messages(items: &[Value], path: &str, out: &mut Vec<Message>) -> Result
                     tool_calls: Vec::new(),
                     tool_call_id: None,
                     name: None,
+                    is_error: false,
                 });
                 continue;
             }
@@ -409,6 +491,7 @@ fn parse_messages(items: &[Value], path: &str, out: &mut Vec<Message>) -> Result
                         tool_calls: Vec::new(),
                         tool_call_id: None,
                         name: None,
+                        is_error: false,
                     });
                 }
             }
@@ -420,6 +503,7 @@ fn parse_messages(items: &[Value], path: &str, out: &mut Vec<Message>) -> Result
                     tool_calls: Vec::new(),
                     tool_call_id: None,
                     name: None,
+                    is_error: false,
                 };
                 for b in &blocks {
                     let ty = b.req_str("type")?;
@@ -491,7 +575,7 @@ fn tool_result(b: &Fields, calls: &CallTracker) -> Result<Message> {
     ])?;
     let id = b.req_str("tool_use_id")?;
     let name = calls.resolve(id, &b.at("tool_use_id"))?;
-    b.bool("is_error")?;
+    let is_error = b.bool("is_error")?.unwrap_or(false);
     let content = match b.get("content") {
         None => Vec::new(),
         Some(Value::String(s)) => normalize_content(vec![ContentPart::Text { text: s.clone() }]),
@@ -522,5 +606,6 @@ fn tool_result(b: &Fields, calls: &CallTracker) -> Result<Message> {
         tool_calls: Vec::new(),
         tool_call_id: Some(id.to_string()),
         name: Some(name),
+        is_error,
     })
 }

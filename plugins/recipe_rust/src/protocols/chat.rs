@@ -6,8 +6,13 @@
 //! ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``n``,
 //! ``logprobs``, ``top_logprobs``, ``presence_penalty``, ``frequency_penalty``,
 //! ``stream``, ``stream_options.include_usage``, ``metadata``, ``user``,
-//! ``reasoning_effort``, ``store`` (false only), ``modalities`` (["text"] only),
-//! ``logit_bias`` (empty only), ``service_tier`` ("auto"/"default" only).
+//! ``safety_identifier``, ``prompt_cache_key`` (both carried, affecting nothing),
+//! ``prompt_cache_retention`` ("in_memory" only), ``reasoning_effort``, ``store``
+//! (false only), ``modalities`` (["text"] only), ``logit_bias`` (empty only),
+//! ``service_tier`` ("auto"/"default" only).
+//!
+//! Streaming writes one choice and no log-probabilities (``output::sse``), so with
+//! ``stream: true`` an ``n`` above 1 and ``logprobs: true`` are refused as unsupported.
 //!
 //! Thinking on/off: DeepSeek's ``thinking: {"type": "enabled"|"disabled"}`` (an
 //! optional ``budget_tokens`` is accepted too, as in Anthropic) and vLLM's
@@ -47,6 +52,9 @@ const TOP_LEVEL: &[&str] = &[
     "stream_options",
     "metadata",
     "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
     "reasoning_effort",
     "thinking",
     "chat_template_kwargs",
@@ -143,8 +151,12 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         opts.bool("continuous_usage_stats")?;
         opts.bool("include_obfuscation")?;
     }
+    if stream {
+        check_streamable(&top, &sampling)?;
+    }
     let metadata = openai_metadata(&top)?;
     let user = top.str("user")?.map(str::to_string);
+    let (safety_identifier, prompt_cache_key) = openai_identifiers(&top)?;
 
     Ok(EngineRequest {
         protocol: Protocol::ChatCompletions,
@@ -159,9 +171,34 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         response_format,
         stream,
         include_usage,
+        reasoning_summary: None,
         metadata,
         user,
+        safety_identifier,
+        prompt_cache_key,
     })
+}
+
+/// What the SSE writer cannot stream: several choices, log-probabilities.
+fn check_streamable(top: &Fields, sampling: &SamplingSettings) -> Result<()> {
+    if sampling.n > 1 {
+        return Err(RecipeError::unsupported(
+            top.at("n"),
+            format!(
+                "n = {} is not supported with stream: true (streaming writes one choice); \
+                 send n: 1 or stream: false",
+                sampling.n
+            ),
+        ));
+    }
+    if sampling.logprobs {
+        return Err(RecipeError::unsupported(
+            top.at("logprobs"),
+            "logprobs are not supported with stream: true (stream chunks carry no \
+             log-probabilities); drop logprobs/top_logprobs or send stream: false",
+        ));
+    }
+    Ok(())
 }
 
 fn parse_sampling(top: &Fields) -> Result<SamplingSettings> {
@@ -458,6 +495,7 @@ fn parse_messages(items: &[Value], path: &str) -> Result<Vec<Message>> {
                     tool_calls,
                     tool_call_id: None,
                     name: None,
+                    is_error: false,
                 }
             }
             "tool" => {
@@ -480,6 +518,7 @@ fn parse_messages(items: &[Value], path: &str) -> Result<Vec<Message>> {
                     tool_calls: Vec::new(),
                     tool_call_id: Some(id.to_string()),
                     name: Some(name),
+                    is_error: false,
                 }
             }
             "function" => {
@@ -511,6 +550,7 @@ fn plain(role: Role, content: Vec<ContentPart>) -> Message {
         tool_calls: Vec::new(),
         tool_call_id: None,
         name: None,
+        is_error: false,
     }
 }
 

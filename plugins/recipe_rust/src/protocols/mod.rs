@@ -409,6 +409,33 @@ pub(crate) fn check_openai_options(top: &Fields) -> Result<()> {
     Ok(())
 }
 
+/// OpenAI's ``safety_identifier`` and ``prompt_cache_key`` (strings, carried as
+/// given) and ``prompt_cache_retention`` (only "in_memory", what a prefix cache in
+/// this process's memory is, is accepted).
+pub(crate) fn openai_identifiers(top: &Fields) -> Result<(Option<String>, Option<String>)> {
+    let safety_identifier = top.str("safety_identifier")?.map(str::to_string);
+    let prompt_cache_key = top.str("prompt_cache_key")?.map(str::to_string);
+    if let Some(retention) = top.str("prompt_cache_retention")? {
+        match retention {
+            "in-memory" | "in_memory" => {}
+            "24h" => {
+                return Err(unsupported_field(
+                    &top.at("prompt_cache_retention"),
+                    "prompt_cache_retention",
+                    "extended prompt cache retention; the prefix cache lives in memory",
+                ))
+            }
+            other => {
+                return Err(RecipeError::invalid(
+                    top.at("prompt_cache_retention"),
+                    format!("unknown prompt_cache_retention {other:?} (expected in_memory or 24h)"),
+                ))
+            }
+        }
+    }
+    Ok((safety_identifier, prompt_cache_key))
+}
+
 /// OpenAI's ``metadata``: string values only (absent means empty).
 pub(crate) fn openai_metadata(top: &Fields) -> Result<Map<String, Value>> {
     match top.get("metadata") {

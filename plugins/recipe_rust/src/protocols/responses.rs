@@ -6,10 +6,23 @@
 //! (by ``image_url``); ``function_call``; ``function_call_output``; ``reasoning``),
 //! ``instructions`` (a system message first), ``tools`` (type function),
 //! ``tool_choice``, ``parallel_tool_calls`` (true only), ``reasoning.effort``,
-//! ``text.format``, ``temperature``, ``top_p``, ``max_output_tokens``, ``stream``,
-//! ``metadata``, ``user``, ``store`` (false only), ``include`` (empty only),
-//! ``truncation`` ("disabled" only), ``service_tier`` ("auto"/"default" only),
-//! ``text.verbosity`` ("medium" only).
+//! ``reasoning.summary`` (-> ``EngineRequest::reasoning_summary``), ``text.format``,
+//! ``temperature``, ``top_p``, ``max_output_tokens``, ``top_logprobs`` (0..=20),
+//! ``stream``, ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``
+//! (both carried, affecting nothing), ``prompt_cache_retention`` ("in_memory" only),
+//! ``store`` (false only), ``truncation`` ("disabled" only), ``service_tier``
+//! ("auto"/"default" only), ``text.verbosity`` ("medium" only).
+//!
+//! ``include``: ``message.output_text.logprobs`` turns log-probabilities on (with
+//! ``top_logprobs`` alternatives; without the include ``top_logprobs`` asks for
+//! nothing, as in OpenAI's API); it is refused with ``stream: true`` (the SSE writer
+//! streams no log-probabilities). The built-in tool values
+//! (``file_search_call.results``, ``web_search_call.results``,
+//! ``web_search_call.action.sources``, ``computer_call_output.output.image_url``,
+//! ``code_interpreter_call.outputs``) and ``message.input_image.image_url`` are
+//! accepted and change nothing: built-in tools are refused, so no such items are
+//! produced, and input items are never echoed. ``reasoning.encrypted_content`` is
+//! refused: reasoning is returned as readable text, never encrypted.
 //!
 //! Assistant turns: consecutive output items (reasoning, one message, function calls)
 //! merge into one assistant ``Message``, so the conversation equals its Chat
@@ -17,7 +30,7 @@
 //! it (content parts preferred, else summary parts, joined with "\n\n").
 //!
 //! Ignored hints: item ``id`` / ``status``, ``output_text.annotations`` /
-//! ``logprobs``, ``input_image.detail``, ``tools[].strict``, ``reasoning.summary``,
+//! ``logprobs``, ``input_image.detail``, ``tools[].strict``,
 //! ``text.format.description``, ``stream_options.include_obfuscation``.
 
 use serde_json::Value;
@@ -43,6 +56,10 @@ const TOP_LEVEL: &[&str] = &[
     "stream_options",
     "metadata",
     "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "top_logprobs",
     "store",
     "include",
     "truncation",
@@ -53,7 +70,6 @@ const TOP_LEVEL: &[&str] = &[
     "conversation",
     "prompt",
     "max_tool_calls",
-    "top_logprobs",
 ];
 
 const BUILTIN_TOOLS: &[&str] = &[
@@ -107,7 +123,6 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     )?;
     top.reject("prompt", "stored prompt templates")?;
     top.reject("max_tool_calls", "a limit on built-in tool calls")?;
-    top.reject("top_logprobs", "log-probabilities in Responses")?;
     if top.bool("background")? == Some(true) {
         return Err(unsupported_field(
             &top.at("background"),
@@ -121,13 +136,6 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             "store",
             "stored responses; send store: false",
         ));
-    }
-    if let Some(include) = top.array("include")? {
-        if let Some(first) = include.first() {
-            let path = index(&top.at("include"), 0);
-            as_str(first, &path)?;
-            return Err(unsupported_field(&path, "include", "extra output data"));
-        }
     }
     if let Some(t) = top.str("truncation")? {
         if t != "disabled" {
@@ -163,6 +171,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            is_error: false,
         });
     }
     let input = top.require("input")?;
@@ -174,6 +183,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            is_error: false,
         }),
         Value::Array(items) => parse_items(items, &top.at("input"), &mut messages)?,
         other => {
@@ -192,6 +202,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     }
 
     let mut thinking = Thinking::default();
+    let mut reasoning_summary = None;
     if let Some(r) = top.object("reasoning")? {
         r.check_known(&["effort", "summary", "generate_summary"])?;
         if let Some(effort) = r.str("effort")? {
@@ -202,12 +213,26 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         }
         for key in ["summary", "generate_summary"] {
             if let Some(s) = r.str(key)? {
-                if !matches!(s, "auto" | "concise" | "detailed") {
+                let summary = match s {
+                    "auto" => ReasoningSummary::Auto,
+                    "concise" => ReasoningSummary::Concise,
+                    "detailed" => ReasoningSummary::Detailed,
+                    other => {
+                        return Err(RecipeError::invalid(
+                            r.at(key),
+                            format!(
+                                "unknown summary {other:?} (expected auto, concise or detailed)"
+                            ),
+                        ))
+                    }
+                };
+                if reasoning_summary.is_some_and(|earlier| earlier != summary) {
                     return Err(RecipeError::invalid(
                         r.at(key),
-                        format!("unknown summary {s:?} (expected auto, concise or detailed)"),
+                        "summary and generate_summary disagree; send one of them",
                     ));
                 }
+                reasoning_summary = Some(summary);
             }
         }
     }
@@ -250,20 +275,67 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         }
     }
 
-    let sampling = SamplingSettings {
+    let stream = top.bool("stream")?.unwrap_or(false);
+    let mut sampling = SamplingSettings {
         temperature: top.f64_in("temperature", 0.0, 2.0, false)?,
         top_p: top.f64_in("top_p", 0.0, 1.0, true)?,
         max_tokens: top.positive_u32("max_output_tokens")?,
         ..SamplingSettings::default()
     };
+    let top_logprobs = top.u32("top_logprobs")?;
+    if let Some(k) = top_logprobs {
+        if k > 20 {
+            return Err(RecipeError::invalid(
+                top.at("top_logprobs"),
+                format!("must be in 0..=20, got {k}"),
+            ));
+        }
+    }
+    if let Some(include) = top.array("include")? {
+        for (i, value) in include.iter().enumerate() {
+            let path = index(&top.at("include"), i);
+            match as_str(value, &path)? {
+                "message.output_text.logprobs" => {
+                    if stream {
+                        return Err(RecipeError::unsupported(
+                            path,
+                            "log-probabilities are not supported with stream: true (the \
+                             stream's events carry none); drop this include or send stream: false",
+                        ));
+                    }
+                    sampling.logprobs = true;
+                    sampling.top_logprobs = top_logprobs;
+                }
+                "reasoning.encrypted_content" => {
+                    return Err(unsupported_field(
+                        &path,
+                        "reasoning.encrypted_content",
+                        "encrypted reasoning; reasoning items carry their text, send them back as they came",
+                    ))
+                }
+                "file_search_call.results"
+                | "web_search_call.results"
+                | "web_search_call.action.sources"
+                | "computer_call_output.output.image_url"
+                | "code_interpreter_call.outputs"
+                | "message.input_image.image_url" => {}
+                other => {
+                    return Err(RecipeError::invalid(
+                        path,
+                        format!("unknown include value {other:?}"),
+                    ))
+                }
+            }
+        }
+    }
 
-    let stream = top.bool("stream")?.unwrap_or(false);
     if let Some(opts) = top.object("stream_options")? {
         opts.check_known(&["include_obfuscation"])?;
         opts.bool("include_obfuscation")?;
     }
     let metadata = openai_metadata(&top)?;
     let user = top.str("user")?.map(str::to_string);
+    let (safety_identifier, prompt_cache_key) = openai_identifiers(&top)?;
 
     Ok(EngineRequest {
         protocol: Protocol::Responses,
@@ -278,8 +350,11 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         response_format,
         stream,
         include_usage: true,
+        reasoning_summary,
         metadata,
         user,
+        safety_identifier,
+        prompt_cache_key,
     })
 }
 
@@ -352,6 +427,7 @@ impl Builder<'_> {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            is_error: false,
         })
     }
 
@@ -413,7 +489,7 @@ fn parse_items(items: &[Value], path: &str, out: &mut Vec<Message>) -> Result<()
                         ))
                     }
                 };
-                b.push(Message { role, content, reasoning: None, tool_calls: Vec::new(), tool_call_id: None, name: None });
+                b.push(Message { role, content, reasoning: None, tool_calls: Vec::new(), tool_call_id: None, name: None, is_error: false });
             }
             "function_call" => {
                 f.check_known(&["type", "id", "call_id", "name", "arguments", "status"])?;
@@ -439,6 +515,7 @@ fn parse_items(items: &[Value], path: &str, out: &mut Vec<Message>) -> Result<()
                     tool_calls: Vec::new(),
                     tool_call_id: Some(id.to_string()),
                     name: Some(name),
+                    is_error: false,
                 });
             }
             "reasoning" => {

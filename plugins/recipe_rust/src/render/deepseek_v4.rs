@@ -23,6 +23,9 @@
 //!   ``<tool_result>..</tool_result>`` blocks (a tool message joins the preceding
 //!   merged user turn, a user message joins a preceding merged turn too), blocks
 //!   joined by ``"\n\n"``, tool results re-ordered to the order of the assistant's calls.
+//!   The format has no way to mark a failed tool call (the reference's ``tool_result``
+//!   block has only content), so a result with ``is_error`` is rendered like any other:
+//!   its text (typically the error message) is what tells the model.
 //! - after a user turn that is followed by an assistant turn or ends the prompt:
 //!   ``<｜Assistant｜>`` + ``<think>`` (thinking mode, and the turn is the last user turn
 //!   or thinking is not dropped) or ``</think>`` (otherwise).

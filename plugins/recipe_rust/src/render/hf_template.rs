@@ -23,7 +23,9 @@
 //! "function": {"name", "arguments"}}]`` with ``arguments`` parsed into a dict (what
 //! vLLM passes and Llama/Qwen/Hermes templates expect; a template that concatenates
 //! ``arguments`` as a string, like DeepSeek-V3's, needs the string and is not served
-//! by this); ``tool_call_id`` and ``name`` on tool results.
+//! by this); ``tool_call_id`` and ``name`` on tool results, and ``is_error: true`` on
+//! a tool result that reports a failure (absent otherwise; a template that does not
+//! read it renders the result as any other).
 //! JSON objects keep their key order (an order-preserving map object), as Python dicts do.
 //!
 //! Trust: every string that came from the request (message text, reasoning, tool
@@ -548,6 +550,9 @@ fn build_context(conversation: &Conversation, mark: bool, arguments_as_mapping: 
         }
         if let Some(name) = &message.name {
             m.insert("name".into(), Value::String(wrap(name, mark)));
+        }
+        if message.is_error {
+            m.insert("is_error".into(), Value::Bool(true));
         }
         messages.push(Value::Object(m));
     }
