@@ -116,6 +116,10 @@ pub struct Tool {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     pub parameters: Value,
+    /// The caller asked for arguments that follow ``parameters`` exactly (OpenAI's and
+    /// Anthropic's ``strict``): the engine then constrains a forced call's arguments.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub strict: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -183,6 +187,18 @@ pub enum ResponseFormat {
     },
 }
 
+/// powertrain's extension field ``structured_outputs`` (vLLM's spelling and keys):
+/// constrain the output to a JSON schema, a regular expression, a Lark grammar or one
+/// of several strings. One per request, and not together with a JSON response format.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", content = "value", rename_all = "snake_case")]
+pub enum StructuredOutputs {
+    Json(Value),
+    Regex(String),
+    Grammar(String),
+    Choice(Vec<String>),
+}
+
 /// What the sampler is asked for; None means the engine's default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingSettings {
@@ -247,4 +263,7 @@ pub struct EngineRequest {
     /// cache works on token ids whatever the key; carried, affects nothing here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_cache_key: Option<String>,
+    /// The ``structured_outputs`` extension field, when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub structured_outputs: Option<StructuredOutputs>,
 }

@@ -1774,3 +1774,125 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn strict_tools_are_carried_from_every_protocol() {
+    let schema =
+        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+    let chat = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "w", "parameters": schema, "strict": true}},
+                  {"type": "function", "function": {"name": "t", "parameters": schema}}]}),
+    );
+    let responses = ok(
+        RESP,
+        &json!({"model": "m", "input": "hi",
+        "tools": [{"type": "function", "name": "w", "parameters": schema, "strict": true},
+                  {"type": "function", "name": "t", "parameters": schema}]}),
+    );
+    let anthropic = ok(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "w", "input_schema": schema, "strict": true}, {"name": "t", "input_schema": schema}]}),
+    );
+    for request in [&chat, &responses, &anthropic] {
+        let strict: Vec<bool> = request
+            .conversation
+            .tools
+            .iter()
+            .map(|t| t.strict)
+            .collect();
+        assert_eq!(strict, vec![true, false]);
+    }
+    let e = parse_value(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "w", "input_schema": schema, "strict": "yes"}]}),
+    )
+    .unwrap_err();
+    assert_eq!(e.path, "tools[0].strict");
+}
+
+#[test]
+fn structured_outputs_extension_is_parsed_and_checked() {
+    let base = |extra: Value| {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let cases = [
+        (
+            json!({"regex": "[0-9]+"}),
+            StructuredOutputs::Regex("[0-9]+".into()),
+        ),
+        (
+            json!({"grammar": "start: \"a\""}),
+            StructuredOutputs::Grammar("start: \"a\"".into()),
+        ),
+        (
+            json!({"choice": ["yes", "no"]}),
+            StructuredOutputs::Choice(vec!["yes".into(), "no".into()]),
+        ),
+        (
+            json!({"json": {"type": "object"}}),
+            StructuredOutputs::Json(json!({"type": "object"})),
+        ),
+    ];
+    for (value, want) in cases {
+        let request = ok(CHAT, &base(json!({"structured_outputs": value})));
+        assert_eq!(request.structured_outputs, Some(want));
+    }
+    let anthropic = ok(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+        "structured_outputs": {"regex": "a+"}}),
+    );
+    assert_eq!(
+        anthropic.structured_outputs,
+        Some(StructuredOutputs::Regex("a+".into()))
+    );
+    let responses = ok(
+        RESP,
+        &json!({"model": "m", "input": "hi", "structured_outputs": {"choice": ["x"]}}),
+    );
+    assert_eq!(
+        responses.structured_outputs,
+        Some(StructuredOutputs::Choice(vec!["x".into()]))
+    );
+
+    for (extra, path) in [
+        (
+            json!({"structured_outputs": {"regex": "a", "grammar": "b"}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"pattern": "a"}}),
+            "structured_outputs.pattern",
+        ),
+        (
+            json!({"structured_outputs": {"choice": []}}),
+            "structured_outputs.choice",
+        ),
+        (
+            json!({"structured_outputs": {"choice": ["a", 3]}}),
+            "structured_outputs.choice[1]",
+        ),
+        (
+            json!({"structured_outputs": {"regex": 5}}),
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let e = parse_value(CHAT, &base(extra.clone())).unwrap_err();
+        assert_eq!(e.path, path, "{extra}");
+    }
+    // Absent from the serialized request unless given.
+    let plain = serde_json::to_value(ok(CHAT, &base(json!({})))).unwrap();
+    assert!(plain.get("structured_outputs").is_none());
+}

@@ -29,6 +29,8 @@ use crate::error::{index, RecipeError, Result};
 
 const TOP_LEVEL: &[&str] = &[
     "model",
+    // powertrain's extension (vLLM's spelling): output constraints.
+    "structured_outputs",
     "messages",
     "max_tokens",
     "system",
@@ -212,6 +214,9 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         user = meta.str("user_id")?.map(str::to_string);
     }
 
+    let structured_outputs =
+        parse_structured_outputs(&top, &response_format, "output_config.format")?;
+
     Ok(EngineRequest {
         protocol: Protocol::AnthropicMessages,
         model,
@@ -230,6 +235,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         user,
         safety_identifier: None,
         prompt_cache_key: None,
+        structured_outputs,
     })
 }
 
@@ -269,6 +275,7 @@ fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
             "description",
             "input_schema",
             "cache_control",
+            "strict",
         ])?;
         let name = t.req_str("name")?;
         check_tool_name(name, &t.at("name"))?;
@@ -280,10 +287,12 @@ fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
         }
         let description = t.str("description")?.map(str::to_string);
         let parameters = schema_object(t.require("input_schema")?, &t.at("input_schema"))?;
+        let strict = t.bool("strict")?.unwrap_or(false);
         tools.push(Tool {
             name: name.to_string(),
             description,
             parameters,
+            strict,
         });
     }
     Ok(tools)

@@ -21,7 +21,7 @@
 //! ``reasoning_effort: "none"`` turns thinking off; other efforts set the effort.
 //! Assistant history reasoning: ``reasoning_content`` (DeepSeek) or ``reasoning`` (vLLM).
 //!
-//! Ignored hints: ``image_url.detail``, ``tools[].function.strict``,
+//! Ignored hints: ``image_url.detail``,
 //! ``response_format.json_schema.description``, ``stream_options.continuous_usage_stats``.
 
 use serde_json::Value;
@@ -32,6 +32,8 @@ use crate::error::{index, RecipeError, Result};
 
 const TOP_LEVEL: &[&str] = &[
     "model",
+    // powertrain's extension (vLLM's spelling): output constraints.
+    "structured_outputs",
     "messages",
     "tools",
     "tool_choice",
@@ -158,6 +160,8 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     let user = top.str("user")?.map(str::to_string);
     let (safety_identifier, prompt_cache_key) = openai_identifiers(&top)?;
 
+    let structured_outputs = parse_structured_outputs(&top, &response_format, "response_format")?;
+
     Ok(EngineRequest {
         protocol: Protocol::ChatCompletions,
         model,
@@ -176,6 +180,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         user,
         safety_identifier,
         prompt_cache_key,
+        structured_outputs,
     })
 }
 

@@ -27,7 +27,8 @@ use std::collections::HashMap;
 use serde_json::{Map, Value};
 
 use crate::conversation::{
-    ContentPart, EngineRequest, Protocol, ReasoningEffort, Tool, ToolCall, ToolChoice,
+    ContentPart, EngineRequest, Protocol, ReasoningEffort, ResponseFormat, StructuredOutputs, Tool,
+    ToolCall, ToolChoice,
 };
 use crate::error::{child, index, RecipeError, Result};
 
@@ -380,6 +381,53 @@ pub(crate) fn string_or_list(value: &Value, path: &str) -> Result<Vec<String>> {
     }
 }
 
+/// The ``structured_outputs`` extension field: an object with exactly one of ``json``
+/// (a schema), ``regex``, ``grammar`` (Lark) or ``choice`` (strings); refused next to a
+/// response format other than text (one constraint per request).
+pub(crate) fn parse_structured_outputs(
+    top: &Fields,
+    response_format: &ResponseFormat,
+    format_path: &str,
+) -> Result<Option<StructuredOutputs>> {
+    let Some(f) = top.object("structured_outputs")? else {
+        return Ok(None);
+    };
+    f.check_known(&["json", "regex", "grammar", "choice"])?;
+    let given: Vec<&String> = f.map.keys().collect();
+    if given.len() != 1 {
+        return Err(RecipeError::invalid(
+            f.path.clone(),
+            "give exactly one of `json`, `regex`, `grammar` or `choice`",
+        ));
+    }
+    if *response_format != ResponseFormat::Text {
+        return Err(RecipeError::invalid(
+            format_path,
+            "a JSON response format and `structured_outputs` cannot be combined; give one",
+        ));
+    }
+    let key = given[0].as_str();
+    let value = f.require(key)?;
+    let constraint = match key {
+        "json" => StructuredOutputs::Json(schema_object(value, &f.at(key))?),
+        "regex" => StructuredOutputs::Regex(as_str(value, &f.at(key))?.to_string()),
+        "grammar" => StructuredOutputs::Grammar(as_str(value, &f.at(key))?.to_string()),
+        _ => {
+            let items = as_array(value, &f.at(key))?;
+            if items.is_empty() {
+                return Err(RecipeError::invalid(f.at(key), "needs at least one string"));
+            }
+            let choices = items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| as_str(item, &index(&f.at(key), i)).map(str::to_string))
+                .collect::<Result<Vec<_>>>()?;
+            StructuredOutputs::Choice(choices)
+        }
+    };
+    Ok(Some(constraint))
+}
+
 /// A JSON schema slot (tool parameters, response schemas): must be an object.
 pub(crate) fn schema_object(value: &Value, path: &str) -> Result<Value> {
     as_object(value, path)?;
@@ -474,11 +522,12 @@ pub(crate) fn function_tool(f: &Fields, earlier: &[Tool]) -> Result<Tool> {
         Some(v) => schema_object(v, &f.at("parameters"))?,
         None => empty_parameters(),
     };
-    f.bool("strict")?;
+    let strict = f.bool("strict")?.unwrap_or(false);
     Ok(Tool {
         name: name.to_string(),
         description,
         parameters,
+        strict,
     })
 }
 

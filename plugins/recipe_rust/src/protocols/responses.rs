@@ -30,7 +30,7 @@
 //! it (content parts preferred, else summary parts, joined with "\n\n").
 //!
 //! Ignored hints: item ``id`` / ``status``, ``output_text.annotations`` /
-//! ``logprobs``, ``input_image.detail``, ``tools[].strict``,
+//! ``logprobs``, ``input_image.detail``,
 //! ``text.format.description``, ``stream_options.include_obfuscation``.
 
 use serde_json::Value;
@@ -42,6 +42,8 @@ use crate::error::{index, RecipeError, Result};
 
 const TOP_LEVEL: &[&str] = &[
     "model",
+    // powertrain's extension (vLLM's spelling): output constraints.
+    "structured_outputs",
     "input",
     "instructions",
     "tools",
@@ -337,6 +339,8 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     let user = top.str("user")?.map(str::to_string);
     let (safety_identifier, prompt_cache_key) = openai_identifiers(&top)?;
 
+    let structured_outputs = parse_structured_outputs(&top, &response_format, "text.format")?;
+
     Ok(EngineRequest {
         protocol: Protocol::Responses,
         model,
@@ -355,6 +359,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         user,
         safety_identifier,
         prompt_cache_key,
+        structured_outputs,
     })
 }
 
