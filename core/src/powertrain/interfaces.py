@@ -567,6 +567,11 @@ class ProtocolAdapter(Protocol):
         """The writer's finish reason (and stop sequence) from a response's events."""
         ...
 
+    def tool_call_grammar(self, request: Any) -> str | None:
+        """A Lark grammar (llguidance) that makes the model write the tool call the
+        request requires, in its own markup; None when none is forced."""
+        ...
+
 
 # --------------------------------------------------------------------------- models
 

@@ -107,7 +107,7 @@ class Server:
         self.check_model(parsed["model"])
         self.check_prompt_length(len(parsed["prompt_token_ids"]))
         try:
-            params = sampling_params(parsed, self.max_model_len)
+            params = sampling_params(parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed))
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
         request_id = f"{uuid.uuid4().hex[:24]}"
@@ -197,6 +197,8 @@ def create_app(engine: AsyncEngine, adapter: Any, settings: ServeSettings | None
             response = await call_next(request)
         except ApiError as exc:
             response = _json(exc.status, error_body(protocol, exc.status, exc.message, exc.param))
+        except InvalidRequestError as exc:  # refused by the engine (e.g. a grammar that does not compile)
+            response = _json(400, error_body(protocol, 400, str(exc)))
         except EngineDeadError as exc:
             response = _json(503, error_body(protocol, 503, str(exc)))
         except Exception as exc:  # a bug or an engine failure fails this request only

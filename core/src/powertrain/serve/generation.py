@@ -3,6 +3,7 @@ then either the whole response body or its SSE events as tokens arrive."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -10,20 +11,21 @@ from typing import Any
 from powertrain.engine.async_engine import AsyncEngine
 from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.sequence import RequestOutput
+from powertrain.engine.structured import StructuredOutput
 from powertrain.serve.errors import ApiError
 from powertrain.serve.metrics import ServerMetrics
 
 
-def sampling_params(request: Mapping[str, Any], max_model_len: int) -> SamplingParams:
-    """The engine's settings for a parsed request; what the server cannot honour is a 400."""
+def sampling_params(
+    request: Mapping[str, Any], max_model_len: int, tool_call_grammar: str | None = None
+) -> SamplingParams:
+    """The engine's settings for a parsed request; what the server cannot honour is a 400.
+    ``tool_call_grammar`` (from the adapter) forces the tool call the request requires."""
     sampling = request["sampling"]
     if sampling.get("n", 1) != 1:
         raise ApiError(400, "n > 1 is not supported by this server; send n requests instead", "n")
     if sampling.get("logprobs") or sampling.get("top_logprobs"):
         raise ApiError(400, "logprobs are not supported by this server yet", "logprobs")
-    response_format = request.get("response_format") or {"type": "text"}
-    if response_format.get("type", "text") != "text":
-        raise ApiError(400, f"response_format {response_format['type']!r} is not supported yet", "response_format")
     prompt_tokens = len(request["prompt_token_ids"])
     max_tokens = sampling.get("max_tokens")
     if max_tokens is None:  # until the model stops or the context is full
@@ -44,7 +46,38 @@ def sampling_params(request: Mapping[str, Any], max_model_len: int) -> SamplingP
         stop=tuple(sampling.get("stop") or ()),
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        structured=structured_output(request, tool_call_grammar),
     )
+
+
+def structured_output(request: Mapping[str, Any], tool_call_grammar: str | None) -> StructuredOutput | None:
+    """The request's one output constraint: a JSON response format, the structured_outputs
+    extension field, or a forced tool call (two of them at once is a 400)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    response_format = request.get("response_format") or {"type": "text"}
+    if response_format["type"] == "json_schema":
+        found.append(("response_format", StructuredOutput("json_schema", response_format["schema"])))
+    elif response_format["type"] == "json_object":
+        found.append(("response_format", StructuredOutput("json_object")))
+    extension = request.get("structured_outputs")
+    if extension is not None:
+        kind, value = extension["type"], extension["value"]
+        if kind == "json":
+            constraint = StructuredOutput("json_schema", value)
+        elif kind == "regex":
+            constraint = StructuredOutput("regex", value)
+        elif kind == "grammar":
+            constraint = StructuredOutput("lark", value)
+        else:  # choice: exactly one of the strings
+            constraint = StructuredOutput("lark", "start: " + " | ".join(json.dumps(c) for c in value) + "\n")
+        found.append(("structured_outputs", constraint))
+    if tool_call_grammar is not None:
+        found.append(("tool_choice", StructuredOutput("lark", tool_call_grammar)))
+    if len(found) > 1:
+        raise ApiError(
+            400, f"{found[0][0]} and {found[1][0]} both constrain the output; a request may use one", found[1][0]
+        )
+    return found[0][1] if found else None
 
 
 class Generation:

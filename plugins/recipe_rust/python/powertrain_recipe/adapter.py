@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from powertrain_recipe._native import PromptEncoder, ResponseWriter, StreamParser, parse_request_json
+from powertrain_recipe.grammar import tool_call_grammar
 
 #: Protocol names as the core's ProtocolAdapterRecord spells them -> the native names.
 PROTOCOLS = {
@@ -92,6 +93,11 @@ class RecipeAdapter:
             prompt_tokens=prompt_tokens,
             reasoning_summary=request.get("reasoning_summary") is not None,
         )
+
+    def tool_call_grammar(self, request: Mapping[str, Any]) -> str | None:
+        """A Lark grammar forcing the tool call the request requires, in this model's markup
+        (strict tools' arguments follow their schema); None when no call is forced."""
+        return tool_call_grammar(self.output_format, request)
 
     @staticmethod
     def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:
