@@ -6,12 +6,14 @@
 //! - ``render``: ``Conversation`` -> prompt text, as segments that remember which text
 //!   came from a user, a tool or a document (``render::Segment``).
 //! - ``tokenize``: segments -> token ids; untrusted text never yields a special token.
+//! - ``pretokenize``: a faster, identical GPT-2 byte-level pre-tokenizer for ``tokenize``.
 //! - ``output``: generated text -> reasoning / answer / tool calls, responses and SSE.
 //! - ``python`` (feature "python"): the PyO3 bindings the server and engine call.
 
 pub mod conversation;
 pub mod error;
 pub mod output;
+pub mod pretokenize;
 pub mod protocols;
 pub mod render;
 pub mod tokenize;

@@ -13,15 +13,21 @@
 //! added tokens still are), so the ids equal transformers' whenever no special-token
 //! string occurs in untrusted text.
 //!
+//! Byte-level BPE tokenizers whose pre-tokenizer ``pretokenize::ByteLevelSplitter``
+//! reproduces skip the crate's pipeline: the splitter's splits go straight to the
+//! tokenizer's own model (same ids, several times faster). A piece that contains a
+//! non-special added token still takes the crate's pipeline, which splits it there.
+//!
 //! Not reproduced: added tokens with ``normalized: true`` are matched on the raw text
 //! (HF matches them on normalized text), their ``lstrip``/``rstrip``/``single_word``
 //! flags are ignored, and a Metaspace pre-tokenizer with ``prepend_scheme: "first"``
 //! sees each piece as a first piece. None of these matter for byte-level BPE
 //! tokenizers (SmolLM2, Llama 3, Qwen, DeepSeek).
 
-use tokenizers::Tokenizer;
+use tokenizers::{Model, Tokenizer};
 
 use crate::error::{RecipeError, Result};
+use crate::pretokenize::{byte_level, ByteLevelSplitter};
 use crate::render::Prompt;
 
 pub struct PromptTokenizer {
@@ -31,6 +37,10 @@ pub struct PromptTokenizer {
     full: Tokenizer,
     /// Special added tokens, longest first: (content, id).
     special: Vec<(String, u32)>,
+    /// The fast path past the crate's pre-tokenizer, where it gives the same splits.
+    splitter: Option<ByteLevelSplitter>,
+    /// Non-special added tokens: a piece containing one takes the crate's pipeline.
+    plain_added: Vec<String>,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -54,10 +64,24 @@ impl PromptTokenizer {
             .map(|(id, t)| (t.content, id))
             .collect();
         special.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let plain_added = full
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| !t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        // Truncation and padding are post-processing the fast path would skip.
+        let splitter = if full.get_truncation().is_none() && full.get_padding().is_none() {
+            ByteLevelSplitter::for_tokenizer(&full)
+        } else {
+            None
+        };
         Ok(PromptTokenizer {
             plain,
             full,
             special,
+            splitter,
+            plain_added,
         })
     }
 
@@ -132,11 +156,38 @@ impl PromptTokenizer {
         if text.is_empty() {
             return Ok(());
         }
+        if let Some(splitter) = &self.splitter {
+            if !self.plain_added.iter().any(|t| text.contains(t.as_str())) {
+                return self.encode_splits(splitter, text, ids);
+            }
+        }
         let encoding = self
             .plain
             .encode_fast(text, false)
             .map_err(|e| RecipeError::internal(format!("tokenization failed: {e}")))?;
         ids.extend_from_slice(encoding.get_ids());
+        Ok(())
+    }
+
+    /// The fast path: ``splitter``'s splits, byte-mapped, through the tokenizer's model
+    /// (as the crate's pipeline does after its pre-tokenizer).
+    fn encode_splits(
+        &self,
+        splitter: &ByteLevelSplitter,
+        text: &str,
+        ids: &mut Vec<u32>,
+    ) -> Result<()> {
+        let model = self.plain.get_model();
+        let mut splits = Vec::new();
+        splitter.split(text, &mut splits);
+        let mut word = String::new();
+        for split in splits {
+            byte_level(split, &mut word);
+            let tokens = model
+                .tokenize(&word)
+                .map_err(|e| RecipeError::internal(format!("tokenization failed: {e}")))?;
+            ids.extend(tokens.iter().map(|t| t.id));
+        }
         Ok(())
     }
 }
