@@ -86,28 +86,31 @@ impl PromptEncoder {
         Ok(PromptEncoder { encoder, tokenizer })
     }
 
-    /// Parse, render and tokenize in one call: ``(request JSON, prompt text, token ids)``.
+    /// Parse, render and tokenize in one call: ``(request dict, prompt text, token ids)``.
+    /// The request comes back as Python objects directly (no JSON text to parse again).
     #[pyo3(signature = (protocol_name, body, add_generation_prompt = true))]
-    fn prompt(
+    fn prompt<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         protocol_name: &str,
         body: &[u8],
         add_generation_prompt: bool,
-    ) -> PyResult<(String, String, Vec<u32>)> {
+    ) -> PyResult<(Bound<'py, PyAny>, String, Vec<u32>)> {
         let protocol = protocol(protocol_name)?;
         let body = body.to_vec();
-        py.detach(|| {
-            let request = crate::protocols::parse_request(protocol, &body)?;
-            let prompt = self
-                .encoder
-                .render(&request.conversation, add_generation_prompt)?;
-            let ids = self.tokenizer.encode(&prompt)?;
-            let json =
-                serde_json::to_string(&request).map_err(|e| Error::internal(e.to_string()))?;
-            Ok((json, prompt.text(), ids))
-        })
-        .map_err(|e: Error| to_py(e, protocol))
+        let (request, text, ids) = py
+            .detach(|| {
+                let request = crate::protocols::parse_request(protocol, &body)?;
+                let prompt = self
+                    .encoder
+                    .render(&request.conversation, add_generation_prompt)?;
+                let ids = self.tokenizer.encode(&prompt)?;
+                Ok((request, prompt.text(), ids))
+            })
+            .map_err(|e: Error| to_py(e, protocol))?;
+        let request = pythonize::pythonize(py, &request)
+            .map_err(|e| to_py(Error::internal(e.to_string()), protocol))?;
+        Ok((request, text, ids))
     }
 
     /// Render an already parsed request (``parse_request_json``'s output): ``(prompt text, ids)``.

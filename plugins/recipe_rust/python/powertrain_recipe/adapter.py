@@ -64,8 +64,7 @@ class RecipeAdapter:
 
     def parse_request(self, protocol: str, body: bytes) -> dict[str, Any]:
         """Parse, render and tokenize: the engine request with ``prompt`` and ``prompt_token_ids`` added."""
-        request_json, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body)
-        request = json.loads(request_json)
+        request, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body)
         request["prompt"] = prompt
         request["prompt_token_ids"] = ids
         return request
