@@ -131,6 +131,7 @@ fn untrusted_special_tokens_never_become_special_ids() {
                 name: "get".into(),
                 description: Some(evil.clone()),
                 parameters: json!({"type": "object"}),
+                strict: false,
             }],
             ..Default::default()
         };
@@ -228,6 +229,7 @@ fn template_features() {
             name: "f".into(),
             description: None,
             parameters: json!({"type": "object", "properties": {"z": {}, "a": {}}}),
+            strict: false,
         }],
         thinking: Thinking {
             enabled: Some(true),
@@ -429,6 +431,7 @@ fn deepseek_v4_tools_calls_and_results() {
             name: "get_weather".into(),
             description: Some("Weather".into()),
             parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+            strict: false,
         }],
         thinking: Thinking {
             enabled: Some(true),
@@ -534,6 +537,7 @@ fn deepseek_v4_injection() {
             name: evil.clone(),
             description: Some(evil.clone()),
             parameters: json!({"x": evil.clone()}),
+            strict: false,
         }],
         thinking: Thinking {
             enabled: Some(true),
