@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -379,3 +380,25 @@ def test_token_masks_set_disallowed_logits_to_minus_infinity() -> None:
             assert torch.equal(logits[1], before[1])
         else:
             assert torch.equal(logits[1, :64], before[1, :64]) and torch.isinf(logits[1, 64:]).all()
+
+
+def test_masks_are_computed_on_the_grammar_worker(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    structured = llm.engine.runner.structured
+    threads: list[str] = []
+    fill = type(structured)._fill
+
+    def recording_fill(self, states, tokens):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        fill(self, states, tokens)
+
+    monkeypatch.setattr(type(structured), "_fill", recording_fill)
+    schema = SCHEMAS["flat person"]
+    [output] = llm.generate(
+        _prompt(llm), SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput.json_schema(schema))
+    )
+    _validate(output.outputs[0].text, schema, "flat person")
+    structured._worker.submit(lambda: None).result()  # the last job may still be queued
+    # One job for the first mask, then one per sampled token, plus the moot token that the step
+    # already in flight when EOS arrived samples (async scheduling).
+    assert len(threads) == 2 + len(output.outputs[0].token_ids)
+    assert all(name.startswith("powertrain-grammar") for name in threads), threads
