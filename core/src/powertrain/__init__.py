@@ -1,6 +1,6 @@
 """powertrain: an open, pluggable LLM inference engine.
 
-The public API: ``LLM`` and ``SamplingParams`` for offline generation,
+The public API: ``LLM``, ``SamplingParams`` and ``StructuredOutput`` for offline generation,
 ``AsyncEngine`` for streaming, ``hookimpl`` for plugin authors (with the records in
 ``powertrain.components`` and the hot-path contracts in ``powertrain.interfaces``).
 The engine names are imported on first use, so ``import powertrain`` stays cheap
@@ -21,6 +21,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 _LAZY = {
     "LLM": "powertrain.llm",
     "SamplingParams": "powertrain.engine.sampling_params",
+    "StructuredOutput": "powertrain.engine.structured",
     "RequestOutput": "powertrain.engine.sequence",
     "CompletionOutput": "powertrain.engine.sequence",
     "AsyncEngine": "powertrain.engine.async_engine",

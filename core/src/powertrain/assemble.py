@@ -411,6 +411,7 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
     from powertrain.engine.model_runner import ModelRunner
     from powertrain.engine.sampler import Sampler
     from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
+    from powertrain.engine.structured import StructuredOutputs
     from powertrain.loader import load_checkpoint
 
     config = config or EngineConfig()
@@ -438,7 +439,14 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
         chunked_prefill=config.scheduler.chunked_prefill,
     )
     scheduler = result.chosen("scheduler").record.factory(SchedulerContext(limits=limits, block_manager=block_manager))
-    runner = ModelRunner(model, kv_caches, block_size, result.device, Sampler(config.model.seed))
+    runner = ModelRunner(
+        model,
+        kv_caches,
+        block_size,
+        result.device,
+        Sampler(config.model.seed),
+        structured=StructuredOutputs(checkpoint.tokenizer),
+    )
     model_limit = int(checkpoint.config.get("max_position_embeddings") or 2048)
     max_model_len = min(config.model.max_model_len or model_limit, model_limit)
 

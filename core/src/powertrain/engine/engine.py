@@ -5,7 +5,9 @@ on this thread while step N runs on the device thread, then collects N. Anything
 needs N's tokens is built around that one-step lag: N+1 feeds placeholders that the
 device thread fills from N's result; a sequence that N finishes may already be in N+1,
 whose token for it is then dropped; stop checks and detokenization run here, on N's
-result, while N+1 computes.
+result, while N+1 computes. A constrained sequence's (structured output) matcher eats N's
+token and computes N+1's mask on the grammar worker while N+1's forward runs; see
+``structured.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from powertrain.engine.sequence import (
 from powertrain.engine.sequence import (
     Sequence as Seq,
 )
+from powertrain.engine.structured import GrammarState
 from powertrain.interfaces import Scheduler
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -138,12 +141,14 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_length(len(token_ids), params)
-        stop_ids = tuple(
-            sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.eos_token_ids))
-        )
+        grammars = self._start_grammars(params)
+        # A constraint ends its output with EOS once complete (llguidance allows nothing else then).
+        eos = self.tokenizer.eos_token_ids if not params.ignore_eos or grammars else set()
+        stop_ids = tuple(sorted(set(params.stop_token_ids) | eos))
         request = Request(request_id, text, token_ids, params, stop_token_ids=stop_ids)
         self._requests[request_id] = request
-        for seq in request.sequences:
+        for seq, grammar in zip(request.sequences, grammars or [None] * params.n, strict=True):
+            seq.grammar = grammar
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=token_ids
             )
@@ -178,6 +183,15 @@ class LLMEngine:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
                 f"cache slots, but the whole KV cache holds {capacity}; lower max_tokens or raise [cache] memory_gib"
             )
+
+    def _start_grammars(self, params: SamplingParams) -> list[GrammarState]:
+        """One matcher per sequence of a constrained request (none for an unconstrained one)."""
+        if params.structured is None:
+            return []
+        structured = self.runner.structured
+        if structured is None:
+            raise InvalidRequestError("this engine was built without structured output; send no constraint")
+        return structured.start(params.structured, params.n)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks at once; returns its final output
@@ -304,6 +318,7 @@ class LLMEngine:
             seq.token_ids.pop()
         self.scheduler.finish(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.grammar = None  # a step still in flight may hold it; nothing else will
 
     def _request_output(self, request: Request) -> RequestOutput:
         finished = request.finished
@@ -357,6 +372,8 @@ class LLMEngine:
                 self._in_flight.future.result()
             self._in_flight = None
         self._device_thread.shutdown()
+        if self.runner.structured is not None:
+            self.runner.structured.shutdown()
         if self._on_shutdown is not None:
             self._on_shutdown(self)
 

@@ -5,6 +5,10 @@ batch); ``execute`` runs on the device thread. Under async scheduling step N+1 i
 prepared while step N executes, so N+1 does not yet know the tokens N samples:
 those inputs are placeholders, filled in by ``execute`` from N's result, which the
 device thread holds because steps execute in order.
+
+Structured output follows the same order: a constrained row's mask for step N+1 is
+computed on the grammar worker from N's token while N+1's forward runs, and N+1's
+sampler waits for it (see ``structured.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from powertrain.engine.sampler import Sampler, SamplerOutput, SamplingInputs
 from powertrain.engine.scheduling import ScheduledBatch
 from powertrain.engine.sequence import PLACEHOLDER
+from powertrain.engine.structured import GrammarState, StructuredOutputs, TokenMasks
 from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache
 
 
@@ -33,6 +38,9 @@ class PreparedStep:
     input_patches: list[tuple[int, int]]
     #: (sample row, sequence id) pairs whose penalty history ends in that token.
     history_patches: list[tuple[int, int]]
+    #: Sample rows of constrained sequences (structured output), and their matchers.
+    grammar_rows: list[int] = attrs.field(factory=list)
+    grammars: list[GrammarState] = attrs.field(factory=list)
 
 
 class ModelRunner:
@@ -43,12 +51,15 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        #: Compiles constraints and computes token masks; None: this engine has no structured output.
+        self.structured = structured
         self._previous_tokens: dict[int, int] = {}  # device thread only
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
@@ -59,6 +70,8 @@ class ModelRunner:
         input_patches: list[tuple[int, int]] = []
         history_patches: list[tuple[int, int]] = []
         params, generators, history, num_output, banned = [], [], [], [], []
+        grammar_rows: list[int] = []
+        grammars: list[GrammarState] = []
         for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             end = seq.num_computed_tokens  # the scheduler already counted this step's tokens
             start = end - count
@@ -83,6 +96,9 @@ class ModelRunner:
             produced = end - seq.num_prompt_tokens
             num_output.append(produced if history[-1] else 0)
             banned.append(_banned(seq.request.stop_token_ids, produced, p.min_tokens))
+            if seq.grammar is not None:
+                grammar_rows.append(len(params) - 1)
+                grammars.append(seq.grammar)
         metadata = AttentionMetadata.build(
             query_lens=batch.num_new_tokens,
             seq_lens=[seq.num_computed_tokens for seq in batch.seqs],
@@ -101,6 +117,8 @@ class ModelRunner:
             sampled_seq_ids=sampled_seq_ids,
             input_patches=input_patches,
             history_patches=history_patches,
+            grammar_rows=grammar_rows,
+            grammars=grammars,
         )
 
     @torch.inference_mode()
@@ -112,9 +130,24 @@ class ModelRunner:
             if step.sampling.history[row]:
                 step.sampling.history[row][-1] = self._previous_tokens[seq_id]
         hidden = self.model.forward(input_ids.to(self.device), step.positions, self.kv_caches, step.metadata)
-        logits = self.model.compute_logits(hidden[step.sample_rows])
-        output = self.sampler(logits.cpu(), step.sampling)
-        self._previous_tokens = dict(zip(step.sampled_seq_ids, output.tokens.tolist(), strict=True))
+        logits = self.model.compute_logits(hidden[step.sample_rows]).cpu()
+        masks = None
+        if step.grammars:  # the worker computed these while this step's forward ran
+            masks = TokenMasks(rows=step.grammar_rows, disallowed=self.structured.masks(step.grammars))  # type: ignore[union-attr]
+        output = self.sampler(logits, step.sampling, masks)
+        tokens = output.tokens.tolist()
+        if step.grammars:  # and now the next masks, while the next step's forward runs
+            self.structured.advance(step.grammars, [tokens[row] for row in step.grammar_rows])  # type: ignore[union-attr]
+        self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
+        return output
+        assert self.structured is not None
+        # The masks were computed on the grammar worker while this step's forward ran.
+        masks = TokenMasks(rows=step.grammar_rows, disallowed=self.structured.masks(step.grammars))
+        output = self.sampler(logits, step.sampling, masks)
+        tokens = output.tokens.tolist()
+        # Matchers eat this step's tokens and compute the next masks while the next forward runs.
+        self.structured.advance(step.grammars, [tokens[row] for row in step.grammar_rows])
+        self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
         return output
 
 

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from powertrain.engine.sampling_params import SamplingParams
+from powertrain.engine.structured import TokenMasks
 
 
 @attrs.frozen(kw_only=True)
@@ -49,9 +50,12 @@ class Sampler:
         # For rows without a seed of their own; advanced once per unseeded step.
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs, masks: TokenMasks | None = None) -> SamplerOutput:
+        """``masks`` (structured output) says which tokens the constrained rows may sample."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in inputs.params) else None
+        if masks is not None:
+            masks.apply(logits)
         logits = apply_penalties(logits, inputs)
         for row, banned in enumerate(inputs.banned):
             if banned:

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from powertrain.engine.errors import InvalidRequestError
+from powertrain.engine.structured import StructuredOutput
 
 
 def _to_tuple(value: Any) -> tuple:
@@ -24,7 +25,10 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable those filters.
     ``seed`` makes the request's tokens reproducible whatever else is in the batch.
     ``logprobs=k`` returns the chosen token's logprob and the ``k`` most likely ones
-    (from the model's distribution before temperature and penalties).
+    (from the model's distribution before temperature, penalties and constraints).
+    ``structured`` constrains the output to a JSON schema, any JSON object, a regex or a
+    Lark grammar (see ``StructuredOutput``); the output then ends when the constraint is
+    complete, with an EOS token even if ``ignore_eos`` is set.
     """
 
     n: int = 1
@@ -44,6 +48,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __attrs_post_init__(self) -> None:
         problems = []
@@ -81,6 +86,14 @@ class SamplingParams:
         need(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             f"logprobs must be between 0 and 20, got {self.logprobs!r}",
+        )
+        need(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            f"structured must be a StructuredOutput, got {type(self.structured).__name__}",
+        )
+        need(
+            self.structured is None or self.min_tokens == 0,
+            "min_tokens cannot be combined with structured output: the constraint decides where the output ends",
         )
         if problems:
             raise InvalidRequestError("invalid sampling parameters: " + "; ".join(problems))

@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from powertrain.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from powertrain.engine.structured import GrammarState
 
 #: A token sampled by a step that is still running (async scheduling): its id is
 #: filled in when the step's result arrives; the step after it reads it on the device.
@@ -50,6 +53,8 @@ class Sequence:
             # One generator per sequence, advanced once per sampled token: the same
             # request draws the same numbers whatever else is batched with it.
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        #: The matcher of a constrained sequence (structured output), dropped when it finishes.
+        self.grammar: GrammarState | None = None
 
     @property
     def params(self) -> SamplingParams:

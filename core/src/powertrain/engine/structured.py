@@ -1,0 +1,242 @@
+"""Structured output: a request's tokens constrained to a JSON schema, a regex or a Lark grammar.
+
+llguidance compiles each request's constraint once, when the request is added (a constraint
+that does not compile is an InvalidRequestError saying why), and every sequence gets its own
+matcher. A matcher eats the sequence's sampled tokens one by one and answers which tokens may
+come next, as a bitmask over the vocabulary; the sampler sets the logits of the others to -inf.
+
+Where that work runs follows the engine's one-step lag (DESIGN §3, async scheduling): step N
+samples on the device thread, which then hands N's tokens to the grammar worker thread and goes
+on to step N+1's forward; the worker feeds each matcher its token and computes its next mask
+meanwhile (llguidance releases the GIL), and only N+1's sampler waits for those masks. A
+constrained row thus costs a step nothing unless its mask takes longer than the forward, and a
+batch without constrained rows touches none of this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import torch
+
+from powertrain.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from powertrain.tokenizer import Tokenizer
+
+#: What a constraint can be: a JSON schema (OpenAI ``response_format`` ``json_schema``), any JSON
+#: object (``json_object``), a regular expression (Rust ``regex`` syntax, matched against the
+#: whole output) or a Lark grammar (llguidance's dialect, which can also embed JSON schemas with
+#: ``%json {...}``).
+KINDS = ("json_schema", "json_object", "regex", "lark")
+_KIND_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "lark": "Lark grammar"}
+
+#: How JSON is laid out unless a schema's ``"x-guidance"`` says otherwise: one space after ``:``
+#: and ``,`` (as ``json.dumps`` writes it) and no other whitespace. Free whitespace lets a small
+#: model pad with newlines until it runs out of tokens; a fixed layout is still valid JSON.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@attrs.frozen
+class StructuredOutput:
+    """A constraint on a request's output, e.g. ``StructuredOutput("json_schema", {...})``.
+
+    ``spec`` is the JSON schema (a dict, or its JSON text) for ``json_schema``, nothing for
+    ``json_object``, the pattern for ``regex`` and the grammar text for ``lark``. A schema's
+    ``"x-guidance"`` key takes llguidance's JSON options (e.g. ``{"whitespace_flexible": true}``).
+    Whether the constraint compiles is checked when the request is added.
+    """
+
+    kind: str
+    spec: Any = attrs.field(default=None, hash=False)  # dicts do not hash; equality still sees them
+
+    def __attrs_post_init__(self) -> None:
+        kind, spec = self.kind, self.spec
+        if kind not in KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        if kind == "json_schema":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except ValueError as error:
+                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {error}") from None
+            if not isinstance(spec, Mapping):
+                raise InvalidRequestError(
+                    f"a json_schema constraint needs the schema as a JSON object, got {type(spec).__name__}"
+                )
+            try:  # a private copy, so a caller changing its dict later cannot change this request
+                spec = json.loads(json.dumps(spec))
+            except (TypeError, ValueError) as error:
+                raise InvalidRequestError(f"the JSON schema cannot be written as JSON: {error}") from None
+            object.__setattr__(self, "spec", spec)
+        elif kind == "json_object":
+            if spec is not None:
+                raise InvalidRequestError("a json_object constraint takes no spec; use json_schema to give a schema")
+        elif not isinstance(spec, str) or not spec:
+            what = "pattern" if kind == "regex" else "grammar text"
+            raise InvalidRequestError(f"a {kind} constraint needs its {what} as a non-empty string, got {spec!r}")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> StructuredOutput:
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> StructuredOutput:
+        return cls("lark", grammar)
+
+    def grammar(self) -> str:
+        """llguidance's grammar for this constraint (not yet compiled, so not yet checked)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.spec)
+        schema = {"type": "object"} if self.kind == "json_object" else self.spec
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)  # type: ignore[arg-type]
+        except ValueError as error:  # e.g. an "x-guidance" value of the wrong type
+            raise InvalidRequestError(f"the JSON schema cannot be compiled: {error}") from None
+
+
+class GrammarState:
+    """One sequence's matcher and the tokens it may not sample next.
+
+    After the engine thread creates it, only the device thread (between steps) and the grammar
+    worker (inside one job, which ``ready`` completes) touch it, never both at once.
+    """
+
+    __slots__ = ("matcher", "disallowed", "ready")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.disallowed: torch.Tensor = torch.empty(0, dtype=torch.bool)  # [llguidance's vocab size]
+        self.ready: Future[None] | None = None  # the job that writes ``disallowed``
+
+
+@attrs.frozen
+class TokenMasks:
+    """The sampler's view: which sample rows are constrained, and what each may not sample."""
+
+    rows: list[int]
+    disallowed: torch.Tensor  # bool [len(rows), llguidance's vocab size]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the logits of every token a row may not sample to -inf (in place)."""
+        vocab = logits.shape[1]
+        disallowed = self.disallowed[:, :vocab]
+        if disallowed.shape[1] < vocab:  # ids past the tokenizer's vocabulary (padded embedding rows)
+            disallowed = torch.nn.functional.pad(disallowed, (0, vocab - disallowed.shape[1]), value=True)
+        if len(self.rows) == logits.shape[0]:  # rows are distinct sample rows: these are all of them
+            logits.masked_fill_(disallowed, float("-inf"))
+        else:
+            logits[self.rows] = logits[self.rows].masked_fill_(disallowed, float("-inf"))
+
+
+class StructuredOutputs:
+    """Per engine: llguidance's view of the tokenizer, the compiler, and the grammar worker.
+
+    ``start`` runs on the engine thread (when a request is added); ``masks`` and ``advance`` run
+    on the device thread, before and after each step's sampling.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, threads: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        # llguidance fans a step's matchers out over its own threads; leave cores to the forward.
+        self._threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (it walks the whole vocabulary: most of a second)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+
+                # The grammar's end is EOS: llguidance allows only these once the output is complete.
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self.tokenizer.backend.to_str(), eos_token=sorted(self.tokenizer.eos_token_ids)
+                )
+                self._executor = llguidance.LLExecutor(num_threads=self._threads)
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="powertrain-grammar")
+            return self._ll_tokenizer
+
+    def compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher for ``constraint``; InvalidRequestError with llguidance's reason if it
+        does not compile (an unsupported schema keyword, an unsatisfiable schema, a bad regex)."""
+        from llguidance import LLMatcher
+
+        grammar = constraint.grammar()
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)  # compiles without the GIL
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"the {_KIND_NAMES[constraint.kind]} constraint cannot be compiled: {matcher.get_error().strip()}"
+            )
+        return matcher
+
+    def start(self, constraint: StructuredOutput, count: int) -> list[GrammarState]:
+        """Matchers for the ``count`` sequences of a request; their first masks are computed
+        on the worker right away."""
+        matcher = self.compile(constraint)
+        states = [GrammarState(matcher if i == 0 else matcher.deep_copy()) for i in range(count)]
+        self._submit(states, None)
+        return states
+
+    def masks(self, states: Sequence[GrammarState]) -> torch.Tensor:
+        """What ``states`` may not sample next (a bool row each), once the jobs computing it are done."""
+        for state in states:
+            state.ready.result()  # type: ignore[union-attr]  # every state has a job from start()
+        return torch.stack([state.disallowed for state in states])
+
+    def advance(self, states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
+        """Feed each state its sampled token and compute its next mask, on the worker."""
+        self._submit(states, tokens)
+
+    def _submit(self, states: Sequence[GrammarState], tokens: Sequence[int] | None) -> None:
+        assert self._worker is not None
+        job = self._worker.submit(self._fill, list(states), tokens)
+        for state in states:
+            state.ready = job
+
+    def _fill(self, states: list[GrammarState], tokens: Sequence[int] | None) -> None:
+        """The worker's job. No torch op runs here (a second thread computing with torch starts
+        a second OpenMP team, see device_thread.py): llguidance and numpy do the work."""
+        executor, ll_tokenizer = self._executor, self._ll_tokenizer
+        assert executor is not None and ll_tokenizer is not None
+        matchers = [state.matcher for state in states]
+        if tokens is not None:
+            # A token a matcher refuses leaves it in an error state, whose mask allows only EOS,
+            # so the sequence ends; that is also what a finished sequence's last moot token does.
+            executor.consume_token_par(list(zip(matchers, tokens, strict=True)))
+        # One bit per token: bit t % 32 of the little-endian 32-bit word t // 32.
+        bits = np.empty((len(states), (ll_tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        executor.unsafe_compute_mask_ptr(
+            [(matcher, i) for i, matcher in enumerate(matchers)], bits.ctypes.data, bits.shape[1] * 4, len(states)
+        )
+        disallowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0
+        for state, row in zip(states, torch.from_numpy(disallowed), strict=True):
+            state.disallowed = row
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
