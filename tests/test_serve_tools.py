@@ -38,7 +38,12 @@ WEATHER = {
     "required": ["city", "days", "metric"],
     "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,  # OpenAI's strict mode asks for it
+}
 OPENAI_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
     {"type": "function", "function": {"name": "get_time", "parameters": TIME, "strict": True}},

@@ -101,6 +101,16 @@ class StructuredOutput:
     def lark(cls, grammar: str) -> StructuredOutput:
         return cls("lark", grammar)
 
+    def check(self) -> None:
+        """Raise InvalidRequestError now if the constraint cannot compile: for callers (a
+        server) that must refuse a request before they start answering it. Checked without
+        the tokenizer, so a grammar can still fail later against a vocabulary."""
+        from llguidance import LLMatcher
+
+        problem = LLMatcher.validate_grammar(self.grammar())
+        if problem:
+            raise InvalidRequestError(f"the {_KIND_NAMES[self.kind]} constraint cannot be compiled: {problem.strip()}")
+
     def grammar(self) -> str:
         """llguidance's grammar for this constraint (not yet compiled, so not yet checked)."""
         from llguidance import LLMatcher

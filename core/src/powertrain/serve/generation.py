@@ -77,7 +77,11 @@ def structured_output(request: Mapping[str, Any], tool_call_grammar: str | None)
         raise ApiError(
             400, f"{found[0][0]} and {found[1][0]} both constrain the output; a request may use one", found[1][0]
         )
-    return found[0][1] if found else None
+    if not found:
+        return None
+    constraint = found[0][1]
+    constraint.check()  # refuse it now (400), not halfway through a stream
+    return constraint
 
 
 class Generation:

@@ -22,6 +22,9 @@ _V3_CALL_BEGIN = "<\uff5ctool\u2581call\u2581begin\uff5c>"
 _V3_CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
 _V3_SEP = "<\uff5ctool\u2581sep\uff5c>"
 _ANY_OBJECT = {"type": "object"}
+#: llguidance's JSON layout options: compact JSON as json.dumps writes it. Free whitespace
+#: would let a model pad the arguments with newlines until it runs out of tokens.
+_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _literal(text: str) -> str:
@@ -53,5 +56,5 @@ def tool_call_grammar(output_format: str, request: Mapping[str, Any]) -> str | N
         schema = tool.get("parameters") if tool.get("strict") and tool.get("parameters") else _ANY_OBJECT
         header = f"{_V3_CALL_BEGIN}function{_V3_SEP}{tool['name']}\n```json\n"
         lines.append(f"call_{i}: {_literal(header)} args_{i} {_literal(chr(10) + '```' + _V3_CALL_END)}")
-        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+        lines.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
     return "\n".join(lines) + "\n"
