@@ -16,6 +16,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -26,6 +27,7 @@ from powertrain.llm import apply_overrides
 from powertrain.plugins import PluginManager
 from powertrain.serve.run import protocol_adapter
 from powertrain.serve.settings import ServeSettings
+from powertrain.testing.schemas import JSON_SCHEMAS
 from powertrain.testing.server import running_server
 
 MODEL = "smollm2-135m"
@@ -166,6 +168,74 @@ def test_legacy_completions_plain_and_streamed_agree(oai: openai.OpenAI) -> None
     )
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- structured output
+
+
+def test_json_schema_outputs_validate(base_url: str) -> None:
+    assert len(JSON_SCHEMAS) >= 20
+
+    async def one(client: openai.AsyncOpenAI, name: str, schema: dict, seed: int) -> tuple[str, str, dict]:
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Give me an example {name} as JSON."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema, "strict": True},
+            },
+            max_tokens=160,
+            temperature=0.8,
+            seed=seed,
+        )
+        return name, reply.choices[0].message.content, schema
+
+    async def main() -> list[tuple[str, str, dict]]:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as client:
+            jobs = [one(client, name, schema, i) for i, (name, schema) in enumerate(JSON_SCHEMAS.items())]
+            return await asyncio.gather(*jobs)
+
+    for name, text, schema in asyncio.run(main()):
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError) as error:
+            raise AssertionError(f"{name}: {error}: {text!r}") from None
+
+
+def test_json_object_regex_and_choice_constraints(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=120,
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    phone = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A phone number?"}],
+        extra_body={"structured_outputs": {"regex": r"\+33 [1-9]( [0-9]{2}){4}"}},
+        max_tokens=30,
+    )
+    assert re.fullmatch(r"\+33 [1-9]( [0-9]{2}){4}", phone.choices[0].message.content)
+    pick = oai.responses.create(
+        model=MODEL, input="Yes or no?", extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}}
+    )
+    assert pick.output_text in ("yes", "no", "maybe")
+    schema = JSON_SCHEMAS["flat person"]
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=80,
+        messages=[{"role": "user", "content": "A person as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_body={"structured_outputs": {"regex": "(unclosed"}},
+        )
 
 
 # --------------------------------------------------------------------------- refusals

@@ -15,6 +15,7 @@ import torch
 from powertrain import LLM, SamplingParams
 from powertrain.engine.errors import InvalidRequestError
 from powertrain.engine.structured import StructuredOutput, TokenMasks
+from powertrain.testing.schemas import JSON_SCHEMAS
 
 
 @pytest.fixture(scope="module")
@@ -22,111 +23,6 @@ def llm() -> LLM:
     with LLM(dtype="float32") as engine:
         yield engine
 
-
-def _short(maximum: int = 12) -> dict:
-    return {"type": "string", "minLength": 1, "maxLength": maximum}
-
-
-def _digit() -> dict:
-    return {"type": "integer", "minimum": 0, "maximum": 9}
-
-
-def _object(properties: dict, required: list[str] | None = None) -> dict:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties) if required is None else required,
-        "additionalProperties": False,
-    }
-
-
-# Every value is bounded (lengths, item counts, number ranges), so a 135M model sampling freely
-# cannot ramble past max_tokens inside a string or a number.
-SCHEMAS: dict[str, dict] = {
-    "flat person": _object({"name": _short(), "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
-    "string enum": _object({"color": {"enum": ["red", "green", "blue"]}}),
-    "boolean and null": _object({"active": {"type": "boolean"}, "note": {"type": "null"}}),
-    "nested object with pattern": _object(
-        {"city": _short(), "address": _object({"street": _short(), "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})}
-    ),
-    "integer array with bounds": _object(
-        {
-            "scores": {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 1, "maximum": 9},
-                "minItems": 2,
-                "maxItems": 4,
-            }
-        }
-    ),
-    "array of objects": _object(
-        {
-            "items": {
-                "type": "array",
-                "items": _object({"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}),
-                "minItems": 1,
-                "maxItems": 2,
-            }
-        }
-    ),
-    # multipleOf bounds the digits after the point too.
-    "bounded number": _object({"celsius": {"type": "number", "minimum": -50, "maximum": 50, "multipleOf": 0.5}}),
-    "string lengths": _object({"code": {"type": "string", "minLength": 3, "maxLength": 6}}),
-    "optional properties": _object(
-        {"title": _short(), "subtitle": _short(), "pages": {"type": "integer", "minimum": 1, "maximum": 999}},
-        required=["title"],
-    ),
-    "anyOf": _object({"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 100}, _short(8)]}}),
-    "date pattern": _object({"date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"}}),
-    "top-level array of enums": {
-        "type": "array",
-        "items": {"enum": ["apple", "pear", "plum"]},
-        "minItems": 1,
-        "maxItems": 3,
-    },
-    "const": _object(
-        {"kind": {"const": "point"}, "x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": _digit()}
-    ),
-    "exclusive bounds": _object({"level": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}}),
-    "nested arrays": _object(
-        {
-            "matrix": {
-                "type": "array",
-                "items": {"type": "array", "items": _digit(), "minItems": 2, "maxItems": 2},
-                "minItems": 2,
-                "maxItems": 2,
-            }
-        }
-    ),
-    "$defs and $ref": {
-        "$defs": {"point": _object({"x": {"type": "integer", "minimum": 0, "maximum": 99}, "y": _digit()})},
-        **_object({"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}),
-    },
-    "type union with null": _object({"nickname": {"type": ["string", "null"], "maxLength": 10}}),
-    "mixed enum": _object({"answer": {"enum": [1, "two", None, True]}}),
-    "three levels deep": _object({"a": _object({"b": _object({"c": _digit()})})}),
-    "integer multipleOf": _object({"count": {"type": "integer", "minimum": 5, "maximum": 1000, "multipleOf": 5}}),
-    "oneOf and allOf": _object(
-        {
-            "id": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]},
-            "tag": {"allOf": [_short(), {"maxLength": 5}]},
-        }
-    ),
-    "date format": _object({"due": {"type": "string", "format": "date"}}),
-    "additionalProperties schema": {
-        "type": "object",
-        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["id"],
-        "additionalProperties": {"type": "boolean"},
-        "maxProperties": 3,
-    },
-    "array of enums with required object": _object(
-        {
-            "user": _object({"name": _short(), "role": {"enum": ["admin", "guest"]}}),
-            "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-        }
-    ),
-}
 
 #: Short on purpose: the constraint, not the prompt, makes the output valid, and prefill stays cheap.
 PROMPT = [{"role": "user", "content": "Reply in JSON."}]
@@ -148,9 +44,9 @@ def _validate(text: str, schema: dict, label: str) -> None:
 
 
 def test_json_schemas_greedy_and_sampled_validate(llm: LLM) -> None:
-    assert len(SCHEMAS) >= 20
+    assert len(JSON_SCHEMAS) >= 20
     prompts, params, labels = [], [], []
-    for i, (name, schema) in enumerate(SCHEMAS.items()):
+    for i, (name, schema) in enumerate(JSON_SCHEMAS.items()):
         constraint = StructuredOutput.json_schema(schema)
         for label, p in (
             ("greedy", SamplingParams(temperature=0, max_tokens=64, structured=constraint)),
@@ -269,7 +165,7 @@ def test_unconstrained_requests_are_unchanged_by_constrained_ones_in_the_batch(l
     alone = [
         llm.generate([p], params)[0].outputs[0].token_ids for p, params in zip(plain_prompts, plain_params, strict=True)
     ]
-    schema = SCHEMAS["flat person"]
+    schema = JSON_SCHEMAS["flat person"]
     constrained = [
         SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput.json_schema(schema)),
         SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured=StructuredOutput.json_schema(schema)),
@@ -284,7 +180,7 @@ def test_unconstrained_requests_are_unchanged_by_constrained_ones_in_the_batch(l
 
 
 def test_n_2_each_sequence_has_its_own_matcher(llm: LLM) -> None:
-    schema = SCHEMAS["array of objects"]
+    schema = JSON_SCHEMAS["array of objects"]
     params = SamplingParams(
         n=2, temperature=1.0, seed=21, max_tokens=64, structured=StructuredOutput.json_schema(schema)
     )
@@ -320,7 +216,7 @@ def test_abort_drops_the_matcher_and_the_engine_keeps_serving(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == free_before
-    schema = SCHEMAS["string enum"]
+    schema = JSON_SCHEMAS["string enum"]
     [output] = llm.generate(
         _prompt(llm),
         SamplingParams(temperature=0, max_tokens=20, structured=StructuredOutput.json_schema(schema)),
@@ -342,7 +238,7 @@ def test_sync_scheduling_and_preemption_give_the_same_tokens(llm: LLM) -> None:
     prompts = [_prompt(llm)] * len(names)
     params = [
         SamplingParams(
-            temperature=0.8, seed=40 + i, max_tokens=64, structured=StructuredOutput.json_schema(SCHEMAS[name])
+            temperature=0.8, seed=40 + i, max_tokens=64, structured=StructuredOutput.json_schema(JSON_SCHEMAS[name])
         )
         for i, name in enumerate(names)
     ]
@@ -359,7 +255,7 @@ def test_sync_scheduling_and_preemption_give_the_same_tokens(llm: LLM) -> None:
         assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
     for name, output in zip(names, outputs, strict=True):
-        _validate(output.outputs[0].text, SCHEMAS[name], name)
+        _validate(output.outputs[0].text, JSON_SCHEMAS[name], name)
 
 
 def test_token_masks_set_disallowed_logits_to_minus_infinity() -> None:
@@ -392,7 +288,7 @@ def test_masks_are_computed_on_the_grammar_worker(llm: LLM, monkeypatch: pytest.
         fill(self, states, tokens)
 
     monkeypatch.setattr(type(structured), "_fill", recording_fill)
-    schema = SCHEMAS["flat person"]
+    schema = JSON_SCHEMAS["flat person"]
     [output] = llm.generate(
         _prompt(llm), SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput.json_schema(schema))
     )
