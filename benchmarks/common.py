@@ -10,12 +10,14 @@ from typing import Any
 
 import torch
 
+from powertrain.bench.report import cpu_model
+
 
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpu": _cpu_model() or platform.processor() or platform.machine(),
+        "cpu": cpu_model() or platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -32,12 +34,3 @@ def report(title: str, results: dict[str, Any]) -> None:
         shown = f"{value:.3f}" if isinstance(value, float) else value
         print(f"  {key:<{width}}  {shown}")
     print("json: " + json.dumps({"title": title, "machine": machine(), "results": results}))
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name (Linux): matmul speed depends on the vendor's libraries."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
-    except OSError:
-        return None

@@ -76,13 +76,14 @@ def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model() or platform.processor() or platform.machine(),
+        "cpu": cpu_model() or platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "executable": os.path.basename(sys.executable),
     }
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux; None elsewhere): speed depends on the vendor's libraries."""
     try:
         with open("/proc/cpuinfo") as info:
             return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)

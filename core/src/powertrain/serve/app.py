@@ -118,12 +118,7 @@ class Server:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        final = None
-        async with contextlib.aclosing(generation.outputs()) as outputs:
-            async for output, _ in outputs:
-                final = output
-        if final is None or final.outputs[0].finish_reason == "abort":
-            raise ApiError(503, "the request was aborted: the server is shutting down")
+        final = await generation.final()
         self.metrics.requests.labels(protocol, "200").inc()
         return _json(200, self.adapter.render_response(protocol, parsed, final))
 

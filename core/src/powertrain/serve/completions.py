@@ -53,12 +53,7 @@ class CompletionsEndpoint:
                 self._stream(generation, body["model"], bool(options.get("include_usage"))),
                 media_type="text/event-stream",
             )
-        final = None
-        async with contextlib.aclosing(generation.outputs()) as outputs:
-            async for output, _ in outputs:
-                final = output
-        if final is None or final.outputs[0].finish_reason == "abort":
-            raise ApiError(503, "the request was aborted: the server is shutting down")
+        final = await generation.final()
         completion = final.outputs[0]
         choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
         server.metrics.requests.labels(PROTOCOL, "200").inc()

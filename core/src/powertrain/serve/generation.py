@@ -3,6 +3,7 @@ then either the whole response body or its SSE events as tokens arrive."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -113,6 +114,16 @@ class Generation:
             delta, text = completion.text[len(text) :], completion.text
             yield output, delta
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+
+    async def final(self) -> RequestOutput:
+        """Run to the end; the last output (a 503 if the server aborted it on shutdown)."""
+        final = None
+        async with contextlib.aclosing(self.outputs()) as outputs:
+            async for output, _ in outputs:
+                final = output
+        if final is None or final.outputs[0].finish_reason == "abort":
+            raise ApiError(503, "the request was aborted: the server is shutting down")
+        return final
 
     def _observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
