@@ -110,7 +110,7 @@ class Server:
             params = sampling_params(parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed))
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
-        request_id = f"{uuid.uuid4().hex[:24]}"
+        request_id = uuid.uuid4().hex[:24]
         generation = Generation(self.engine, self.metrics, request_id, list(parsed["prompt_token_ids"]), params)
         if parsed.get("stream"):
             return StreamingResponse(
