@@ -439,3 +439,25 @@ def test_bench_serve_measures_this_server(base_url: str, tmp_path: Path) -> None
         # Each turn resends the conversation so far: later turns hit the prefix cache.
         assert level["prefix_cache_hit_rate"] > 0.2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failure_inside_one_request_is_a_500_and_the_server_keeps_serving(
+    engine_and_adapter: tuple[AsyncEngine, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, adapter = engine_and_adapter
+    real_render = adapter.render_response
+
+    def render(protocol: str, request: Any, output: Any) -> bytes:
+        if "explode" in request["prompt"]:
+            raise RuntimeError("renderer exploded")
+        return real_render(protocol, request, output)
+
+    monkeypatch.setattr(adapter, "render_response", render)
+    with running_server(engine, adapter) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="renderer exploded"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "explode"}], max_tokens=2)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        assert metric(url, "powertrain_requests_total", '{protocol="openai.chat",status="500"}') == 1
+        wait_until_idle(url)
