@@ -461,3 +461,27 @@ def test_a_failure_inside_one_request_is_a_500_and_the_server_keeps_serving(
         assert reply.usage.completion_tokens == 2
         assert metric(url, "powertrain_requests_total", '{protocol="openai.chat",status="500"}') == 1
         wait_until_idle(url)
+
+
+def test_chat_logprobs_come_back_for_every_token(oai: openai.OpenAI) -> None:
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 6
+    assert "".join(entry.token for entry in content) == choice.message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        ranked = [top.logprob for top in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True) and all(lp <= 0 for lp in ranked)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
+        assert entry.logprob == pytest.approx(ranked[0])
+        assert bytes(entry.bytes).decode() == entry.token
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        oai.responses.create(model=MODEL, input="hi", include=["message.output_text.logprobs"], max_output_tokens=3)

@@ -25,8 +25,11 @@ def sampling_params(
     sampling = request["sampling"]
     if sampling.get("n", 1) != 1:
         raise ApiError(400, "n > 1 is not supported by this server; send n requests instead", "n")
-    if sampling.get("logprobs") or sampling.get("top_logprobs"):
-        raise ApiError(400, "logprobs are not supported by this server yet", "logprobs")
+    logprobs = None
+    if sampling.get("logprobs"):
+        if request["protocol"] != "chat_completions" or request.get("stream"):
+            raise ApiError(400, "logprobs are supported for non-streaming Chat Completions only", "logprobs")
+        logprobs = sampling.get("top_logprobs") or 0
     prompt_tokens = len(request["prompt_token_ids"])
     max_tokens = sampling.get("max_tokens")
     if max_tokens is None:  # until the model stops or the context is full
@@ -39,6 +42,7 @@ def sampling_params(
         "seed": sampling.get("seed"),
         "presence_penalty": sampling.get("presence_penalty"),
         "frequency_penalty": sampling.get("frequency_penalty"),
+        "logprobs": logprobs,
     }
     return SamplingParams(
         **{key: value for key, value in values.items() if value is not None},

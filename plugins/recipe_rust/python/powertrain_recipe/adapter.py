@@ -51,6 +51,9 @@ class RecipeAdapter:
     def __init__(self, tokenizer_json: str, tokenizer_config: Mapping[str, Any], model_config: Mapping[str, Any]):
         self.encoder = PromptEncoder(tokenizer_json, json.dumps(dict(tokenizer_config)), json.dumps(dict(model_config)))
         self.output_format = output_format(model_config)
+        self._tokenizer_json = tokenizer_json
+        self._token_texts: dict[int, str] = {}
+        self._decoder: Any = None  # a tokenizers.Tokenizer, built when logprobs are first asked for
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, model_config: Mapping[str, Any]) -> RecipeAdapter:
@@ -98,6 +101,35 @@ class RecipeAdapter:
         (strict tools' arguments follow their schema); None when no call is forced."""
         return tool_call_grammar(self.output_format, request)
 
+    def _chat_logprobs(self, completion: Any, top: int) -> list[dict[str, Any]]:
+        """Chat Completions' ``logprobs.content``: each generated token with its logprob and
+        the ``top`` most likely tokens (the model's distribution, as the engine reports it)."""
+        content = []
+        for token, candidates in zip(completion.token_ids, completion.logprobs, strict=False):
+            ranked = sorted(candidates.items(), key=lambda item: -item[1])[:top]
+            content.append(
+                {
+                    **self._token_entry(token, candidates[token]),
+                    "top_logprobs": [self._token_entry(t, lp) for t, lp in ranked],
+                }
+            )
+        return content
+
+    def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _token_text(self, token: int) -> str:
+        """One token's text as the tokenizer decodes it alone (cached)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            if self._decoder is None:
+                from tokenizers import Tokenizer
+
+                self._decoder = Tokenizer.from_str(self._tokenizer_json)
+            text = self._token_texts[token] = self._decoder.decode([token], skip_special_tokens=False)
+        return text
+
     @staticmethod
     def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:
         return finish_reason(events, engine_reason)
@@ -127,7 +159,13 @@ class RecipeAdapter:
                 cached_prompt_tokens=cached,
                 stop_sequence=stopped,
             )
-            bodies.append(json.loads(body))
+            body = json.loads(body)
+            if native == "chat_completions" and request["sampling"].get("logprobs") and completion.logprobs:
+                body["choices"][0]["logprobs"] = {
+                    "content": self._chat_logprobs(completion, request["sampling"].get("top_logprobs") or 0),
+                    "refusal": None,
+                }
+            bodies.append(body)
         if len(bodies) == 1:
             return json.dumps(bodies[0]).encode()
         if native != "chat_completions":
