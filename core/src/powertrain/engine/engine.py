@@ -68,7 +68,6 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     preemptions: int
-    steps: int
 
 
 @attrs.define
@@ -120,7 +119,6 @@ class LLMEngine:
         self._dead: BaseException | None = None
         self._closed = False
         self._num_preemptions = 0
-        self._num_steps = 0
 
     # ----------------------------------------------------------------------- requests
 
@@ -216,7 +214,6 @@ class LLMEngine:
             prefix_cache_queried_tokens=prefix.queried_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             preemptions=self._num_preemptions,
-            steps=self._num_steps,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -269,7 +266,6 @@ class LLMEngine:
             if not seq.finished:
                 self.block_manager.register_computed(seq)
         self._num_preemptions += len(flight.batch.preempted)
-        self._num_steps += 1
         stats = StepStats(
             step=next(self._step_counter),
             num_seqs=len(flight.batch.seqs),

@@ -140,15 +140,6 @@ class ModelRunner:
             self.structured.advance(step.grammars, [tokens[row] for row in step.grammar_rows])  # type: ignore[union-attr]
         self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
         return output
-        assert self.structured is not None
-        # The masks were computed on the grammar worker while this step's forward ran.
-        masks = TokenMasks(rows=step.grammar_rows, disallowed=self.structured.masks(step.grammars))
-        output = self.sampler(logits, step.sampling, masks)
-        tokens = output.tokens.tolist()
-        # Matchers eat this step's tokens and compute the next masks while the next forward runs.
-        self.structured.advance(step.grammars, [tokens[row] for row in step.grammar_rows])
-        self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
-        return output
 
 
 def _banned(stop_ids: tuple[int, ...], produced: int, min_tokens: int) -> tuple[int, ...]:
