@@ -251,7 +251,9 @@ def test_bad_requests_get_400_in_each_protocol_shape(
     assert "messages[0].role" in str(bad_role.value)
     with pytest.raises(anthropic.BadRequestError) as bad_anthropic:
         claude.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "hi"}])
-    assert bad_anthropic.value.body["type"] == "invalid_request_error" or "error" in bad_anthropic.value.body
+    body = bad_anthropic.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("max_tokens:")
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
 
