@@ -398,6 +398,44 @@ def _load_model(
     return model, kv_caches, num_blocks, bytes_per_block
 
 
+def _build_speculative(
+    result: Plan,
+    model: Any,
+    kv_caches: list[Any],
+    num_blocks: int,
+    attention: Any,
+    dtype: torch.dtype,
+    device_thread: Any,
+    vocab_size: int,
+) -> Any:
+    """The chosen speculative policy, built on the device thread (it profiles the
+    target there), or None when speculation is off."""
+    from powertrain.engine.speculative import SpeculativeContext, StepsPerSecondProfiler
+
+    resolution = result.resolutions.get("speculative")
+    if resolution is None or resolution.provided is None:
+        return None
+    record = result.chosen("speculative").record
+    block_size = result.config.cache.block_size
+
+    def allocate(layers: Any) -> list[Any]:
+        specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
+        return [spec.allocate(num_blocks, result.device) for spec in specs]
+
+    context = SpeculativeContext(
+        config=result.sections.get(record.config_section) if record.config_section else None,
+        model=model,
+        vocab_size=vocab_size,
+        device=result.device,
+        block_size=block_size,
+        measure_steps_per_second=StepsPerSecondProfiler(model, kv_caches, block_size, num_blocks, result.device),
+        allocate_kv_caches=allocate,
+    )
+    policy = device_thread.run(record.factory, context)
+    log.info("speculative decoding", policy=record.name)
+    return policy
+
+
 def build_engine(config: EngineConfig | None = None, plugins: PluginManager | None = None) -> Any:
     """Load the model named by ``config`` and assemble a ready ``LLMEngine``.
 
@@ -446,6 +484,9 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
         result.device,
         Sampler(config.model.seed),
         structured=StructuredOutputs(checkpoint.tokenizer),
+    )
+    runner.speculative = _build_speculative(
+        result, model, kv_caches, num_blocks, attention, dtype, device_thread, int(checkpoint.config["vocab_size"])
     )
     model_limit = int(checkpoint.config.get("max_position_embeddings") or 2048)
     max_model_len = min(config.model.max_model_len or model_limit, model_limit)

@@ -523,18 +523,32 @@ class Scheduler(Protocol):
 
 @runtime_checkable
 class SpeculativePolicy(Protocol):
-    """Drafts tokens, decides how many to verify, and verifies them losslessly."""
+    """Drafts tokens, decides how many to verify, and verifies them losslessly.
 
-    def propose(self, batch: Any) -> Any:
-        """Draft tokens and their confidences for each running sequence."""
+    Built by its record's factory from an ``engine.speculative.SpeculativeContext``;
+    the types it exchanges with the engine live in ``engine.speculative``. ``propose``
+    and ``verify_lengths`` run on the engine thread before the step; ``verify`` and
+    ``observe`` on the device thread, after the step's forward.
+    """
+
+    def propose(self, slots: Sequence[Any]) -> Any:
+        """``DraftSlot``s -> a ``Proposal``: draft tokens and confidences per slot."""
         ...
 
     def verify_lengths(self, proposal: Any, batch: Any) -> Sequence[int]:
-        """How many draft tokens of each sequence to verify this step."""
+        """How many draft tokens of each slot to verify this step (``batch`` is a
+        ``VerifyBatch``); a length may not exceed the slot's drafts."""
         ...
 
-    def verify(self, proposal: Any, lengths: Sequence[int], target_logits: torch.Tensor, batch: Any) -> Any:
-        """Accepted tokens per sequence (rejection sampling with per-request generators)."""
+    def verify(self, proposal: Any, lengths: Sequence[int], target_logits: Sequence[torch.Tensor]) -> list[list[int]]:
+        """Per slot with a length > 0: the target's logits ``[1 + length, vocab]`` at
+        the slot's verified rows -> the tokens it keeps (accepted drafts, then one token
+        sampled from the target: the correction or the bonus). Lossless rejection
+        sampling with the slots' own generators; greedy slots accept on argmax match."""
+        ...
+
+    def observe(self, step: Any) -> None:
+        """Every executed step (an ``ExecutedStep``), for drafters that keep state."""
         ...
 
 

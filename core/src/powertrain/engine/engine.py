@@ -25,8 +25,7 @@ import structlog
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.errors import EngineDeadError, InvalidRequestError
-from powertrain.engine.model_runner import ModelRunner
-from powertrain.engine.sampler import SamplerOutput
+from powertrain.engine.model_runner import ModelRunner, Speculation, StepResult
 from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.scheduling import ScheduledBatch
 from powertrain.engine.sequence import (
@@ -39,6 +38,7 @@ from powertrain.engine.sequence import (
 from powertrain.engine.sequence import (
     Sequence as Seq,
 )
+from powertrain.engine.speculative import DraftSlot, VerifyBatch, can_speculate
 from powertrain.engine.structured import GrammarState
 from powertrain.interfaces import Scheduler
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -68,15 +68,22 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     preemptions: int
+    #: Speculative decoding: sequence-steps that could speculate, draft tokens verified
+    #: and accepted in them (all 0 without a speculative policy).
+    speculative_request_steps: int = 0
+    speculative_verified_tokens: int = 0
+    speculative_accepted_tokens: int = 0
 
 
 @attrs.define
 class _InFlight:
     batch: ScheduledBatch
-    future: Future[SamplerOutput]
+    future: Future[StepResult]
     #: For each sampling sequence (in sample order): the index its token goes to.
     token_positions: list[int]
     started: float
+    #: For each sampling sequence: how many drafts it verifies (empty without speculation).
+    num_drafts: list[int] = attrs.field(factory=list)
 
 
 class LLMEngine:
@@ -102,7 +109,9 @@ class LLMEngine:
         self.block_manager = block_manager
         self.runner = runner
         self.max_model_len = max_model_len
-        self.async_scheduling = async_scheduling
+        # Speculative steps run synchronously: a step's drafts follow from the tokens the
+        # step before accepted (engine/speculative.py).
+        self.async_scheduling = async_scheduling and runner.speculative is None
         self.model_name = model_name
         #: The checkpoint's config (config.json semantics): protocol adapters read the
         #: model family from it.
@@ -119,6 +128,7 @@ class LLMEngine:
         self._dead: BaseException | None = None
         self._closed = False
         self._num_preemptions = 0
+        self._speculative_counts = [0, 0, 0]  # request-steps, verified, accepted
 
     # ----------------------------------------------------------------------- requests
 
@@ -214,6 +224,9 @@ class LLMEngine:
             prefix_cache_queried_tokens=prefix.queried_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             preemptions=self._num_preemptions,
+            speculative_request_steps=self._speculative_counts[0],
+            speculative_verified_tokens=self._speculative_counts[1],
+            speculative_accepted_tokens=self._speculative_counts[2],
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -240,28 +253,127 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        prepared = self.runner.prepare(batch)
+        speculation = self._speculate(batch) if self.runner.speculative is not None else None
+        if speculation is not None:
+            batch = speculation[0]
+        prepared = self.runner.prepare(batch, speculation[1] if speculation else None)
         positions = []
+        num_drafts = []
+        drafts_of = dict(zip(speculation[1].seq_ids, speculation[1].num_drafts, strict=True)) if speculation else {}
         for seq, samples in zip(batch.seqs, batch.samples, strict=True):
             if samples:  # this step will sample the sequence's next token
                 positions.append(len(seq.token_ids))
                 seq.token_ids.append(PLACEHOLDER)
+                num_drafts.append(drafts_of.get(seq.seq_id, 0))
         future = self._device_thread.submit(self.runner.execute, prepared)
-        return _InFlight(batch=batch, future=future, token_positions=positions, started=time.perf_counter())
+        return _InFlight(
+            batch=batch,
+            future=future,
+            token_positions=positions,
+            started=time.perf_counter(),
+            num_drafts=num_drafts if speculation else [],
+        )
+
+    def _speculate(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, Speculation]:
+        """Ask the policy for drafts and lengths, and make each chosen sequence compute
+        its drafts this step (see engine/speculative.py)."""
+        policy = self.runner.speculative
+        assert policy is not None
+        slots: list[DraftSlot] = []
+        members: list[int] = []
+        for index, (seq, count, samples) in enumerate(
+            zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True)
+        ):
+            produced = seq.num_output_tokens
+            if not samples or count != 1 or not can_speculate(seq.params, produced, seq.grammar is not None):
+                continue
+            room = min(seq.params.max_tokens - produced, self.max_model_len - seq.num_tokens) - 1
+            if room <= 0:
+                continue
+            slots.append(
+                DraftSlot(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    params=seq.params,
+                    generator=seq.generator,
+                    max_draft=room,
+                )
+            )
+            members.append(index)
+        counts = list(batch.num_new_tokens)
+        lengths: list[int] = []
+        proposal = None
+        if slots:
+            proposal = policy.propose(slots)
+            lengths = [
+                int(n)
+                for n in policy.verify_lengths(
+                    proposal, VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples))
+                )
+            ]
+            if len(lengths) != len(slots) or any(
+                not 0 <= n <= len(t) for n, t in zip(lengths, proposal.tokens, strict=True)
+            ):
+                drafted = [len(t) for t in proposal.tokens]
+                raise RuntimeError(f"the speculative policy returned lengths {lengths} for drafts of {drafted}")
+            for slot_index, index in enumerate(members):
+                seq = batch.seqs[index]
+                length = lengths[slot_index]
+                while length and not self.block_manager.can_append(seq, seq.num_computed_tokens + length):
+                    length -= 1  # the cache is nearly full: verify what fits
+                lengths[slot_index] = length
+                if length:
+                    self.block_manager.append(seq, seq.num_computed_tokens + length)
+                    seq.token_ids.extend(proposal.tokens[slot_index][:length])
+                    seq.num_computed_tokens += length
+                    counts[index] += length
+            self._speculative_counts[0] += len(slots)
+            self._speculative_counts[1] += sum(lengths)
+        slot_by_seq = {batch.seqs[index].seq_id: slot for slot, index in enumerate(members)}
+        order = sorted(range(len(batch.seqs)), key=lambda i: counts[i] != 1)  # one-token sequences first
+        seqs = [batch.seqs[i] for i in order]
+        batch = ScheduledBatch(
+            seqs=seqs,
+            num_new_tokens=[counts[i] for i in order],
+            samples=[batch.samples[i] for i in order],
+            preempted=batch.preempted,
+        )
+        slot_of = [slot_by_seq.get(seq.seq_id, -1) for seq, samples in zip(seqs, batch.samples, strict=True) if samples]
+        num_drafts = [lengths[slot_by_seq[seq.seq_id]] if seq.seq_id in slot_by_seq else 0 for seq in seqs]
+        return batch, Speculation(
+            proposal=proposal,
+            lengths=lengths,
+            slot_of=slot_of,
+            seq_ids=[seq.seq_id for seq in seqs],
+            num_drafts=num_drafts,
+        )
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
         output = flight.future.result()
         touched: dict[str, Request] = {}
         sampled = [seq for seq, samples in zip(flight.batch.seqs, flight.batch.samples, strict=True) if samples]
-        tokens = output.tokens.tolist()
-        for seq, position, token, logprobs in zip(
-            sampled, flight.token_positions, tokens, output.logprobs, strict=True
+        num_drafts = flight.num_drafts or [0] * len(sampled)
+        for seq, position, kept, logprobs, drafts in zip(
+            sampled, flight.token_positions, output.tokens, output.logprobs, num_drafts, strict=True
         ):
             if seq.finished:  # finished (or aborted) while this step ran: its token is moot
                 continue
-            seq.token_ids[position] = token
-            self._append_output(seq, position, token, logprobs)
             touched[seq.request.request_id] = seq.request
+            if not drafts:
+                seq.token_ids[position] = kept[0]
+                self._append_output(seq, position, kept[0], logprobs)
+                continue
+            # Rewind past the drafts: the cache keeps the accepted ones, rejected slots are rewritten later.
+            start = position - drafts
+            del seq.token_ids[start:]
+            seq.num_computed_tokens = start + len(kept) - 1
+            self._speculative_counts[2] += len(kept) - 1
+            for token in kept:
+                seq.token_ids.append(token)
+                self._append_output(seq, len(seq.token_ids) - 1, token, None)
+                if seq.finished:
+                    break
         for seq in flight.batch.seqs:
             if not seq.finished:
                 self.block_manager.register_computed(seq)

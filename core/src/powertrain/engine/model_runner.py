@@ -14,15 +14,17 @@ sampler waits for it (see ``structured.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
 
-from powertrain.engine.sampler import Sampler, SamplerOutput, SamplingInputs
+from powertrain.engine.sampler import Sampler, SamplingInputs
 from powertrain.engine.scheduling import ScheduledBatch
 from powertrain.engine.sequence import PLACEHOLDER
+from powertrain.engine.speculative import ExecutedStep
 from powertrain.engine.structured import GrammarState, StructuredOutputs, TokenMasks
-from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache
+from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache, SpeculativePolicy
 
 
 @attrs.frozen(kw_only=True)
@@ -41,6 +43,30 @@ class PreparedStep:
     #: Sample rows of constrained sequences (structured output), and their matchers.
     grammar_rows: list[int] = attrs.field(factory=list)
     grammars: list[GrammarState] = attrs.field(factory=list)
+    #: Speculation (None without): per sampling sequence, how many drafts it verifies.
+    speculation: Speculation | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Speculation:
+    """A step's drafts: the policy's proposal and what the runner needs to verify it."""
+
+    proposal: Any  # engine.speculative.Proposal
+    lengths: list[int]  # per proposal slot
+    #: Per sampling sequence (sample order): its proposal slot, or -1.
+    slot_of: list[int]
+    #: Per sequence in the batch: its id and how many drafts it carries.
+    seq_ids: list[int]
+    num_drafts: list[int]
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    #: Per sampling sequence (sample order): the tokens it keeps; one, unless it
+    #: verified drafts (then the accepted drafts and a sampled token).
+    tokens: list[list[int]]
+    #: Per sampling sequence: {token id: logprob} of its token and top-k, or None.
+    logprobs: list[dict[int, float] | None]
 
 
 class ModelRunner:
@@ -52,6 +78,7 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         structured: StructuredOutputs | None = None,
+        speculative: SpeculativePolicy | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -60,9 +87,11 @@ class ModelRunner:
         self.sampler = sampler
         #: Compiles constraints and computes token masks; None: this engine has no structured output.
         self.structured = structured
+        #: Verifies drafts (and sees every step); None: no speculative decoding.
+        self.speculative = speculative
         self._previous_tokens: dict[int, int] = {}  # device thread only
 
-    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+    def prepare(self, batch: ScheduledBatch, speculation: Speculation | None = None) -> PreparedStep:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -119,27 +148,95 @@ class ModelRunner:
             history_patches=history_patches,
             grammar_rows=grammar_rows,
             grammars=grammars,
+            speculation=speculation,
         )
 
     @torch.inference_mode()
-    def execute(self, step: PreparedStep) -> SamplerOutput:
+    def execute(self, step: PreparedStep) -> StepResult:
         input_ids = step.input_ids
         for row, seq_id in step.input_patches:
             input_ids[row] = self._previous_tokens[seq_id]
         for row, seq_id in step.history_patches:
             if step.sampling.history[row]:
                 step.sampling.history[row][-1] = self._previous_tokens[seq_id]
-        hidden = self.model.forward(input_ids.to(self.device), step.positions, self.kv_caches, step.metadata)
-        logits = self.model.compute_logits(hidden[step.sample_rows]).cpu()
+        input_ids = input_ids.to(self.device)
+        hidden = self.model.forward(input_ids, step.positions, self.kv_caches, step.metadata)
+        if step.speculation is not None:
+            result = self._verify(step, hidden)
+        else:
+            result = self._sample(step, self.model.compute_logits(hidden[step.sample_rows]).cpu())
+        if self.speculative is not None:
+            self._observe(step, input_ids, hidden, result)
+        return result
+
+    def _sample(self, step: PreparedStep, logits: torch.Tensor) -> StepResult:
+        tokens, logprobs = self._sample_rows(step, logits, list(range(len(step.sampled_seq_ids))))
+        self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
+        return StepResult(tokens=[[t] for t in tokens], logprobs=logprobs)
+
+    def _sample_rows(
+        self, step: PreparedStep, logits: torch.Tensor, rows: list[int]
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Sample the sampling sequences ``rows`` (sample order; ``logits`` has one row each)."""
+        inputs = step.sampling
+        if len(rows) != inputs.num_rows:
+            inputs = SamplingInputs(
+                params=[inputs.params[i] for i in rows],
+                generators=[inputs.generators[i] for i in rows],
+                history=[inputs.history[i] for i in rows],
+                num_output=[inputs.num_output[i] for i in rows],
+                banned=[inputs.banned[i] for i in rows],
+            )
         masks = None
+        grammar_rows = [rows.index(g) for g in step.grammar_rows]  # constrained rows never verify drafts
         if step.grammars:  # the worker computed these while this step's forward ran
-            masks = TokenMasks(rows=step.grammar_rows, disallowed=self.structured.masks(step.grammars))  # type: ignore[union-attr]
-        output = self.sampler(logits, step.sampling, masks)
+            masks = TokenMasks(rows=grammar_rows, disallowed=self.structured.masks(step.grammars))  # type: ignore[union-attr]
+        output = self.sampler(logits, inputs, masks)
         tokens = output.tokens.tolist()
         if step.grammars:  # and now the next masks, while the next step's forward runs
-            self.structured.advance(step.grammars, [tokens[row] for row in step.grammar_rows])  # type: ignore[union-attr]
-        self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
-        return output
+            self.structured.advance(step.grammars, [tokens[row] for row in grammar_rows])  # type: ignore[union-attr]
+        return tokens, output.logprobs
+
+    def _verify(self, step: PreparedStep, hidden: torch.Tensor) -> StepResult:
+        """Sampling rows without drafts go through the sampler; each slot with drafts
+        hands its ``1 + ℓ`` rows' logits to the policy's verifier."""
+        spec = step.speculation
+        assert spec is not None and self.speculative is not None
+        rows = step.sample_rows.tolist()
+        drafts = [spec.lengths[slot] if slot >= 0 else 0 for slot in spec.slot_of]
+        plain = [i for i, n in enumerate(drafts) if n == 0]
+        verified = [i for i, n in enumerate(drafts) if n > 0]
+        gather = [row for i in verified for row in range(rows[i] - drafts[i], rows[i] + 1)]
+        logits = self.model.compute_logits(hidden[[rows[i] for i in plain] + gather]).cpu()
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[dict[int, float] | None] = [None] * len(rows)
+        if plain:
+            sampled, sampled_logprobs = self._sample_rows(step, logits[: len(plain)], plain)
+            for i, token, lp in zip(plain, sampled, sampled_logprobs, strict=True):
+                tokens[i], logprobs[i] = [token], lp
+        if verified:
+            chunks = logits[len(plain) :].split([drafts[i] + 1 for i in verified])
+            kept = self.speculative.verify(spec.proposal, spec.lengths, list(chunks))
+            for i, accepted in zip(verified, kept, strict=True):
+                tokens[i] = accepted
+        self._previous_tokens = {seq_id: kept[-1] for seq_id, kept in zip(step.sampled_seq_ids, tokens, strict=True)}
+        return StepResult(tokens=tokens, logprobs=logprobs)
+
+    def _observe(self, step: PreparedStep, input_ids: torch.Tensor, hidden: torch.Tensor, result: StepResult) -> None:
+        spec = step.speculation
+        kept = dict(zip(step.sampled_seq_ids, result.tokens, strict=True))
+        seq_ids = spec.seq_ids if spec is not None else []
+        self.speculative.observe(  # type: ignore[union-attr]
+            ExecutedStep(
+                input_ids=input_ids,
+                positions=step.positions,
+                hidden=hidden,
+                metadata=step.metadata,
+                seq_ids=seq_ids,
+                accepted=[kept.get(seq_id, []) for seq_id in seq_ids],
+                num_drafts=spec.num_drafts if spec is not None else [],
+            )
+        )
 
 
 def _banned(stop_ids: tuple[int, ...], produced: int, min_tokens: int) -> tuple[int, ...]:

@@ -68,7 +68,7 @@ class Sampler:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if not greedy.all():
             rows = (~greedy).nonzero().flatten().tolist()
-            probs = _filtered_probs(logits[rows] / temperature[rows, None], [inputs.params[r] for r in rows])
+            probs = filtered_probs(logits[rows] / temperature[rows, None], [inputs.params[r] for r in rows])
             noise = self._noise(probs.shape, [inputs.generators[r] for r in rows])
             tokens[rows] = (probs / noise).argmax(dim=-1)
         return SamplerOutput(tokens=tokens, logprobs=_logprobs(raw_logprobs, tokens, inputs.params))
@@ -102,7 +102,7 @@ def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tenso
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax, then top-k, top-p and min-p as masks, renormalised per row."""
     probs = torch.softmax(logits, dim=-1)
     vocab = probs.shape[1]

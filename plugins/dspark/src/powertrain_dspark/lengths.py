@@ -1,0 +1,107 @@
+"""How many drafts of each request to verify: DSpark's choice, its lagged variant, fixed-k.
+
+DSpark. Draft j of request r survives verification with probability
+a(r, j) = c(r, 1)·…·c(r, j). Verifying ℓ(r) drafts of each request makes a batch of
+B = base + Σ ℓ(r) tokens that is expected to yield τ = base_yield + Σ_j≤ℓ(r) a(r, j)
+tokens, at SPS(B) target steps per second. Candidates (r, j) are admitted in order of
+a(r, j), highest first, while τ·SPS(B) keeps rising, and the first admission that
+does not raise it ends the choice.
+
+Why that early stop keeps verification lossless: whether draft j of r is verified
+must not depend on draft j itself (rejection sampling of a stochastic draft is only
+exact when the decision to test it was taken without looking at it). c(r, j) may
+depend on drafts 1..j-1 of r but not on draft j, so a(r, j') for j' > j — which
+does depend on draft j — must not influence whether (r, j) is admitted. Survival
+never grows along a request (a(r, j+1) ≤ a(r, j); ties go to the earlier position),
+so every candidate of r after j comes later in the order, and with the early stop
+nothing that comes later can change an earlier admission. A global optimum over all
+subsets would: verifying j could pay off only because j+1 looks good.
+
+Lagged budget (the async variant). An overlapped engine must fix the step's size K
+(how many drafts to verify in all) before the current drafts exist; it uses K from
+the previous step's confidences, and the current ones only rank: the K candidates of
+highest current survival are admitted. The causal property holds for the same
+reason: whether (r, j) is among the top K depends on its rank, i.e. on candidates
+with survival ≥ a(r, j), none of which is a later position of r; K itself comes from
+a finished step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+
+@attrs.frozen
+class StepsPerSecond:
+    """SPS(B) from a startup profile: step time is interpolated linearly in B between
+    measured points (and extrapolated from the last two beyond them)."""
+
+    batch_tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def from_profile(cls, profile: Mapping[int, float]) -> StepsPerSecond:
+        if not profile or any(v <= 0 for v in profile.values()):
+            raise ValueError(f"a steps-per-second profile needs positive rates, got {dict(profile)}")
+        points = sorted(profile.items())
+        return cls(tuple(b for b, _ in points), tuple(1.0 / sps for _, sps in points))
+
+    def __call__(self, batch_tokens: float) -> float:
+        xs, ys = self.batch_tokens, self.seconds
+        if len(xs) == 1:
+            return 1.0 / (ys[0] * max(batch_tokens, 1) / xs[0])
+        i = min(max(bisect.bisect_left(xs, batch_tokens), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        seconds = y0 + (y1 - y0) * (batch_tokens - x0) / (x1 - x0)
+        return 1.0 / max(seconds, ys[0] * 1e-3)
+
+
+def survival(confidences: Sequence[Sequence[float]]) -> list[list[float]]:
+    """a(r, j) = c(r, 1)·…·c(r, j) for each request."""
+    result = []
+    for row in confidences:
+        product, out = 1.0, []
+        for c in row:
+            product *= min(max(float(c), 0.0), 1.0)
+            out.append(product)
+        result.append(out)
+    return result
+
+
+def _ranked(alive: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
+    """Candidates (a, r, j) by survival, highest first; ties: earlier position, then request."""
+    candidates = [(a, r, j) for r, row in enumerate(alive) for j, a in enumerate(row, start=1)]
+    candidates.sort(key=lambda item: (-item[0], item[2], item[1]))
+    return candidates
+
+
+def dspark_lengths(
+    confidences: Sequence[Sequence[float]], sps: StepsPerSecond, base_tokens: int, base_yield: float
+) -> list[int]:
+    """DSpark's choice (module doc): admit by survival while expected tokens per second rises."""
+    lengths = [0] * len(confidences)
+    batch, tokens = base_tokens, base_yield
+    rate = tokens * sps(batch)
+    for a, r, j in _ranked(survival(confidences)):
+        new_rate = (tokens + a) * sps(batch + 1)
+        if new_rate <= rate:
+            break
+        assert j == lengths[r] + 1, "survival must not grow along a request"
+        lengths[r], batch, tokens, rate = j, batch + 1, tokens + a, new_rate
+    return lengths
+
+
+def top_k_lengths(confidences: Sequence[Sequence[float]], budget: int) -> list[int]:
+    """Admit the ``budget`` candidates of highest survival (the lagged variant's ranking)."""
+    lengths = [0] * len(confidences)
+    for _, r, j in _ranked(survival(confidences))[: max(budget, 0)]:
+        lengths[r] = max(lengths[r], j)
+    return lengths
+
+
+def fixed_lengths(drafted: Sequence[int], k: int) -> list[int]:
+    """Verify ``k`` drafts of every request (fewer where fewer were drafted)."""
+    return [min(n, k) for n in drafted]

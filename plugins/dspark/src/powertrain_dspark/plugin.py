@@ -1,0 +1,124 @@
+"""Registers DSpark (entry point ``dspark``): two speculative policies and the [dspark] table.
+
+``speculative = "dspark"`` verifies, per step and for the whole batch, the drafts worth
+verifying (``lengths.dspark_lengths``); ``speculative = "fixed-k"`` verifies
+``max_draft_tokens`` drafts of every request. Both draft and verify the same way, as
+``[dspark]`` configures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from powertrain import hookimpl
+from powertrain.components import ConfigSectionRecord, SpeculativePolicyRecord
+
+POWERTRAIN_HOOK_API = 1
+
+DRAFTERS = ("ngram", "mtp")
+
+
+def _one_of(*choices: str) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    return check
+
+
+def _in_range(low: int, high: int) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not low <= value <= high:
+            raise ValueError(f"{attribute.name} must be between {low} and {high}; got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class DSparkConfig:
+    """The ``[dspark]`` table of engine.toml."""
+
+    #: "ngram" (prompt lookup, any model) or "mtp" (a DeepSeek checkpoint's MTP layers).
+    drafter: str = attrs.field(default="ngram", validator=_one_of(*DRAFTERS))
+    #: Drafts per request and step at most (fixed-k verifies this many).
+    max_draft_tokens: int = attrs.field(default=5, validator=_in_range(1, 16))
+    #: n-gram drafter: longest and shortest suffix to look up.
+    ngram_max: int = attrs.field(default=4, validator=_in_range(1, 16))
+    ngram_min: int = attrs.field(default=1, validator=_in_range(1, 16))
+    #: Fix each step's verification budget from the previous step's confidences (the
+    #: variant an overlapped engine needs); the current ones still rank the drafts.
+    lagged_budget: bool = False
+    #: A calibration file written by `powertrain-dspark calibrate` ("" = raw confidences).
+    calibration: str = ""
+    #: Append one JSON line per request-step that verified drafts (raw confidences and
+    #: how many were accepted): the data `powertrain-dspark calibrate` fits on.
+    log: str = ""
+    #: Batch token counts at which the target's steps per second are measured at startup.
+    profile_batch_tokens: tuple[int, ...] = attrs.field(
+        default=(1, 2, 4, 8, 16, 32, 64, 128, 256), converter=lambda v: tuple(int(x) for x in v)
+    )
+    #: The MTP drafter's confidence head (`powertrain-dspark train-confidence-head`);
+    #: "" = the draft distribution's own estimate.
+    confidence_head: str = ""
+
+
+def build(context: Any, rule: str) -> Any:
+    """A ``SpeculativeDecoder`` for ``context`` (an ``engine.speculative.SpeculativeContext``)."""
+    from powertrain_dspark.calibration import Calibration
+    from powertrain_dspark.lengths import StepsPerSecond
+    from powertrain_dspark.policy import SpeculativeDecoder
+
+    config: DSparkConfig = context.config or DSparkConfig()
+    if config.ngram_min > config.ngram_max:
+        raise ValueError(f"[dspark] ngram_min ({config.ngram_min}) must not exceed ngram_max ({config.ngram_max})")
+    if config.drafter == "mtp":
+        from powertrain_dspark.mtp import MTPDrafter
+
+        drafter: Any = MTPDrafter.from_context(context, config)
+    else:
+        from powertrain_dspark.ngram import NgramDrafter
+
+        drafter = NgramDrafter(config.ngram_min, config.ngram_max, config.max_draft_tokens)
+    sps = StepsPerSecond.from_profile(context.measure_steps_per_second(config.profile_batch_tokens))
+    return SpeculativeDecoder(
+        drafter,
+        rule,
+        sps=sps,
+        fixed_k=config.max_draft_tokens,
+        calibration=Calibration.load(config.calibration) if config.calibration else None,
+        lagged_budget=config.lagged_budget,
+        log_path=config.log or None,
+    )
+
+
+def build_dspark(context: Any) -> Any:
+    return build(context, "dspark")
+
+
+def build_fixed(context: Any) -> Any:
+    return build(context, "fixed")
+
+
+@hookimpl
+def powertrain_speculative_policies() -> list[SpeculativePolicyRecord]:
+    return [
+        SpeculativePolicyRecord(
+            name="dspark",
+            factory=build_dspark,
+            config_section="dspark",
+            description="confidence-scheduled, load-aware speculative decoding (lossless)",
+        ),
+        SpeculativePolicyRecord(
+            name="fixed-k",
+            factory=build_fixed,
+            config_section="dspark",
+            description="speculative decoding verifying max_draft_tokens drafts of every request",
+        ),
+    ]
+
+
+@hookimpl
+def powertrain_config_sections() -> list[ConfigSectionRecord]:
+    return [ConfigSectionRecord(name="dspark", config_class=DSparkConfig, description="DSpark speculative decoding")]

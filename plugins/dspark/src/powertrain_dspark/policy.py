@@ -1,0 +1,109 @@
+"""A drafter, a length rule and the verifier as one ``interfaces.SpeculativePolicy``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from powertrain.engine.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
+from powertrain_dspark.calibration import Calibration
+from powertrain_dspark.lengths import StepsPerSecond, dspark_lengths, fixed_lengths, top_k_lengths
+from powertrain_dspark.verify import verify_drafts
+
+
+class Drafter(Protocol):
+    def propose(self, slots: Sequence[DraftSlot]) -> Any:
+        """(drafts, raw confidences) per slot, or (drafts, raw confidences, draft probs)."""
+        ...
+
+    def record(self, seq_id: int, verified: int, accepted: int) -> None:
+        """How the drafts proposed for ``seq_id`` fared (0 verified: not looked at)."""
+        ...
+
+
+class SpeculativeDecoder:
+    """``rule`` is "dspark" (confidence-scheduled) or "fixed" (``fixed_k`` drafts each)."""
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        rule: str,
+        *,
+        sps: StepsPerSecond | None = None,
+        fixed_k: int = 0,
+        calibration: Calibration | None = None,
+        lagged_budget: bool = False,
+        log_path: str | Path | None = None,
+    ) -> None:
+        if rule not in ("dspark", "fixed"):
+            raise ValueError(f"unknown length rule {rule!r}; use 'dspark' or 'fixed'")
+        if rule == "dspark" and sps is None:
+            raise ValueError("the dspark rule needs the target's steps-per-second profile")
+        self.drafter = drafter
+        self.rule = rule
+        self.sps = sps
+        self.fixed_k = fixed_k
+        self.calibration = calibration or Calibration()
+        self.lagged_budget = lagged_budget
+        self._budget: int | None = None  # K from the previous step (lagged variant)
+        self._log = Path(log_path).open("a") if log_path else None
+        self._raw: dict[int, list[float]] = {}
+
+    # -- engine thread ------------------------------------------------------------------
+
+    def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
+        drafted = self.drafter.propose(slots)
+        tokens, raw = drafted[0], drafted[1]
+        probs = drafted[2] if len(drafted) > 2 else [None] * len(slots)
+        self._raw = {slot.seq_id: list(r) for slot, r in zip(slots, raw, strict=True)}
+        return Proposal(
+            slots=list(slots),
+            tokens=[list(t) for t in tokens],
+            confidences=[self.calibration.apply(r) for r in raw],
+            draft_probs=list(probs),
+        )
+
+    def verify_lengths(self, proposal: Proposal, batch: VerifyBatch) -> list[int]:
+        if self.rule == "fixed":
+            return fixed_lengths([len(t) for t in proposal.tokens], self.fixed_k)
+        assert self.sps is not None
+        greedy = dspark_lengths(proposal.confidences, self.sps, batch.base_tokens, batch.num_sampling)
+        if not self.lagged_budget:
+            return greedy
+        budget = self._budget if self._budget is not None else sum(greedy)
+        self._budget = sum(greedy)  # the next step's budget: from this step's confidences
+        return top_k_lengths(proposal.confidences, budget)
+
+    # -- device thread ------------------------------------------------------------------
+
+    def verify(
+        self, proposal: Proposal, lengths: Sequence[int], target_logits: Sequence[torch.Tensor]
+    ) -> list[list[int]]:
+        chosen = [i for i, n in enumerate(lengths) if n > 0]
+        kept = []
+        for i, logits in zip(chosen, target_logits, strict=True):
+            slot, n = proposal.slots[i], lengths[i]
+            probs = proposal.draft_probs[i]
+            kept.append(
+                verify_drafts(
+                    proposal.tokens[i][:n], None if probs is None else probs[:n], logits, slot.params, slot.generator
+                )
+            )
+        return kept
+
+    def observe(self, step: ExecutedStep) -> None:
+        for seq_id, accepted, drafts in zip(step.seq_ids, step.accepted, step.num_drafts, strict=True):
+            if seq_id not in self._raw:
+                continue
+            raw = self._raw.pop(seq_id)
+            num_accepted = max(len(accepted) - 1, 0) if drafts else 0
+            self.drafter.record(seq_id, drafts, num_accepted)
+            if self._log is not None and drafts:
+                self._log.write(json.dumps({"raw": raw[:drafts], "accepted": num_accepted}) + "\n")
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:
+            observe(step)
