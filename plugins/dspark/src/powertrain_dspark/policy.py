@@ -50,7 +50,7 @@ class SpeculativeDecoder:
         self.calibration = calibration or Calibration()
         self.lagged_budget = lagged_budget
         self._budget: int | None = None  # K from the previous step (lagged variant)
-        self._log = Path(log_path).open("a") if log_path else None
+        self._log = Path(log_path) if log_path else None
         self._raw: dict[int, list[float]] = {}
 
     # -- engine thread ------------------------------------------------------------------
@@ -96,6 +96,7 @@ class SpeculativeDecoder:
         return kept
 
     def observe(self, step: ExecutedStep) -> None:
+        lines = []
         for seq_id, accepted, drafts in zip(step.seq_ids, step.accepted, step.num_drafts, strict=True):
             if seq_id not in self._raw:
                 continue
@@ -103,7 +104,10 @@ class SpeculativeDecoder:
             num_accepted = max(len(accepted) - 1, 0) if drafts else 0
             self.drafter.record(seq_id, drafts, num_accepted)
             if self._log is not None and drafts:
-                self._log.write(json.dumps({"raw": raw[:drafts], "accepted": num_accepted}) + "\n")
+                lines.append(json.dumps({"raw": raw[:drafts], "accepted": num_accepted}) + "\n")
+        if lines and self._log is not None:
+            with self._log.open("a") as log:
+                log.writelines(lines)
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
             observe(step)
