@@ -6,7 +6,7 @@ every verified draft is accepted one bonus token comes from the target at the ne
 position. Whatever the drafts, each kept token is then distributed exactly as the
 target would have sampled it. A deterministic drafter's draft is a point mass
 (q_j(x_j) = 1), so it is accepted with probability p_j(x_j) and the residual is p_j
-without x_j. Greedy requests (temperature 0) accept a draft iff it is the target's
+without x_j; that is drawn with the sampler's own noise (``_verify_point_masses``). Greedy requests (temperature 0) accept a draft iff it is the target's
 argmax, and otherwise emit the argmax — token-for-token what plain decoding gives.
 
 ``p_j`` is the sampler's own distribution for the request (temperature, top-k, top-p,
@@ -46,27 +46,36 @@ def verify_drafts(
             kept.append(draft)
         return [*kept, best[len(drafts)]]
     probs = target_probs(target_logits, params)
+    if draft_probs is None:
+        return _verify_point_masses(drafts, probs, generator)
     uniforms = torch.rand(len(drafts), generator=generator).tolist()
     kept = []
     for j, draft in enumerate(drafts):
-        p = probs[j]
-        q_draft = 1.0 if draft_probs is None else float(draft_probs[j, draft])
-        if uniforms[j] * q_draft < float(p[draft]):  # u < p/q without dividing by a tiny q
+        p, q = probs[j], draft_probs[j].float()
+        if uniforms[j] * float(q[draft]) < float(p[draft]):  # u < p/q without dividing by a tiny q
             kept.append(draft)
             continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[draft] = 0
-        else:
-            residual = (p - draft_probs[j].float()).clamp_min(0)
-        return [*kept, _draw(residual, generator)]
+        return [*kept, _draw((p - q).clamp_min(0), generator)]
     return [*kept, _draw(probs[len(drafts)], generator)]
 
 
+def _verify_point_masses(drafts: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    """Deterministic drafts: draw the target's token at each position exactly as the
+    sampler would (one exponential-race noise vector per token, from the same
+    generator) and keep going while it equals the draft. The drawn token is the draft
+    with probability p(x) and otherwise follows p without x — the rejection rule for a
+    point mass — and a seeded request gets the very tokens plain decoding gives it."""
+    kept = []
+    for j in range(len(drafts) + 1):
+        token = _draw(probs[j], generator)
+        kept.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            return kept
+    return kept
+
+
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token with probability proportional to ``weights`` (exponential race, as the sampler)."""
-    total = float(weights.sum())
-    if total <= 0:  # p == q exactly (rejection had probability 0; rounding got here): p's argmax
-        return int(weights.argmax())
-    noise = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / total / noise).argmax())
+    """One token with probability proportional to ``weights``: the sampler's exponential
+    race, with one float32 noise vector over the vocabulary per token, as it draws."""
+    noise = torch.empty(weights.shape[-1], dtype=torch.float32).exponential_(generator=generator)
+    return int((weights.float() / noise).argmax())
