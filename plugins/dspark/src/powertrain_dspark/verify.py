@@ -6,8 +6,9 @@ every verified draft is accepted one bonus token comes from the target at the ne
 position. Whatever the drafts, each kept token is then distributed exactly as the
 target would have sampled it. A deterministic drafter's draft is a point mass
 (q_j(x_j) = 1), so it is accepted with probability p_j(x_j) and the residual is p_j
-without x_j; that is drawn with the sampler's own noise (``_verify_point_masses``). Greedy requests (temperature 0) accept a draft iff it is the target's
-argmax, and otherwise emit the argmax — token-for-token what plain decoding gives.
+without x_j; that is drawn with the sampler's own noise (``_verify_point_masses``).
+Greedy requests (temperature 0) accept a draft iff it is the target's argmax, and
+otherwise emit the argmax — token-for-token what plain decoding gives.
 
 ``p_j`` is the sampler's own distribution for the request (temperature, top-k, top-p,
 min-p: ``powertrain.engine.speculative.target_probs``), and every draw uses the
