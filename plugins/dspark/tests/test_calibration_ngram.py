@@ -4,6 +4,7 @@ learns from outcomes."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -112,3 +113,23 @@ def test_ngram_confidences_learn_from_outcomes() -> None:
         drafter.record(0, verified=3, accepted=3)
     (_,), (later,) = drafter.propose([slot(0, tokens)])
     assert later[0] > first[0] and later[0] > 0.9
+
+
+def test_the_calibrate_command_fits_a_log_and_reports_held_out_error(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from powertrain_dspark.cli import main
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        "".join(f'{{"raw": {list(r.raw)}, "accepted": {r.accepted}}}\n' for r in synthetic_records(3000, (0.5, 2.0), 3))
+    )
+    out = tmp_path / "calibration.json"
+    result = CliRunner().invoke(main, ["calibrate", str(log), "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["temperatures"] == pytest.approx([0.5, 2.0], rel=0.25)
+    assert report["held_out_ece_after"]["1"] < report["held_out_ece_before"]["1"]
+    assert Calibration.load(out).temperatures == tuple(report["temperatures"])
+    bad = CliRunner().invoke(main, ["calibrate", str(tmp_path / "calibration.json"), "--out", str(out)])
+    assert bad.exit_code != 0 and "not a DSpark log record" in bad.output
