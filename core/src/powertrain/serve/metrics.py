@@ -43,6 +43,17 @@ class _EngineCollector(Collector):
             value=s.prefix_cache_hit_tokens,
         )
         yield CounterMetricFamily("powertrain_preemptions", "Sequences preempted for memory.", value=s.preemptions)
+        yield CounterMetricFamily(
+            "powertrain_speculative_request_steps",
+            "Decoding steps of sequences that could speculate.",
+            value=s.speculative_request_steps,
+        )
+        yield CounterMetricFamily(
+            "powertrain_speculative_verified_tokens", "Draft tokens verified.", value=s.speculative_verified_tokens
+        )
+        yield CounterMetricFamily(
+            "powertrain_speculative_accepted_tokens", "Draft tokens accepted.", value=s.speculative_accepted_tokens
+        )
 
 
 class ServerMetrics:

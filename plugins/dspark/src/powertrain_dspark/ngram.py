@@ -8,8 +8,9 @@ forward pass, and is deterministic (each draft is a point mass for verification)
 Confidence comes from match statistics. Each draft falls in a bucket: its position,
 the match length, whether every earlier occurrence of the matched context continued
 the same way, and how this sequence's previous verification went. The raw
-confidence is the bucket's acceptance rate so far (a Beta(1, 1) posterior mean over
-the outcomes of earlier verifications: was position k accepted, given 1..k-1 were);
+confidence is the bucket's acceptance rate so far over the outcomes of earlier
+verifications (was position k accepted, given 1..k-1 were), shrunk toward the rate of
+all drafts at position k while the bucket has few outcomes (``PRIOR_WEIGHT``);
 ``calibration.Calibration`` then scales it per position. All of it is computed from
 finished steps, so it never looks at what it is about to verify.
 """
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 from powertrain.engine.speculative import DraftSlot
 
 _FRESH, _ACCEPTED_ALL, _REJECTED = 0, 1, 2
+#: How many outcomes a bucket needs before its own rate outweighs its position's.
+PRIOR_WEIGHT = 5.0
 
 
 class _Index:
@@ -49,8 +52,9 @@ class NgramDrafter:
         self.min_n, self.max_n, self.max_draft_tokens = min_n, max_n, max_draft_tokens
         self._indexes: dict[int, _Index] = {}
         self._last_outcome: dict[int, int] = {}
-        #: bucket -> [accepted, verified]
+        #: bucket -> [accepted, verified], and the same per position
         self._stats: dict[tuple[int, int, bool, int], list[int]] = defaultdict(lambda: [0, 0])
+        self._position_stats: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         self._pending: dict[int, list[tuple[int, int, bool, int]]] = {}
 
     def propose(self, slots: Sequence[DraftSlot]) -> tuple[list[list[int]], list[list[float]]]:
@@ -70,9 +74,9 @@ class NgramDrafter:
         """The outcome of verifying ``verified`` drafts of a sequence, ``accepted`` of them kept."""
         buckets = self._pending.pop(seq_id, [])
         for k in range(min(verified, accepted + 1, len(buckets))):
-            stat = self._stats[buckets[k]]
-            stat[0] += k < accepted
-            stat[1] += 1
+            for stat in (self._stats[buckets[k]], self._position_stats[k]):
+                stat[0] += k < accepted
+                stat[1] += 1
         if verified:
             self._last_outcome[seq_id] = _ACCEPTED_ALL if accepted == verified else _REJECTED
 
@@ -82,8 +86,10 @@ class NgramDrafter:
         self._pending.pop(seq_id, None)
 
     def _rate(self, bucket: tuple[int, int, bool, int]) -> float:
+        accepted, verified = self._position_stats.get(bucket[0], (0, 0))
+        position_rate = (accepted + 1) / (verified + 2)
         accepted, verified = self._stats.get(bucket, (0, 0))
-        return (accepted + 1) / (verified + 2)
+        return (accepted + PRIOR_WEIGHT * position_rate) / (verified + PRIOR_WEIGHT)
 
     def _draft(self, slot: DraftSlot) -> tuple[list[int], list[tuple[int, int, bool, int]]]:
         index = self._indexes.get(slot.seq_id)

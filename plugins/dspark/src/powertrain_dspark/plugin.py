@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import structlog
 
 from powertrain import hookimpl
 from powertrain.components import ConfigSectionRecord, SpeculativePolicyRecord
 
 POWERTRAIN_HOOK_API = 1
+
+log = structlog.get_logger(__name__)
 
 DRAFTERS = ("ngram", "mtp")
 
@@ -81,7 +84,11 @@ def build(context: Any, rule: str) -> Any:
         from powertrain_dspark.ngram import NgramDrafter
 
         drafter = NgramDrafter(config.ngram_min, config.ngram_max, config.max_draft_tokens)
-    sps = StepsPerSecond.from_profile(context.measure_steps_per_second(config.profile_batch_tokens))
+    sps = None
+    if rule == "dspark":  # only DSpark weighs tokens against step time
+        profile = context.measure_steps_per_second(config.profile_batch_tokens)
+        log.info("dspark steps-per-second profile", **{f"B={b}": round(v, 1) for b, v in sorted(profile.items())})
+        sps = StepsPerSecond.from_profile(profile)
     return SpeculativeDecoder(
         drafter,
         rule,

@@ -1,0 +1,129 @@
+"""Speculative decoding policies on SmolLM2 with the n-gram drafter, at several concurrencies.
+
+The workload is one where drafts are useful: each request asks the model to repeat a
+paragraph of its prompt, so prompt lookup finds what the model writes next. For each
+policy — no speculation, fixed-k (k = 1..5) and DSpark — one engine serves the same
+requests at concurrency 1, 4, 16 and 64 (a closed loop: a new request starts when one
+finishes; greedy, 64 output tokens each). Printed per policy and concurrency: output
+tokens/s, draft tokens verified per request-step and tokens accepted per request-step
+(a request-step is one decoding step of one request that could speculate).
+
+    uv run python benchmarks/speculative.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import attrs
+from common import report
+
+from powertrain import LLM, SamplingParams
+from powertrain.config import EngineConfig
+from powertrain.llm import apply_overrides
+
+SUBJECTS = "the river|the old mill|a small village|the northern road|the harbour|the library|a quiet garden".split("|")
+VERBS = "runs past|stands beside|looks over|leads to|hides behind|opens onto|turns toward".split("|")
+DETAILS = (
+    "in the early morning light|after the long winter|where the children play|"
+    "beyond the stone bridge|under a grey sky|near the market square|at the end of the valley"
+).split("|")
+
+
+def paragraph(rng: random.Random) -> str:
+    sentences = [
+        f"{rng.choice(SUBJECTS).capitalize()} {rng.choice(VERBS)} {rng.choice(SUBJECTS)} {rng.choice(DETAILS)}."
+        for _ in range(rng.randint(3, 5))
+    ]
+    return " ".join(sentences)
+
+
+def prompts(llm: LLM, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    result = []
+    for _ in range(count):
+        text = paragraph(rng)
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{text}"}]
+        result.append(llm.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return result
+
+
+def closed_loop(llm: LLM, requests: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, float]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    before = engine.stats()
+    pending = list(requests)
+    active = 0
+    produced = 0
+    started = time.perf_counter()
+    while pending or active:
+        while pending and active < concurrency:
+            engine.add_request(pending.pop(0), params)
+            active += 1
+        for output in engine.step():
+            if output.finished:
+                active -= 1
+                produced += len(output.outputs[0].token_ids)
+    elapsed = time.perf_counter() - started
+    after = engine.stats()
+    steps = after.speculative_request_steps - before.speculative_request_steps
+    verified = after.speculative_verified_tokens - before.speculative_verified_tokens
+    accepted = after.speculative_accepted_tokens - before.speculative_accepted_tokens
+    return {
+        "tok/s": produced / elapsed,
+        "verified/req-step": verified / steps if steps else 0.0,
+        "accepted/req-step": accepted / steps if steps else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests-per-slot", type=int, default=2, help="requests = max(8, this × concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--policies", nargs="+", default=["none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark"]
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    for policy in args.policies:
+        speculative, section = "none", {}
+        if policy.startswith("fixed-"):
+            speculative, section = "fixed-k", {"max_draft_tokens": int(policy.split("-")[1])}
+        elif policy == "dspark":
+            speculative = "dspark"
+        config = apply_overrides(
+            EngineConfig(), {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
+        )
+        if section:
+            config = attrs.evolve(config, sections={"dspark": section})
+        with LLM(config=config) as llm:
+            warm = prompts(llm, 2, seed=args.seed + 1)
+            closed_loop(llm, warm, 2, 8)  # warm-up
+            results[policy] = {}
+            for concurrency in args.concurrency:
+                requests = prompts(llm, max(8, args.requests_per_slot * concurrency), seed=args.seed)
+                results[policy][concurrency] = closed_loop(llm, requests, concurrency, args.max_tokens)
+                print(policy, concurrency, results[policy][concurrency], flush=True)
+
+    flat: dict[str, object] = {}
+    for concurrency in args.concurrency:
+        best_other = max(results[p][concurrency]["tok/s"] for p in results if p != "dspark")
+        for policy in results:
+            row = results[policy][concurrency]
+            flat[f"c={concurrency} {policy}"] = (
+                f"{row['tok/s']:.1f} tok/s, verified {row['verified/req-step']:.2f}, "
+                f"accepted {row['accepted/req-step']:.2f} per request-step"
+            )
+        if "dspark" in results:
+            flat[f"c={concurrency} dspark / best other"] = results["dspark"][concurrency]["tok/s"] / best_other
+    report("speculative decoding policies, n-gram drafter, SmolLM2 (repeat-the-paragraph workload)", flat)
+
+
+if __name__ == "__main__":
+    main()
