@@ -40,7 +40,7 @@ def paragraph(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def prompts(llm: LLM, count: int, seed: int) -> list[list[int]]:
+def prompts(llm: LLM, count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     result = []
     for _ in range(count):
@@ -50,7 +50,7 @@ def prompts(llm: LLM, count: int, seed: int) -> list[list[int]]:
     return result
 
 
-def closed_loop(llm: LLM, requests: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, float]:
+def closed_loop(llm: LLM, requests: list[str], concurrency: int, max_tokens: int) -> dict[str, float]:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     before = engine.stats()
