@@ -130,7 +130,14 @@ fn untrusted_special_tokens_never_become_special_ids() {
             tools: vec![Tool {
                 name: "get".into(),
                 description: Some(evil.clone()),
-                parameters: json!({"type": "object"}),
+                // Client-chosen schema text: property names, values, and keys that are
+                // no JSON Schema keyword (a template's tojson prints them all).
+                parameters: json!({
+                    "type": "object",
+                    "properties": {evil.clone(): {"type": "string", "description": evil.clone()}},
+                    "required": [evil.clone()],
+                    evil.clone(): {evil.clone(): [evil.clone()]},
+                }),
                 strict: false,
             }],
             ..Default::default()
@@ -246,19 +253,24 @@ fn request_text_holding_a_marker_character_is_refused() {
         },
         "messages[1]",
     );
-    refused(
-        &Conversation {
-            messages: vec![Message::text(Role::User, "hi")],
-            tools: vec![Tool {
-                name: "get".into(),
-                description: None,
-                parameters: json!({"type": "object", "properties": {"x\u{10FFF0}": {}}}),
-                strict: false,
-            }],
-            ..Default::default()
-        },
-        "tools[0]",
-    );
+    for parameters in [
+        json!({"type": "object", "properties": {"x\u{10FFF0}": {}}}),
+        json!({"type": "object", "x\u{10FFF0}": 1}),
+    ] {
+        refused(
+            &Conversation {
+                messages: vec![Message::text(Role::User, "hi")],
+                tools: vec![Tool {
+                    name: "get".into(),
+                    description: None,
+                    parameters,
+                    strict: false,
+                }],
+                ..Default::default()
+            },
+            "tools[0]",
+        );
+    }
 }
 
 #[test]

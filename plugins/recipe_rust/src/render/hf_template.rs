@@ -29,8 +29,9 @@
 //! JSON objects keep their key order (an order-preserving map object), as Python dicts do.
 //!
 //! Trust: every string that came from the request (message text, reasoning, tool
-//! call names, ids and arguments, tool names, descriptions and schema strings,
-//! property names) is untrusted; only template text is trusted. The template is rendered twice: once as is (the text
+//! call names, ids and arguments, tool names and descriptions, a tool schema's
+//! strings and its keys other than JSON Schema keywords) is untrusted; only template
+//! text is trusted. The template is rendered twice: once as is (the text
 //! transformers would produce), once with each untrusted string's non-blank core
 //! wrapped in two private-use marker characters (leading/trailing whitespace stays
 //! outside, so ``strip``/``trim`` still give the same result). The marked rendering
@@ -408,10 +409,27 @@ fn untrusted(s: &str, mark: bool) -> std::result::Result<JValue, Reserved> {
 enum Keys {
     /// Every key (tool-call arguments).
     All,
-    /// Only names a client chose in a JSON schema: the keys of the objects under
-    /// properties / $defs / definitions / patternProperties.
-    SchemaNames,
+    /// A JSON schema's: every key but the JSON Schema keywords (``SCHEMA_KEYWORDS``),
+    /// which templates look up (``param.type``) and which are fixed words no client
+    /// chose. Names under properties / $defs / definitions / patternProperties are
+    /// untrusted even when they spell a keyword.
+    Schema,
 }
+
+/// JSON Schema keywords (drafts 4 to 2020-12, and OpenAPI's ``nullable``).
+#[rustfmt::skip]
+const SCHEMA_KEYWORDS: &[&str] = &[
+    "$schema", "$id", "$ref", "$anchor", "$dynamicRef", "$dynamicAnchor", "$vocabulary",
+    "$comment", "$defs", "definitions", "type", "enum", "const", "properties",
+    "patternProperties", "additionalProperties", "required", "items", "prefixItems",
+    "additionalItems", "contains", "minContains", "maxContains", "allOf", "anyOf", "oneOf",
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
+    "propertyNames", "unevaluatedItems", "unevaluatedProperties", "multipleOf", "maximum",
+    "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength", "minLength", "pattern",
+    "maxItems", "minItems", "uniqueItems", "maxProperties", "minProperties", "title",
+    "description", "default", "deprecated", "readOnly", "writeOnly", "examples", "format",
+    "contentEncoding", "contentMediaType", "contentSchema", "nullable",
+];
 
 /// Request JSON as a template value, every string untrusted (see ``Keys`` for keys).
 fn json_value(value: &Value, mark: bool, keys: Keys) -> std::result::Result<JValue, Reserved> {
@@ -439,8 +457,12 @@ fn json_value(value: &Value, mark: bool, keys: Keys) -> std::result::Result<JVal
             for (k, v) in map {
                 let entry = match keys {
                     Keys::All => (untrusted(k, mark)?, json_value(v, mark, keys)?),
-                    Keys::SchemaNames => {
-                        let key = JValue::from(k.as_str());
+                    Keys::Schema => {
+                        let key = if SCHEMA_KEYWORDS.contains(&k.as_str()) {
+                            JValue::from(k.as_str())
+                        } else {
+                            untrusted(k, mark)?
+                        };
                         let names = matches!(
                             k.as_str(),
                             "properties" | "$defs" | "definitions" | "patternProperties"
@@ -567,7 +589,7 @@ fn tool_value(tool: &Tool, mark: bool) -> std::result::Result<JValue, Reserved> 
     }
     function.push((
         "parameters".into(),
-        json_value(&tool.parameters, mark, Keys::SchemaNames)?,
+        json_value(&tool.parameters, mark, Keys::Schema)?,
     ));
     Ok(OrderedMap::value(vec![
         ("type".into(), "function".into()),
