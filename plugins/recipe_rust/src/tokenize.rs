@@ -52,8 +52,10 @@ pub struct PromptTokenizer {
     /// Non-special added tokens: a piece containing one takes the crate's pipeline.
     plain_added: Vec<String>,
     /// The fast path's split -> ids cache (None under BPE dropout).
-    cache: Option<RwLock<HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>>>,
+    cache: Option<SplitCache>,
 }
+
+type SplitCache = RwLock<HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>>;
 
 /// Entries the split cache holds before it starts over (HF's BPE cache holds 10,000).
 const CACHE_CAPACITY: usize = 50_000;
