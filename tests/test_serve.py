@@ -485,5 +485,37 @@ def test_chat_logprobs_come_back_for_every_token(oai: openai.OpenAI) -> None:
         assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
         assert entry.logprob == pytest.approx(ranked[0])
         assert bytes(entry.bytes).decode() == entry.token
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.responses.create(model=MODEL, input="hi", include=["message.output_text.logprobs"], max_output_tokens=3)
+
+
+def test_responses_logprobs_come_back_on_the_output_text(oai: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "input": QUESTION, "max_output_tokens": 6, "temperature": 0}
+    reply = oai.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=3)
+    [message] = reply.output
+    [part] = message.content
+    assert part.type == "output_text"
+    assert len(part.logprobs) == reply.usage.output_tokens == 6
+    assert "".join(entry.token for entry in part.logprobs) == part.text == reply.output_text
+    for entry in part.logprobs:
+        assert len(entry.top_logprobs) == 3
+        ranked = [top.logprob for top in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True) and all(lp <= 0 for lp in ranked)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
+        assert entry.logprob == pytest.approx(ranked[0])
+        assert bytes(entry.bytes).decode() == entry.token
+    # The same tokens as Chat Completions reports for the same prompt.
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    assert [(e.token, e.logprob) for e in part.logprobs] == [
+        (e.token, pytest.approx(e.logprob, abs=1e-4)) for e in chat.choices[0].logprobs.content
+    ]
+    # Without the include, top_logprobs asks for nothing (as in OpenAI's API).
+    plain = oai.responses.create(**kwargs, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError, match="log-probabilities are not supported with stream"):
+        oai.responses.create(**kwargs, include=["message.output_text.logprobs"], stream=True)

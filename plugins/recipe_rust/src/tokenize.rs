@@ -17,6 +17,10 @@
 //! reproduces skip the crate's pipeline: the splitter's splits go straight to the
 //! tokenizer's own model (same ids, several times faster). A piece that contains a
 //! non-special added token still takes the crate's pipeline, which splits it there.
+//! The fast path keeps its own cache of split -> ids (the model's answer for a split
+//! never changes, except under BPE dropout, which turns the cache off): a hit costs
+//! one hash lookup, where the model's own cache clones its word and allocates a
+//! token string per id.
 //!
 //! Not reproduced: added tokens with ``normalized: true`` are matched on the raw text
 //! (HF matches them on normalized text), their ``lstrip``/``rstrip``/``single_word``
@@ -24,7 +28,11 @@
 //! sees each piece as a first piece. None of these matter for byte-level BPE
 //! tokenizers (SmolLM2, Llama 3, Qwen, DeepSeek).
 
-use tokenizers::{Model, Tokenizer};
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use tokenizers::{Model, ModelWrapper, Tokenizer};
 
 use crate::error::{RecipeError, Result};
 use crate::pretokenize::{byte_level, ByteLevelSplitter};
@@ -37,11 +45,22 @@ pub struct PromptTokenizer {
     full: Tokenizer,
     /// Special added tokens, longest first: (content, id).
     special: Vec<(String, u32)>,
+    /// Finds ``special`` leftmost-longest (pattern index = index in ``special``).
+    special_matcher: Option<AhoCorasick>,
     /// The fast path past the crate's pre-tokenizer, where it gives the same splits.
     splitter: Option<ByteLevelSplitter>,
     /// Non-special added tokens: a piece containing one takes the crate's pipeline.
     plain_added: Vec<String>,
+    /// The fast path's split -> ids cache (None under BPE dropout).
+    cache: Option<SplitCache>,
 }
+
+type SplitCache = RwLock<HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>>;
+
+/// Entries the split cache holds before it starts over (HF's BPE cache holds 10,000).
+const CACHE_CAPACITY: usize = 50_000;
+/// Longer splits are not cached (rare, and they would crowd the cache).
+const CACHE_MAX_SPLIT: usize = 64;
 
 impl std::fmt::Debug for PromptTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -64,6 +83,15 @@ impl PromptTokenizer {
             .map(|(id, t)| (t.content, id))
             .collect();
         special.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let special_matcher = if special.is_empty() {
+            None
+        } else {
+            let matcher = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(special.iter().map(|(s, _)| s))
+                .map_err(|e| RecipeError::internal(format!("special tokens: {e}")))?;
+            Some(matcher)
+        };
         let plain_added = full
             .get_added_tokens_decoder()
             .into_values()
@@ -76,12 +104,16 @@ impl PromptTokenizer {
         } else {
             None
         };
+        let dropout = matches!(full.get_model(), ModelWrapper::BPE(bpe) if bpe.dropout.is_some());
+        let cache = (!dropout).then(|| RwLock::new(HashMap::default()));
         Ok(PromptTokenizer {
             plain,
             full,
             special,
+            special_matcher,
             splitter,
             plain_added,
+            cache,
         })
     }
 
@@ -127,29 +159,11 @@ impl PromptTokenizer {
     }
 
     /// Leftmost-longest special-token matches in ``text``: (byte offset, length, id).
-    fn find_special(&self, text: &str) -> Vec<(usize, usize, u32)> {
-        let mut found = Vec::new();
-        if self.special.is_empty() {
-            return found;
-        }
-        let bytes = text.as_bytes();
-        let mut i = 0;
-        while i < bytes.len() {
-            // Only check at char boundaries; tokens are longest first.
-            if text.is_char_boundary(i) {
-                if let Some((s, id)) = self
-                    .special
-                    .iter()
-                    .find(|(s, _)| bytes[i..].starts_with(s.as_bytes()))
-                {
-                    found.push((i, s.len(), *id));
-                    i += s.len();
-                    continue;
-                }
-            }
-            i += 1;
-        }
-        found
+    fn find_special<'a>(&'a self, text: &'a str) -> impl Iterator<Item = (usize, usize, u32)> + 'a {
+        self.special_matcher
+            .iter()
+            .flat_map(move |matcher| matcher.find_iter(text))
+            .map(|m| (m.start(), m.len(), self.special[m.pattern().as_usize()].1))
     }
 
     fn encode_piece(&self, text: &str, ids: &mut Vec<u32>) -> Result<()> {
@@ -177,17 +191,52 @@ impl PromptTokenizer {
         text: &str,
         ids: &mut Vec<u32>,
     ) -> Result<()> {
-        let model = self.plain.get_model();
         let mut splits = Vec::new();
         splitter.split(text, &mut splits);
         let mut word = String::new();
-        for split in splits {
-            byte_level(split, &mut word);
-            let tokens = model
-                .tokenize(&word)
-                .map_err(|e| RecipeError::internal(format!("tokenization failed: {e}")))?;
-            ids.extend(tokens.iter().map(|t| t.id));
+        let Some(cache) = &self.cache else {
+            for split in splits {
+                self.tokenize_split(split, &mut word, ids)?;
+            }
+            return Ok(());
+        };
+        let mut missed = Vec::new();
+        {
+            let cached = cache.read().unwrap_or_else(|e| e.into_inner());
+            for split in splits {
+                match cached.get(split) {
+                    Some(hit) => ids.extend_from_slice(hit),
+                    None => {
+                        let start = ids.len();
+                        self.tokenize_split(split, &mut word, ids)?;
+                        if split.len() <= CACHE_MAX_SPLIT {
+                            missed.push((split, start..ids.len()));
+                        }
+                    }
+                }
+            }
         }
+        if !missed.is_empty() {
+            let mut cached = cache.write().unwrap_or_else(|e| e.into_inner());
+            if cached.len() + missed.len() > CACHE_CAPACITY {
+                cached.clear();
+            }
+            for (split, range) in missed.into_iter().take(CACHE_CAPACITY) {
+                cached.insert(split.into(), ids[range].into());
+            }
+        }
+        Ok(())
+    }
+
+    /// One split through the tokenizer's model (``word``: scratch space).
+    fn tokenize_split(&self, split: &str, word: &mut String, ids: &mut Vec<u32>) -> Result<()> {
+        byte_level(split, word);
+        let tokens = self
+            .plain
+            .get_model()
+            .tokenize(word)
+            .map_err(|e| RecipeError::internal(format!("tokenization failed: {e}")))?;
+        ids.extend(tokens.iter().map(|t| t.id));
         Ok(())
     }
 }

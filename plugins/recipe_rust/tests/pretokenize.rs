@@ -159,7 +159,7 @@ fn the_fast_path_applies_only_to_the_pipelines_it_reproduces() {
 }
 
 /// Every char, in contexts that tell letters, numbers, whitespace and the rest apart,
-/// splits as the crate's Oniguruma regex splits it: the `regex` crate's Unicode tables
+/// splits as the crate's Oniguruma regex splits it: `regex-automata`'s Unicode tables
 /// agree with Oniguruma's. (The regex alone: the whole pipeline on ~6M chars is too slow
 /// for a debug build; the tests below run the pipeline.)
 #[test]
@@ -250,8 +250,32 @@ fn text() -> impl Strategy<Value = String> {
     proptest::collection::vec(fragment, 0..32).prop_map(|parts| parts.concat())
 }
 
+/// ASCII only: the splitter's hand-written ASCII path.
+fn ascii_text() -> impl Strategy<Value = String> {
+    let fragment = prop_oneof![
+        3 => proptest::sample::select(vec![
+            " ", "  ", "\t", "\n", "\r\n", "\u{b}", "\u{c}", "\u{1c}", "\u{7f}", "'s", "'t",
+            "'re", "'ve", "'m", "'ll", "'d", "'S", "'R", "'", "''", "' ", "don't", "hello", "ing",
+            "0", "2024", "!", "...", "-", "_", "<|im_start|>", "ing the", "1 ",
+        ]).prop_map(str::to_string),
+        2 => "[ \t\n\r\x0b\x0c]{1,6}",
+        3 => "[\x00-\x7f]{1,8}",
+    ];
+    proptest::collection::vec(fragment, 0..32).prop_map(|parts| parts.concat())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn ascii_fast_path_equals_the_crate(text in ascii_text()) {
+        for case in cases() {
+            prop_assert_eq!(case.ids(&text), case.reference_ids(&text));
+        }
+        for case in [&*BYTE_LEVEL, &*DIGITS] {
+            prop_assert_eq!(case.splits(&text), case.reference_splits(&text));
+        }
+    }
 
     #[test]
     fn fast_path_ids_equal_the_crate_ids(text in text()) {

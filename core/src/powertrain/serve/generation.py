@@ -27,8 +27,10 @@ def sampling_params(
         raise ApiError(400, "n > 1 is not supported by this server; send n requests instead", "n")
     logprobs = None
     if sampling.get("logprobs"):
-        if request["protocol"] != "chat_completions" or request.get("stream"):
-            raise ApiError(400, "logprobs are supported for non-streaming Chat Completions only", "logprobs")
+        if request["protocol"] not in ("chat_completions", "responses") or request.get("stream"):
+            raise ApiError(
+                400, "logprobs are supported for non-streaming Chat Completions and Responses only", "logprobs"
+            )
         logprobs = sampling.get("top_logprobs") or 0
     prompt_tokens = len(request["prompt_token_ids"])
     max_tokens = sampling.get("max_tokens")

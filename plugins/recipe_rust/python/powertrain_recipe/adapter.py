@@ -101,9 +101,10 @@ class RecipeAdapter:
         (strict tools' arguments follow their schema); None when no call is forced."""
         return tool_call_grammar(self.output_format, request)
 
-    def _chat_logprobs(self, completion: Any, top: int) -> list[dict[str, Any]]:
-        """Chat Completions' ``logprobs.content``: each generated token with its logprob and
-        the ``top`` most likely tokens (the model's distribution, as the engine reports it)."""
+    def _token_logprobs(self, completion: Any, top: int) -> list[dict[str, Any]]:
+        """Each generated token with its logprob and the ``top`` most likely tokens (the
+        model's distribution, as the engine reports it): Chat Completions'
+        ``logprobs.content`` and Responses' ``output_text.logprobs`` share this shape."""
         content = []
         for token, candidates in zip(completion.token_ids, completion.logprobs, strict=False):
             ranked = sorted(candidates.items(), key=lambda item: -item[1])[:top]
@@ -114,6 +115,25 @@ class RecipeAdapter:
                 }
             )
         return content
+
+    @staticmethod
+    def _add_logprobs(native: str, body: dict[str, Any], logprobs: list[dict[str, Any]]) -> None:
+        """Puts every generated token's logprobs where the protocol reports them. Responses:
+        on the answer's ``output_text`` part, as vLLM does (a reasoning or tool-call token
+        is listed there too; an output with no answer text has no place for them)."""
+        if native == "chat_completions":
+            body["choices"][0]["logprobs"] = {"content": logprobs, "refusal": None}
+        elif native == "responses":
+            parts = (
+                part
+                for item in body["output"]
+                if item["type"] == "message"
+                for part in item["content"]
+                if part["type"] == "output_text"
+            )
+            part = next(parts, None)
+            if part is not None:
+                part["logprobs"] = logprobs
 
     def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token)
@@ -160,11 +180,9 @@ class RecipeAdapter:
                 stop_sequence=stopped,
             )
             body = json.loads(body)
-            if native == "chat_completions" and request["sampling"].get("logprobs") and completion.logprobs:
-                body["choices"][0]["logprobs"] = {
-                    "content": self._chat_logprobs(completion, request["sampling"].get("top_logprobs") or 0),
-                    "refusal": None,
-                }
+            if request["sampling"].get("logprobs") and completion.logprobs:
+                top = request["sampling"].get("top_logprobs") or 0
+                self._add_logprobs(native, body, self._token_logprobs(completion, top))
             bodies.append(body)
         if len(bodies) == 1:
             return json.dumps(bodies[0]).encode()

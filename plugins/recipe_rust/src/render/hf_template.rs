@@ -29,26 +29,41 @@
 //! JSON objects keep their key order (an order-preserving map object), as Python dicts do.
 //!
 //! Trust: every string that came from the request (message text, reasoning, tool
-//! call names, ids and arguments, tool names, descriptions and schema strings,
-//! property names) is untrusted; only template text is trusted. The template is
-//! rendered twice: once as is (the text transformers would produce), once with each
-//! untrusted string's non-blank core wrapped in two private-use marker characters
-//! (leading/trailing whitespace stays outside, so ``strip``/``trim`` still give the
-//! same result). The marked rendering, markers removed, must equal the plain one;
-//! then the markers give the untrusted byte ranges exactly. If the template
-//! transformed untrusted text so that the two disagree (it sliced, split, compared
-//! or re-encoded it), rendering fails with an error instead of guessing which text
-//! is safe. Untrusted text containing a marker character is refused.
+//! call names, ids and arguments, tool names and descriptions, a tool schema's
+//! strings and its keys other than JSON Schema keywords) is untrusted; only template
+//! text is trusted. The template is rendered twice: once as is (the text
+//! transformers would produce), once with each untrusted string's non-blank core
+//! wrapped in two private-use marker characters (leading/trailing whitespace stays
+//! outside, so ``strip``/``trim`` still give the same result). The marked rendering
+//! must have balanced markers and, markers removed, equal the plain one; then the
+//! markers give the untrusted byte ranges exactly. If the template transformed
+//! untrusted text so that either check fails, rendering fails with an error instead
+//! of guessing which text is safe. Untrusted text containing a marker character is
+//! refused.
+//!
+//! Why two renderings, when the marked one alone gives the text once its markers are
+//! stripped: balance alone misses the transformations that drop both markers of a
+//! string. ``content[1:-1]`` or ``content[1]`` cut request characters out from between
+//! the markers, and one rendering would take them for template text, free to spell a
+//! special token. Run on the unmarked strings, the same template cuts at other
+//! characters (the marked string is shifted by one), so the comparison refuses it. It
+//! also refuses templates that branch on the exact text (``content == ...``,
+//! ``content|length``), whose marked rendering is not the prompt transformers renders.
+//! What neither check sees: a piece split out of the middle of a string
+//! (``content.split(a)[1]``) is the same in both renderings and carries no marker.
+//! Templates that split request text (Qwen3 and DeepSeek-V3 split assistant content
+//! at ``</think>``) also print the string's last piece, whose lone
+//! marker refuses the rendering; a template printing only a middle piece would not
+//! be caught.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Value as JValue};
 use minijinja::{Environment, Error as JError, ErrorKind as JErrorKind};
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
 use super::{python_json_dumps, Prompt};
-use crate::conversation::{ContentPart, Conversation, ReasoningEffort, Role};
+use crate::conversation::{ContentPart, Conversation, Message, ReasoningEffort, Role, Tool};
 use crate::error::{RecipeError, Result};
 
 const OPEN: char = '\u{10FFF0}';
@@ -110,54 +125,47 @@ impl ChatTemplate {
         conversation: &Conversation,
         add_generation_prompt: bool,
     ) -> Result<Prompt> {
-        check_no_markers(conversation)?;
         let plain = self.render_text(conversation, add_generation_prompt, false)?;
         let marked = self.render_text(conversation, add_generation_prompt, true)?;
-        let prompt = split_marked(&marked)?;
-        if prompt.text() != plain {
-            return Err(RecipeError::internal(
-                "the chat template transforms request text (slices, splits or compares it), so untrusted text \
-                 cannot be located in the prompt safely; refusing to render",
-            ));
-        }
-        Ok(prompt)
+        split_marked(&marked, &plain)
     }
 
-    fn render_text(
+    /// The template's context: messages, tools and the template variables.
+    fn context(
         &self,
         conversation: &Conversation,
         add_generation_prompt: bool,
         mark: bool,
-    ) -> Result<String> {
-        let ctx = build_context(conversation, mark, self.arguments_as_mapping);
-        let mut map: HashMap<&str, JValue> = HashMap::new();
-        map.insert("messages", to_jinja(&ctx.messages));
-        map.insert(
-            "tools",
-            if ctx.tools.is_empty() {
-                JValue::from(())
-            } else {
-                to_jinja(&Value::Array(ctx.tools))
-            },
-        );
-        map.insert("add_generation_prompt", JValue::from(add_generation_prompt));
-        map.insert(
-            "bos_token",
-            self.bos_token
-                .as_deref()
-                .map(JValue::from)
-                .unwrap_or_default(),
-        );
-        map.insert(
-            "eos_token",
-            self.eos_token
-                .as_deref()
-                .map(JValue::from)
-                .unwrap_or_default(),
-        );
+    ) -> Result<JValue> {
+        let mut messages = Vec::with_capacity(conversation.messages.len());
+        for (i, message) in conversation.messages.iter().enumerate() {
+            messages.push(
+                message_value(message, mark, self.arguments_as_mapping)
+                    .map_err(|Reserved| reserved(format!("messages[{i}]")))?,
+            );
+        }
+        let tools = if conversation.tools.is_empty() {
+            JValue::from(())
+        } else {
+            let mut tools = Vec::with_capacity(conversation.tools.len());
+            for (i, tool) in conversation.tools.iter().enumerate() {
+                tools.push(
+                    tool_value(tool, mark).map_err(|Reserved| reserved(format!("tools[{i}]")))?,
+                );
+            }
+            JValue::from(tools)
+        };
+        let token = |t: &Option<String>| t.as_deref().map(JValue::from).unwrap_or_default();
+        let mut vars: Vec<(JValue, JValue)> = vec![
+            ("messages".into(), JValue::from(messages)),
+            ("tools".into(), tools),
+            ("add_generation_prompt".into(), add_generation_prompt.into()),
+            ("bos_token".into(), token(&self.bos_token)),
+            ("eos_token".into(), token(&self.eos_token)),
+        ];
         if let Some(enabled) = conversation.thinking.enabled {
-            map.insert("enable_thinking", JValue::from(enabled));
-            map.insert("thinking", JValue::from(enabled));
+            vars.push(("enable_thinking".into(), enabled.into()));
+            vars.push(("thinking".into(), enabled.into()));
         }
         if let Some(effort) = conversation.thinking.effort {
             let name = match effort {
@@ -167,13 +175,23 @@ impl ChatTemplate {
                 ReasoningEffort::High => "high",
                 ReasoningEffort::Max => "max",
             };
-            map.insert("reasoning_effort", JValue::from(name));
+            vars.push(("reasoning_effort".into(), name.into()));
         }
+        Ok(OrderedMap::value(vars))
+    }
+
+    fn render_text(
+        &self,
+        conversation: &Conversation,
+        add_generation_prompt: bool,
+        mark: bool,
+    ) -> Result<String> {
+        let context = self.context(conversation, add_generation_prompt, mark)?;
         let template = self
             .env
             .get_template("chat_template")
             .map_err(|e| RecipeError::internal(format!("chat template: {}", describe(&e))))?;
-        template.render(JValue::from(map)).map_err(|e| {
+        template.render(context).map_err(|e| {
             let message = describe(&e);
             match message.find(RAISED) {
                 Some(at) => {
@@ -355,112 +373,118 @@ fn strip_generation_tags(source: &str) -> String {
 }
 
 // ----------------------------------------------------------------------------
-// Context building
+// Context building: request data straight to template values
 
-struct Context {
-    messages: Value,
-    tools: Vec<Value>,
+/// An untrusted string held a reserved marker character.
+struct Reserved;
+
+fn has_marker(s: &str) -> bool {
+    s.contains(OPEN) || s.contains(CLOSE)
 }
 
-fn check_no_markers(conversation: &Conversation) -> Result<()> {
-    let bad = |s: &str| s.contains(OPEN) || s.contains(CLOSE);
-    let json_bad = |v: &Value| bad(&v.to_string());
-    for (i, message) in conversation.messages.iter().enumerate() {
-        let text_bad = message.content.iter().any(|p| match p {
-            ContentPart::Text { text } => bad(text),
-            ContentPart::Image { url } => bad(url),
-        });
-        let other_bad = message.reasoning.as_deref().is_some_and(bad)
-            || message.tool_call_id.as_deref().is_some_and(bad)
-            || message.name.as_deref().is_some_and(bad)
-            || message
-                .tool_calls
-                .iter()
-                .any(|c| bad(&c.id) || bad(&c.name) || bad(&c.arguments));
-        if text_bad || other_bad {
-            return Err(RecipeError::invalid(
-                format!("messages[{i}]"),
-                "contains the reserved characters U+10FFF0/U+10FFF1",
-            ));
-        }
-    }
-    for (i, tool) in conversation.tools.iter().enumerate() {
-        if bad(&tool.name)
-            || tool.description.as_deref().is_some_and(bad)
-            || json_bad(&tool.parameters)
-        {
-            return Err(RecipeError::invalid(
-                format!("tools[{i}]"),
-                "contains the reserved characters U+10FFF0/U+10FFF1",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Wraps the non-blank core of ``s`` in markers (whitespace stays outside).
-fn wrap(s: &str, mark: bool) -> String {
-    if !mark {
-        return s.to_string();
+/// An untrusted string as a template value: its non-blank core wrapped in markers
+/// when ``mark`` (leading/trailing whitespace stays outside). Every untrusted string
+/// goes through here, so this is where a marker character in request text is refused.
+fn untrusted(s: &str, mark: bool) -> std::result::Result<JValue, Reserved> {
+    if has_marker(s) {
+        return Err(Reserved);
     }
     let core = s.trim();
-    if core.is_empty() {
-        return s.to_string();
+    if !mark || core.is_empty() {
+        return Ok(JValue::from(s));
     }
     let start = s.len() - s.trim_start().len();
     let end = start + core.len();
-    format!("{}{OPEN}{core}{CLOSE}{}", &s[..start], &s[end..])
+    let mut out = String::with_capacity(s.len() + 2 * OPEN.len_utf8());
+    out.push_str(&s[..start]);
+    out.push(OPEN);
+    out.push_str(core);
+    out.push(CLOSE);
+    out.push_str(&s[end..]);
+    Ok(JValue::from(out))
 }
 
-/// Wraps every string (values, and object keys when ``keys``) of a JSON value.
-fn wrap_json(value: &Value, mark: bool, keys: bool) -> Value {
-    match value {
-        Value::String(s) => Value::String(wrap(s, mark)),
-        Value::Array(items) => {
-            Value::Array(items.iter().map(|v| wrap_json(v, mark, keys)).collect())
+/// Which object keys of request JSON are untrusted text.
+#[derive(Clone, Copy)]
+enum Keys {
+    /// Every key (tool-call arguments).
+    All,
+    /// A JSON schema's: every key but the JSON Schema keywords (``SCHEMA_KEYWORDS``),
+    /// which templates look up (``param.type``) and which are fixed words no client
+    /// chose. Names under properties / $defs / definitions / patternProperties are
+    /// untrusted even when they spell a keyword.
+    Schema,
+}
+
+/// JSON Schema keywords (drafts 4 to 2020-12, and OpenAPI's ``nullable``).
+#[rustfmt::skip]
+const SCHEMA_KEYWORDS: &[&str] = &[
+    "$schema", "$id", "$ref", "$anchor", "$dynamicRef", "$dynamicAnchor", "$vocabulary",
+    "$comment", "$defs", "definitions", "type", "enum", "const", "properties",
+    "patternProperties", "additionalProperties", "required", "items", "prefixItems",
+    "additionalItems", "contains", "minContains", "maxContains", "allOf", "anyOf", "oneOf",
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
+    "propertyNames", "unevaluatedItems", "unevaluatedProperties", "multipleOf", "maximum",
+    "exclusiveMaximum", "minimum", "exclusiveMinimum", "maxLength", "minLength", "pattern",
+    "maxItems", "minItems", "uniqueItems", "maxProperties", "minProperties", "title",
+    "description", "default", "deprecated", "readOnly", "writeOnly", "examples", "format",
+    "contentEncoding", "contentMediaType", "contentSchema", "nullable",
+];
+
+/// Request JSON as a template value, every string untrusted (see ``Keys`` for keys).
+fn json_value(value: &Value, mark: bool, keys: Keys) -> std::result::Result<JValue, Reserved> {
+    Ok(match value {
+        Value::Null => JValue::from(()),
+        Value::Bool(b) => JValue::from(*b),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                JValue::from(i)
+            } else if let Some(u) = n.as_u64() {
+                JValue::from(u)
+            } else {
+                JValue::from(n.as_f64().unwrap_or(f64::NAN))
+            }
         }
-        Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| {
-                    (
-                        if keys { wrap(k, mark) } else { k.clone() },
-                        wrap_json(v, mark, keys),
-                    )
-                })
-                .collect(),
+        Value::String(s) => untrusted(s, mark)?,
+        Value::Array(items) => JValue::from(
+            items
+                .iter()
+                .map(|v| json_value(v, mark, keys))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
         ),
-        other => other.clone(),
-    }
-}
-
-/// Wraps a JSON schema's strings: values everywhere, keys only where they are names
-/// chosen by the client (under properties / $defs / definitions / patternProperties).
-fn wrap_schema(value: &Value, mark: bool) -> Value {
-    match value {
-        Value::String(s) => Value::String(wrap(s, mark)),
-        Value::Array(items) => Value::Array(items.iter().map(|v| wrap_schema(v, mark)).collect()),
-        Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| {
-                    let named = matches!(
-                        k.as_str(),
-                        "properties" | "$defs" | "definitions" | "patternProperties"
-                    );
-                    let inner = match (named, v) {
-                        (true, Value::Object(props)) => Value::Object(
-                            props
-                                .iter()
-                                .map(|(pk, pv)| (wrap(pk, mark), wrap_schema(pv, mark)))
-                                .collect(),
-                        ),
-                        _ => wrap_schema(v, mark),
-                    };
-                    (k.clone(), inner)
-                })
-                .collect(),
-        ),
-        other => other.clone(),
-    }
+        Value::Object(map) => {
+            let mut entries = Vec::with_capacity(map.len());
+            for (k, v) in map {
+                let entry = match keys {
+                    Keys::All => (untrusted(k, mark)?, json_value(v, mark, keys)?),
+                    Keys::Schema => {
+                        let key = if SCHEMA_KEYWORDS.contains(&k.as_str()) {
+                            JValue::from(k.as_str())
+                        } else {
+                            untrusted(k, mark)?
+                        };
+                        let names = matches!(
+                            k.as_str(),
+                            "properties" | "$defs" | "definitions" | "patternProperties"
+                        );
+                        let inner = match (names, v) {
+                            (true, Value::Object(props)) => {
+                                let mut named = Vec::with_capacity(props.len());
+                                for (pk, pv) in props {
+                                    named.push((untrusted(pk, mark)?, json_value(pv, mark, keys)?));
+                                }
+                                OrderedMap::value(named)
+                            }
+                            _ => json_value(v, mark, keys)?,
+                        };
+                        (key, inner)
+                    }
+                };
+                entries.push(entry);
+            }
+            OrderedMap::value(entries)
+        }
+    })
 }
 
 fn role_name(role: Role) -> &'static str {
@@ -484,100 +508,109 @@ fn wants_arguments_mapping(source: &str) -> bool {
     })
 }
 
-fn build_context(conversation: &Conversation, mark: bool, arguments_as_mapping: bool) -> Context {
-    let mut messages = Vec::new();
-    for message in &conversation.messages {
-        let mut m = Map::new();
-        m.insert("role".into(), json!(role_name(message.role)));
-        let text_only = message
-            .content
-            .iter()
-            .all(|p| matches!(p, ContentPart::Text { .. }));
-        let content = if text_only {
-            let text = message.joined_text();
-            if text.is_empty() && message.role == Role::Assistant && !message.tool_calls.is_empty()
-            {
-                Value::Null
-            } else {
-                Value::String(wrap(&text, mark))
-            }
-        } else {
-            Value::Array(
-                message
-                    .content
-                    .iter()
-                    .map(|p| match p {
-                        ContentPart::Text { text } => {
-                            json!({"type": "text", "text": wrap(text, mark)})
-                        }
-                        ContentPart::Image { url } => {
-                            json!({"type": "image", "url": wrap(url, mark)})
-                        }
-                    })
-                    .collect(),
-            )
-        };
-        if !content.is_null() {
-            m.insert("content".into(), content);
-        }
-        if let Some(reasoning) = &message.reasoning {
-            m.insert(
-                "reasoning_content".into(),
-                Value::String(wrap(reasoning, mark)),
-            );
-        }
-        if !message.tool_calls.is_empty() {
-            let calls: Vec<Value> = message
-                .tool_calls
-                .iter()
-                .map(|call| {
-                    let parsed = serde_json::from_str::<Value>(&call.arguments).ok();
-                    let arguments = match parsed {
-                        Some(parsed) if arguments_as_mapping => wrap_json(&parsed, mark, true),
-                        _ => Value::String(wrap(&call.arguments, mark)),
-                    };
-                    json!({
-                        "type": "function",
-                        "id": wrap(&call.id, mark),
-                        "function": {"name": wrap(&call.name, mark), "arguments": arguments},
-                    })
-                })
-                .collect();
-            m.insert("tool_calls".into(), Value::Array(calls));
-        }
-        if let Some(id) = &message.tool_call_id {
-            m.insert("tool_call_id".into(), Value::String(wrap(id, mark)));
-        }
-        if let Some(name) = &message.name {
-            m.insert("name".into(), Value::String(wrap(name, mark)));
-        }
-        if message.is_error {
-            m.insert("is_error".into(), Value::Bool(true));
-        }
-        messages.push(Value::Object(m));
-    }
-    let tools = conversation
-        .tools
+/// One message as the HF message dict (see the module doc).
+fn message_value(
+    message: &Message,
+    mark: bool,
+    arguments_as_mapping: bool,
+) -> std::result::Result<JValue, Reserved> {
+    let text = |s: &str| untrusted(s, mark);
+    let mut m: Vec<(JValue, JValue)> = Vec::with_capacity(4);
+    m.push(("role".into(), role_name(message.role).into()));
+    let text_only = message
+        .content
         .iter()
-        .map(|tool| {
-            let mut function = Map::new();
-            function.insert("name".into(), Value::String(wrap(&tool.name, mark)));
-            if let Some(description) = &tool.description {
-                function.insert("description".into(), Value::String(wrap(description, mark)));
-            }
-            function.insert("parameters".into(), wrap_schema(&tool.parameters, mark));
-            json!({"type": "function", "function": Value::Object(function)})
-        })
-        .collect();
-    Context {
-        messages: Value::Array(messages),
-        tools,
+        .all(|p| matches!(p, ContentPart::Text { .. }));
+    if text_only {
+        let joined = message.joined_text();
+        let no_content =
+            joined.is_empty() && message.role == Role::Assistant && !message.tool_calls.is_empty();
+        if !no_content {
+            m.push(("content".into(), text(&joined)?));
+        }
+    } else {
+        let mut parts = Vec::with_capacity(message.content.len());
+        for part in &message.content {
+            parts.push(match part {
+                ContentPart::Text { text: t } => OrderedMap::value(vec![
+                    ("type".into(), "text".into()),
+                    ("text".into(), text(t)?),
+                ]),
+                ContentPart::Image { url } => OrderedMap::value(vec![
+                    ("type".into(), "image".into()),
+                    ("url".into(), text(url)?),
+                ]),
+            });
+        }
+        m.push(("content".into(), JValue::from(parts)));
     }
+    if let Some(reasoning) = &message.reasoning {
+        m.push(("reasoning_content".into(), text(reasoning)?));
+    }
+    if !message.tool_calls.is_empty() {
+        let mut calls = Vec::with_capacity(message.tool_calls.len());
+        for call in &message.tool_calls {
+            let parsed = arguments_as_mapping
+                .then(|| serde_json::from_str::<Value>(&call.arguments).ok())
+                .flatten();
+            let arguments = match parsed {
+                Some(parsed) => json_value(&parsed, mark, Keys::All)?,
+                None => text(&call.arguments)?,
+            };
+            let function = OrderedMap::value(vec![
+                ("name".into(), text(&call.name)?),
+                ("arguments".into(), arguments),
+            ]);
+            calls.push(OrderedMap::value(vec![
+                ("type".into(), "function".into()),
+                ("id".into(), text(&call.id)?),
+                ("function".into(), function),
+            ]));
+        }
+        m.push(("tool_calls".into(), JValue::from(calls)));
+    }
+    if let Some(id) = &message.tool_call_id {
+        m.push(("tool_call_id".into(), text(id)?));
+    }
+    if let Some(name) = &message.name {
+        m.push(("name".into(), text(name)?));
+    }
+    if message.is_error {
+        m.push(("is_error".into(), true.into()));
+    }
+    Ok(OrderedMap::value(m))
+}
+
+/// One tool as ``{"type": "function", "function": {name, description?, parameters}}``.
+fn tool_value(tool: &Tool, mark: bool) -> std::result::Result<JValue, Reserved> {
+    let mut function = vec![("name".into(), untrusted(&tool.name, mark)?)];
+    if let Some(description) = &tool.description {
+        function.push(("description".into(), untrusted(description, mark)?));
+    }
+    function.push((
+        "parameters".into(),
+        json_value(&tool.parameters, mark, Keys::Schema)?,
+    ));
+    Ok(OrderedMap::value(vec![
+        ("type".into(), "function".into()),
+        ("function".into(), OrderedMap::value(function)),
+    ]))
+}
+
+fn reserved(path: String) -> RecipeError {
+    RecipeError::invalid(path, "contains the reserved characters U+10FFF0/U+10FFF1")
 }
 
 /// A JSON object as a minijinja map that keeps its key order (as a Python dict does).
+/// Few keys, so lookup is a linear scan.
 #[derive(Debug)]
-struct OrderedMap(Vec<(String, JValue)>);
+struct OrderedMap(Vec<(JValue, JValue)>);
+
+impl OrderedMap {
+    fn value(entries: Vec<(JValue, JValue)>) -> JValue {
+        JValue::from_object(OrderedMap(entries))
+    }
+}
 
 impl Object for OrderedMap {
     fn repr(self: &Arc<Self>) -> ObjectRepr {
@@ -588,70 +621,62 @@ impl Object for OrderedMap {
         let key = key.as_str()?;
         self.0
             .iter()
-            .find(|(k, _)| k == key)
+            .find(|(k, _)| k.as_str() == Some(key))
             .map(|(_, v)| v.clone())
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        Enumerator::Values(
-            self.0
-                .iter()
-                .map(|(k, _)| JValue::from(k.as_str()))
-                .collect(),
-        )
+        Enumerator::Values(self.0.iter().map(|(k, _)| k.clone()).collect())
     }
 }
 
-fn to_jinja(value: &Value) -> JValue {
-    match value {
-        Value::Null => JValue::from(()),
-        Value::Bool(b) => JValue::from(*b),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                JValue::from(i)
-            } else if let Some(u) = n.as_u64() {
-                JValue::from(u)
-            } else {
-                JValue::from(n.as_f64().unwrap_or(f64::NAN))
-            }
-        }
-        Value::String(s) => JValue::from(s.as_str()),
-        Value::Array(items) => JValue::from(items.iter().map(to_jinja).collect::<Vec<_>>()),
-        Value::Object(map) => JValue::from_object(OrderedMap(
-            map.iter().map(|(k, v)| (k.clone(), to_jinja(v))).collect(),
-        )),
-    }
-}
-
-/// Splits the marked rendering into segments (marker depth > 0 is untrusted).
-fn split_marked(marked: &str) -> Result<Prompt> {
-    let mut prompt = Prompt::default();
-    let mut depth: usize = 0;
-    let mut current = String::new();
-    let unbalanced = || {
+/// Splits the marked rendering into segments (marker depth > 0 is untrusted), checking
+/// on the way that its text, markers removed, is ``plain`` (see the module doc).
+fn split_marked(marked: &str, plain: &str) -> Result<Prompt> {
+    let refuse = || {
         RecipeError::internal(
-            "the chat template transforms request text (slices or splits it), so untrusted text cannot be \
-             located in the prompt safely; refusing to render",
+            "the chat template transforms request text (slices, splits or compares it), so untrusted text \
+             cannot be located in the prompt safely; refusing to render",
         )
     };
-    for c in marked.chars() {
-        match c {
-            OPEN | CLOSE => {
-                prompt.push(&current, depth == 0);
-                current.clear();
-                if c == OPEN {
-                    depth += 1;
-                } else {
-                    depth = depth.checked_sub(1).ok_or_else(unbalanced)?;
-                }
-            }
-            c => current.push(c),
+    let mut prompt = Prompt::default();
+    let mut depth: usize = 0;
+    let mut start = 0; // of the current piece in ``marked``
+    let mut at_plain = 0; // where the current piece must be in ``plain``
+    let mut piece_end = |prompt: &mut Prompt, piece: &str, trusted: bool| {
+        let end = at_plain + piece.len();
+        if plain.get(at_plain..end) != Some(piece) {
+            return Err(refuse());
         }
+        at_plain = end;
+        prompt.push(piece, trusted);
+        Ok(())
+    };
+    // Both markers are four UTF-8 bytes that differ only in the last.
+    let (open, close) = (OPEN.to_string(), CLOSE.to_string());
+    let lead = open.as_bytes()[0];
+    let bytes = marked.as_bytes();
+    for at in memchr::memchr_iter(lead, bytes) {
+        let marker = &bytes[at..bytes.len().min(at + 4)];
+        let opens = marker == open.as_bytes();
+        if !opens && marker != close.as_bytes() {
+            continue;
+        }
+        piece_end(&mut prompt, &marked[start..at], depth == 0)?;
+        start = at + 4;
+        depth = if opens {
+            depth + 1
+        } else {
+            depth.checked_sub(1).ok_or_else(refuse)?
+        };
     }
     if depth != 0 {
-        return Err(unbalanced());
+        return Err(refuse());
     }
-    prompt.push(&current, true);
+    piece_end(&mut prompt, &marked[start..], true)?;
+    if at_plain != plain.len() {
+        return Err(refuse());
+    }
     Ok(prompt)
 }
 
