@@ -12,11 +12,13 @@ entry read before it was written shows).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
@@ -26,6 +28,7 @@ from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek
 from powertrain.testing.paged import PagedRunner
+from powertrain_dspark.cli import main
 from powertrain_dspark.confidence_head import ConfidenceHead
 from powertrain_dspark.mtp import MTPDrafter
 
@@ -274,3 +277,27 @@ def test_head_file_round_trips(tmp_path: Path) -> None:
         ConfidenceHead.load(tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="not a DSpark confidence head"):
         ConfidenceHead.load(tmp_path / "missing.safetensors")
+
+
+def test_training_command_trains_a_head_the_engine_uses(
+    checkpoints: dict[str, Path], tmp_path: Path, seed: int
+) -> None:
+    out = tmp_path / "head.safetensors"
+    argv = ["train-confidence-head", "--model", str(checkpoints["mimic"]), "--num-prompts", "24", "--max-tokens", "32"]
+    argv += ["--dtype", "float32", "--steps", "200", "--out", str(out), "--seed", str(seed)]
+    result = CliRunner().invoke(main, argv)
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    first, last = map(float, re.search(r"training loss: (\S+) -> (\S+)", result.output).groups())  # type: ignore[union-attr]
+    head_bce, head_ece = map(float, re.search(r"^  head\s+(\S+)\s+(\S+)", result.output, re.M).groups())  # type: ignore[union-attr]
+    assert last < 0.8 * first
+    assert head_bce < 0.69 and 0 <= head_ece < 0.2  # better than knowing nothing (BCE of 0.5: ln 2)
+    assert ConfidenceHead.load(out, hidden_size=256).hidden_size == 256
+
+    batch = requests(seed)
+    plain, _ = generate(engine_config(checkpoints["mimic"], "none"), batch)
+    speculated, stats = generate(
+        engine_config(checkpoints["mimic"], "dspark", dspark={"confidence_head": str(out)}), batch
+    )
+    assert speculated == plain
+    assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]

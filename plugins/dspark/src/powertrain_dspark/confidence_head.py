@@ -12,6 +12,10 @@ the drafts before it (for greedy requests: 1 if the argmaxes agree, else 0). The
 fitted with binary cross-entropy to that soft label, so it predicts the acceptance
 probability itself rather than a noisy sample of it.
 
+``log_and_train`` collects that data by generating with the engine (the MTP drafter
+logs every verified draft, ``MTPDrafter.log``), fits a head and evaluates it on held-out
+drafts: ``powertrain-dspark train-confidence-head``.
+
 The file is safetensors: the two layers' tensors, and in the header's metadata the
 format name, the model's hidden size and the head's width.
 """
@@ -19,8 +23,9 @@ format name, the model's hidden size and the head's width.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -171,3 +176,77 @@ def evaluate(predicted: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     if not len(labels):
         return {"bce": math.nan, "ece": math.nan}
     return {"bce": bce(predicted, labels), "ece": expected_calibration_error(predicted.tolist(), labels.tolist())}
+
+
+def log_and_train(
+    model: str,
+    prompts: Sequence[Any],
+    out: str | Path,
+    *,
+    max_tokens: int = 64,
+    draft_tokens: int = 5,
+    temperature: float = 0.0,
+    steps: int = 300,
+    lr: float = 1e-3,
+    width: int = 64,
+    held_out: float = 0.25,
+    dtype: str = "auto",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Generate from ``prompts`` (texts or token ids) with the MTP drafter of ``model``
+    verifying ``draft_tokens`` drafts a step, log every verified draft, fit a head on
+    most of them and save it to ``out``; returns held-out BCE and ECE of the head, of
+    the raw confidence and of a constant (the mean label), overall and per position."""
+    from powertrain import LLM, SamplingParams
+    from powertrain.config import EngineConfig
+    from powertrain.llm import apply_overrides
+    from powertrain_dspark.mtp import MTPDrafter
+
+    say = progress or (lambda _: None)
+    config = apply_overrides(EngineConfig(), {"path": model, "speculative": "fixed-k", "dtype": dtype})
+    config = attrs.evolve(config, sections={"dspark": {"drafter": "mtp", "max_draft_tokens": draft_tokens}})
+    log = ConfidenceLog()
+    with LLM(config=config) as llm:
+        drafter = llm.engine.runner.speculative.drafter
+        assert isinstance(drafter, MTPDrafter)
+        drafter.log = log
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i)
+            for i in range(len(prompts))
+        ]
+        say(f"generating from {len(prompts)} prompts, {draft_tokens} drafts verified per step")
+        llm.generate(list(prompts), params)
+    features, labels, positions, raw = log.tensors()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    cut = len(order) - max(1, int(len(order) * held_out))
+    if cut < 1:
+        raise ValueError(f"only {len(labels)} verified drafts were logged; use more prompts or tokens")
+    fit, test = order[:cut], order[cut:]
+    say(f"training on {len(fit)} drafts, evaluating on {len(test)}")
+    head, losses = train_head(features[fit], labels[fit], width=width, steps=steps, lr=lr, seed=seed)
+    head.save(out)
+    mean_acceptance = float(labels.mean())
+    predicted = head.confidence(features[test])
+    constant = torch.full((len(test),), float(labels[fit].mean()))
+    labels, positions, raw = labels[test], positions[test], raw[test]
+    by_position = {}
+    for k in positions.unique().tolist():
+        at = positions == k
+        by_position[int(k)] = {
+            "drafts": int(at.sum()),
+            "head": evaluate(predicted[at], labels[at]),
+            "raw": evaluate(raw[at], labels[at]),
+        }
+    return {
+        "drafts": len(order),
+        "mean_acceptance": mean_acceptance,
+        "train_loss_first": losses[0],
+        "train_loss_last": sum(losses[-10:]) / len(losses[-10:]),
+        "held_out": {
+            "head": evaluate(predicted, labels),
+            "raw": evaluate(raw, labels),
+            "constant": evaluate(constant, labels),
+        },
+        "by_position": by_position,
+    }
