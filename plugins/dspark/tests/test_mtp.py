@@ -176,15 +176,23 @@ def from_scratch_drafts(
     return drafts, confidences, margins
 
 
-@pytest.mark.parametrize("checkpoint", ["random", "mimic"])
-def test_drafts_equal_a_from_scratch_mtp_run(checkpoints: dict[str, Path], checkpoint: str, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("checkpoint", "num_blocks"),
+    [("random", None), ("mimic", None), ("mimic", 34)],  # 34 blocks of 4: room for the startup profile only
+    ids=["random", "mimic", "mimic-preempted"],
+)
+def test_drafts_equal_a_from_scratch_mtp_run(
+    checkpoints: dict[str, Path], checkpoint: str, num_blocks: int | None, seed: int
+) -> None:
     """Every proposal — drafted at the end of a step, or on the spot after a prefill —
     matches the MTP run from scratch over the sequence so far: the catch-up wrote every
-    entry (prompt chunks, accepted drafts, the rows after rejections) as the oracle has it."""
+    entry (prompt chunks, accepted drafts, the rows after rejections, a preempted
+    sequence's recomputation) as the oracle has it."""
     config = engine_config(
         checkpoints[checkpoint],
         "fixed-k",
         block_size=4,
+        num_blocks=num_blocks,
         max_num_batched_tokens=24,  # the longer prompts arrive in chunks
         prefix_caching=False,
         dspark={"max_draft_tokens": 3},
@@ -205,11 +213,15 @@ def test_drafts_equal_a_from_scratch_mtp_run(checkpoints: dict[str, Path], check
 
         drafter.propose = spy  # type: ignore[method-assign]
         batch = requests(seed)[:4]
+        if num_blocks is not None:  # longer outputs than the cache holds at once
+            batch = [(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for prompt, _ in batch]
         outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
         stats = llm.engine.stats()
         model = llm.engine.runner.model
     if checkpoint == "mimic":
         assert stats.speculative_accepted_tokens > 0
+    if num_blocks is not None:
+        assert stats.preemptions > 0
     assert sum(len(drafts) > 1 for _, drafts, _ in proposals) > 10
     sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
     hidden = [target_hidden(model, tokens) for tokens in sequences]
