@@ -418,9 +418,9 @@ def _build_speculative(
     record = result.chosen("speculative").record
     block_size = result.config.cache.block_size
 
-    def allocate(layers: Any) -> list[Any]:
+    def allocate(layers: Any, extra_blocks: int = 0) -> list[Any]:
         specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
-        return [spec.allocate(num_blocks, result.device) for spec in specs]
+        return [spec.allocate(num_blocks + extra_blocks, result.device) for spec in specs]
 
     context = SpeculativeContext(
         config=result.sections.get(record.config_section) if record.config_section else None,

@@ -120,9 +120,11 @@ class SpeculativeContext:
     #: ``ladder of batch token counts -> {B: target steps per second}``, measured now on
     #: this machine (one forward + logits of B tokens spread over decoding sequences).
     measure_steps_per_second: Callable[[Sequence[int]], dict[int, float]]
-    #: Allocates a cache like the target's for extra attention layers (an MTP drafter's),
-    #: filled through the same block tables.
-    allocate_kv_caches: Callable[[Sequence[Any]], list[Any]]
+    #: ``allocate_kv_caches(layers, extra_blocks=0)``: a cache like the target's for extra
+    #: attention layers (an MTP drafter's), filled through the same block tables. The
+    #: ``extra_blocks`` blocks after the target's (the last ids) are in no block table: a
+    #: drafter's private scratch for positions its sequences own no block for yet.
+    allocate_kv_caches: Callable[..., list[Any]]
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:

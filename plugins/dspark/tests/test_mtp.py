@@ -1,0 +1,315 @@
+"""The MTP drafter in the real engine, on tiny DeepSeek-V3 checkpoints with fresh weights.
+
+Two checkpoints: ``random`` (the MTP layer has nothing to do with the target, so nearly
+every draft is rejected) and ``mimic``, the same with every attention and MLP output
+scaled down, an MTP input projection that passes the embedding through and a sharper
+head: target and MTP then both mostly map a token to the same next one, so most drafts
+are accepted, and the attention still moves the logits. Between them they cover rejected,
+partly and fully accepted drafts. The drafts are compared with a from-scratch run of the
+MTP over each sequence's whole history (its cache starting as NaN in the engine, so an
+entry read before it was written shows).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from powertrain import LLM, SamplingParams
+from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.config import EngineConfig
+from powertrain.llm import apply_overrides
+from powertrain.testing.base import fresh_seed
+from powertrain.testing.checkpoints import write_tiny_deepseek
+from powertrain.testing.paged import PagedRunner
+from powertrain_dspark.cli import main
+from powertrain_dspark.confidence_head import ConfidenceHead
+from powertrain_dspark.mtp import MTPDrafter
+
+PROFILE = [1, 8]  # a short startup profile keeps the tests quick
+#: Argmaxes closer than this may differ between two correct runs (float32 rounding).
+TIE = 1e-4
+
+
+def make_mimic(path: Path, scale: float = 0.1, sharpen: float = 4.0) -> Path:
+    """Rewrite a tiny checkpoint so its MTP layer predicts much like the target (module doc)."""
+    shards = sorted(path.glob("*.safetensors"))
+    tensors = {shard: load_file(shard) for shard in shards}
+    final_norm = next(t["model.norm.weight"] for t in tensors.values() if "model.norm.weight" in t)
+    for shard, named in tensors.items():
+        for name, tensor in named.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                named[name] = tensor * scale
+            elif name.endswith(("lm_head.weight", "shared_head.head.weight")):
+                named[name] = tensor * sharpen
+            elif name.endswith("eh_proj.weight"):  # [embedding; hidden] -> embedding (+ a little hidden)
+                size = tensor.shape[0]
+                named[name] = torch.cat([torch.eye(size), tensor[:, size:] * scale], dim=1)
+            elif name.endswith("enorm.weight"):
+                named[name] = torch.ones_like(tensor)
+            elif name.endswith("shared_head.norm.weight"):
+                named[name] = final_norm.clone()
+        save_file(named, shard, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    seed = fresh_seed()
+    print(f"checkpoint seed={seed}")
+    return {
+        "random": write_tiny_deepseek(tmp_path_factory.mktemp("random"), seed=seed),
+        "mimic": make_mimic(write_tiny_deepseek(tmp_path_factory.mktemp("mimic"), seed=seed)),
+        "no-mtp": write_tiny_deepseek(tmp_path_factory.mktemp("no-mtp"), seed=seed, num_nextn_predict_layers=0),
+    }
+
+
+@pytest.fixture
+def seed() -> int:
+    value = fresh_seed()
+    print(f"seed={value}")
+    return value
+
+
+def engine_config(path: Path, speculative: str, **settings: object) -> EngineConfig:
+    dspark = {"drafter": "mtp", "profile_batch_tokens": PROFILE, **settings.pop("dspark", {})}  # type: ignore[dict-item]
+    base = {"path": str(path), "dtype": "float32", "speculative": speculative, "block_size": 8, **settings}
+    config = apply_overrides(EngineConfig(), base)
+    return attrs.evolve(config, sections={"dspark": dspark}) if speculative != "none" else config
+
+
+def requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of random tokens, some longer than a step's token budget (chunked)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = (3, 11, 29, 45, 7)
+    prompts = [torch.randint(2, 500, (n,), generator=generator).tolist() for n in lengths]
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 31, 2, 20)]
+    # logprobs: this one never speculates, in the same batch as those that do
+    greedy.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))
+    return list(zip(prompts, greedy, strict=True))
+
+
+def generate(config: EngineConfig, batch: list[tuple[list[int], SamplingParams]]) -> tuple[list, object]:
+    with LLM(config=config) as llm:
+        outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
+        return [o.outputs[0].token_ids for o in outputs], llm.engine.stats()
+
+
+# --------------------------------------------------------------------------- refusal
+
+
+def test_refuses_a_checkpoint_without_mtp_layers(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=r"needs a checkpoint with MTP layers \(num_nextn_predict_layers > 0\)"):
+        LLM(config=engine_config(checkpoints["no-mtp"], "dspark"))
+
+
+def test_refuses_a_head_trained_for_another_model(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    ConfidenceHead(32).save(tmp_path / "head.safetensors")
+    config = engine_config(
+        checkpoints["random"], "dspark", dspark={"confidence_head": str(tmp_path / "head.safetensors")}
+    )
+    with pytest.raises(ValueError, match="trained for hidden size 32, but this model's is 256"):
+        LLM(config=config)
+
+
+# --------------------------------------------------------------------------- lossless (greedy)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "speculative", "dspark"),
+    [
+        ("mimic", "dspark", {}),
+        ("mimic", "fixed-k", {"max_draft_tokens": 3}),
+        ("random", "fixed-k", {"max_draft_tokens": 4}),
+    ],
+)
+def test_greedy_outputs_equal_plain_decoding(
+    checkpoints: dict[str, Path], checkpoint: str, speculative: str, dspark: dict, seed: int
+) -> None:
+    path = checkpoints[checkpoint]
+    batch = requests(seed)
+    plain, _ = generate(engine_config(path, "none", max_num_batched_tokens=32), batch)
+    speculated, stats = generate(engine_config(path, speculative, max_num_batched_tokens=32, dspark=dspark), batch)
+    assert speculated == plain
+    assert stats.speculative_verified_tokens > 0  # type: ignore[attr-defined]
+    if checkpoint == "mimic":
+        assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- drafts against an oracle
+
+
+def target_hidden(model: object, tokens: list[int]) -> torch.Tensor:
+    """The target's final hidden states over ``tokens`` in one prefill (causal: a prefix's
+    are the first rows)."""
+    runner = PagedRunner(model, TorchReferenceAttention(), block_size=4, num_blocks=64)
+    metadata, positions = runner.metadata([("s", tokens)])
+    with torch.inference_mode():
+        return model(torch.tensor(tokens), positions, runner.caches, metadata)  # type: ignore[operator]
+
+
+def from_scratch_drafts(
+    mtp: object, hidden: torch.Tensor, tokens: list[int], count: int
+) -> tuple[list[int], list[float], list[float]]:
+    """The MTP over every position of ``tokens`` but the last, with the token after it
+    (``hidden``: the target's states there), then ``count`` recursive greedy drafts:
+    (drafts, max probabilities, top-2 margins)."""
+    runner = PagedRunner(mtp, TorchReferenceAttention(), block_size=4, num_blocks=64)
+    drafts, confidences, margins = [], [], []
+    with torch.inference_mode():
+        metadata, positions = runner.metadata([("s", tokens[1:])])
+        state = mtp(0, torch.tensor(tokens[1:]), positions, hidden, runner.caches[0], metadata)[-1:]  # type: ignore[operator]
+        for _ in range(count):
+            logits = mtp.compute_logits(0, state).float()[0]  # type: ignore[attr-defined]
+            top = logits.topk(2).values
+            drafts.append(int(logits.argmax()))
+            confidences.append(float(logits.softmax(-1).max()))
+            margins.append(float(top[0] - top[1]))
+            metadata, positions = runner.metadata([("s", drafts[-1:])])
+            state = mtp(0, torch.tensor(drafts[-1:]), positions, state, runner.caches[0], metadata)  # type: ignore[operator]
+    return drafts, confidences, margins
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "num_blocks"),
+    [("random", None), ("mimic", None), ("mimic", 34)],  # 34 blocks of 4: room for the startup profile only
+    ids=["random", "mimic", "mimic-preempted"],
+)
+def test_drafts_equal_a_from_scratch_mtp_run(
+    checkpoints: dict[str, Path], checkpoint: str, num_blocks: int | None, seed: int
+) -> None:
+    """Every proposal — drafted at the end of a step, or on the spot after a prefill —
+    matches the MTP run from scratch over the sequence so far: the catch-up wrote every
+    entry (prompt chunks, accepted drafts, the rows after rejections, a preempted
+    sequence's recomputation) as the oracle has it."""
+    config = engine_config(
+        checkpoints[checkpoint],
+        "fixed-k",
+        block_size=4,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=24,  # the longer prompts arrive in chunks
+        prefix_caching=False,
+        dspark={"max_draft_tokens": 3},
+    )
+    proposals: list[tuple[list[int], list[int], list[float]]] = []
+    with LLM(config=config) as llm:
+        drafter = llm.engine.runner.speculative.drafter
+        assert isinstance(drafter, MTPDrafter)
+        for tensor in drafter.kv_cache.values():
+            tensor.fill_(float("nan"))
+        propose = drafter.propose
+
+        def spy(slots: list) -> tuple:
+            drafted = propose(slots)
+            for slot, tokens, confidences in zip(slots, drafted[0], drafted[1], strict=True):
+                proposals.append((list(slot.token_ids), list(tokens), list(confidences)))
+            return drafted
+
+        drafter.propose = spy  # type: ignore[method-assign]
+        batch = requests(seed)[:4]
+        if num_blocks is not None:  # longer outputs than the cache holds at once
+            batch = [(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for prompt, _ in batch]
+        outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
+        stats = llm.engine.stats()
+        model = llm.engine.runner.model
+    if checkpoint == "mimic":
+        assert stats.speculative_accepted_tokens > 0
+    if num_blocks is not None:
+        assert stats.preemptions > 0
+    assert sum(len(drafts) > 1 for _, drafts, _ in proposals) > 10
+    sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+    hidden = [target_hidden(model, tokens) for tokens in sequences]
+    for history, drafts, confidences in proposals:
+        (index,) = [i for i, tokens in enumerate(sequences) if tokens[: len(history)] == history]
+        h = hidden[index][: len(history) - 1]
+        expected, expected_confidences, margins = from_scratch_drafts(model.mtp, h, history, len(drafts))
+        assert confidences == pytest.approx(expected_confidences, rel=1e-4, abs=1e-6), (len(history), seed)
+        for k, (ours, theirs, margin) in enumerate(zip(drafts, expected, margins, strict=True)):
+            if margin < TIE:  # a near tie: either token is right, and what follows differs
+                break
+            assert ours == theirs, (len(history), k, seed)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("speculative", ["dspark", "fixed-k"])
+def test_sampling_runs_and_is_reproducible_with_seeds(
+    checkpoints: dict[str, Path], speculative: str, seed: int
+) -> None:
+    """Sampled drafts come with the distribution they were drawn from (verification's q)."""
+    batch = [
+        (prompt, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=seed + i))
+        for i, (prompt, _) in enumerate(requests(seed)[:4])
+    ]
+    config = engine_config(checkpoints["mimic"], speculative, dspark={"max_draft_tokens": 3})
+    with LLM(config=config) as llm:
+        drafter = llm.engine.runner.speculative.drafter
+        propose = drafter.propose
+        seen = []
+
+        def spy(slots: list) -> tuple:
+            drafted = propose(slots)
+            seen.extend(zip(drafted[0], drafted[2], strict=True))
+            return drafted
+
+        drafter.propose = spy
+        first = llm.generate([p for p, _ in batch], [s for _, s in batch])
+        again = llm.generate([p for p, _ in batch], [s for _, s in batch])
+        stats = llm.engine.stats()
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert stats.speculative_verified_tokens > 0 and stats.speculative_accepted_tokens > 0
+    assert any(tokens for tokens, _ in seen)
+    for tokens, probs in seen:
+        if not tokens:
+            continue
+        assert probs is not None and probs.shape == (len(tokens), 512)
+        assert torch.allclose(probs.sum(dim=-1), torch.ones(len(tokens)), atol=1e-5)
+        assert all(probs[k, token] > 0 for k, token in enumerate(tokens))
+
+
+# --------------------------------------------------------------------------- the head
+
+
+def test_head_file_round_trips(tmp_path: Path) -> None:
+    head = ConfidenceHead(32, width=8)
+    head.save(tmp_path / "head.safetensors")
+    loaded = ConfidenceHead.load(tmp_path / "head.safetensors", hidden_size=32)
+    features = torch.randn(7, 64)
+    assert loaded.width == 8
+    assert torch.equal(loaded.confidence(features), head.confidence(features).detach())
+    save_file({"weight": torch.randn(3, 3)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a DSpark confidence head"):
+        ConfidenceHead.load(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="not a DSpark confidence head"):
+        ConfidenceHead.load(tmp_path / "missing.safetensors")
+
+
+def test_training_command_trains_a_head_the_engine_uses(
+    checkpoints: dict[str, Path], tmp_path: Path, seed: int
+) -> None:
+    out = tmp_path / "head.safetensors"
+    argv = ["train-confidence-head", "--model", str(checkpoints["mimic"]), "--num-prompts", "24", "--max-tokens", "32"]
+    argv += ["--dtype", "float32", "--steps", "200", "--out", str(out), "--seed", str(seed)]
+    result = CliRunner().invoke(main, argv)
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    first, last = map(float, re.search(r"training loss: (\S+) -> (\S+)", result.output).groups())  # type: ignore[union-attr]
+    head_bce, head_ece = map(float, re.search(r"^  head\s+(\S+)\s+(\S+)", result.output, re.M).groups())  # type: ignore[union-attr]
+    assert last < 0.8 * first
+    assert head_bce < 0.69 and 0 <= head_ece < 0.2  # better than knowing nothing (BCE of 0.5: ln 2)
+    assert ConfidenceHead.load(out, hidden_size=256).hidden_size == 256
+
+    batch = requests(seed)
+    plain, _ = generate(engine_config(checkpoints["mimic"], "none"), batch)
+    speculated, stats = generate(
+        engine_config(checkpoints["mimic"], "dspark", dspark={"confidence_head": str(out)}), batch
+    )
+    assert speculated == plain
+    assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]
