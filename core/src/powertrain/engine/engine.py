@@ -306,12 +306,8 @@ class LLMEngine:
         proposal = None
         if slots:
             proposal = policy.propose(slots)
-            lengths = [
-                int(n)
-                for n in policy.verify_lengths(
-                    proposal, VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples))
-                )
-            ]
+            step = VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples))
+            lengths = [int(n) for n in policy.verify_lengths(proposal, step)]
             if len(lengths) != len(slots) or any(
                 not 0 <= n <= len(t) for n, t in zip(lengths, proposal.tokens, strict=True)
             ):

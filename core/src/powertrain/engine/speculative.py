@@ -117,9 +117,10 @@ class SpeculativeContext:
     vocab_size: int
     device: torch.device
     block_size: int
-    #: ``ladder of batch token counts -> {B: target steps per second}``, measured now on
-    #: this machine (one forward + logits of B tokens spread over decoding sequences).
-    measure_steps_per_second: Callable[[Sequence[int]], dict[int, float]]
+    #: ``(ladder of batch token counts, tokens per sequence=4) -> {B: target steps per
+    #: second}``, measured now on this machine (one forward + logits of B tokens spread
+    #: over sequences of that many tokens: a token and its drafts).
+    measure_steps_per_second: Callable[..., dict[int, float]]
     #: ``allocate_kv_caches(layers, extra_blocks=0)``: a cache like the target's for extra
     #: attention layers (an MTP drafter's), filled through the same block tables. The
     #: ``extra_blocks`` blocks after the target's (the last ids) are in no block table: a
@@ -148,6 +149,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     return filtered_probs(logits / params.temperature, [params] * logits.shape[0])
+
+
+#: The profile computes logits this many rows at a time: the time is the same, and a
+#: [256, vocab] float32 block (50 MB for a 49k vocabulary) would leave the allocator in a
+#: state that measurably slows the decoding that follows on CPU.
+LOGIT_ROWS = 32
 
 
 class StepsPerSecondProfiler:
@@ -180,36 +187,37 @@ class StepsPerSecondProfiler:
         self.repeats = repeats
 
     @torch.inference_mode()
-    def __call__(self, ladder: Sequence[int]) -> dict[int, float]:
-        result: dict[int, float] = {}
-        for batch_tokens in sorted(set(ladder)):
-            query_lens = _split(batch_tokens, self.tokens_per_seq)
-            blocks_per_seq = -(-(self.context + self.tokens_per_seq) // self.block_size)
-            if blocks_per_seq > self.num_blocks:
-                raise ValueError("the KV cache is too small to profile a single sequence; raise [cache] memory_gib")
-            tables = [
-                [(i * blocks_per_seq + b) % self.num_blocks for b in range(blocks_per_seq)]
-                for i in range(len(query_lens))
-            ]
-            seq_lens = [self.context + q for q in query_lens]
-            metadata = AttentionMetadata.build(
-                query_lens=query_lens,
-                seq_lens=seq_lens,
-                block_tables=tables,
-                block_size=self.block_size,
-                device=self.device,
-            )
-            input_ids = torch.randint(0, 100, (batch_tokens,), device=self.device)
-            positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
-            positions = positions.to(self.device)
-            timings = []
-            for _ in range(self.repeats + 1):  # the first is a warm-up
-                started = time.perf_counter()
-                hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
-                self.model.compute_logits(hidden).cpu()
-                timings.append(time.perf_counter() - started)
-            result[batch_tokens] = 1.0 / sorted(timings[1:])[len(timings[1:]) // 2]
-        return result
+    def __call__(self, ladder: Sequence[int], tokens_per_seq: int | None = None) -> dict[int, float]:
+        per_seq = tokens_per_seq or self.tokens_per_seq
+        return {b: 1.0 / self._seconds(_split(b, per_seq)) for b in sorted(set(ladder))}
+
+    def _seconds(self, query_lens: list[int]) -> float:
+        """Median time of a forward + logits over sequences of ``query_lens`` new tokens."""
+        blocks_per_seq = -(-(self.context + max(query_lens)) // self.block_size)
+        if blocks_per_seq > self.num_blocks:
+            raise ValueError("the KV cache is too small to profile a single sequence; raise [cache] memory_gib")
+        tables = [
+            [(i * blocks_per_seq + b) % self.num_blocks for b in range(blocks_per_seq)] for i in range(len(query_lens))
+        ]
+        seq_lens = [self.context + q for q in query_lens]
+        metadata = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        input_ids = torch.randint(0, 100, (sum(query_lens),), device=self.device)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
+        positions = positions.to(self.device)
+        timings = []
+        for _ in range(self.repeats + 1):  # the first is a warm-up
+            started = time.perf_counter()
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
+            for rows in hidden.split(LOGIT_ROWS):
+                self.model.compute_logits(rows).cpu()
+            timings.append(time.perf_counter() - started)
+        return sorted(timings[1:])[len(timings[1:]) // 2]
 
 
 def _split(total: int, per_seq: int) -> list[int]:

@@ -58,9 +58,11 @@ class DSparkConfig:
     #: Append one JSON line per request-step that verified drafts (raw confidences and
     #: how many were accepted): the data `powertrain-dspark calibrate` fits on.
     log: str = ""
-    #: Batch token counts at which the target's steps per second are measured at startup.
+    #: Batch token counts at which the target's steps per second are measured at startup
+    #: (larger batches extrapolate the last two points; on CPU, probing 128+ tokens left
+    #: the allocator in a state that slowed the decoding after it by a few per cent).
     profile_batch_tokens: tuple[int, ...] = attrs.field(
-        default=(1, 2, 4, 8, 16, 32, 64, 128, 256), converter=lambda v: tuple(int(x) for x in v)
+        default=(1, 2, 4, 8, 16, 32, 64), converter=lambda v: tuple(int(x) for x in v)
     )
     #: The MTP drafter's confidence head (`powertrain-dspark train-confidence-head`);
     #: "" = the draft distribution's own estimate.
@@ -86,7 +88,8 @@ def build(context: Any, rule: str) -> Any:
         drafter = NgramDrafter(config.ngram_min, config.ngram_max, config.max_draft_tokens)
     sps = None
     if rule == "dspark":  # only DSpark weighs tokens against step time
-        profile = context.measure_steps_per_second(config.profile_batch_tokens)
+        # probed as the batches it will verify: each sequence a token and its drafts
+        profile = context.measure_steps_per_second(config.profile_batch_tokens, 1 + config.max_draft_tokens)
         log.info("dspark steps-per-second profile", **{f"B={b}": round(v, 1) for b, v in sorted(profile.items())})
         sps = StepsPerSecond.from_profile(profile)
     return SpeculativeDecoder(
