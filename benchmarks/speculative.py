@@ -4,7 +4,8 @@ The workload is one where drafts are useful: each request asks the model to repe
 paragraph of its prompt, so prompt lookup finds what the model writes next. For each
 policy — no speculation, fixed-k (k = 1..5) and DSpark — one engine serves the same
 requests at concurrency 1, 4, 16 and 64 (a closed loop: a new request starts when one
-finishes; greedy, 64 output tokens each), after the same warm-up on other prompts.
+finishes; greedy, 64 output tokens each), after the same warm-up on other prompts. The
+engines stay loaded and take turns; each cell is the median of ``--repeats`` runs.
 Printed per policy and concurrency: output
 tokens/s, draft tokens verified per request-step and tokens accepted per request-step
 (a request-step is one decoding step of one request that could speculate).
@@ -89,30 +90,44 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--warmup-requests", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
+    parser.add_argument("--kv-gib", type=float, default=1.0, help="KV cache per engine (all stay loaded)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    engines: dict[str, LLM] = {}
     for policy in args.policies:
         speculative, section = "none", {}
         if policy.startswith("fixed-"):
             speculative, section = "fixed-k", {"max_draft_tokens": int(policy.split("-")[1])}
         elif policy == "dspark":
             speculative = "dspark"
-        config = apply_overrides(
-            EngineConfig(), {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
-        )
+        overrides = {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
+        config = apply_overrides(EngineConfig(), {**overrides, "memory_gib": args.kv_gib})
         if section:
             config = attrs.evolve(config, sections={"dspark": section})
-        with LLM(config=config) as llm:
-            # Warm-up on other prompts: the engine has been serving a while (DSpark's n-gram
-            # confidences are acceptance rates learned online; every policy gets the same).
-            closed_loop(llm, prompts(llm, args.warmup_requests, seed=args.seed + 1), 4, args.max_tokens)
-            results[policy] = {}
-            for concurrency in args.concurrency:
+        llm = engines[policy] = LLM(config=config)
+        # Warm-up on other prompts: the engine has been serving a while (DSpark's n-gram
+        # confidences are acceptance rates learned online; every policy gets the same).
+        closed_loop(llm, prompts(llm, args.warmup_requests, seed=args.seed + 1), 4, args.max_tokens)
+
+    # All engines stay loaded and take turns (in a rotating order), so slow drifts of a
+    # shared machine hit every policy alike; each cell is the median of its repeats.
+    results: dict[str, dict[int, dict[str, float]]] = {policy: {} for policy in engines}
+    for concurrency in args.concurrency:
+        runs: dict[str, list[dict[str, float]]] = {policy: [] for policy in engines}
+        for repeat in range(args.repeats):
+            order = list(engines)[repeat % len(engines) :] + list(engines)[: repeat % len(engines)]
+            for policy in order:
+                llm = engines[policy]
                 requests = prompts(llm, max(8, args.requests_per_slot * concurrency), seed=args.seed)
-                results[policy][concurrency] = closed_loop(llm, requests, concurrency, args.max_tokens)
-                print(policy, concurrency, results[policy][concurrency], flush=True)
+                runs[policy].append(closed_loop(llm, requests, concurrency, args.max_tokens))
+        for policy, measured in runs.items():
+            measured.sort(key=lambda row: row["tok/s"])
+            results[policy][concurrency] = measured[len(measured) // 2]
+            print(policy, concurrency, [round(row["tok/s"], 1) for row in measured], flush=True)
+    for llm in engines.values():
+        llm.shutdown()
 
     flat: dict[str, object] = {}
     for concurrency in args.concurrency:

@@ -43,7 +43,7 @@ class PreparedStep:
     #: Sample rows of constrained sequences (structured output), and their matchers.
     grammar_rows: list[int] = attrs.field(factory=list)
     grammars: list[GrammarState] = attrs.field(factory=list)
-    #: Speculation (None without): per sampling sequence, how many drafts it verifies.
+    #: The step's drafts and how to verify them (None without speculative decoding).
     speculation: Speculation | None = None
 
 
