@@ -229,7 +229,10 @@ def test_drafts_equal_a_from_scratch_mtp_run(
         (index,) = [i for i, tokens in enumerate(sequences) if tokens[: len(history)] == history]
         h = hidden[index][: len(history) - 1]
         expected, expected_confidences, margins = from_scratch_drafts(model.mtp, h, history, len(drafts))
-        assert confidences == pytest.approx(expected_confidences, rel=1e-4, abs=1e-6), (len(history), seed)
+        # Recomputed entries (preemption) may differ from the oracle's in the last float32
+        # bits, which the mimic's sharpened head turns into ~0.3% at draft 3 (seen once in
+        # CI); an entry the catch-up missed would be NaN (the cache was filled with it).
+        assert confidences == pytest.approx(expected_confidences, rel=5e-3, abs=1e-5), (len(history), seed)
         for k, (ours, theirs, margin) in enumerate(zip(drafts, expected, margins, strict=True)):
             if margin < TIE:  # a near tie: either token is right, and what follows differs
                 break
