@@ -46,6 +46,7 @@ from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.speculative import DraftSlot, ExecutedStep, target_probs
 from powertrain.interfaces import AttentionMetadata
 from powertrain_dspark.confidence_head import ConfidenceHead, ConfidenceLog, acceptance_probability, head_features
+from powertrain_dspark.verify import draw_token
 
 #: Private blocks for draft positions past a sequence's own blocks (a sequence needs at
 #: most two per step for up to 16 drafts at block size 16; more sequences than fit
@@ -394,8 +395,7 @@ class MTPDrafter:
             for row, row_logits in zip(sampled, host, strict=True):
                 job = jobs[row]
                 dist = target_probs(row_logits[None], job.params)[0]
-                noise = torch.empty_like(dist).exponential_(generator=job.generator)  # the sampler's race
-                tokens[row] = int((dist / noise).argmax())
+                tokens[row] = draw_token(dist, job.generator)  # the sampler's race
                 raw[row] = float(dist.max())
                 q[row] = dist
         return tokens, raw, q

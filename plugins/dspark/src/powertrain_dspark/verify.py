@@ -56,8 +56,8 @@ def verify_drafts(
         if uniforms[j] * float(q[draft]) < float(p[draft]):  # u < p/q without dividing by a tiny q
             kept.append(draft)
             continue
-        return [*kept, _draw((p - q).clamp_min(0), generator)]
-    return [*kept, _draw(probs[len(drafts)], generator)]
+        return [*kept, draw_token((p - q).clamp_min(0), generator)]
+    return [*kept, draw_token(probs[len(drafts)], generator)]
 
 
 def _verify_point_masses(drafts: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
@@ -68,14 +68,14 @@ def _verify_point_masses(drafts: Sequence[int], probs: torch.Tensor, generator: 
     point mass — and a seeded request gets the very tokens plain decoding gives it."""
     kept = []
     for j in range(len(drafts) + 1):
-        token = _draw(probs[j], generator)
+        token = draw_token(probs[j], generator)
         kept.append(token)
         if j == len(drafts) or token != drafts[j]:
             return kept
     return kept
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw_token(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token with probability proportional to ``weights``: the sampler's exponential
     race, with one float32 noise vector over the vocabulary per token, as it draws."""
     noise = torch.empty(weights.shape[-1], dtype=torch.float32).exponential_(generator=generator)
