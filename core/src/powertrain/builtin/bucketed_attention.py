@@ -2,17 +2,22 @@
 
 The reference backend walks sequences one by one, which costs a few dozen small
 ops per sequence per layer; a decode batch of 64 spends more time in that loop than
-in the model's matmuls. Here decodes are batched: each decode row is padded to a
-length bucket that depends on its own length only (the next multiple of
-``BUCKET``), rows of one bucket attend in one batched ``scaled_dot_product_attention``
-call (GQA heads share their kv head without copies), and masked positions
-contribute exact zeros. A row therefore sees the same shapes and the same arithmetic
-whatever else is in the batch, which keeps results batch-invariant. Prefill rows,
-which carry many tokens each, go through ``scaled_dot_product_attention`` per
-sequence.
+in the model's matmuls, and so does a batch of speculative verifications (a few new
+tokens per sequence). Here every short row — at most ``SHORT_QUERY`` new tokens:
+decodes, verifications, short chunks — is batched: its keys are padded to a length
+bucket that depends on its own length only (the next multiple of ``BUCKET``), its
+queries to a width that depends on its own query length only (the next power of
+two), rows of one (bucket, width) attend in one batched
+``scaled_dot_product_attention`` call (GQA heads share their kv head without
+copies), and masked positions contribute exact zeros. A row therefore sees the same
+shapes and the same arithmetic whatever else is in the batch, which keeps results
+batch-invariant. Long prefill rows, which carry many tokens each, go through
+``scaled_dot_product_attention`` per sequence.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import attrs
 import torch
@@ -20,45 +25,60 @@ import torch.nn.functional as F
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, KVCacheSpec, LayerKVCache
 
-#: Decode rows are padded to a multiple of this many keys (a multiple of common block sizes).
+#: Short rows' keys are padded to a multiple of this many (a multiple of common block sizes).
 BUCKET = 64
+#: Rows with at most this many new tokens attend batched; longer ones one at a time.
+SHORT_QUERY = 16
 
 
 @attrs.frozen
-class _DecodeBucket:
-    """The decode rows of one length bucket and what attending over them needs."""
+class _ShortGroup:
+    """The short rows of one key bucket and query width, and what attending over them needs."""
 
-    rows: torch.Tensor  # int64 [r]: indices among the decode rows
+    tokens: torch.Tensor  # int64 [r, width_q]: each query slot's flat token (padding repeats the row's last)
+    kept: torch.Tensor  # int64 [n]: the real query slots among the flattened [r * width_q]
+    kept_tokens: torch.Tensor  # int64 [n]: their flat tokens
     blocks: torch.Tensor  # int64 [r * blocks_per_row]: each row's blocks, padded with block 0
-    visible: torch.Tensor  # bool [r, 1, 1, width]: the keys each row attends to
-    tail: int  # first column that lies past the end of some row
-    stale: torch.Tensor  # bool [r, width - tail, 1, 1]: columns from ``tail`` on that are not visible
+    visible: torch.Tensor  # bool [r, 1, width_q, width]: the keys each query slot attends to
+    tail: int  # first key column that lies past the end of some row
+    stale: torch.Tensor  # bool [r, width - tail, 1, 1]: key columns from ``tail`` on past the row's end
 
     @classmethod
-    def plan(cls, metadata: AttentionMetadata, sliding_window: int | None) -> list[_DecodeBucket]:
-        block_size = metadata.block_size
-        lengths = metadata.seq_lens[: metadata.num_decodes].to(torch.long)
-        buckets = (lengths + BUCKET - 1) // BUCKET
+    def plan(cls, metadata: AttentionMetadata, sliding_window: int | None) -> list[_ShortGroup]:
+        starts, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for row, query_len in enumerate(metadata.query_lens_host):
+            if query_len <= SHORT_QUERY:
+                width_q = 1 << (query_len - 1).bit_length()
+                groups[(-(-seq_lens[row] // BUCKET), width_q)].append(row)
+        device = metadata.seq_lens.device
         plan = []
-        for bucket in sorted(set(buckets.tolist())):
-            rows = (buckets == bucket).nonzero().flatten()
-            num_blocks = -(-bucket * BUCKET // block_size)
-            table = metadata.block_tables[rows].to(torch.long)
+        for (bucket, width_q), rows in sorted(groups.items()):
+            num_blocks = -(-bucket * BUCKET // metadata.block_size)
+            table = metadata.block_tables[torch.tensor(rows, device=device)].to(torch.long)
             if table.shape[1] < num_blocks:  # the bucket reaches past the table: those keys are masked
                 table = F.pad(table, (0, num_blocks - table.shape[1]))
-            width = num_blocks * block_size
-            positions = torch.arange(width, device=lengths.device)
-            visible = positions[None, :] < lengths[rows, None]
+            start = torch.tensor([starts[r] for r in rows], device=device)
+            query_len = torch.tensor([starts[r + 1] - starts[r] for r in rows], device=device)
+            seq_len = torch.tensor([seq_lens[r] for r in rows], device=device)
+            slot = torch.arange(width_q, device=device)
+            offset = torch.minimum(slot[None, :], query_len[:, None] - 1)  # [r, width_q]
+            query_pos = (seq_len - query_len)[:, None] + offset
+            key_pos = torch.arange(num_blocks * metadata.block_size, device=device)
+            visible = key_pos[None, None, :] <= query_pos[:, :, None]
             if sliding_window is not None:
-                visible &= positions[None, :] >= lengths[rows, None] - sliding_window
+                visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+            real = (slot[None, :] < query_len[:, None]).flatten()
             tail = (bucket - 1) * BUCKET
             plan.append(
                 cls(
-                    rows=rows,
+                    tokens=start[:, None] + offset,
+                    kept=real.nonzero().flatten(),
+                    kept_tokens=(start[:, None] + offset).flatten()[real],
                     blocks=table[:, :num_blocks].flatten(),
-                    visible=visible[:, None, None, :],
+                    visible=visible[:, None],
                     tail=tail,
-                    stale=~visible[:, tail:, None, None],
+                    stale=(key_pos[None, tail:] >= seq_len[:, None])[:, :, None, None],
                 )
             )
         return plan
@@ -71,8 +91,8 @@ class BucketedAttention:
         # Reused gather buffers: a fresh multi-megabyte tensor per layer costs page faults
         # that take longer than the copy itself. One step thread uses a backend at a time.
         self._scratch: dict[str, torch.Tensor] = {}
-        # The decode plan of the step being run, per sliding window (see _decode_plan).
-        self._plans: tuple[AttentionMetadata | None, dict[int | None, list[_DecodeBucket]]] = (None, {})
+        # The short-row plan of the step being run, per sliding window (see _short_plan).
+        self._plans: tuple[AttentionMetadata | None, dict[int | None, list[_ShortGroup]]] = (None, {})
 
     def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if layer.kind != "gqa":
@@ -91,58 +111,62 @@ class BucketedAttention:
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
         metadata.store(key_cache, key)
         metadata.store(value_cache, value)
-        keys = key_cache.flatten(0, 1)  # [slots, kv_heads, dim]: a slot is a row
-        values = value_cache.flatten(0, 1)
 
         output = torch.zeros_like(query)
-        decodes = metadata.num_decodes
-        if decodes:
-            output[:decodes] = self._decode(layer, query[:decodes], key_cache, value_cache, metadata)
+        self._short(layer, query, key_cache, value_cache, metadata, output)
         starts = metadata.query_start_loc_host
-        for i in range(decodes, metadata.batch_size):
-            start, end = starts[i], starts[i + 1]
-            output[start:end] = self._prefill(layer, query[start:end], keys, values, metadata, i)
+        keys, values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)  # [slots, kv_heads, dim]
+        for i, query_len in enumerate(metadata.query_lens_host):
+            if query_len > SHORT_QUERY:
+                start, end = starts[i], starts[i + 1]
+                output[start:end] = self._prefill(layer, query[start:end], keys, values, metadata, i)
         return output
 
-    def _decode(
+    def _short(
         self,
         layer: AttentionLayerSpec,
-        query: torch.Tensor,  # [decodes, heads, dim]
+        query: torch.Tensor,  # [tokens, heads, dim]
         key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, dim]
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        decodes, heads, dim = query.shape
+        output: torch.Tensor,  # [tokens, heads, dim]: the short rows' tokens are written
+    ) -> None:
+        heads, dim = query.shape[1:]
         kv_heads = layer.num_kv_heads
-        # The query heads that share a kv head are that head's query rows (a row of
-        # ``heads // kv_heads`` queries with one mask), so each kv head is read once.
-        grouped = query.view(decodes, kv_heads, heads // kv_heads, dim)
-        output = torch.empty_like(grouped)
-        for bucket in self._decode_plan(metadata, layer.sliding_window):
-            keys = self._gather_blocks("key", key_cache, bucket.blocks, len(bucket.rows))
-            values = self._gather_blocks("value", value_cache, bucket.blocks, len(bucket.rows))
+        group_size = heads // kv_heads
+        # The query heads that share a kv head are that head's query rows (each query
+        # token's ``group_size`` heads share its mask), so each kv head is read once.
+        grouped = query.view(-1, kv_heads, group_size, dim)
+        for group in self._short_plan(metadata, layer.sliding_window):
+            rows, width_q = group.tokens.shape
+            keys = self._gather_blocks("key", key_cache, group.blocks, rows)
+            values = self._gather_blocks("value", value_cache, group.blocks, rows)
             # Slots past a sequence's end hold stale or never-written memory: keep it out of
             # the sums entirely (a masked NaN score, or 0 * NaN, would still be NaN). Only the
             # last bucket's worth of columns can lie past any of these rows' ends.
-            keys[:, bucket.tail :].masked_fill_(bucket.stale, 0.0)
-            values[:, bucket.tail :].masked_fill_(bucket.stale, 0.0)
-            output[bucket.rows] = F.scaled_dot_product_attention(
-                grouped[bucket.rows],
+            keys[:, group.tail :].masked_fill_(group.stale, 0.0)
+            values[:, group.tail :].masked_fill_(group.stale, 0.0)
+            # [r, width_q, kv, g, d] -> [r, kv, width_q * g, d]: slot t's heads are rows t*g..t*g+g-1.
+            queries = grouped[group.tokens].transpose(1, 2).reshape(rows, kv_heads, width_q * group_size, dim)
+            visible = group.visible if width_q == 1 else group.visible.repeat_interleave(group_size, dim=2)
+            attended = F.scaled_dot_product_attention(
+                queries,
                 keys.transpose(1, 2).to(query.dtype),  # [r, kv_heads, width, dim]
                 values.transpose(1, 2).to(query.dtype),
-                attn_mask=bucket.visible,
+                attn_mask=visible,
                 scale=layer.scale,
             )
-        return output.view(decodes, heads, dim)
+            slots = attended.view(rows, kv_heads, width_q, group_size, dim).transpose(1, 2)
+            output[group.kept_tokens] = slots.reshape(rows * width_q, heads, dim)[group.kept]
 
-    def _decode_plan(self, metadata: AttentionMetadata, sliding_window: int | None) -> list[_DecodeBucket]:
-        """Rows, blocks and masks of each length bucket: the same for every layer of a step,
-        so built once per step (and window) and reused."""
+    def _short_plan(self, metadata: AttentionMetadata, sliding_window: int | None) -> list[_ShortGroup]:
+        """Rows, blocks and masks of each short-row group: the same for every layer of a
+        step, so built once per step (and window) and reused."""
         if self._plans[0] is not metadata:
             self._plans = (metadata, {})
         plans = self._plans[1]
         if sliding_window not in plans:
-            plans[sliding_window] = _DecodeBucket.plan(metadata, sliding_window)
+            plans[sliding_window] = _ShortGroup.plan(metadata, sliding_window)
         return plans[sliding_window]
 
     def _gather_blocks(self, name: str, cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:

@@ -185,11 +185,25 @@ def _long_block_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
     return [(3 * bs + 2, 1), (2 * bs - 1, 1), (0, 2 * bs + 3), (0, bs + 5)]
 
 
+def _verify_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    # Speculative verification: decodes, then a few new tokens after a cached context
+    # (some ending on or one past a block edge), between them a long prefill.
+    return [
+        (_randint(gen, 1, 40), 1),
+        (bs - 2, 2),
+        (_randint(gen, 1, 3 * bs), _randint(gen, 2, 6)),
+        (0, 2 * bs + 20),
+        (2 * bs - 3, 3),
+        (_randint(gen, 1, 3 * bs), _randint(gen, 5, 9)),
+    ]
+
+
 _SCENARIOS: dict[str, tuple[Callable[[int, torch.Generator], list[tuple[int, int]]], tuple[str, ...]]] = {
     "decode": (_decode_lengths, ("decode",)),
     "prefill": (_prefill_lengths, ("prefill",)),
     "mixed": (_mixed_lengths, ("decode", "prefill")),
     "chunked": (_chunked_lengths, ("prefill", "chunked-prefill")),
+    "verify": (_verify_lengths, ("decode", "prefill", "chunked-prefill")),
 }
 
 
@@ -511,6 +525,17 @@ class AttentionBackendSuite(ComponentSuite):
         """New tokens after cached ones (an earlier chunk or a prefix-cache hit)."""
         self._gqa_scenario(subject, "chunked", dtype, block_size, seed)
 
+    def test_verify_batch(
+        self,
+        subject: Subject,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """A few new tokens per sequence after its cached ones (speculative verification),
+        next to decodes and a long prefill."""
+        self._gqa_scenario(subject, "verify", dtype, block_size, seed)
+
     def test_shuffled_block_tables(
         self,
         subject: Subject,
@@ -545,7 +570,7 @@ class AttentionBackendSuite(ComponentSuite):
         what = f"{num_heads} heads over {num_kv_heads} kv heads, {_dtype_id(dtype)}"
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
 
-    @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
+    @pytest.mark.parametrize("scenario", ["mixed", "chunked", "verify"])
     def test_sliding_window(
         self,
         subject: Subject,
