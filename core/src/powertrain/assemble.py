@@ -18,6 +18,7 @@ from powertrain import interfaces
 from powertrain.components import Availability, PlatformInfo
 from powertrain.config import EngineConfig, validate_sections
 from powertrain.layers.linear import can_pack, pack_linears
+from powertrain.layers.norm import use_norm_kernel
 from powertrain.plugins import PluginManager, Provided
 from powertrain.selection import Candidate, Selection, SelectionError
 
@@ -279,6 +280,8 @@ def build_attention(
         for protocol, tags in (
             (interfaces.AttentionBackend, {"gqa", "mha"}),
             (interfaces.MLAAttentionBackend, {"mla"}),
+            (interfaces.RotaryAttentionBackend, {"fused-rotary"}),
+            (interfaces.RMSNormKernel, {"fused-rmsnorm"}),
         )
         if capabilities & tags
     )
@@ -376,6 +379,8 @@ def _load_model(
     model.load_weights(checkpoint.tensors(fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None)))
     if can_pack(result.device, dtype):
         log.info("packed linear weights for oneDNN", layers=pack_linears(model))
+    if isinstance(attention, interfaces.RMSNormKernel):
+        log.info("rmsnorm through the attention backend's kernel", norms=use_norm_kernel(model, attention))
 
     block_size = config.cache.block_size
     specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in model.attention_layers]

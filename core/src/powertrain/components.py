@@ -20,7 +20,20 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
 
 #: Capability tags an attention backend may declare; tests and selection key on them.
 ATTENTION_CAPABILITIES = frozenset(
-    {"gqa", "mha", "mla", "paged", "prefill", "decode", "chunked-prefill", "sliding-window", "batch-invariant"}
+    {
+        "gqa",
+        "mha",
+        "mla",
+        "paged",
+        "prefill",
+        "decode",
+        "chunked-prefill",
+        "sliding-window",
+        "batch-invariant",
+        # The backend also fuses small layer ops where it is active (interfaces.py):
+        "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
+        "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
+    }
 )
 
 #: Capability tags a MoE backend may declare.

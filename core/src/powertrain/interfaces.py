@@ -302,6 +302,47 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
+class RotaryAttentionBackend(Protocol):
+    """A GQA/MHA backend that rotates query and key itself, fused with its cache write
+    (capability ``fused-rotary``): one pass reads the new keys, rotates them and writes
+    them to their slots, instead of a rotation pass and then a store.
+
+    ``cos``/``sin`` are ``[num_tokens, rotary_dim // 2]`` in the query dtype; the rotation
+    is ``layers.rotary.apply_rotary`` (per half, dims past ``2 * (rotary_dim // 2)``
+    pass through). The result equals ``forward`` on the rotated query and key.
+    """
+
+    def forward_rotary(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size], not yet rotated
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], not yet rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        ...
+
+
+@runtime_checkable
+class RMSNormKernel(Protocol):
+    """RMSNorm as a kernel pack computes it (capability ``fused-rmsnorm``); the engine
+    hands it to every ``layers.norm.RMSNorm`` of the model while the pack's attention
+    backend is the one in use.
+
+    ``rms_norm(x, weight, eps)`` equals ``layers.norm.RMSNorm`` (statistics in float32,
+    cast back, then scaled by the weight); with ``residual`` it first adds it, in the
+    activation dtype, and returns ``(normed, x + residual)``.
+    """
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
 class MLAAttentionBackend(Protocol):
     """Multi-head latent attention in the weight-absorbed form over a latent cache.
 

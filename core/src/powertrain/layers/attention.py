@@ -16,14 +16,20 @@ from powertrain.interfaces import (
     AttentionMetadata,
     LayerKVCache,
     MLAAttentionBackend,
+    RotaryAttentionBackend,
 )
+from powertrain.layers.rotary import apply_rotary
 
 
 class Attention(nn.Module):
+    """GQA/MHA attention; given ``rotary=(cos, sin)`` it rotates query and key first, or
+    lets a ``fused-rotary`` backend do that together with its cache write."""
+
     def __init__(self, spec: AttentionLayerSpec, backend: AttentionBackend) -> None:
         super().__init__()
         self.spec = spec
         self.backend = backend
+        self.fused_rotary = isinstance(backend, RotaryAttentionBackend)
 
     def forward(
         self,
@@ -32,8 +38,16 @@ class Attention(nn.Module):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) per token
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
-        output = self.backend.forward(self.spec, query, key, value, kv_cache, metadata)
+        if rotary is None:
+            output = self.backend.forward(self.spec, query, key, value, kv_cache, metadata)
+        elif self.fused_rotary:
+            output = self.backend.forward_rotary(self.spec, query, key, value, *rotary, kv_cache, metadata)
+        else:
+            cos, sin = rotary
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            output = self.backend.forward(self.spec, query, key, value, kv_cache, metadata)
         return output.flatten(1)
 
     def extra_repr(self) -> str:

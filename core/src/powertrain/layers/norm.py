@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from powertrain.interfaces import RMSNormKernel
 
 
 class RMSNorm(nn.Module):
@@ -13,12 +16,14 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual)`` first adds ``residual`` and returns ``(normed, x + residual)``:
     the decoder needs both, and kernel packs fuse the add and the norm into one pass.
+    Assembly hands such a pack's kernel to every norm of the model (``use_norm_kernel``).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.kernel: RMSNormKernel | None = None
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -29,6 +34,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            return self.kernel.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         # The sum stays in the activation dtype, as in HF's decoder layer.
@@ -43,3 +50,11 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # Cast back before scaling: HF multiplies the weight in the model dtype.
         return self.weight * x32.to(x.dtype)
+
+
+def use_norm_kernel(model: nn.Module, kernel: RMSNormKernel) -> int:
+    """Make every RMSNorm of ``model`` compute through ``kernel``; returns how many."""
+    norms = [module for module in model.modules() if isinstance(module, RMSNorm)]
+    for norm in norms:
+        norm.kernel = kernel
+    return len(norms)

@@ -25,7 +25,7 @@ from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
 from powertrain.layers.linear import Linear
 from powertrain.layers.norm import RMSNorm
-from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary
+from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.weights import check_complete, copy_checked
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
@@ -138,10 +138,10 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata, rotary=(cos, sin)))
 
 
 class LlamaMLP(nn.Module):

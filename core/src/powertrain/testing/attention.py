@@ -35,7 +35,11 @@ from powertrain.interfaces import (
     KVCacheSpec,
     KVTensorSpec,
     MLAAttentionBackend,
+    RMSNormKernel,
+    RotaryAttentionBackend,
 )
+from powertrain.layers.norm import RMSNorm
+from powertrain.layers.rotary import apply_rotary
 from powertrain.plugins import Provided
 from powertrain.testing.base import ComponentSuite, Subject, find_component, generator
 
@@ -324,7 +328,11 @@ class AttentionBackendSuite(ComponentSuite):
         block_size: int,
         seed: int,
         what: str,
+        *,
+        rotary_dim: int | None = None,
     ) -> None:
+        """Both backends on one random batch; with ``rotary_dim`` the candidate rotates
+        (``forward_rotary``) and the reference is given query and key rotated in torch."""
         gen = generator(seed)
         num_tokens = sum(batch.query_lens)
         kv_shape = (layer.num_kv_heads, layer.head_size)
@@ -343,19 +351,32 @@ class AttentionBackendSuite(ComponentSuite):
         candidate_meta = batch.metadata(block_size, pair.device)
         reference_meta = batch.metadata(block_size, "cpu")
 
-        got = pair.candidate.forward(
-            layer,
-            query.to(pair.device),
-            key.to(pair.device),
-            value.to(pair.device),
-            candidate_cache,
-            candidate_meta,
-        )
+        inputs = (query.to(pair.device), key.to(pair.device), value.to(pair.device))
+        written_tolerance = None
+        if rotary_dim is None:
+            got = pair.candidate.forward(layer, *inputs, candidate_cache, candidate_meta)
+        else:
+            angles = torch.rand((num_tokens, rotary_dim // 2), generator=gen, dtype=torch.float64) * 2 * math.pi
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            got = pair.candidate.forward_rotary(
+                layer, *inputs, cos.to(pair.device), sin.to(pair.device), candidate_cache, candidate_meta
+            )
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            # A fused kernel rotates in its own arithmetic: the written keys match to rounding.
+            written_tolerance = self.tolerances[dtype]
         want = pair.reference.forward(layer, query, key, value, reference_cache, reference_meta)
 
         self._compare(got, want, (num_tokens, layer.num_heads, layer.head_size), dtype, where)
         new = {"key": key, "value": value}
-        _check_cache_writes(pair.candidate_spec, before, candidate_cache, reference_meta.slot_mapping, new, where)
+        _check_cache_writes(
+            pair.candidate_spec,
+            before,
+            candidate_cache,
+            reference_meta.slot_mapping,
+            new,
+            where,
+            tolerance=written_tolerance,
+        )
 
     def _run_mla(
         self,
@@ -590,6 +611,73 @@ class AttentionBackendSuite(ComponentSuite):
         what = f"sliding window {window}, {scenario} batch, {_dtype_id(dtype)}"
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
 
+    @pytest.mark.parametrize("scenario", ["mixed", "verify"])
+    @pytest.mark.parametrize("partial", [False, True], ids=["full-rotary", "partial-rotary"])
+    def test_fused_rotary(
+        self,
+        subject: Subject,
+        scenario: str,
+        partial: bool,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """forward_rotary equals rotating query and key in torch and then attending; the
+        cache holds the rotated keys."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(subject.provided, "fused-rotary", "paged", *capabilities)
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided))
+        pair = self._pair(subject, layer, dtype, block_size)
+        assert isinstance(pair.candidate, RotaryAttentionBackend), (
+            f"{subject.provided.record.name} declares fused-rotary but has no forward_rotary"
+        )
+        gen = generator(seed)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
+        rotary_dim = layer.head_size // 2 if partial else layer.head_size
+        what = f"fused rotary over {rotary_dim} of {layer.head_size} dims, {scenario} batch, {_dtype_id(dtype)}"
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, what, rotary_dim=rotary_dim)
+
+    @pytest.mark.parametrize("hidden", [96, 200])
+    @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+    def test_fused_rmsnorm(
+        self, subject: Subject, hidden: int, with_residual: bool, dtype: torch.dtype, seed: int
+    ) -> None:
+        """rms_norm equals layers.norm.RMSNorm, with and without the residual add."""
+        self.require(subject.provided, "fused-rmsnorm")
+        candidate, _, device = self._build(subject, dtype, self.block_sizes[-1])
+        assert isinstance(candidate, RMSNormKernel), f"{subject.provided.record.name} declares fused-rmsnorm"
+        gen = generator(seed)
+        tokens = _randint(gen, 1, 37)
+        x = _random((tokens, hidden), gen, dtype)
+        residual = _random((tokens, hidden), gen, dtype) if with_residual else None
+        reference = RMSNorm(hidden, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            reference.weight.copy_(_random((hidden,), gen, dtype))
+        where = f"rms_norm of {tokens}x{hidden} {_dtype_id(dtype)}, residual={with_residual} (seed={seed})"
+        got = candidate.rms_norm(
+            x.to(device),
+            reference.weight.detach().to(device),
+            reference.eps,
+            None if residual is None else residual.to(device),
+        )
+        with torch.no_grad():
+            want = reference(x, residual)
+        if residual is None:
+            got, want = (got,), (want,)
+        assert isinstance(got, tuple) and len(got) == len(want), f"rms_norm returned {type(got).__name__}: {where}"
+        atol, rtol = self.tolerances[dtype]
+        for name, g, w in zip(("normed", "sum"), got, want, strict=False):
+            assert g.dtype == dtype and tuple(g.shape) == (tokens, hidden), (
+                f"{name}: {g.dtype} {tuple(g.shape)}: {where}"
+            )
+            torch.testing.assert_close(
+                g.detach().cpu().float(),
+                w.float(),
+                atol=atol,
+                rtol=rtol,
+                msg=lambda detail, name=name: f"{name} differs from RMSNorm: {where}\n{detail}",
+            )
+
     @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
     def test_mla(
         self,
@@ -658,14 +746,21 @@ def _check_cache_writes(
     slots: torch.Tensor,
     new: Mapping[str, torch.Tensor],
     where: str,
+    tolerance: tuple[float, float] | None = None,
 ) -> None:
-    """``after`` must be ``before`` with exactly the new tokens written at ``slots``."""
+    """``after`` must be ``before`` with exactly the new tokens written at ``slots``
+    (the new tokens to ``(atol, rtol)`` where a ``tolerance`` is given)."""
     for name, values in new.items():
         expected = {name: before[name].clone()}
         write_tokens(spec, expected, name, slots, values)
         want = token_major(spec, expected[name]).cpu()
         got = token_major(spec, after[name]).detach().cpu()
-        wrong = (got != want).flatten(2).any(-1).nonzero().tolist()
+        if tolerance is None:
+            differs = got != want
+        else:
+            atol, rtol = tolerance
+            differs = (got.float() - want.float()).abs() > atol + rtol * want.float().abs()
+        wrong = differs.flatten(2).any(-1).nonzero().tolist()
         if wrong:
             bad_slots = [block * spec.block_size + offset for block, offset in wrong]
             new_slots = set(slots.tolist())

@@ -1,0 +1,78 @@
+"""Registers the pack (entry point ``cuda_sm100``): one attention and one MoE backend.
+
+Both serve the ``cuda`` platform at compute capability >= 9.0 (``support.TARGETS``
+lists what each kernel is compiled and tested for: SM100 first, SM90 too). Anywhere
+else they load and report unavailable with the reason. No triton import happens
+here: the factories import the backends, which import the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from powertrain import hookimpl
+from powertrain.components import AttentionBackendRecord, MoEBackendRecord
+from powertrain_cuda_sm100.support import availability
+
+if TYPE_CHECKING:
+    from powertrain.interfaces import AttentionBackendContext, MoEBackendContext
+    from powertrain_cuda_sm100.attention import TritonAttention
+    from powertrain_cuda_sm100.moe import TritonMoE
+
+POWERTRAIN_HOOK_API = 1
+
+NAME = "triton-sm100"
+
+
+def build_attention(context: AttentionBackendContext) -> TritonAttention:
+    from powertrain_cuda_sm100.attention import TritonAttention
+
+    return TritonAttention(context)
+
+
+def build_moe(context: MoEBackendContext) -> TritonMoE:
+    from powertrain_cuda_sm100.moe import TritonMoE
+
+    return TritonMoE(context)
+
+
+@hookimpl
+def powertrain_attention_backends() -> list[AttentionBackendRecord]:
+    return [
+        AttentionBackendRecord(
+            name=NAME,
+            platforms={"cuda"},
+            capabilities={
+                "gqa",
+                "mha",
+                "mla",
+                "paged",
+                "prefill",
+                "decode",
+                "chunked-prefill",
+                "sliding-window",
+                "fused-rotary",
+                "fused-rmsnorm",
+            },
+            # Above the builtin torch backends (10, 0): "auto" prefers the kernels where they run.
+            priority=50,
+            check=availability,
+            factory=build_attention,
+            description="Triton paged attention: split-KV decode, flash prefill, absorbed MLA; fused rotary+cache write and RMSNorm",
+        )
+    ]
+
+
+@hookimpl
+def powertrain_moe_backends() -> list[MoEBackendRecord]:
+    return [
+        MoEBackendRecord(
+            name=NAME,
+            platforms={"cuda"},
+            capabilities={"bf16", "fp16", "fp8-block"},
+            priority=50,
+            check=availability,
+            factory=build_moe,
+            description="Triton fused MoE: expert-sorted grouped GEMM, SiLU-and-mul and routing combine fused; FP8 e4m3 128-block",
+        )
+    ]
