@@ -58,7 +58,10 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             priority=50,
             check=availability,
             factory=build_attention,
-            description="Triton paged attention: split-KV decode, flash prefill, absorbed MLA; fused rotary+cache write and RMSNorm",
+            description=(
+                "Triton paged attention: split-KV decode, flash prefill, absorbed MLA; "
+                "fused rotary + cache write and RMSNorm"
+            ),
         )
     ]
 
@@ -73,6 +76,9 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
             priority=50,
             check=availability,
             factory=build_moe,
-            description="Triton fused MoE: expert-sorted grouped GEMM, SiLU-and-mul and routing combine fused; FP8 e4m3 128-block",
+            description=(
+                "Triton fused MoE: expert-sorted grouped GEMM with SiLU-and-mul and the routing combine fused; "
+                "bf16 and FP8 e4m3 128-block"
+            ),
         )
     ]

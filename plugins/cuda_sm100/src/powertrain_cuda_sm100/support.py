@@ -40,6 +40,7 @@ def interpreting() -> bool:
     The interpreter multiplies bf16/fp16 ``tl.dot`` operands wrongly (measured: errors
     of 1e10 on N(0,1) inputs with triton 3.9), so kernels upcast dot operands to
     float32 when this is set (their ``DOT_F32`` constexpr); compiled kernels keep
-    native tensor-core dtypes.
+    native tensor-core dtypes. Its float32 -> bfloat16 casts also truncate where GPUs
+    round to nearest, so interpreted bf16 results may be one ulp off.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
