@@ -20,7 +20,7 @@ MIN_CAPABILITY = (9, 0)
 
 def availability(platform: PlatformInfo) -> Availability:
     """Available on a CUDA GPU of capability >= 9.0 with triton installed; else why not."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return Availability.no("triton is not installed (pip install triton)")
     capability = platform.capability
     if capability is None:
@@ -32,6 +32,13 @@ def availability(platform: PlatformInfo) -> Availability:
         )
     tuned = "tuned" if capability >= (10, 0) else "runs (configs tuned for SM100)"
     return Availability.yes(f"compute capability {capability[0]}.{capability[1]}: {tuned}")
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:  # a finder that refuses it: as good as absent
+        return False
 
 
 def interpreting() -> bool:
