@@ -197,3 +197,132 @@ def test_mla_split_decode(dtype: torch.dtype) -> None:
         layer, q_latent, q_rope, batch.new_tokens("latent"), batch.new_tokens("rope"), batch.cache, meta
     )
     _check(got, want, dtype, seed)
+
+
+# --------------------------------------------------------------------------- inputs as the engine hands them
+
+
+def _backend(platform: PlatformInfo, dtype: torch.dtype, block_size: int) -> TritonAttention:
+    return TritonAttention(
+        AttentionBackendContext(platform=platform, device=torch.device("cpu"), dtype=dtype, block_size=block_size)
+    )
+
+
+def _mixed_metadata(block_size: int, gen: torch.Generator) -> tuple[AttentionMetadata, int]:
+    """Two decodes, a verification (3 new tokens after a context), a chunk and a prompt."""
+    lengths = [(37, 1), (5, 1), (21, 3), (2 * block_size - 1, block_size + 2), (0, 23)]
+    tables, used = [], 0
+    for context, new in lengths:
+        count = math.ceil((context + new) / block_size)
+        tables.append(list(range(used, used + count)))
+        used += count
+    perm = torch.randperm(used + 2, generator=gen).tolist()
+    tables = [[perm[b] for b in table] for table in tables]
+    metadata = AttentionMetadata.build(
+        query_lens=[q for _, q in lengths],
+        seq_lens=[c + q for c, q in lengths],
+        block_tables=tables,
+        block_size=block_size,
+    )
+    return metadata, used + 2
+
+
+def test_strided_views_padding_rows_and_odd_head_size(interpreter_platform: PlatformInfo) -> None:
+    """Query/key/value as views of one fused qkv projection (not contiguous), a head size
+    of 40 (padded to 64 inside the kernels), and two padding rows past num_tokens (no
+    slot, zero output)."""
+    seed = fresh_seed()
+    gen = generator(seed)
+    heads, kv_heads, head_size, block_size = 6, 2, 40, 4
+    layer = AttentionLayerSpec(kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, scale=0.15)
+    metadata, num_blocks = _mixed_metadata(block_size, gen)
+    tokens = metadata.num_tokens
+    qkv = torch.randn((tokens + 2, heads + 2 * kv_heads, head_size), generator=gen)
+    query, key, value = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    assert not query.is_contiguous()
+    cache = {
+        name: torch.randn((num_blocks, block_size, kv_heads, head_size), generator=gen) for name in ("key", "value")
+    }
+    reference_cache = {name: t.clone() for name, t in cache.items()}
+    got = _backend(interpreter_platform, torch.float32, block_size).forward(layer, query, key, value, cache, metadata)
+    want = TorchReferenceAttention().forward(
+        layer, query.contiguous(), key.contiguous(), value.contiguous(), reference_cache, metadata
+    )
+    assert got.shape == query.shape
+    _check(got[:tokens], want[:tokens], torch.float32, seed)
+    assert (got[tokens:] == 0).all(), "padding rows must not hold garbage"
+    for name in cache:
+        assert torch.equal(cache[name], reference_cache[name]), f"{name} cache written differently (seed={seed})"
+
+
+@pytest.mark.parametrize("capability", [(10, 0), (9, 0)], ids=["sm100", "sm90"])
+def test_compiled_tile_sizes(monkeypatch: pytest.MonkeyPatch, interpreter_platform: PlatformInfo, capability) -> None:
+    """The tiles the GPU launches use (not the interpreter's small ones), run in the
+    interpreter on a mixed batch: 128-row prefill tiles, 64-key tiles, 64-head MLA."""
+    from powertrain_cuda_sm100.kernels import mla, paged_decode, prefill
+
+    for module, name in ((paged_decode, "decode_config"), (prefill, "prefill_config"), (mla, "mla_config")):
+        compiled = getattr(module, name)
+        monkeypatch.setattr(
+            module,
+            name,
+            lambda *args, _compiled=compiled, **kwargs: _compiled(*args, **{**kwargs, "interpreting": False}),
+        )
+    seed = fresh_seed()
+    gen = generator(seed)
+    block_size = 16
+    metadata, num_blocks = _mixed_metadata(block_size, gen)
+    tokens = metadata.num_tokens
+    backend = _backend(interpreter_platform, torch.bfloat16, block_size)
+    backend.capability = capability
+
+    layer = AttentionLayerSpec(kind="gqa", num_heads=8, num_kv_heads=1, head_size=64, scale=0.125, sliding_window=20)
+    qkv = torch.randn((tokens, 10, 64), generator=gen).to(torch.bfloat16)
+    query, key, value = qkv[:, :8], qkv[:, 8:9], qkv[:, 9:]
+    cache = {name: torch.randn((num_blocks, block_size, 1, 64), generator=gen).to(torch.bfloat16) for name in "kv"}
+    cache = {"key": cache["k"], "value": cache["v"]}
+    reference_cache = {name: t.clone() for name, t in cache.items()}
+    got = backend.forward(layer, query, key, value, cache, metadata)
+    want = TorchReferenceAttention().forward(layer, query, key, value, reference_cache, metadata)
+    _check(got, want, torch.bfloat16, seed)
+
+    rank, rope, heads = 32, 16, 64
+    mla_layer = AttentionLayerSpec(
+        kind="mla",
+        num_heads=heads,
+        num_kv_heads=1,
+        head_size=rank + rope,
+        scale=(rank + rope) ** -0.5,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+    )
+    q_latent = torch.randn((tokens, heads, rank), generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn((tokens, heads, rope), generator=gen).to(torch.bfloat16)
+    latent = torch.randn((tokens, rank), generator=gen).to(torch.bfloat16)
+    k_rope = torch.randn((tokens, rope), generator=gen).to(torch.bfloat16)
+    mla_cache = {
+        "latent": torch.randn((num_blocks, block_size, rank), generator=gen).to(torch.bfloat16),
+        "rope": torch.randn((num_blocks, block_size, rope), generator=gen).to(torch.bfloat16),
+    }
+    reference_mla_cache = {name: t.clone() for name, t in mla_cache.items()}
+    got = backend.forward_mla(mla_layer, q_latent, q_rope, latent, k_rope, mla_cache, metadata)
+    want = TorchReferenceAttention().forward_mla(
+        mla_layer, q_latent, q_rope, latent, k_rope, reference_mla_cache, metadata
+    )
+    _check(got, want, torch.bfloat16, seed)
+
+
+def test_unsupported_inputs_are_named(interpreter_platform: PlatformInfo) -> None:
+    backend = _backend(interpreter_platform, torch.float32, 4)
+    layer = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=32, scale=0.2)
+    with pytest.raises(ValueError, match="float64"):
+        backend.kv_cache_spec(layer, 4, torch.float64)
+    metadata = AttentionMetadata.build(query_lens=[1], seq_lens=[3], block_tables=[[0]], block_size=4)
+    query = torch.randn((1, 4, 32))
+    wrong_layout = torch.randn((2, 2, 4, 32))  # block-head-major: not what the spec declared
+    with pytest.raises(ValueError, match="block-token-major"):
+        backend._attend(layer, query, wrong_layout, wrong_layout, metadata)
+    windowless = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=32, scale=0.2, sliding_window=0)
+    cache = torch.randn((2, 4, 2, 32))
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        backend._attend(windowless, query, cache, cache, metadata)

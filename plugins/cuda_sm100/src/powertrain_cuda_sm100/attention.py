@@ -179,6 +179,14 @@ def _check_dtype(layer: AttentionLayerSpec, dtype: torch.dtype) -> None:
         )
 
 
+def _check_window(layer: AttentionLayerSpec) -> None:
+    if layer.sliding_window is not None and layer.sliding_window < 1:
+        raise ValueError(
+            f"triton-sm100: sliding_window={layer.sliding_window}; a window holds at least the token itself (>= 1), "
+            "or is None for full attention"
+        )
+
+
 def _check_metadata(cache: torch.Tensor, metadata: AttentionMetadata) -> None:
     if cache.shape[1] != metadata.block_size:
         raise ValueError(
@@ -195,6 +203,7 @@ def _check_gqa(
     metadata: AttentionMetadata,
 ) -> None:
     _check_dtype(layer, query.dtype)
+    _check_window(layer)
     if layer.num_heads % layer.num_kv_heads:
         raise ValueError(f"num_heads={layer.num_heads} is not a multiple of num_kv_heads={layer.num_kv_heads}")
     expected = (layer.num_kv_heads, layer.head_size)
@@ -221,6 +230,7 @@ def _check_mla(
     metadata: AttentionMetadata,
 ) -> None:
     _check_dtype(layer, q_latent.dtype)
+    _check_window(layer)
     rank, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
     for name, cache, width in (("latent", latent_cache, rank), ("rope", rope_cache, rope)):
         if cache.dim() != 3 or cache.shape[2] != width:

@@ -231,7 +231,7 @@ def mla_attention(
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_rope.shape[2]
     interpreting = support.interpreting()
-    config = mla_config(capability, num_heads, decode, interpreting)
+    config = mla_config(capability, num_heads, decode, interpreting=interpreting)
     head_tiles = triton.cdiv(num_heads, config.block_h)
     if not decode:
         num_splits = 1

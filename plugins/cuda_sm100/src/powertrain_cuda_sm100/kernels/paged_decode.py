@@ -178,7 +178,7 @@ def paged_decode(
     kv_heads = key_cache.shape[2]
     group = num_heads // kv_heads
     interpreting = support.interpreting()
-    config = decode_config(capability, interpreting)
+    config = decode_config(capability, interpreting=interpreting)
     span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     if num_splits is None:
         num_splits = choose_num_splits(batch * kv_heads, span, sm_count(query.device), config.min_split)

@@ -186,7 +186,7 @@ def prefill(
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     interpreting = support.interpreting()
-    config = prefill_config(capability, group_pad, max_query_len, interpreting)
+    config = prefill_config(capability, group_pad, max_query_len, interpreting=interpreting)
     tokens_per_tile = config.block_m // group_pad
     grid = (num_seqs, triton.cdiv(max_query_len, tokens_per_tile), kv_heads)
     prefill_kernel[grid](
