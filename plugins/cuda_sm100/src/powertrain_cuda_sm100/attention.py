@@ -1,0 +1,263 @@
+"""``triton-sm100``: paged GQA/MHA and absorbed-MLA attention in Triton.
+
+The host side of the kernels: it checks the layer and the cache against what the
+kernels read, writes this step's keys/values into the cache, and sends the batch's
+decode rows (the first ``num_decodes``, one token each) to the split-KV decode
+kernel and the rest to the flash prefill kernel. Only the factory imports this
+module, so importing the plugin never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from powertrain.interfaces import (
+    AttentionBackendContext,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KVCacheSpec,
+    LayerKVCache,
+)
+from powertrain_cuda_sm100.kernels.mla import mla_attention
+from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
+from powertrain_cuda_sm100.kernels.prefill import prefill
+
+#: What the kernels load and multiply (tl.dot has no float64 on these targets).
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class TritonAttention:
+    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` (see interfaces.py)."""
+
+    name = "triton-sm100"
+
+    def __init__(self, context: AttentionBackendContext) -> None:
+        self.context = context
+        self.device = context.device
+        # The platform's capability picks tile configs; the interpreter reports 10.0.
+        self.capability = context.platform.capability or (10, 0)
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """Block-token-major ``key``/``value`` for GQA, ``latent``/``rope`` for MLA: the
+        kernels read the engine's cache in place through the block table."""
+        _check_dtype(layer, dtype)
+        return KVCacheSpec.standard(layer, block_size, dtype)
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's key/value at ``slot_mapping``, then attend causally."""
+        if layer.kind != "gqa":
+            raise ValueError(f"forward() serves GQA/MHA layers; an {layer.kind!r} layer goes through forward_mla()")
+        key_cache, value_cache = kv_cache["key"], kv_cache["value"]
+        metadata.store(key_cache, key)
+        metadata.store(value_cache, value)
+        return self._attend(layer, query, key_cache, value_cache, metadata)
+
+    def _attend(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention of ``query`` over a cache that already holds this step's keys/values."""
+        _check_gqa(layer, query, key_cache, value_cache, metadata)
+        query = _last_dim_contiguous(query)
+        key_cache = _last_dim_contiguous(key_cache)
+        value_cache = _last_dim_contiguous(value_cache)
+        out = _output_like(query, metadata)
+        decodes = metadata.num_decodes
+        if decodes:
+            paged_decode(
+                query[:decodes],
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                out[:decodes],
+                scale=layer.scale,
+                max_seq_len=max(metadata.seq_lens_host[:decodes]),
+                sliding_window=layer.sliding_window,
+                capability=self.capability,
+            )
+        if metadata.batch_size > decodes:
+            prefill(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                out,
+                scale=layer.scale,
+                first_seq=decodes,
+                num_seqs=metadata.batch_size - decodes,
+                max_query_len=max(metadata.query_lens_host[decodes:]),
+                sliding_window=layer.sliding_window,
+                capability=self.capability,
+            )
+        return out
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Absorbed MLA: write the new latent/rope keys, then attend over the latent cache."""
+        if layer.kind != "mla":
+            raise ValueError(f"forward_mla() serves MLA layers, got a {layer.kind!r} layer")
+        latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
+        metadata.store(latent_cache, latent)
+        metadata.store(rope_cache, k_rope)
+        _check_mla(layer, q_latent, q_rope, latent_cache, rope_cache, metadata)
+        q_latent = _last_dim_contiguous(q_latent)
+        q_rope = _last_dim_contiguous(q_rope)
+        latent_cache = _last_dim_contiguous(latent_cache)
+        rope_cache = _last_dim_contiguous(rope_cache)
+        out = _output_like(q_latent, metadata)
+        decodes = metadata.num_decodes
+        common = {
+            "scale": layer.scale,
+            "sliding_window": layer.sliding_window,
+            "capability": self.capability,
+        }
+        tables = (metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
+        if decodes:
+            mla_attention(
+                q_latent[:decodes],
+                q_rope[:decodes],
+                latent_cache,
+                rope_cache,
+                *tables,
+                out[:decodes],
+                first_seq=0,
+                num_seqs=decodes,
+                max_query_len=1,
+                max_seq_len=max(metadata.seq_lens_host[:decodes]),
+                decode=True,
+                **common,
+            )
+        if metadata.batch_size > decodes:
+            mla_attention(
+                q_latent,
+                q_rope,
+                latent_cache,
+                rope_cache,
+                *tables,
+                out,
+                first_seq=decodes,
+                num_seqs=metadata.batch_size - decodes,
+                max_query_len=max(metadata.query_lens_host[decodes:]),
+                max_seq_len=max(metadata.seq_lens_host[decodes:]),
+                decode=False,
+                **common,
+            )
+        return out
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_dtype(layer: AttentionLayerSpec, dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"triton-sm100: a {layer.kind} layer in {dtype} is not supported; "
+            f"the kernels take {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+
+
+def _check_window(layer: AttentionLayerSpec) -> None:
+    if layer.sliding_window is not None and layer.sliding_window < 1:
+        raise ValueError(
+            f"triton-sm100: sliding_window={layer.sliding_window}; a window holds at least the token itself (>= 1), "
+            "or is None for full attention"
+        )
+
+
+def _check_metadata(cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    if cache.shape[1] != metadata.block_size:
+        raise ValueError(
+            f"triton-sm100: cache blocks hold {cache.shape[1]} tokens but the metadata says "
+            f"block_size={metadata.block_size}; allocate the cache from kv_cache_spec with the engine's block size"
+        )
+
+
+def _check_gqa(
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    _check_dtype(layer, query.dtype)
+    _check_window(layer)
+    if layer.num_heads % layer.num_kv_heads:
+        raise ValueError(f"num_heads={layer.num_heads} is not a multiple of num_kv_heads={layer.num_kv_heads}")
+    expected = (layer.num_kv_heads, layer.head_size)
+    for name, cache in (("key", key_cache), ("value", value_cache)):
+        if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
+            raise ValueError(
+                f"triton-sm100: {name} cache of shape {tuple(cache.shape)}; the kernels read the block-token-major "
+                f"layout [num_blocks, block_size, {expected[0]}, {expected[1]}] that kv_cache_spec declares"
+            )
+        _check_metadata(cache, metadata)
+    if tuple(query.shape[1:]) != (layer.num_heads, layer.head_size):
+        raise ValueError(
+            f"triton-sm100: query of shape {tuple(query.shape)}, the layer has "
+            f"{layer.num_heads} heads of {layer.head_size}"
+        )
+
+
+def _check_mla(
+    layer: AttentionLayerSpec,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> None:
+    _check_dtype(layer, q_latent.dtype)
+    _check_window(layer)
+    rank, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
+    for name, cache, width in (("latent", latent_cache, rank), ("rope", rope_cache, rope)):
+        if cache.dim() != 3 or cache.shape[2] != width:
+            raise ValueError(
+                f"triton-sm100: MLA {name} cache of shape {tuple(cache.shape)}; the kernel reads "
+                f"[num_blocks, block_size, {width}] as kv_cache_spec declares"
+            )
+        _check_metadata(cache, metadata)
+    if tuple(q_latent.shape[1:]) != (layer.num_heads, rank) or tuple(q_rope.shape[1:]) != (layer.num_heads, rope):
+        raise ValueError(
+            f"triton-sm100: q_latent {tuple(q_latent.shape)} / q_rope {tuple(q_rope.shape)} do not match the layer's "
+            f"{layer.num_heads} heads of kv_lora_rank={rank} and qk_rope_head_dim={rope}"
+        )
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """Kernels take any strides but the innermost (a strided view of a fused projection is
+    fine as it is); only a view strided along its last dim is copied."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _output_like(query: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    """The output, in the query's dtype; rows past ``num_tokens`` (graph padding) are zeros."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape[0] > metadata.num_tokens:
+        out[metadata.num_tokens :].zero_()
+    return out

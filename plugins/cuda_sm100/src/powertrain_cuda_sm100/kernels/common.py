@@ -1,0 +1,69 @@
+"""Pieces every attention kernel shares: the dot wrapper, padding, and machine size.
+
+``mma`` exists because of one interpreter quirk (see ``support.interpreting``): the
+Triton interpreter multiplies bf16/fp16 operands wrongly, so under it every dot is
+taken in float32. Compiled kernels multiply in the operands' own dtype (tensor
+cores); float32 operands use 3xTF32, which keeps float32 accuracy on tensor cores
+(plain TF32 would miss the float32 tolerance of the conformance kit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from powertrain_cuda_sm100 import support
+
+#: ``tl.dot`` needs every dimension to be at least this.
+MIN_DOT = 16
+
+#: Under the interpreter there is no GPU to fill; pretending to have a few SMs makes
+#: the split-KV paths run (and be tested) on the small batches of the test suites.
+INTERPRETER_SM_COUNT = 8
+
+
+@triton.jit
+def mma(a, b, acc, DOT_F32: tl.constexpr):
+    """``acc + a @ b`` accumulated in float32."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="tf32x3")
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to a power of two that ``tl.dot`` accepts (masks cover the rest)."""
+    return max(MIN_DOT, triton.next_power_of_2(n))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill: the GPU's, or a small number under the interpreter."""
+    if device.type == "cuda" and not support.interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
+def choose_num_splits(programs: int, span: int, sms: int, min_split: int, max_splits: int = 32) -> int:
+    """How many KV splits give about two waves of programs over ``sms`` without making
+    a split shorter than ``min_split`` tokens of the longest ``span`` (in keys).
+
+    Large batches already fill the GPU with one split per sequence; a few long
+    sequences need splitting, or most SMs idle while one program walks the context.
+    """
+    if programs <= 0 or span <= min_split:
+        return 1
+    wanted = triton.cdiv(2 * sms, programs)
+    return max(1, min(wanted, triton.cdiv(span, min_split), max_splits))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Triton's signature name of a tensor dtype, for ahead-of-time specs."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def aot_spec(name: str, fn: triton.JITFunction, types: dict[str, str], constexprs: dict, options: dict) -> dict:
+    """One ahead-of-time compile spec: the signature in ``fn``'s parameter order, every
+    constexpr marked as such; a parameter missing from both raises KeyError."""
+    signature = {arg: "constexpr" if arg in constexprs else types[arg] for arg in fn.arg_names}
+    return {"name": name, "fn": fn, "signature": signature, "constexprs": dict(constexprs), "options": dict(options)}
