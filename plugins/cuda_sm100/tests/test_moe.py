@@ -186,3 +186,38 @@ def test_prefill_sized_batch(interpreter_platform: PlatformInfo, fp8: bool) -> N
     got = backend.forward(x, topk_ids, topk_weights, backend.prepare(weights))
     error = row_errors(got.double(), reference_moe(x, topk_ids, topk_weights, w13, w2))
     assert float(error.max()) < limit, f"worst row off by {float(error.max()):.3g} (seed={seed})"
+
+
+# --------------------------------------------------------------------------- quantised dispatch
+
+
+def test_forward_grouped_with_dispatch_scales(interpreter_platform: PlatformInfo) -> None:
+    """Rows that arrive quantised (expert-parallel dispatch) give what their dequantized rows give.
+
+    e4m3 rows with per-128-column scales feed the FP8 GEMM directly, which must equal
+    the backend quantising bf16 rows itself; per-row scales are dequantized first.
+    """
+    from powertrain_cuda_sm100.kernels.fp8_quant import quantize_per_token_group
+
+    seed = fresh_seed()
+    gen = generator(seed)
+    experts, hidden, intermediate = 4, 320, 192
+    backend = _backend(interpreter_platform, torch.bfloat16)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=gen) / intermediate**0.5
+    (q13, s13), (q2, s2) = quantize_blocks(w13, (128, 128)), quantize_blocks(w2, (128, 128))
+    fp8 = backend.prepare(
+        ExpertWeights(w13=q13, w2=q2, num_experts=experts, w13_scale=s13, w2_scale=s2, block_shape=(128, 128))
+    )
+    counts = torch.tensor([3, 0, 5, 2])
+    rows = torch.randn(int(counts.sum()), hidden, generator=gen).to(torch.bfloat16)
+    quantised, scales = quantize_per_token_group(rows)
+    got = backend.forward_grouped(quantised, counts, fp8, scales)
+    want = backend.forward_grouped(rows, counts, fp8)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"pre-quantised rows differ (seed={seed})"
+
+    plain = backend.prepare(ExpertWeights(w13=w13.to(torch.bfloat16), w2=w2.to(torch.bfloat16), num_experts=experts))
+    per_row = 0.5 + torch.rand(rows.shape[0], generator=gen)
+    got = backend.forward_grouped(rows, counts, plain, per_row)
+    want = backend.forward_grouped((rows.float() * per_row[:, None]).to(torch.bfloat16), counts, plain)
+    assert torch.equal(got, want), f"per-row scales not applied (seed={seed})"

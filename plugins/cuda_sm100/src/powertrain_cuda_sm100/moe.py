@@ -22,7 +22,7 @@ from powertrain.builtin.grouped_moe import check_expert_weights
 from powertrain.interfaces import ExpertWeights, MoEBackendContext
 from powertrain_cuda_sm100.kernels import moe_gemm
 from powertrain_cuda_sm100.kernels.fp8_quant import FP8_DTYPE, GROUP, quantize_per_token_group
-from powertrain_cuda_sm100.kernels.moe_align import align_by_expert
+from powertrain_cuda_sm100.kernels.moe_align import Alignment, align_by_expert
 from powertrain_cuda_sm100.kernels.moe_combine import combine
 
 #: The only FP8 block shape the kernels handle: a K block must be one activation scale group.
@@ -125,7 +125,8 @@ class TritonMoE:
         ``scales`` come with quantised dispatch: e4m3 rows with one float32 scale per
         128 columns (DeepEP's FP8 dispatch) feed the FP8 GEMM as they are; any other
         quantisation (one scale per row, int8) is dequantized to this backend's
-        dtype first. The result is then in that dtype.
+        dtype first. The result is then in that dtype. The counts must sum to the
+        rows; that is not checked here, as checking would wait for the device.
         """
         if tokens_per_expert.shape != (weights.local_experts,):
             raise ValueError(
@@ -140,9 +141,11 @@ class TritonMoE:
                 activation_scale = scales.float().contiguous()
             else:
                 hidden = _dequantize_rows(hidden, scales).to(self.dtype)
-        out_dtype = self.dtype if activation_scale is not None else hidden.dtype
         if activation_scale is None:
             self._check_hidden(hidden, weights)
+        elif hidden.shape[1] != weights.hidden_size:
+            raise ValueError(f"dispatched rows of shape {tuple(hidden.shape)}; expected [rows, {weights.hidden_size}]")
+        out_dtype = self.dtype if activation_scale is not None else hidden.dtype
         out = torch.empty((rows, hidden.shape[1]), dtype=out_dtype, device=hidden.device)
         if rows == 0:
             return out
@@ -176,7 +179,7 @@ class TritonMoE:
         hidden: torch.Tensor,
         activation_scale: torch.Tensor | None,
         weights: PreparedExperts,
-        align,
+        align: Alignment,
         top_k: int,
         topk_weights: torch.Tensor | None,
         out: torch.Tensor,
