@@ -37,7 +37,10 @@ ATTENTION_CAPABILITIES = frozenset(
 )
 
 #: Capability tags a MoE backend may declare.
-MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fp32", "fp8-block", "batch-invariant"})
+MOE_CAPABILITIES = frozenset(
+    # fused-routing: the backend also picks experts with a fused gating op (interfaces.MoERouter)
+    {"bf16", "fp16", "fp32", "fp8-block", "batch-invariant", "fused-routing"}
+)
 
 
 def _valid_name(instance: Any, attribute: attrs.Attribute, value: str) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import attrs
 import torch
 
-from powertrain.components import PlatformInfo
+from powertrain.components import Availability, PlatformInfo
 
 # --------------------------------------------------------------------------- KV cache
 
@@ -395,6 +395,47 @@ class ExpertWeights:
     def local_experts(self) -> int:
         return self.w13.shape[0]
 
+    def check(self) -> None:
+        """Raise ValueError unless these are consistent (FP8 block-scaled or float) experts;
+        every MoE backend's ``prepare`` calls it."""
+        w13, w2 = self.w13, self.w2
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
+            raise ValueError(
+                "ExpertWeights: w13 must be [experts, 2 * intermediate, hidden] and w2 [experts, hidden, "
+                f"intermediate], got {tuple(w13.shape)} and {tuple(w2.shape)}"
+            )
+        local, hidden, intermediate = w13.shape[0], w13.shape[2], w13.shape[1] // 2
+        if tuple(w2.shape) != (local, hidden, intermediate):
+            raise ValueError(
+                f"ExpertWeights: w13 {tuple(w13.shape)} implies w2 of shape {(local, hidden, intermediate)}, "
+                f"got {tuple(w2.shape)}"
+            )
+        if self.first_expert < 0 or self.first_expert + local > self.num_experts:
+            raise ValueError(
+                f"ExpertWeights: experts {self.first_expert}..{self.first_expert + local - 1} "
+                f"are not a slice of the {self.num_experts} experts"
+            )
+        fp8 = torch.float8_e4m3fn
+        scales = (self.w13_scale, self.w2_scale, self.block_shape)
+        if all(s is None for s in scales):
+            if not (w13.is_floating_point() and w2.is_floating_point()) or fp8 in (w13.dtype, w2.dtype):
+                raise ValueError(
+                    f"ExpertWeights: {w13.dtype}/{w2.dtype} weights need w13_scale, w2_scale and block_shape"
+                )
+            return
+        if any(s is None for s in scales):
+            raise ValueError("ExpertWeights: FP8 experts need all of w13_scale, w2_scale and block_shape")
+        if w13.dtype != fp8 or w2.dtype != fp8:
+            raise ValueError(f"ExpertWeights: block scales come with {fp8} weights, got {w13.dtype}/{w2.dtype}")
+        rows_per_block, cols_per_block = self.block_shape
+        for label, weight, scale in (("w13", w13, self.w13_scale), ("w2", w2, self.w2_scale)):
+            want = (local, -(-weight.shape[1] // rows_per_block), -(-weight.shape[2] // cols_per_block))
+            if tuple(scale.shape) != want:
+                raise ValueError(
+                    f"ExpertWeights: {label} {tuple(weight.shape)} in {rows_per_block}x{cols_per_block} blocks "
+                    f"needs {label}_scale of shape {want}, got {tuple(scale.shape)}"
+                )
+
 
 @attrs.frozen(kw_only=True)
 class MoEBackendContext:
@@ -443,6 +484,29 @@ class MoEBackend(Protocol):
         (``npu_moe_distribute_dispatch``'s expand_x / expert_token_nums feed
         ``npu_grouped_matmul``'s group_list), and ``combine`` applies the weights.
         """
+        ...
+
+
+@runtime_checkable
+class MoERouter(Protocol):
+    """A MoE backend that also routes, with a fused gating op (capability
+    ``fused-routing``; e.g. Ascend's ``npu_moe_gating_top_k``).
+
+    Routing rules stay the core's: ``route`` must choose what
+    ``powertrain.layers.moe.route`` chooses for the same logits (ids in any order
+    within a token, the same weight per id). ``routing_support`` is asked once per
+    layer at build, with the layer's ``RoutingConfig``; a config the op cannot
+    express is answered ``Availability.no(why)`` and that layer routes in the core.
+    """
+
+    def routing_support(self, config: Any) -> Availability: ...
+
+    def route(
+        self,
+        router_logits: torch.Tensor,  # float32 [num_tokens, num_experts]
+        config: Any,  # layers.moe.RoutingConfig
+        correction_bias: torch.Tensor | None,  # float32 [num_experts] (noaux_tc)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # int32 ids, float32 weights: [num_tokens, top_k] each
         ...
 
 

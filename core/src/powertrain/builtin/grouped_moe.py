@@ -17,49 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from powertrain.interfaces import ExpertWeights
-from powertrain.loader.fp8 import FP8_DTYPE, dequantize_blocks
-
-
-def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
-    return -(-rows // block[0]), -(-cols // block[1])
-
-
-def check_expert_weights(weights: ExpertWeights) -> None:
-    """Raise ValueError unless ``weights`` is a consistent set of (FP8 or float) experts."""
-    w13, w2 = weights.w13, weights.w2
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
-        raise ValueError(
-            f"ExpertWeights: w13 must be [experts, 2 * intermediate, hidden] and w2 [experts, hidden, intermediate], "
-            f"got {tuple(w13.shape)} and {tuple(w2.shape)}"
-        )
-    local, hidden, intermediate = w13.shape[0], w13.shape[2], w13.shape[1] // 2
-    if tuple(w2.shape) != (local, hidden, intermediate):
-        raise ValueError(
-            f"ExpertWeights: w13 {tuple(w13.shape)} implies w2 of shape {(local, hidden, intermediate)}, "
-            f"got {tuple(w2.shape)}"
-        )
-    if weights.first_expert < 0 or weights.first_expert + local > weights.num_experts:
-        raise ValueError(
-            f"ExpertWeights: experts {weights.first_expert}..{weights.first_expert + local - 1} "
-            f"are not a slice of the {weights.num_experts} experts"
-        )
-    scales = (weights.w13_scale, weights.w2_scale, weights.block_shape)
-    if all(s is None for s in scales):
-        if not (w13.is_floating_point() and w2.is_floating_point()) or FP8_DTYPE in (w13.dtype, w2.dtype):
-            raise ValueError(f"ExpertWeights: {w13.dtype}/{w2.dtype} weights need w13_scale, w2_scale and block_shape")
-        return
-    if any(s is None for s in scales):
-        raise ValueError("ExpertWeights: FP8 experts need all of w13_scale, w2_scale and block_shape")
-    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
-        raise ValueError(f"ExpertWeights: block scales come with {FP8_DTYPE} weights, got {w13.dtype}/{w2.dtype}")
-    block = weights.block_shape
-    for label, weight, scale in (("w13", w13, weights.w13_scale), ("w2", w2, weights.w2_scale)):
-        want = (local, *_blocks(weight.shape[1], weight.shape[2], block))
-        if tuple(scale.shape) != want:
-            raise ValueError(
-                f"ExpertWeights: {label} {tuple(weight.shape)} in {block[0]}x{block[1]} blocks needs "
-                f"{label}_scale of shape {want}, got {tuple(scale.shape)}"
-            )
+from powertrain.loader.fp8 import dequantize_blocks, dequantize_row_groups
 
 
 def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +75,7 @@ class TorchGroupedMoE:
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
         # The loader's layout is already what this backend multiplies with: keep it
         # (FP8 included), only check it.
-        check_expert_weights(weights)
+        weights.check()
         return weights
 
     def forward(
@@ -165,18 +123,7 @@ class TorchGroupedMoE:
                 f"summing to the {hidden.shape[0]} rows"
             )
         if scales is not None:
-            hidden = _dequantize_rows(hidden, scales).to(self.dtype)
+            hidden = dequantize_row_groups(hidden, scales).to(self.dtype)
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         _run_experts(hidden, counts, weights, out, None)
         return out
-
-
-def _dequantize_rows(hidden: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    rows, width = hidden.shape
-    if rows == 0:
-        return hidden.float()
-    per_group = scales.float().reshape(rows, -1)
-    groups = per_group.shape[1]
-    if width % groups:
-        raise ValueError(f"scales of shape {tuple(scales.shape)} do not split {width} columns into equal groups")
-    return (hidden.float().view(rows, groups, width // groups) * per_group.unsqueeze(-1)).view(rows, width)

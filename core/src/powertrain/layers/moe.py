@@ -32,11 +32,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
+import structlog
 import torch
 from torch import nn
 
-from powertrain.interfaces import ExpertWeights, MoEBackend
+from powertrain.interfaces import ExpertWeights, MoEBackend, MoERouter
 from powertrain.loader.fp8 import FP8_DTYPE
+
+log = structlog.get_logger(__name__)
 
 Scoring = Literal["sigmoid", "softmax"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -283,6 +286,13 @@ class MoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.backend = backend
+        # A backend with a fused gating op routes where it can express this config.
+        self.backend_routes = False
+        if isinstance(backend, MoERouter):
+            support = backend.routing_support(routing)
+            self.backend_routes = support.available
+            if not support.available:
+                log.info("moe routing stays in the core", backend=backend.name, reason=support.reason)
         self.first_expert = first_expert
         self.local_experts = local_experts
         self.register_buffer(
@@ -454,7 +464,8 @@ class MoE(nn.Module):
         if self.prepared is None:
             raise RuntimeError("MoE.forward before finish_loading(): the backend has no weights yet")
         router_logits = hidden.float() @ self.gate_weight.T
-        topk_ids, topk_weights = route(router_logits, self.routing, self.e_score_correction_bias)
+        choose = self.backend.route if self.backend_routes else route
+        topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
         return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from powertrain.interfaces import ExpertWeights, MoEBackend, MoEBackendContext
+from powertrain.components import Availability
+from powertrain.interfaces import ExpertWeights, MoEBackend, MoEBackendContext, MoERouter
+from powertrain.layers.moe import RoutingConfig, route
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
 from powertrain.testing.base import ComponentSuite, Subject, generator
 
@@ -417,3 +419,58 @@ class MoEBackendSuite(ComponentSuite):
         got = backend.forward_grouped(rows.to(device), counts.to(device), prepared)
         want = _reference_grouped(rows, counts.tolist(), real13, real2)
         self._compare(got, want, dtype, f"forward_grouped, {where}", fp8=True)
+
+    # ----------------------------------------------------------------------- routing
+
+    #: Routing configs a fused gating op is asked about: DeepSeek-V3's (sigmoid, noaux_tc
+    #: with a correction bias, groups), V2's (softmax, group-limited), plain top-k.
+    routing_configs: ClassVar[Mapping[str, RoutingConfig]] = {
+        "v3-noaux_tc": RoutingConfig(
+            num_experts=32, top_k=4, scoring="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+            norm_topk_prob=True, routed_scaling_factor=2.5,
+        ),
+        "v2-group-limited": RoutingConfig(
+            num_experts=32, top_k=4, scoring="softmax", topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        ),
+        "greedy-softmax": RoutingConfig(num_experts=16, top_k=2, scoring="softmax", topk_method="greedy"),
+        "greedy-sigmoid-normed": RoutingConfig(
+            num_experts=16, top_k=3, scoring="sigmoid", topk_method="greedy", norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+        ),
+    }  # fmt: skip
+
+    def test_fused_routing(self, subject: Subject, seed: int) -> None:
+        """``route`` chooses the experts ``layers.moe.route`` chooses, with the same weights,
+        for every config ``routing_support`` accepts; refusals say why."""
+        self.require(subject.provided, "fused-routing")
+        dtype = next(d for d in self.dtypes if DTYPE_CAPABILITIES[d] in subject.provided.record.capabilities)
+        backend, device = self._build(subject, dtype)
+        assert isinstance(backend, MoERouter), f"{subject.provided.record.name} declares fused-routing"
+        gen = generator(seed)
+        served = []
+        for name, config in self.routing_configs.items():
+            support = backend.routing_support(config)
+            assert isinstance(support, Availability), f"routing_support({name}) returned {support!r}"
+            if not support.available:
+                assert support.reason, f"routing_support refused {name} without a reason"
+                continue
+            served.append(name)
+            logits = 2 * torch.randn(37, config.num_experts, generator=gen)
+            bias = 0.3 * torch.randn(config.num_experts, generator=gen) if config.uses_correction_bias else None
+            ids, weights = backend.route(logits.to(device), config, None if bias is None else bias.to(device))
+            want_ids, want_weights = route(logits, config, bias)
+            where = f"routing {name} (seed={seed})"
+            assert ids.dtype == torch.int32 and tuple(ids.shape) == tuple(want_ids.shape), f"ids {ids.dtype}: {where}"
+            # Within a token the order of the chosen experts is free: compare sorted by id.
+            order, want_order = ids.cpu().long().sort(dim=1), want_ids.long().sort(dim=1)
+            assert torch.equal(order.values, want_order.values), f"different experts chosen: {where}"
+            torch.testing.assert_close(
+                weights.cpu().float().gather(1, order.indices),
+                want_weights.gather(1, want_order.indices),
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda detail, where=where: f"routing weights differ: {where}\n{detail}",
+            )
+        assert served, (
+            f"{subject.provided.record.name} declares fused-routing but serves none of {list(self.routing_configs)}"
+        )

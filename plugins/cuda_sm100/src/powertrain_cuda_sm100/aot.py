@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of every kernel for a GPU target, without a GPU.
 
 Each kernels module lists, in ``aot_specs(capability)``, the signatures, constexprs
-and launch options its launcher uses on that capability; this module compiles them
+and launch options its launcher uses on that capability (and, in ``attrs``, the
+16-byte alignment a launch would find); this module compiles them
 all with ``triton.compile`` for ``GPUTarget("cuda", <capability>, 32)`` and reports
 which tensor-core instructions the PTX contains (``tcgen05.mma`` on sm_100a,
 ``wgmma`` on sm_90a). A spec with ``"mma": True`` is a GEMM that must use them.
@@ -43,7 +44,9 @@ def compile_all(major: int) -> list[dict[str, Any]]:
     capability = (major, 0)
     rows = []
     for module, spec in specs(capability):
-        source = ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec.get("constexprs", {}))
+        source = ASTSource(
+            fn=spec["fn"], signature=spec["signature"], constexprs=spec.get("constexprs", {}), attrs=spec.get("attrs")
+        )
         row: dict[str, Any] = {"capability": major * 10, "module": module, "kernel": spec["name"]}
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", major * 10, 32), options=spec.get("options"))

@@ -18,16 +18,20 @@ from powertrain.interfaces import (
     KVCacheSpec,
     LayerKVCache,
 )
+from powertrain_cuda_sm100.kernels.cache_write import rotary_cache_write
 from powertrain_cuda_sm100.kernels.mla import mla_attention
 from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
 from powertrain_cuda_sm100.kernels.prefill import prefill
+from powertrain_cuda_sm100.kernels.rmsnorm import rms_norm
 
 #: What the kernels load and multiply (tl.dot has no float64 on these targets).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class TritonAttention:
-    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` (see interfaces.py)."""
+    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``RotaryAttentionBackend``
+    and ``RMSNormKernel`` (see interfaces.py): where it is the attention backend, the
+    layers' rotary, cache writes and norms run as this pack's kernels too."""
 
     name = "triton-sm100"
 
@@ -53,12 +57,35 @@ class TritonAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write this step's key/value at ``slot_mapping``, then attend causally."""
+        return self.forward_rotary(layer, query, key, value, None, None, kv_cache, metadata)
+
+    def forward_rotary(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotate query and key and write key/value to the cache in one kernel (without
+        cos/sin: only the write), then attend over the cache."""
         if layer.kind != "gqa":
             raise ValueError(f"forward() serves GQA/MHA layers; an {layer.kind!r} layer goes through forward_mla()")
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
-        metadata.store(key_cache, key)
-        metadata.store(value_cache, value)
-        return self._attend(layer, query, key_cache, value_cache, metadata)
+        _check_gqa(layer, query, key_cache, value_cache, metadata)
+        rotated = rotary_cache_write(
+            query if cos is not None else None, key, value, key_cache, value_cache, metadata.slot_mapping, cos, sin
+        )
+        return self._attend(layer, query if rotated is None else rotated, key_cache, value_cache, metadata)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm (+ the residual add before it) as one kernel."""
+        return rms_norm(x, weight, eps, residual)
 
     def _attend(
         self,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from powertrain.builtin.grouped_moe import check_expert_weights
 from powertrain.interfaces import ExpertWeights, MoEBackendContext
+from powertrain.loader.fp8 import dequantize_row_groups
 from powertrain_cuda_sm100.kernels import moe_gemm
 from powertrain_cuda_sm100.kernels.fp8_quant import FP8_DTYPE, GROUP, quantize_per_token_group
 from powertrain_cuda_sm100.kernels.moe_align import Alignment, align_by_expert
@@ -70,7 +70,7 @@ class TritonMoE:
     # ----------------------------------------------------------------------- weights
 
     def prepare(self, weights: ExpertWeights) -> PreparedExperts:
-        check_expert_weights(weights)
+        weights.check()
         if weights.local_experts == 0:
             raise ValueError("triton-sm100 MoE: ExpertWeights holds no experts")
         if weights.block_shape is None:
@@ -140,7 +140,7 @@ class TritonMoE:
             if weights.fp8 and hidden.dtype == FP8_DTYPE and tuple(scales.shape) == (rows, groups):
                 activation_scale = scales.float().contiguous()
             else:
-                hidden = _dequantize_rows(hidden, scales).to(self.dtype)
+                hidden = dequantize_row_groups(hidden, scales).to(self.dtype)
         if activation_scale is None:
             self._check_hidden(hidden, weights)
         elif hidden.shape[1] != weights.hidden_size:
@@ -196,15 +196,3 @@ class TritonMoE:
         else:
             act, _ = moe_gemm.gate_up_silu(hidden, None, weights.w13, None, align, top_k, configs.gate_up, hidden.dtype)
             moe_gemm.down(act, None, weights.w2, None, align, topk_weights, out, configs.down)
-
-
-def _dequantize_rows(hidden: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Dispatched rows times their scales (one per row, or one per equal column group), float32."""
-    rows, width = hidden.shape
-    per_group = scales.float().reshape(rows, -1)
-    if per_group.shape[1] and width % per_group.shape[1]:
-        raise ValueError(f"scales of shape {tuple(scales.shape)} do not split {width} columns into equal groups")
-    if rows == 0:
-        return hidden.float()
-    groups = per_group.shape[1]
-    return (hidden.float().view(rows, groups, width // groups) * per_group.unsqueeze(-1)).view(rows, width)

@@ -87,7 +87,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_cache_write(
-    query: torch.Tensor,
+    query: torch.Tensor | None,
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_size]
@@ -95,47 +95,53 @@ def rotary_cache_write(
     slot_mapping: torch.Tensor,
     cos: torch.Tensor | None = None,  # [tokens, rotary_dim // 2]
     sin: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Write (rotated) key and value to their slots; return the (rotated) query, contiguous."""
-    tokens, heads, head_size = query.shape
-    kv_heads = key.shape[1]
-    if key_cache.shape[-2:] != (kv_heads, head_size):
+) -> torch.Tensor | None:
+    """Write (rotated) key and value to their slots; return the (rotated) query, contiguous
+    (None without a query: then this is only the cache store, with no host sync)."""
+    tokens, kv_heads, head_size = key.shape
+    heads = 0 if query is None else query.shape[1]
+    if query is not None and (query.shape[0] != tokens or query.shape[2] != head_size):
+        raise ValueError(f"query of {tuple(query.shape)} and key of {tuple(key.shape)} do not pair up")
+    if key_cache.shape[-2:] != (kv_heads, head_size) or value_cache.shape != key_cache.shape:
         raise ValueError(f"cache of {tuple(key_cache.shape)} cannot hold keys of {kv_heads} heads x {head_size}")
-    query, key, value = _rows(query), _rows(key), _rows(value)
+    key, value = _rows(key), _rows(value)
     half = 0 if cos is None else cos.shape[-1]
     if half:
         if 2 * half > head_size or cos.shape != sin.shape or cos.shape[0] < tokens:
             raise ValueError(f"cos/sin of {tuple(cos.shape)} do not fit {tokens} tokens of head_size {head_size}")
         cos, sin = cos.contiguous(), sin.contiguous()
     else:
-        cos = sin = query  # unread
-    query_out = torch.empty((tokens, heads, head_size), dtype=query.dtype, device=query.device)
-    if tokens == 0:
-        return query_out
-    rotary_cache_write_kernel[(tokens, heads + kv_heads)](
-        query,
-        key,
-        value,
-        query_out,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        cos,
-        sin,
-        slot_mapping.shape[0],
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        NUM_HEADS=heads,
-        NUM_KV_HEADS=kv_heads,
-        HEAD_SIZE=head_size,
-        HALF=half,
-        BLOCK_D=triton.next_power_of_2(head_size),
-    )
-    return query_out
+        cos = sin = key  # unread
+    if query is None:
+        query = query_out = key  # unread: no program serves a query head
+    else:
+        query = _rows(query)
+        query_out = torch.empty((tokens, heads, head_size), dtype=query.dtype, device=query.device)
+    if tokens:
+        rotary_cache_write_kernel[(tokens, heads + kv_heads)](
+            query,
+            key,
+            value,
+            query_out,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            cos,
+            sin,
+            slot_mapping.shape[0],
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            NUM_HEADS=heads,
+            NUM_KV_HEADS=kv_heads,
+            HEAD_SIZE=head_size,
+            HALF=half,
+            BLOCK_D=triton.next_power_of_2(head_size),
+        )
+    return None if heads == 0 else query_out
 
 
 def aot_specs(capability: tuple[int, int]) -> list[dict]:

@@ -62,8 +62,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
+def divisibility_attrs(fn: triton.JITFunction, signature: dict[str, str], aligned: tuple[str, ...] = ()) -> dict:
+    """``ASTSource`` attrs saying that every pointer and the ``aligned`` ints are multiples
+    of 16, as a runtime launch's specialisation finds them at real model widths (an
+    ahead-of-time source knows only what its attrs say). Without them the compiler
+    cannot prove 16-byte alignment, issues no ``cp.async`` and does not pipeline K loops."""
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, arg in enumerate(fn.arg_names)
+        if signature[arg].startswith("*") or arg in aligned
+    }
+
+
 def aot_spec(name: str, fn: triton.JITFunction, types: dict[str, str], constexprs: dict, options: dict) -> dict:
     """One ahead-of-time compile spec: the signature in ``fn``'s parameter order, every
-    constexpr marked as such; a parameter missing from both raises KeyError."""
+    constexpr marked as such (a parameter missing from both raises KeyError), and
+    pointers marked 16-byte aligned as a launch finds the engine's tensors."""
     signature = {arg: "constexpr" if arg in constexprs else types[arg] for arg in fn.arg_names}
-    return {"name": name, "fn": fn, "signature": signature, "constexprs": dict(constexprs), "options": dict(options)}
+    return {
+        "name": name,
+        "fn": fn,
+        "signature": signature,
+        "constexprs": dict(constexprs),
+        "options": dict(options),
+        "attrs": divisibility_attrs(fn, signature),
+    }

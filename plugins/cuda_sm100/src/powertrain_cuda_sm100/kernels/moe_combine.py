@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from powertrain_cuda_sm100.kernels.moe_aot import divisibility_attrs
+from powertrain_cuda_sm100.kernels.common import divisibility_attrs
 
 
 @triton.jit

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from powertrain_cuda_sm100.kernels.common import divisibility_attrs
 from powertrain_cuda_sm100.kernels.fp8_quant import to_e4m3
 from powertrain_cuda_sm100.kernels.moe_align import Alignment
-from powertrain_cuda_sm100.kernels.moe_aot import divisibility_attrs
 from powertrain_cuda_sm100.support import interpreting
 
 #: Width of an FP8 weight block and of an activation scale group.

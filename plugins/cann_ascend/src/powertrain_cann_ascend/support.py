@@ -1,0 +1,93 @@
+"""Is there an Ascend NPU here, and if not, exactly why not.
+
+Detection goes step by step so the reason is precise: torch_npu installed? CANN
+toolkit found? torch_npu importable (it loads the CANN libraries)? any device?
+Nothing here imports torch_npu at module import.
+
+About torch's device-backend autoload: since torch 2.5, ``import torch`` imports every
+installed package registered under the ``torch.backends`` entry point — torch_npu is
+one — unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``. With torch_npu installed but CANN
+missing or broken, that makes ``import torch`` itself fail, before any powertrain code
+runs. powertrain never relies on autoload (detection imports torch_npu explicitly),
+so on such a machine set ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``; ``autoload_hint`` says so
+in the unavailability reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+from powertrain.components import Availability, PlatformInfo
+
+#: Where CANN's set_env.sh points, and where the installer puts the toolkit by default.
+CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
+CANN_DEFAULT_PATHS = ("/usr/local/Ascend/ascend-toolkit/latest",)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it: as good as absent
+        return False
+
+
+def cann_home() -> Path | None:
+    """The CANN toolkit directory, from set_env.sh's variables or the default install path."""
+    for name in CANN_ENV_VARS:
+        value = os.environ.get(name)
+        if value and Path(value).is_dir():
+            return Path(value)
+    for path in CANN_DEFAULT_PATHS:
+        if Path(path).is_dir():
+            return Path(path)
+    return None
+
+
+def autoload_hint() -> str:
+    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") == "0":
+        return ""
+    return " (with torch_npu installed but CANN unusable, set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so `import torch` works)"
+
+
+def unavailable(reason: str) -> PlatformInfo:
+    return PlatformInfo(name="npu", device_type="npu", dist_backend="hccl", availability=Availability.no(reason))
+
+
+def detect_npu() -> PlatformInfo:
+    """The ``npu`` platform: device count, SoC name and memory through torch_npu, HCCL."""
+    if not _installed("torch_npu"):
+        return unavailable("torch_npu is not installed (pip install torch-npu matching your CANN and torch versions)")
+    home = cann_home()
+    if home is None:
+        return unavailable(
+            "the CANN toolkit was not found: neither $ASCEND_HOME_PATH nor $ASCEND_TOOLKIT_HOME is set "
+            f"(source set_env.sh) and {CANN_DEFAULT_PATHS[0]} does not exist" + autoload_hint()
+        )
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except Exception as exc:  # a CANN/torch_npu mismatch surfaces as any exception type
+        failure = f"{type(exc).__name__}: {exc}"
+        return unavailable(f"import torch_npu failed with CANN at {home}: {failure}" + autoload_hint())
+    try:
+        count = torch_npu.npu.device_count()
+    except Exception as exc:
+        return unavailable(f"torch_npu could not query devices: {type(exc).__name__}: {exc}")
+    if count == 0:
+        reason = "no Ascend NPU visible to torch_npu"
+        if os.environ.get("ASCEND_RT_VISIBLE_DEVICES", None) == "":
+            reason += " (ASCEND_RT_VISIBLE_DEVICES is empty)"
+        return unavailable(reason)
+    properties = torch_npu.npu.get_device_properties(0)
+    soc = torch_npu.npu.get_device_name(0)
+    return PlatformInfo(
+        name="npu",
+        device_type="npu",
+        availability=Availability.yes(f"{count} x {soc} (CANN at {home})"),
+        device_count=count,
+        device_name=soc,
+        total_memory_bytes=int(getattr(properties, "total_memory", 0)),
+        dist_backend="hccl",
+    )
