@@ -47,7 +47,10 @@ def test_every_kernel_compiles_for_both_targets(compiled: list[dict]) -> None:
 @pytest.mark.parametrize("capability", [100, 90])
 def test_gemms_use_the_targets_tensor_core_mma(compiled: list[dict], capability: int) -> None:
     gemms = [r for r in compiled if r["capability"] == capability and r.get("mma_required")]
-    assert gemms, f"no GEMM kernel is marked mma=True for sm_{capability}"
+    # The MoE grouped GEMMs, bf16 and FP8, decode- and prefill-sized, must all be among them.
+    moe = {f"{gemm}_{dtype}_{size}" for gemm in ("gate_up_silu", "down") for dtype in ("bf16", "fp8")
+           for size in ("small", "large")}  # fmt: skip
+    assert moe <= {r["kernel"] for r in gemms}, f"MoE GEMMs not marked mma=True for sm_{capability}"
     wanted = "tcgen05_mma" if capability == 100 else "wgmma"
     assert MMA_INSTRUCTIONS[capability // 10].replace(".", "_") == wanted
     missing = [r["kernel"] for r in gemms if not r[wanted]]

@@ -356,5 +356,8 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
         }
         name = f"mla_{'decode' if decode else 'prefill'}_h{heads}{'_split' if split else ''}"
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        specs.append(aot_spec(name, mla_kernel, types, constexprs, options))
+        # 64-row tiles (many heads, or prefill) use tensor-core MMA; 16-head decode tiles
+        # are too small for it and read-bound anyway (warp-level mma.sync).
+        mma = config.block_h * config.block_q >= 64
+        specs.append({**aot_spec(name, mla_kernel, types, constexprs, options), "mma": mma})
     return specs

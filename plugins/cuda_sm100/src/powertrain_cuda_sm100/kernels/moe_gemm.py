@@ -371,6 +371,7 @@ def _spec(name: str, fn, pointers: dict[str, str], ints: tuple[str, ...], conste
         "constexprs": constexprs,
         "attrs": divisibility_attrs(fn, signature, aligned),
         "options": {"num_warps": config.num_warps, "num_stages": config.num_stages},
+        "mma": True,  # a GEMM: must use the target's tensor-core MMA (test_aot.py)
     }
 
 

@@ -276,5 +276,6 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
         }
         name = f"prefill_g{group}_m{config.block_m}{'_sliding' if sliding else ''}"
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        specs.append(aot_spec(name, prefill_kernel, types, constexprs, options))
+        # Every tile here has at least 64 (token, head) rows: tensor-core MMA (test_aot.py).
+        specs.append({**aot_spec(name, prefill_kernel, types, constexprs, options), "mma": True})
     return specs
