@@ -210,8 +210,10 @@ class AttentionMetadata:
                 "allocate the cache from the backend's kv_cache_spec with the engine's block size"
             )
         rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *per_token]: a slot is a row
-        keep = self.slot_mapping >= 0
-        rows[self.slot_mapping[keep]] = new[: self.slot_mapping.shape[0]][keep].to(cache.dtype)
+        # Padding (slot -1) only ever follows the batch's num_tokens real rows: copying
+        # those by index needs no boolean mask, which would cost a device sync.
+        real = self.num_tokens
+        rows.index_copy_(0, self.slot_mapping[:real], new[:real].to(cache.dtype))
 
     @classmethod
     def build(
