@@ -1,0 +1,303 @@
+"""What the kernel-pack benchmarks share: shapes, the check against a torch peer, the
+achieved-versus-peak arithmetic, and one row per kernel.
+
+``kernels_gpu.py`` (Triton, NVIDIA) and ``kernels_npu.py`` (torch_npu, Ascend) differ
+only in which backends they build and how they time (``Bench.timer``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from powertrain.interfaces import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    ExpertWeights,
+)
+from powertrain.layers.norm import RMSNorm
+from powertrain.layers.rotary import apply_rotary
+from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
+from powertrain.testing.moe import row_errors
+
+
+@attrs.frozen
+class Shapes:
+    batch: int  # decode sequences
+    context: int  # decode context length
+    heads: int
+    kv_heads: int
+    head_size: int
+    prefill_seqs: int
+    prefill_new: int  # new tokens per prefill sequence (after as many cached)
+    mla_heads: int
+    kv_lora_rank: int
+    rope: int
+    tokens: int  # MoE tokens, norm rows, rotary tokens
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    block_size: int = 16
+
+
+FULL = Shapes(
+    batch=64, context=4096, heads=32, kv_heads=8, head_size=128, prefill_seqs=4, prefill_new=2048,
+    mla_heads=128, kv_lora_rank=512, rope=64, tokens=4096, experts=64, top_k=8, hidden=7168, intermediate=2048,
+)  # fmt: skip
+SMOKE = Shapes(
+    batch=3, context=40, heads=4, kv_heads=2, head_size=32, prefill_seqs=2, prefill_new=20,
+    mla_heads=2, kv_lora_rank=32, rope=16, tokens=6, experts=4, top_k=2, hidden=128, intermediate=128, block_size=4,
+)  # fmt: skip
+
+
+@attrs.frozen
+class Row:
+    kernel: str
+    shape: str
+    check: str  # "ok (max err ...)" or "FAIL ..."
+    ms: float | None = None
+    achieved: str = ""
+    fraction: float | None = None
+    peer_ms: float | None = None
+
+
+class Bench:
+    """Random inputs on ``device`` and timing through ``timer`` (fn -> median ms); a smoke
+    run (tiny shapes, no accelerator) calls each function once and times nothing."""
+
+    def __init__(self, device: torch.device, smoke: bool, timer: Callable[[Callable[[], Any]], float] | None) -> None:
+        self.device, self.smoke, self.timer = device, smoke, timer
+        self.gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=self.gen) * scale).to(dtype=dtype, device=self.device)
+
+    def time_ms(self, fn: Callable[[], Any]) -> float | None:
+        if self.smoke or self.timer is None:
+            fn()
+            return None
+        return float(self.timer(fn))
+
+    # ------------------------------------------------------------------ device peaks
+
+    def copy_bandwidth(self) -> float:
+        """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+        x = torch.empty(2**29, dtype=torch.bfloat16, device=self.device)
+        y = torch.empty_like(x)
+        ms = self.time_ms(lambda: y.copy_(x))
+        return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+    def matmul_peak(self, fp8: bool) -> float:
+        """FLOP/s of an 8192^3 matmul through torch (the vendor BLAS): bf16, or FP8 e4m3 with scales."""
+        n = 8192
+        a, b = self.randn(n, n), self.randn(n, n)
+        if not fp8:
+            ms = self.time_ms(lambda: a @ b)
+        else:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device=self.device)
+            ms = self.time_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        return 2 * n**3 / (ms * 1e-3)
+
+
+def _paged(bench: Bench, lengths: list[tuple[int, int]], block_size: int) -> AttentionMetadata:
+    """Metadata for (cached, new) per sequence, blocks handed out in a shuffled order."""
+    needed = [math.ceil((c + q) / block_size) for c, q in lengths]
+    pool = torch.randperm(sum(needed), generator=bench.gen).tolist()
+    tables, used = [], 0
+    for count in needed:
+        tables.append(pool[used : used + count])
+        used += count
+    return AttentionMetadata.build(
+        query_lens=[q for _, q in lengths],
+        seq_lens=[c + q for c, q in lengths],
+        block_tables=tables,
+        block_size=block_size,
+        device=bench.device,
+    )
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, limit: float) -> str:
+    err = float(row_errors(got.double().cpu().flatten(1), want.double().cpu().flatten(1)).max())
+    return f"ok (row err {err:.1e})" if err <= limit else f"FAIL (row err {err:.1e} > {limit})"
+
+
+def bench_gqa(bench: Bench, shapes: Shapes, ours: Any, peer: Any, decode: bool, bandwidth: float, peak: float) -> Row:
+    s = shapes
+    layer = AttentionLayerSpec(
+        kind="gqa", num_heads=s.heads, num_kv_heads=s.kv_heads, head_size=s.head_size, scale=s.head_size**-0.5
+    )
+    lengths = [(s.context - 1, 1)] * s.batch if decode else [(s.prefill_new, s.prefill_new)] * s.prefill_seqs
+    meta = _paged(bench, lengths, s.block_size)
+    spec = ours.kv_cache_spec(layer, s.block_size, torch.bfloat16)
+    num_blocks = int(meta.block_tables.max()) + 1
+    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    tokens = meta.num_tokens
+    q, k, v = bench.randn(tokens, s.heads, s.head_size), *(bench.randn(tokens, s.kv_heads, s.head_size) for _ in "kv")
+    got = ours.forward(layer, q, k, v, cache, meta)
+    want = peer.forward(layer, q, k, v, {n: t.clone() for n, t in cache.items()}, meta)
+    ms = bench.time_ms(lambda: ours.forward(layer, q, k, v, cache, meta))
+    peer_ms = bench.time_ms(lambda: peer.forward(layer, q, k, v, cache, meta))
+    if decode:
+        moved = s.batch * s.context * s.kv_heads * s.head_size * 2 * 2 + 2 * q.numel() * 2
+        achieved = None if ms is None else moved / (ms * 1e-3)
+        shown = "" if achieved is None else f"{achieved / 1e9:.0f} GB/s"
+        fraction = None if achieved is None else achieved / bandwidth
+    else:
+        # Causal scores over (cached + new) keys: new * (cached + (new + 1) / 2) pairs, QK and PV.
+        pairs = s.prefill_seqs * s.prefill_new * (s.prefill_new + (s.prefill_new + 1) / 2)
+        flops = 4 * pairs * s.heads * s.head_size
+        achieved = None if ms is None else flops / (ms * 1e-3)
+        shown = "" if achieved is None else f"{achieved / 1e12:.1f} TFLOP/s"
+        fraction = None if achieved is None else achieved / peak
+    name = "gqa decode (split-KV)" if decode else "gqa chunked prefill"
+    where = f"{len(lengths)} seqs x {lengths[0]}, {s.heads}/{s.kv_heads} heads x {s.head_size}, bf16"
+    return Row(name, where, _check(got, want, 2e-2), ms, shown, fraction, peer_ms)
+
+
+def bench_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
+    s = shapes
+    width = s.kv_lora_rank + s.rope
+    layer = AttentionLayerSpec(
+        kind="mla", num_heads=s.mla_heads, num_kv_heads=1, head_size=width, scale=width**-0.5,
+        kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.rope,
+    )  # fmt: skip
+    meta = _paged(bench, [(s.context - 1, 1)] * s.batch, s.block_size)
+    spec = ours.kv_cache_spec(layer, s.block_size, torch.bfloat16)
+    num_blocks = int(meta.block_tables.max()) + 1
+    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    args = (
+        bench.randn(s.batch, s.mla_heads, s.kv_lora_rank),
+        bench.randn(s.batch, s.mla_heads, s.rope),
+        bench.randn(s.batch, s.kv_lora_rank),
+        bench.randn(s.batch, s.rope),
+    )
+    got = ours.forward_mla(layer, *args, cache, meta)
+    want = peer.forward_mla(layer, *args, {n: t.clone() for n, t in cache.items()}, meta)
+    ms = bench.time_ms(lambda: ours.forward_mla(layer, *args, cache, meta))
+    peer_ms = bench.time_ms(lambda: peer.forward_mla(layer, *args, cache, meta))
+    moved = s.batch * s.context * width * 2
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    return Row(
+        "mla decode (absorbed)",
+        f"{s.batch} seqs x {s.context}, {s.mla_heads} heads, latent {s.kv_lora_rank}+{s.rope}, bf16",
+        _check(got, want, 2e-2),
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
+def bench_moe(bench: Bench, shapes: Shapes, ours: Any, peer: Any, fp8: bool, peak: float) -> Row:
+    s = shapes
+    w13 = bench.randn(s.experts, 2 * s.intermediate, s.hidden, dtype=torch.float32, scale=s.hidden**-0.5)
+    w2 = bench.randn(s.experts, s.hidden, s.intermediate, dtype=torch.float32, scale=s.intermediate**-0.5)
+    if fp8:
+        block = (128, 128)
+        (w13q, w13s), (w2q, w2s) = quantize_blocks(w13, block), quantize_blocks(w2, block)
+        weights = ExpertWeights(
+            w13=w13q, w2=w2q, num_experts=s.experts, w13_scale=w13s, w2_scale=w2s, block_shape=block
+        )
+        w13, w2 = dequantize_blocks(w13q, w13s, block), dequantize_blocks(w2q, w2s, block)
+    else:
+        weights = ExpertWeights(w13=w13.bfloat16(), w2=w2.bfloat16(), num_experts=s.experts)
+    hidden = bench.randn(s.tokens, s.hidden)
+    scores = torch.rand(s.tokens, s.experts, generator=bench.gen)
+    topk_ids = scores.topk(s.top_k, dim=-1).indices.to(torch.int32).to(bench.device)
+    topk_weights = (0.1 + torch.rand(s.tokens, s.top_k, generator=bench.gen)).to(bench.device)
+    prepared, peer_prepared = ours.prepare(weights), peer.prepare(weights)
+    got = ours.forward(hidden, topk_ids, topk_weights, prepared)
+    # The oracle: the same (dequantized) experts in float32 through the torch backend.
+    oracle = peer.prepare(ExpertWeights(w13=w13.float(), w2=w2.float(), num_experts=s.experts))
+    want = peer.forward(hidden.float(), topk_ids, topk_weights, oracle)
+    ms = bench.time_ms(lambda: ours.forward(hidden, topk_ids, topk_weights, prepared))
+    peer_ms = bench.time_ms(lambda: peer.forward(hidden, topk_ids, topk_weights, peer_prepared))
+    flops = 2 * s.tokens * s.top_k * 3 * s.hidden * s.intermediate
+    achieved = None if ms is None else flops / (ms * 1e-3)
+    return Row(
+        f"moe grouped gemm ({'fp8 e4m3 128-block' if fp8 else 'bf16'})",
+        f"{s.tokens} tokens, top-{s.top_k} of {s.experts}, hidden {s.hidden}, intermediate {s.intermediate}",
+        _check(got, want, 0.1 if fp8 else 3e-2),
+        ms,
+        "" if achieved is None else f"{achieved / 1e12:.1f} TFLOP/s",
+        None if achieved is None else achieved / peak,
+        peer_ms,
+    )
+
+
+def bench_rmsnorm(bench: Bench, shapes: Shapes, ours: Any, bandwidth: float) -> Row:
+    s = shapes
+    norm = RMSNorm(s.hidden, eps=1e-6).to(device=bench.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(bench.randn(s.hidden))
+    x, residual = bench.randn(s.tokens, s.hidden), bench.randn(s.tokens, s.hidden)
+    got = ours.rms_norm(x, norm.weight, norm.eps, residual)
+    with torch.no_grad():
+        want = norm(x, residual)
+        peer_ms = bench.time_ms(lambda: norm(x, residual))
+    ms = bench.time_ms(lambda: ours.rms_norm(x, norm.weight, norm.eps, residual))
+    moved = 4 * x.numel() * 2
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    checks = [_check(g, w, 2e-2) for g, w in zip(got, want, strict=True)]
+    return Row(
+        "rmsnorm + residual",
+        f"{s.tokens} x {s.hidden}, bf16",
+        next((c for c in checks if c.startswith("FAIL")), checks[0]),
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
+def bench_rotary(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
+    """forward_rotary over one-token decodes, against rotating in torch + the torch backend."""
+    s = shapes
+    layer = AttentionLayerSpec(
+        kind="gqa", num_heads=s.heads, num_kv_heads=s.kv_heads, head_size=s.head_size, scale=s.head_size**-0.5
+    )
+    meta = _paged(bench, [(s.context - 1, 1)] * s.batch, s.block_size)
+    num_blocks = int(meta.block_tables.max()) + 1
+    spec = ours.kv_cache_spec(layer, s.block_size, torch.bfloat16)
+    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    q, k, v = bench.randn(s.batch, s.heads, s.head_size), *(bench.randn(s.batch, s.kv_heads, s.head_size) for _ in "kv")
+    angles = torch.rand(s.batch, s.head_size // 2, generator=bench.gen) * 6.28
+    cos, sin = angles.cos().to(bench.device, torch.bfloat16), angles.sin().to(bench.device, torch.bfloat16)
+    got = ours.forward_rotary(layer, q, k, v, cos, sin, cache, meta)
+    want = peer.forward(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, dict(cache), meta)
+    ms = bench.time_ms(lambda: ours.forward_rotary(layer, q, k, v, cos, sin, cache, meta))
+    peer_ms = bench.time_ms(
+        lambda: peer.forward(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cache, meta)
+    )
+    moved = s.batch * s.context * s.kv_heads * s.head_size * 2 * 2
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    return Row(
+        "rotary + cache write + decode",
+        f"{s.batch} seqs x {s.context}, {s.heads}/{s.kv_heads} heads x {s.head_size}, bf16",
+        _check(got, want, 2e-2),
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
+def results_table(rows: list[Row]) -> dict[str, Any]:
+    """One line per kernel: shape, check, and (when timed) time, achieved, fraction, peer."""
+    results: dict[str, Any] = {}
+    for row in rows:
+        timing = (
+            ""
+            if row.ms is None
+            else f"; {row.ms:.3f} ms, {row.achieved} = {row.fraction:.2f} of peak; "
+            f"torch peer {row.peer_ms:.3f} ms ({row.peer_ms / row.ms:.2f}x)"
+        )
+        results[row.kernel] = f"{row.shape}: {row.check}{timing}"
+    return results
