@@ -23,6 +23,7 @@ from powertrain.interfaces import (
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import apply_rotary
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
+from powertrain.testing.attention import read_tokens, write_tokens
 from powertrain.testing.moe import row_errors
 
 
@@ -123,6 +124,20 @@ def _paged(bench: Bench, lengths: list[tuple[int, int]], block_size: int) -> Att
     )
 
 
+def _caches(bench: Bench, ours: Any, peer: Any, layer: AttentionLayerSpec, block_size: int, num_blocks: int) -> tuple:
+    """A random cache in our backend's layout and the same tokens in the peer's (the
+    layouts may differ: each backend declares its own through its KVCacheSpec)."""
+    spec, peer_spec = (b.kv_cache_spec(layer, block_size, torch.bfloat16) for b in (ours, peer))
+    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    peer_cache = {
+        name: torch.empty_like(t, device=bench.device) for name, t in peer_spec.allocate(num_blocks, "meta").items()
+    }
+    slots = torch.arange(num_blocks * block_size, device=bench.device)
+    for name in cache:
+        write_tokens(peer_spec, peer_cache, name, slots, read_tokens(spec, cache, name, slots))
+    return cache, peer_cache
+
+
 def _check(got: torch.Tensor, want: torch.Tensor, limit: float) -> str:
     err = float(row_errors(got.double().cpu().flatten(1), want.double().cpu().flatten(1)).max())
     return f"ok (row err {err:.1e})" if err <= limit else f"FAIL (row err {err:.1e} > {limit})"
@@ -135,15 +150,14 @@ def bench_gqa(bench: Bench, shapes: Shapes, ours: Any, peer: Any, decode: bool, 
     )
     lengths = [(s.context - 1, 1)] * s.batch if decode else [(s.prefill_new, s.prefill_new)] * s.prefill_seqs
     meta = _paged(bench, lengths, s.block_size)
-    spec = ours.kv_cache_spec(layer, s.block_size, torch.bfloat16)
     num_blocks = int(meta.block_tables.max()) + 1
-    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)
     tokens = meta.num_tokens
     q, k, v = bench.randn(tokens, s.heads, s.head_size), *(bench.randn(tokens, s.kv_heads, s.head_size) for _ in "kv")
     got = ours.forward(layer, q, k, v, cache, meta)
-    want = peer.forward(layer, q, k, v, {n: t.clone() for n, t in cache.items()}, meta)
+    want = peer.forward(layer, q, k, v, peer_cache, meta)
     ms = bench.time_ms(lambda: ours.forward(layer, q, k, v, cache, meta))
-    peer_ms = bench.time_ms(lambda: peer.forward(layer, q, k, v, cache, meta))
+    peer_ms = bench.time_ms(lambda: peer.forward(layer, q, k, v, peer_cache, meta))
     if decode:
         moved = s.batch * s.context * s.kv_heads * s.head_size * 2 * 2 + 2 * q.numel() * 2
         achieved = None if ms is None else moved / (ms * 1e-3)
@@ -169,9 +183,8 @@ def bench_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: flo
         kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.rope,
     )  # fmt: skip
     meta = _paged(bench, [(s.context - 1, 1)] * s.batch, s.block_size)
-    spec = ours.kv_cache_spec(layer, s.block_size, torch.bfloat16)
     num_blocks = int(meta.block_tables.max()) + 1
-    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)
     args = (
         bench.randn(s.batch, s.mla_heads, s.kv_lora_rank),
         bench.randn(s.batch, s.mla_heads, s.rope),
@@ -179,9 +192,9 @@ def bench_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: flo
         bench.randn(s.batch, s.rope),
     )
     got = ours.forward_mla(layer, *args, cache, meta)
-    want = peer.forward_mla(layer, *args, {n: t.clone() for n, t in cache.items()}, meta)
+    want = peer.forward_mla(layer, *args, peer_cache, meta)
     ms = bench.time_ms(lambda: ours.forward_mla(layer, *args, cache, meta))
-    peer_ms = bench.time_ms(lambda: peer.forward_mla(layer, *args, cache, meta))
+    peer_ms = bench.time_ms(lambda: peer.forward_mla(layer, *args, peer_cache, meta))
     moved = s.batch * s.context * width * 2
     achieved = None if ms is None else moved / (ms * 1e-3)
     return Row(
@@ -265,16 +278,15 @@ def bench_rotary(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: 
     )
     meta = _paged(bench, [(s.context - 1, 1)] * s.batch, s.block_size)
     num_blocks = int(meta.block_tables.max()) + 1
-    spec = ours.kv_cache_spec(layer, s.block_size, torch.bfloat16)
-    cache = {name: bench.randn(*t.shape) for name, t in spec.allocate(num_blocks, "meta").items()}
+    cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)
     q, k, v = bench.randn(s.batch, s.heads, s.head_size), *(bench.randn(s.batch, s.kv_heads, s.head_size) for _ in "kv")
     angles = torch.rand(s.batch, s.head_size // 2, generator=bench.gen) * 6.28
     cos, sin = angles.cos().to(bench.device, torch.bfloat16), angles.sin().to(bench.device, torch.bfloat16)
     got = ours.forward_rotary(layer, q, k, v, cos, sin, cache, meta)
-    want = peer.forward(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, dict(cache), meta)
+    want = peer.forward(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, peer_cache, meta)
     ms = bench.time_ms(lambda: ours.forward_rotary(layer, q, k, v, cos, sin, cache, meta))
     peer_ms = bench.time_ms(
-        lambda: peer.forward(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cache, meta)
+        lambda: peer.forward(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, peer_cache, meta)
     )
     moved = s.batch * s.context * s.kv_heads * s.head_size * 2 * 2
     achieved = None if ms is None else moved / (ms * 1e-3)
@@ -293,11 +305,11 @@ def results_table(rows: list[Row]) -> dict[str, Any]:
     """One line per kernel: shape, check, and (when timed) time, achieved, fraction, peer."""
     results: dict[str, Any] = {}
     for row in rows:
-        timing = (
-            ""
-            if row.ms is None
-            else f"; {row.ms:.3f} ms, {row.achieved} = {row.fraction:.2f} of peak; "
-            f"torch peer {row.peer_ms:.3f} ms ({row.peer_ms / row.ms:.2f}x)"
-        )
+        timing = ""
+        if row.ms is not None:
+            timing = f"; {row.ms:.3f} ms"
+            if row.fraction is not None:
+                timing += f", {row.achieved} = {row.fraction:.2f} of peak"
+            timing += f"; torch peer {row.peer_ms:.3f} ms ({row.peer_ms / row.ms:.2f}x)"
         results[row.kernel] = f"{row.shape}: {row.check}{timing}"
     return results
