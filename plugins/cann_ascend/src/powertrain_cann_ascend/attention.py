@@ -354,10 +354,10 @@ class AscendAttention:
         output = q_latent.new_zeros(q_latent.shape)
         calls = []
         if decodes:
-            pieces = mla_pieces(metadata, 0, decodes)
+            pieces = self._cached(metadata, "mla_decode_pieces", lambda: mla_pieces(metadata, 0, decodes))
             calls.append((0, pieces, metadata.block_tables[:decodes], None))
         if decodes < batch:
-            pieces = self._cached(metadata, "mla_pieces", lambda: mla_pieces(metadata, decodes, batch))
+            pieces = self._cached(metadata, "mla_prefill_pieces", lambda: mla_pieces(metadata, decodes, batch))
             table = self._cached(
                 metadata,
                 "mla_block_table",
