@@ -114,6 +114,8 @@ def _plugin_status(info: PluginInfo, provides: dict[str, list[dict[str, Any]]]) 
     if not components or any(c["available"] for c in components):
         return {**base, "status": "available", "reason": ""}
     reasons = sorted({c["reason"] for c in components})
+    # A platform's own reason reappears inside its components' ("platform npu: ..."): once is enough.
+    reasons = [r for r in reasons if not any(r != other and r in other for other in reasons)]
     return {**base, "status": "unavailable", "reason": "; ".join(reasons)}
 
 
