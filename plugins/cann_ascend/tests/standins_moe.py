@@ -23,6 +23,7 @@ the exchange.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -347,8 +348,9 @@ class MoEOpsStandIn:
         """Uneven all-to-all of rows, moved as raw bytes so any dtype crosses gloo."""
         import torch.distributed as dist
 
-        raw = tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], -1)
-        out = torch.empty((sum(recv_splits), raw.shape[1]), dtype=torch.uint8)
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        raw = tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], row_bytes)
+        out = torch.empty((sum(recv_splits), row_bytes), dtype=torch.uint8)
         dist.all_to_all_single(out, raw, recv_splits, send_splits, group=self.group)
         return out.view(tensor.dtype).reshape(sum(recv_splits), *tensor.shape[1:])
 
