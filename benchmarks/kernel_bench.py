@@ -170,7 +170,7 @@ def bench_gqa(bench: Bench, shapes: Shapes, ours: Any, peer: Any, decode: bool, 
         achieved = None if ms is None else flops / (ms * 1e-3)
         shown = "" if achieved is None else f"{achieved / 1e12:.1f} TFLOP/s"
         fraction = None if achieved is None else achieved / peak
-    name = "gqa decode (split-KV)" if decode else "gqa chunked prefill"
+    name = "gqa decode" if decode else "gqa chunked prefill"
     where = f"{len(lengths)} seqs x {lengths[0]}, {s.heads}/{s.kv_heads} heads x {s.head_size}, bf16"
     return Row(name, where, _check(got, want, 2e-2), ms, shown, fraction, peer_ms)
 

@@ -4,8 +4,7 @@ Each rank holds ``num_experts / world`` experts, sends its tokens through
 AscendDispatcher (dispatch -> AscendMoE.forward_grouped -> combine) over the
 stand-in ops on gloo, and also computes the same tokens with the single-process
 AscendMoE.forward over all experts and with the float64 oracle. Everything goes
-to ``OUT/rank{RANK}.pt`` for the test to compare. Run as a script, so this
-folder is on sys.path and the stand-ins import by name.
+to ``OUT/rank{RANK}.pt`` for the test to compare.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-from standins_moe import MoEOpsStandIn
 
 from powertrain.builtin.communicators import TorchDistributedCommunicator
 from powertrain.components import Availability, PlatformInfo
@@ -22,6 +20,7 @@ from powertrain.interfaces import CommunicatorContext, ExpertWeights, MoEBackend
 from powertrain.testing.moe import reference_moe
 from powertrain_cann_ascend import dispatch
 from powertrain_cann_ascend.moe import AscendMoE
+from powertrain_cann_ascend.standins import MoEOpsStandIn
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 64, 32
 GROUP_NAME = "stand-in-ep"

@@ -1,7 +1,7 @@
 """ascend-cann attention: the metadata -> operator mapping, and the conformance kit.
 
 What is mocked is the Ascend NPU and torch_npu: ``powertrain_cann_ascend.ops.npu_ops``
-returns ``FusedInferAttentionStandIn`` (tests/standins_attention.py), plain-torch
+returns ``FusedInferAttentionStandIn`` (``powertrain_cann_ascend.standins``), plain-torch
 versions of ``npu_fused_infer_attention_score`` and ``npu_scatter_nd_update_`` written
 from torch_npu's documentation that check their arguments as the documentation
 constrains them. Everything around the operators -- cache layout, cache writes,
@@ -9,10 +9,6 @@ argument mapping, padding, MLA pieces -- runs for real.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,20 +30,7 @@ from powertrain_cann_ascend.attention import (
     prefill_args,
     prefill_rows,
 )
-
-
-def _load_standins():
-    # Tests run with --import-mode=importlib, so a sibling module is loaded by path.
-    name = "powertrain_cann_ascend_tests_standins_attention"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("standins_attention.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-FusedInferAttentionStandIn = _load_standins().FusedInferAttentionStandIn
+from powertrain_cann_ascend.standins import FusedInferAttentionStandIn
 
 #: The NPU is mocked: an ``npu`` platform whose tensors live on the CPU.
 STANDIN_PLATFORM = PlatformInfo(
@@ -223,7 +206,7 @@ def test_mixed_batch_from_strided_views_makes_two_calls() -> None:
 
     got = backend.forward(GQA, query, key, value, cache, meta)
 
-    assert [(c["input_layout"], c["query_shape"], c["sparse_mode"]) for c in ops.calls] == [
+    assert [(c["input_layout"], c["query_shape"], c["sparse_mode"]) for c in ops.attention_calls] == [
         ("BSH", (2, 1, heads * dim), 0),
         ("BSH", (2, 130, heads * dim), 3),
     ]
@@ -242,7 +225,7 @@ def test_decode_only_batch_makes_one_call() -> None:
     q = torch.randn((2, 8, 64), dtype=torch.bfloat16)
     kv = torch.randn((2, 2, 64), dtype=torch.bfloat16)
     backend.forward(GQA, q, kv, kv, cache, meta)
-    assert len(ops.calls) == 1 and ops.calls[0]["query_shape"] == (2, 1, 512)
+    assert len(ops.attention_calls) == 1 and ops.attention_calls[0]["query_shape"] == (2, 1, 512)
 
 
 def test_mla_long_prefill_is_cut_into_pieces() -> None:
@@ -259,7 +242,7 @@ def test_mla_long_prefill_is_cut_into_pieces() -> None:
     k_rope = torch.randn((41, 64), generator=gen).to(torch.bfloat16)
     reference_cache = {name: t.clone() for name, t in cache.items()}
     got = backend.forward_mla(MLA, q_latent, q_rope, latent, k_rope, cache, meta)
-    assert [(c["query_shape"], c["actual_seq_lengths"], c["actual_seq_lengths_kv"]) for c in ops.calls] == [
+    assert [(c["query_shape"], c["actual_seq_lengths"], c["actual_seq_lengths_kv"]) for c in ops.attention_calls] == [
         ((1, 32, 512), [1], [50]),
         ((40, 32, 512), [16, 32, 40], [16, 32, 40]),
     ]

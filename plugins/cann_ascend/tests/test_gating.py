@@ -8,26 +8,13 @@ arguments really would choose or weigh differently.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from powertrain.layers.moe import RoutingConfig, route
 from powertrain.testing.base import fresh_seed, generator
 from powertrain_cann_ascend import gating
-
-
-def _standins():  # the tests folder is not a package (pytest runs it in importlib mode)
-    if "standins_moe" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("standins_moe", Path(__file__).with_name("standins_moe.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["standins_moe"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["standins_moe"]
-
+from powertrain_cann_ascend.standins import MoEOpsStandIn
 
 DEEPSEEK_V3 = RoutingConfig(
     num_experts=256, top_k=8, scoring="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
@@ -163,7 +150,7 @@ def test_not_a_routing_config() -> None:
 
 def _op_route(config: RoutingConfig, logits: torch.Tensor, bias: torch.Tensor | None, **override):
     args = gating.gating_args(config).kwargs() | override
-    weights, ids, _ = _standins().MoEOpsStandIn().npu_moe_gating_top_k(logits, config.top_k, bias=bias, **args)
+    weights, ids, _ = MoEOpsStandIn().npu_moe_gating_top_k(logits, config.top_k, bias=bias, **args)
     return ids, weights
 
 

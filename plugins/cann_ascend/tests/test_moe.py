@@ -10,10 +10,6 @@ expert-parallel masking, routing decisions) is the real code.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -25,16 +21,7 @@ from powertrain.testing.base import fresh_seed, generator
 from powertrain.testing.moe import MoEBackendSuite, reference_moe, row_errors
 from powertrain_cann_ascend import ops as ops_module
 from powertrain_cann_ascend.moe import AscendMoE
-
-
-def _standins():  # the tests folder is not a package (pytest runs it in importlib mode)
-    if "standins_moe" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("standins_moe", Path(__file__).with_name("standins_moe.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["standins_moe"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["standins_moe"]
-
+from powertrain_cann_ascend.standins import MoEOpsStandIn
 
 #: The mocked device: an npu platform whose tensors live on the CPU.
 STANDIN_PLATFORM = PlatformInfo(
@@ -48,7 +35,7 @@ STANDIN_PLATFORM = PlatformInfo(
 @pytest.fixture(autouse=True)
 def standin_ops(monkeypatch: pytest.MonkeyPatch):
     """torch_npu (and the NPU under it) is what is mocked: the factories get the stand-ins."""
-    ops = _standins().MoEOpsStandIn()
+    ops = MoEOpsStandIn()
     monkeypatch.setattr(ops_module, "npu_ops", lambda: ops)
     return ops
 
@@ -107,8 +94,8 @@ def test_forward_arguments(standin_ops) -> None:
     prepared = backend.prepare(ExpertWeights(w13=w13, w2=w2, num_experts=16, first_expert=8))
     ids = torch.tensor([[8, 1, 11], [2, 3, 4], [9, 10, 15]], dtype=torch.int32)
     backend.forward(torch.randn(3, 32, generator=gen).bfloat16(), ids, torch.rand(3, 3, generator=gen), prepared)
-    calls = dict(standin_ops.calls)
-    assert [name for name, _ in standin_ops.calls] == [
+    calls = dict(standin_ops.moe_calls)
+    assert [name for name, _ in standin_ops.moe_calls] == [
         "npu_moe_init_routing_v2",
         "npu_grouped_matmul",
         "npu_swiglu",
@@ -178,7 +165,7 @@ def test_moe_layer_end_to_end(standin_ops, config: RoutingConfig) -> None:
     assert layer.backend_routes == backend.routing_support(config).available
     hidden = torch.randn(11, 64, generator=gen).bfloat16()
     got = layer(hidden)
-    routed_by_op = any(name == "npu_moe_gating_top_k" for name, _ in standin_ops.calls)
+    routed_by_op = any(name == "npu_moe_gating_top_k" for name, _ in standin_ops.moe_calls)
     assert routed_by_op == layer.backend_routes
     from powertrain.layers.moe import route
 

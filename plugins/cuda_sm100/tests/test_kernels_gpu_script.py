@@ -14,7 +14,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels_gpu.py"
 KERNELS = (
-    "gqa decode (split-KV)",
+    "gqa decode",
     "gqa chunked prefill",
     "mla decode (absorbed)",
     "rotary + cache write + decode",

@@ -50,12 +50,12 @@ _UNUSED = (
 class FusedInferAttentionStandIn:
     """A stand-in for the ``torch_npu`` module: the two operators the attention backend calls.
 
-    ``calls`` records each fused-attention call's keyword arguments (and the query shape)
+    ``attention_calls`` records each fused-attention call's keyword arguments (and the query shape)
     so tests can assert how many calls a step makes and with what.
     """
 
     def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
+        self.attention_calls: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------------- cache write
 
@@ -146,7 +146,7 @@ class FusedInferAttentionStandIn:
             raise NotImplementedError("stand-in: only the paged (block_table) form is served")
         if input_layout not in ("BSH", "TND"):
             raise NotImplementedError(f"stand-in: input_layout {input_layout!r} (served: BSH, TND)")
-        self.calls.append(
+        self.attention_calls.append(
             {
                 "query_shape": tuple(query.shape),
                 "input_layout": input_layout,

@@ -44,15 +44,15 @@ def _unsupported(op: str, what: str) -> NotImplementedError:
 
 
 class MoEOpsStandIn:
-    """The torch_npu MoE ops powertrain calls; ``calls`` records (op name, kwargs) for tests."""
+    """The torch_npu MoE ops powertrain calls; ``moe_calls`` records (op name, kwargs) for tests."""
 
     def __init__(self, group: Any = None, group_name: str | None = None) -> None:
         self.group = group
         self.group_name = group_name
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.moe_calls: list[tuple[str, dict[str, Any]]] = []
 
     def _record(self, op: str, **kwargs: Any) -> None:
-        self.calls.append((op, kwargs))
+        self.moe_calls.append((op, kwargs))
 
     # ------------------------------------------------------------------- gating
 

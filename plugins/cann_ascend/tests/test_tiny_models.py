@@ -1,0 +1,135 @@
+"""The pack end to end on tiny models: Ascend backends over the stand-in operators
+against the builtin torch backends, same weights, same paged batches.
+
+What is mocked is the NPU and torch_npu (``powertrain_cann_ascend.standins``: the
+operators' documented semantics in plain torch); the models, the paged caches in the
+layout the pack declares, the argument mapping, routing through the gating op, MLA
+pieces and expert grouping all run for real. Both sides compute in bfloat16, so the
+logits agree to bf16 rounding through a few layers, not exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from powertrain.builtin.grouped_moe import TorchGroupedMoE
+from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.components import Availability, PlatformInfo
+from powertrain.interfaces import AttentionBackendContext, ModelContext, MoEBackendContext
+from powertrain.loader import load_checkpoint
+from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
+from powertrain.models.llama import LlamaForCausalLM
+from powertrain.testing.base import fresh_seed
+from powertrain.testing.checkpoints import write_tiny_deepseek
+from powertrain.testing.paged import PagedRunner
+from powertrain_cann_ascend.attention import AscendAttention
+from powertrain_cann_ascend.moe import AscendMoE
+from powertrain_cann_ascend.standins import StandInOps
+
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 128  # what the fused attention op accepts for paged prefill and MLA alike
+#: Largest logit difference, relative to the largest logit: bf16 through 2-3 layers.
+RELATIVE_TOLERANCE = 3e-2
+STANDIN_PLATFORM = PlatformInfo(
+    name="npu", device_type="cpu", availability=Availability.yes("stand-in ops: no Ascend NPU here")
+)
+
+
+@pytest.fixture
+def seed() -> int:
+    value = fresh_seed()
+    torch.manual_seed(value)
+    random.seed(value)
+    print(f"seed={value}")
+    return value
+
+
+def _ascend(ops: StandInOps) -> tuple[AscendAttention, AscendMoE]:
+    device = torch.device("cpu")
+    attention = AscendAttention(
+        AttentionBackendContext(platform=STANDIN_PLATFORM, device=device, dtype=DTYPE, block_size=BLOCK_SIZE), ops
+    )
+    return attention, AscendMoE(MoEBackendContext(platform=STANDIN_PLATFORM, device=device, dtype=DTYPE), ops)
+
+
+def _run(model: object, backend: object, prompts: dict[str, list[int]], decode_steps: int) -> list[torch.Tensor]:
+    """Prefill every prompt in one step, then decode a fixed token stream; all logits."""
+    runner = PagedRunner(model, backend, dtype=DTYPE, block_size=BLOCK_SIZE, num_blocks=8)
+    outputs = runner.step(list(prompts.items()))
+    stream = torch.Generator().manual_seed(len(prompts))
+    for _ in range(decode_steps):
+        chunks = [(name, torch.randint(0, 100, (1,), generator=stream).tolist()) for name in prompts]
+        outputs += runner.step(chunks)
+    return outputs
+
+
+def _assert_close(ours: list[torch.Tensor], reference: list[torch.Tensor], what: str) -> None:
+    for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        assert error <= RELATIVE_TOLERANCE, f"{what}, output {i}: logits off by {error:.2e} of the largest"
+
+
+def test_tiny_deepseek_v3_through_the_ascend_pack(tmp_path, seed: int) -> None:  # noqa: ANN001
+    # The op's MLA path needs kv_lora_rank 512 and a 64-dim rope (DeepSeek-V3's own);
+    # 16 experts in 2 groups keep the gating op in use (it wants > 2 experts per group).
+    path = write_tiny_deepseek(
+        tmp_path, seed=seed, kv_lora_rank=512, qk_rope_head_dim=64, n_routed_experts=16, num_hidden_layers=2
+    )
+    checkpoint = load_checkpoint(str(path))
+    ops = StandInOps()
+    attention, moe = _ascend(ops)
+
+    def build(attention: object, moe: object) -> DeepseekV3ForCausalLM:
+        context = ModelContext(
+            config=checkpoint.config, dtype=DTYPE, device=torch.device("cpu"), attention=attention, moe=moe
+        )
+        model = DeepseekV3ForCausalLM(context)
+        model.load_weights(checkpoint.tensors())
+        return model
+
+    vocab = checkpoint.config["vocab_size"]
+    # One prompt longer than the op's 16 query tokens per MLA piece, one short, one token.
+    prompts = {name: torch.randint(0, vocab, (n,)).tolist() for name, n in (("one", 1), ("short", 9), ("long", 37))}
+    ours = _run(build(attention, moe), attention, prompts, decode_steps=3)
+    reference_attention = TorchReferenceAttention()
+    reference = _run(build(reference_attention, TorchGroupedMoE(DTYPE)), reference_attention, prompts, decode_steps=3)
+    _assert_close(ours, reference, "DeepSeek-V3 (MLA + MoE)")
+    # The operators did the work: fused attention, the gating op and the grouped matmuls.
+    used = {name for name, _ in ops.moe_calls}
+    assert {"npu_moe_gating_top_k", "npu_grouped_matmul", "npu_moe_finalize_routing"} <= used, used
+    assert ops.attention_calls and all(call["rope"] for call in ops.attention_calls)  # MLA: query_rope/key_rope
+
+
+def test_tiny_llama_through_the_ascend_pack(seed: int) -> None:
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_hidden_layers=2, max_position_embeddings=512, initializer_range=0.1,
+    )  # fmt: skip
+    hf = HFLlama(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():  # norms start at one: perturb so a misplaced weight shows
+            param.add_(torch.randn_like(param) * 0.1)
+    ops = StandInOps()
+    attention, _ = _ascend(ops)
+
+    def build(attention: object) -> LlamaForCausalLM:
+        context = ModelContext(
+            config=json.loads(hf.config.to_json_string()), dtype=DTYPE, device=torch.device("cpu"), attention=attention
+        )
+        model = LlamaForCausalLM(context)
+        model.load_weights(hf.state_dict().items())
+        return model
+
+    prompts = {name: torch.randint(0, 128, (n,)).tolist() for name, n in (("one", 1), ("mid", 20), ("long", 140))}
+    ours = _run(build(attention), attention, prompts, decode_steps=3)
+    reference_attention = TorchReferenceAttention()
+    reference = _run(build(reference_attention), reference_attention, prompts, decode_steps=3)
+    _assert_close(ours, reference, "Llama (GQA)")
+    layouts = {(call["input_layout"], call["sparse_mode"]) for call in ops.attention_calls}
+    assert len(layouts) == 2, layouts  # decode rows and prefill rows, each its own call
