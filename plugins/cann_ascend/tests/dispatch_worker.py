@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from powertrain.builtin.communicators import TorchDistributedCommunicator
 from powertrain.components import Availability, PlatformInfo
+from powertrain.distributed import TorchDistributedCommunicator
 from powertrain.interfaces import CommunicatorContext, ExpertWeights, MoEBackendContext
 from powertrain.testing.moe import reference_moe
 from powertrain_cann_ascend import dispatch

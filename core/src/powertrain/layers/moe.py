@@ -1,7 +1,9 @@
 """DeepSeek MoE routing, and the routed-experts layer a MoE model calls.
 
-Routing stays in the core (DESIGN §3): every backend gets the same expert choice,
-so a kernel pack can only change how fast the experts run, never which ones. The
+Routing rules stay in the core (DESIGN §3): every backend gets the same expert
+choice, so a kernel pack can only change how fast the experts run, never which ones.
+A backend with a fused gating op (``interfaces.MoERouter``) may compute the choice
+for the configs it can express, and must reproduce ``route``'s (the MoE kit checks). The
 layer computes the router logits in float32, picks ``top_k`` experts per token with
 DeepSeek's rules (``route``) and hands the choice to the ``MoEBackend`` assembly
 built. Shared experts are not here: they are a plain MLP the model adds.

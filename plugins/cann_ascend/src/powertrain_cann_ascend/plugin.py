@@ -37,9 +37,9 @@ def build_moe(context: MoEBackendContext) -> Any:
 
 
 def build_communicator(context: CommunicatorContext) -> Any:
-    from powertrain_cann_ascend.communicator import HcclCommunicator
+    from powertrain_cann_ascend.communicator import hccl_communicator
 
-    return HcclCommunicator(context)
+    return hccl_communicator(context)
 
 
 def build_dispatcher(communicator: Any) -> Any:

@@ -66,11 +66,12 @@ class StepOverhead:
     verification, detokenizing — measured online, so the rate DSpark maximises is the
     engine's tokens per second and not only the model's.
 
-    The startup profile times forwards alone; on a 2-core CPU at concurrency 64 a
-    step took ~480 ms of which the forward was ~290 ms. Without that fixed cost every
-    verified token looked ~1.6x dearer than it was, and DSpark verified too little.
-    The interval between two finished steps, minus the profiled forward of the later
-    one, is one sample; the median of the recent ones is the overhead. Intervals far
+    The startup profile times forwards alone. A fixed cost per step makes each
+    verified token relatively cheaper, so ignoring it verifies too little; it matters
+    most where forwards are fast next to the host's work per step (accelerators). On
+    this project's 2-core CPU it measured 5-8 ms beside forwards of 30-300 ms. The
+    interval between two finished steps, minus the profiled forward of the later one,
+    is one sample; the median of the recent ones is the overhead. Intervals far
     longer than a step (the engine idled between requests) are not samples. It comes
     from finished steps only, never from the drafts being chosen, so the choice stays
     causal (module doc).

@@ -58,11 +58,13 @@ class DSparkConfig:
     #: Append one JSON line per request-step that verified drafts (raw confidences and
     #: how many were accepted): the data `powertrain-dspark calibrate` fits on.
     log: str = ""
-    #: Batch token counts at which the target's steps per second are measured at startup
-    #: (larger batches extrapolate the last two points; on CPU, probing 128+ tokens left
-    #: the allocator in a state that slowed the decoding after it by a few per cent).
+    #: Batch token counts at which the target's steps per second are measured at startup,
+    #: up to the batches verification makes at high concurrency (larger ones extrapolate
+    #: the last two points). Step time is not linear in B: on a 2-core CPU the cost per
+    #: token from 32 to 64 was 1.7x that from 64 to 256, so a ladder ending at 64
+    #: overpriced the drafts of large batches and DSpark verified too few of them.
     profile_batch_tokens: tuple[int, ...] = attrs.field(
-        default=(1, 2, 4, 8, 16, 32, 64), converter=lambda v: tuple(int(x) for x in v)
+        default=(1, 2, 4, 8, 16, 32, 64, 128, 256, 384), converter=lambda v: tuple(int(x) for x in v)
     )
     #: The MTP drafter's confidence head (`powertrain-dspark train-confidence-head`);
     #: "" = the draft distribution's own estimate.

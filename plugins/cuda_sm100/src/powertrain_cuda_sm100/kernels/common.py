@@ -32,6 +32,39 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
     return tl.dot(a, b, acc, input_precision="tf32x3")
 
 
+@triton.jit
+def paged_kv_tile(
+    table,  # the sequence's row of the block table
+    key_cache_ptr,
+    value_cache_ptr,
+    tile,
+    end,
+    kv_head,
+    dims,
+    dim_ok,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Keys ``tile .. tile + BLOCK_N`` of one sequence (those before ``end``), gathered
+    from the block-token-major cache through its block table: ``(keys, key_ok, k, v)``."""
+    keys = tile + tl.arange(0, BLOCK_N)
+    key_ok = keys < end
+    block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    offset = keys % BLOCK_SIZE
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k_rows = key_cache_ptr + block * stride_kb + offset * stride_kt + kv_head * stride_kh
+    v_rows = value_cache_ptr + block * stride_vb + offset * stride_vt + kv_head * stride_vh
+    k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return keys, key_ok, k, v
+
+
 def padded(n: int) -> int:
     """``n`` rounded up to a power of two that ``tl.dot`` accepts (masks cover the rest)."""
     return max(MIN_DOT, triton.next_power_of_2(n))

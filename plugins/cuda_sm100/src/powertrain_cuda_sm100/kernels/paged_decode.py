@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, sm_count
+from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, paged_kv_tile, sm_count
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
 LOG2E = 1.4426950408889634
@@ -95,15 +95,10 @@ def paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(start, end, BLOCK_N):
-        keys = tile + tl.arange(0, BLOCK_N)
-        key_ok = keys < end
-        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k_rows = key_cache_ptr + block * stride_kb + offset * stride_kt + kv_head * stride_kh
-        v_rows = value_cache_ptr + block * stride_vb + offset * stride_vt + kv_head * stride_vh
-        k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        keys, key_ok, k, v = paged_kv_tile(
+            table, key_cache_ptr, value_cache_ptr, tile, end, kv_head, dims, dim_ok,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
         scores = mma(q, tl.trans(k), tl.zeros([GROUP_PAD, BLOCK_N], tl.float32), DOT_F32) * qk_scale
         scores = tl.where(key_ok[None, :], scores, -float("inf"))
         # Every tile holds at least one visible key (tiles start inside [start, end)): m stays finite.
