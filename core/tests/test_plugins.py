@@ -177,11 +177,11 @@ def test_platform_detection_never_raises(make_distribution) -> None:
                 raise OSError("libascendcl.so: cannot open shared object file")
             @hookimpl
             def powertrain_platforms():
-                return [PlatformRecord(name="npu", device_type="npu", dist_backend="hccl", detect=_detect)]
+                return [PlatformRecord(name="fake-npu", device_type="npu", dist_backend="hccl", detect=_detect)]
             """
         },
     )
-    info = PluginManager.load(environ={}).platforms()["npu"]
+    info = PluginManager.load(environ={}).platforms()["fake-npu"]
     assert not info.available
     assert info.availability.reason == "detection failed: OSError: libascendcl.so: cannot open shared object file"
 

@@ -8,7 +8,6 @@ import random
 import pytest
 
 from powertrain_dspark.lengths import (
-    StepOverhead,
     StepsPerSecond,
     dspark_lengths,
     fixed_lengths,
@@ -87,31 +86,3 @@ def test_top_k_lengths_take_the_best_candidates_as_prefixes() -> None:
 
 def test_fixed_lengths() -> None:
     assert fixed_lengths([5, 2, 0], 3) == [3, 2, 0]
-
-
-def test_step_overhead_is_the_median_gap_beyond_the_forward() -> None:
-    sps = StepsPerSecond.from_profile({1: 50.0, 100: 5.0})  # 20 ms .. 200 ms per forward
-    overhead = StepOverhead(sps, min_samples=3)
-    now = 0.0
-    overhead.record(now, 100)
-    for extra in (0.05, 0.07, 0.06):  # 200 ms forwards, 50..70 ms on top
-        now += 0.2 + extra
-        overhead.record(now, 100)
-    assert overhead.seconds == pytest.approx(0.06)
-    now += 30.0  # the engine idled between requests: not a sample
-    overhead.record(now, 100)
-    assert overhead.seconds == pytest.approx(0.06)
-    rate = overhead.steps_per_second()
-    assert rate(100) == pytest.approx(1 / 0.26) and rate(1) == pytest.approx(1 / 0.08)
-
-
-def test_step_overhead_makes_tokens_cheaper_so_more_are_verified() -> None:
-    """With a fixed cost per step, each verified token adds relatively less time."""
-    sps = StepsPerSecond.from_profile({64: 10.0, 512: 1.0})
-    confidences = [[0.9, 0.8, 0.7, 0.6, 0.5]] * 64
-    overhead = StepOverhead(sps, min_samples=1)
-    without = sum(dspark_lengths(confidences, overhead.steps_per_second(), 64, 64.0))
-    overhead.record(0.0, 64)
-    overhead.record(0.1 + 0.2, 64)  # a 100 ms forward and 200 ms around it
-    with_overhead = sum(dspark_lengths(confidences, overhead.steps_per_second(), 64, 64.0))
-    assert with_overhead > without

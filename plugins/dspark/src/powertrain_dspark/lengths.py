@@ -29,8 +29,6 @@ a finished step.
 from __future__ import annotations
 
 import bisect
-import statistics
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -59,46 +57,6 @@ class StepsPerSecond:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         seconds = y0 + (y1 - y0) * (batch_tokens - x0) / (x1 - x0)
         return 1.0 / max(seconds, ys[0] * 1e-3)
-
-
-class StepOverhead:
-    """Engine time per step beyond the target's forward — scheduling, drafting,
-    verification, detokenizing — measured online, so the rate DSpark maximises is the
-    engine's tokens per second and not only the model's.
-
-    The startup profile times forwards alone. A fixed cost per step makes each
-    verified token relatively cheaper, so ignoring it verifies too little; it matters
-    most where forwards are fast next to the host's work per step (accelerators). On
-    this project's 2-core CPU it measured 5-8 ms beside forwards of 30-300 ms. The
-    interval between two finished steps, minus the profiled forward of the later one,
-    is one sample; the median of the recent ones is the overhead. Intervals far
-    longer than a step (the engine idled between requests) are not samples. It comes
-    from finished steps only, never from the drafts being chosen, so the choice stays
-    causal (module doc).
-    """
-
-    def __init__(self, sps: StepsPerSecond, window: int = 32, min_samples: int = 4) -> None:
-        self._sps = sps
-        self._samples: deque[float] = deque(maxlen=window)
-        self._min_samples = min_samples
-        self._last: float | None = None
-        self.seconds = 0.0
-
-    def record(self, now: float, batch_tokens: int) -> None:
-        """A step of ``batch_tokens`` tokens finished at ``now`` (seconds, monotonic)."""
-        if self._last is not None:
-            forward = 1.0 / self._sps(batch_tokens)
-            gap = now - self._last
-            if gap < 4 * forward + 0.1:
-                self._samples.append(max(gap - forward, 0.0))
-                if len(self._samples) >= self._min_samples:
-                    self.seconds = statistics.median(self._samples)
-        self._last = now
-
-    def steps_per_second(self) -> Callable[[float], float]:
-        """The engine's SPS(B): one over (profiled forward + measured overhead)."""
-        overhead, sps = self.seconds, self._sps
-        return lambda batch_tokens: 1.0 / (1.0 / sps(batch_tokens) + overhead)
 
 
 def survival(confidences: Sequence[Sequence[float]]) -> list[list[float]]:

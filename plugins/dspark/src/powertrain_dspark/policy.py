@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -12,7 +11,7 @@ import torch
 
 from powertrain.engine.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
 from powertrain_dspark.calibration import Calibration
-from powertrain_dspark.lengths import StepOverhead, StepsPerSecond, dspark_lengths, fixed_lengths, top_k_lengths
+from powertrain_dspark.lengths import StepsPerSecond, dspark_lengths, fixed_lengths, top_k_lengths
 from powertrain_dspark.verify import verify_drafts
 
 
@@ -47,8 +46,6 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.rule = rule
         self.sps = sps
-        # The engine's per-step time beyond the forward, from finished steps (StepOverhead).
-        self.overhead = StepOverhead(sps) if sps is not None else None
         self.fixed_k = fixed_k
         self.calibration = calibration or Calibration()
         self.lagged_budget = lagged_budget
@@ -73,9 +70,8 @@ class SpeculativeDecoder:
     def verify_lengths(self, proposal: Proposal, batch: VerifyBatch) -> list[int]:
         if self.rule == "fixed":
             return fixed_lengths([len(t) for t in proposal.tokens], self.fixed_k)
-        assert self.overhead is not None
-        rate = self.overhead.steps_per_second()
-        greedy = dspark_lengths(proposal.confidences, rate, batch.base_tokens, batch.num_sampling)
+        assert self.sps is not None
+        greedy = dspark_lengths(proposal.confidences, self.sps, batch.base_tokens, batch.num_sampling)
         if not self.lagged_budget:
             return greedy
         budget = self._budget if self._budget is not None else sum(greedy)
@@ -100,8 +96,6 @@ class SpeculativeDecoder:
         return kept
 
     def observe(self, step: ExecutedStep) -> None:
-        if self.overhead is not None:
-            self.overhead.record(time.perf_counter(), step.metadata.num_tokens)
         lines = []
         for seq_id, accepted, drafts in zip(step.seq_ids, step.accepted, step.num_drafts, strict=True):
             if seq_id not in self._raw:
