@@ -132,6 +132,10 @@ class FusedInferAttentionStandIn:
         value_antiquant_mode: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(attention_out, softmax_lse)``; lse is the documented ``[1]`` zero tensor."""
+        # The refusals below are deliberate, not gaps: the backend never passes these
+        # arguments, and a stand-in guessing their semantics would let a mapping that
+        # started passing them compute something plausible instead of failing here
+        # (test_attention.py checks that an unserved argument is refused by name).
         given = locals()
         unused = [name for name in _UNUSED if given[name] is not None]
         if unused:
@@ -249,6 +253,7 @@ class FusedInferAttentionStandIn:
                 _check_causal_mask(atten_mask)
                 causal = True
             elif sparse_mode != 0 or atten_mask is not None:
+                # Only 0 (no mask) and 3 (rightDownCausal) are mapped to; others refused, as above.
                 raise NotImplementedError(f"stand-in: sparse_mode={sparse_mode} with mask={atten_mask is not None}")
             if mla and not causal:
                 raise ValueError("the rope (MLA) path with Q_S > 1 takes only sparse_mode=3 with the mask")
