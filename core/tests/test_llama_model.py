@@ -27,6 +27,7 @@ from powertrain.interfaces import CausalLM, ModelContext
 from powertrain.layers.rotary import RopeParameters, inverse_frequencies
 from powertrain.models.llama import LlamaArgs, LlamaForCausalLM
 from powertrain.plugins import PluginManager
+from powertrain.testing.checkpoints import random_hf_model
 from powertrain.testing.paged import PagedRunner
 
 VOCAB = 256
@@ -87,15 +88,7 @@ def seed() -> int:
 
 
 def make_hf(variant: str) -> Any:
-    model_class, config = VARIANTS[variant]()
-    config._attn_implementation = "eager"
-    model = model_class(config).eval()
-    with torch.no_grad():
-        # HF initialises norms to one and biases to zero; perturb everything so that a
-        # norm weight or bias loaded into the wrong place shows.
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    return model
+    return random_hf_model(*VARIANTS[variant]())
 
 
 def hf_config_json(hf_model: Any) -> dict[str, Any]:

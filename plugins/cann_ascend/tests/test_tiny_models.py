@@ -26,7 +26,7 @@ from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
 from powertrain.models.llama import LlamaForCausalLM
 from powertrain.testing.base import fresh_seed
-from powertrain.testing.checkpoints import write_tiny_deepseek
+from powertrain.testing.checkpoints import random_hf_model, write_tiny_deepseek
 from powertrain.testing.paged import PagedRunner
 from powertrain_cann_ascend.attention import AscendAttention
 from powertrain_cann_ascend.moe import AscendMoE
@@ -111,10 +111,7 @@ def test_tiny_llama_through_the_ascend_pack(seed: int) -> None:
         vocab_size=128, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=2, max_position_embeddings=512, initializer_range=0.1,
     )  # fmt: skip
-    hf = HFLlama(config).eval()
-    with torch.no_grad():
-        for param in hf.parameters():  # norms start at one: perturb so a misplaced weight shows
-            param.add_(torch.randn_like(param) * 0.1)
+    hf = random_hf_model(HFLlama, config)
     ops = StandInOps()
     attention, _ = _ascend(ops)
 

@@ -19,6 +19,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from powertrain.interfaces import AttentionBackendContext, ModelContext
 from powertrain.layers.norm import RMSNorm, use_norm_kernel
 from powertrain.models.llama import LlamaForCausalLM
+from powertrain.testing.checkpoints import random_hf_model
 from powertrain.testing.paged import PagedRunner
 
 VOCAB = 128
@@ -48,11 +49,7 @@ def test_llama_through_the_triton_backend_matches_hf(seed: int, interpreter_plat
         initializer_range=0.1,
         rms_norm_eps=1e-5,
     )
-    config._attn_implementation = "eager"
-    hf = HFLlama(config).eval()
-    with torch.no_grad():
-        for param in hf.parameters():  # norms start at one: perturb so a misplaced weight shows
-            param.add_(torch.randn_like(param) * 0.1)
+    hf = random_hf_model(HFLlama, config)
 
     backend = TritonAttention(
         AttentionBackendContext(

@@ -36,6 +36,7 @@ __all__ = [
     "TINY_DEEPSEEK_CONFIGS",
     "fp8_quantized_in_deepseek_v3",
     "quantize_checkpoint_fp8",
+    "random_hf_model",
     "tiny_tokenizer",
     "write_tiny_deepseek",
 ]
@@ -293,6 +294,18 @@ def write_tiny_deepseek(
     files = sorted(file.name for file in folder.iterdir())
     (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
     return folder
+
+
+def random_hf_model(model_class: Any, config: Any) -> Any:
+    """A transformers model (eager attention, eval mode) whose every parameter is
+    perturbed: HF initialises norms to one and biases to zero, and a weight loaded into
+    the wrong place must show in the outputs compared against it."""
+    config._attn_implementation = "eager"
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return model
 
 
 def tiny_tokenizer() -> Any:
