@@ -9,6 +9,7 @@ import pytest
 
 from powertrain_dspark.lengths import (
     StepsPerSecond,
+    StepsPerSecondGrid,
     dspark_lengths,
     fixed_lengths,
     survival,
@@ -41,6 +42,23 @@ def test_steps_per_second_interpolates_step_time() -> None:
     assert sps(21) == pytest.approx(1 / 0.03)  # extrapolated from the last two points
     with pytest.raises(ValueError, match="positive"):
         StepsPerSecond.from_profile({1: 0.0})
+
+
+def test_grid_gives_the_curve_of_the_step_sequence_count() -> None:
+    # step time = 10 ms per sequence + 1 ms per token: what a 1-D SPS(B) cannot express
+    grid = StepsPerSecondGrid.from_profile(
+        {(n, q): 1 / (0.01 * n + 0.001 * n * q) for n in (1, 4, 16) for q in (1, 2, 3)}
+    )
+    for n in (1, 4, 16):  # exact at profiled counts, at B = n·q
+        curve = grid.for_sequences(n)
+        for q in (1, 2, 3):
+            assert 1 / curve(n * q) == pytest.approx(0.01 * n + 0.001 * n * q)
+    curve = grid.for_sequences(10)  # halfway between 4 and 16 sequences: halfway in time
+    assert 1 / curve(20) == pytest.approx(0.1 + 0.02)
+    curve = grid.for_sequences(28)  # beyond the last count: extrapolated from the last two
+    assert 1 / curve(56) == pytest.approx(0.28 + 0.056)
+    with pytest.raises(ValueError, match="missing"):
+        StepsPerSecondGrid.from_profile({(1, 1): 1.0, (1, 2): 1.0, (4, 1): 1.0})
 
 
 def test_survival_is_the_running_product() -> None:

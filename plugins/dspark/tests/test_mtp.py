@@ -32,7 +32,7 @@ from powertrain_dspark.cli import main
 from powertrain_dspark.confidence_head import ConfidenceHead
 from powertrain_dspark.mtp import MTPDrafter
 
-PROFILE = [1, 8]  # a short startup profile keeps the tests quick
+PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests quick
 #: Argmaxes closer than this may differ between two correct runs (float32 rounding).
 TIE = 1e-4
 
@@ -78,7 +78,7 @@ def seed() -> int:
 
 
 def engine_config(path: Path, speculative: str, **settings: object) -> EngineConfig:
-    dspark = {"drafter": "mtp", "profile_batch_tokens": PROFILE, **settings.pop("dspark", {})}  # type: ignore[dict-item]
+    dspark = {"drafter": "mtp", "profile_sequences": PROFILE, **settings.pop("dspark", {})}  # type: ignore[dict-item]
     base = {"path": str(path), "dtype": "float32", "speculative": speculative, "block_size": 8, **settings}
     config = apply_overrides(EngineConfig(), base)
     return attrs.evolve(config, sections={"dspark": dspark}) if speculative != "none" else config

@@ -36,7 +36,7 @@ def metric(base_url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     config = apply_overrides(EngineConfig(), {"dtype": "float32", "speculative": "dspark"})
-    config = attrs.evolve(config, sections={"dspark": {"profile_batch_tokens": [1, 8, 32]}})
+    config = attrs.evolve(config, sections={"dspark": {"profile_sequences": [1, 4]}})
     plugins = PluginManager.load(config.plugins)
     engine = AsyncEngine(build_engine(config, plugins))
     try:

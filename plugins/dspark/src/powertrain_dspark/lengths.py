@@ -59,6 +59,64 @@ class StepsPerSecond:
         return 1.0 / max(seconds, ys[0] * 1e-3)
 
 
+@attrs.frozen
+class StepsPerSecondGrid:
+    """SPS as a function of the batch token count B *at the step's sequence count*.
+
+    Measured at startup for sequence counts ``n`` and tokens per sequence ``q`` (a token
+    and q - 1 drafts). For each profiled ``n`` the step time is fitted by least squares
+    with a line in B (intercept: the per-step and per-sequence cost; slope: the cost of
+    one more token), and ``for_sequences(n)`` interpolates both linearly in ``n``
+    between the two nearest profiled counts (extrapolating beyond them).
+
+    Why the sequence count: a one-dimensional SPS(B) probed with a fixed q conflated B
+    with it, pricing 16 one-token sequences at 35 ms where they take 55 ms, so every
+    draft looked dear. Why a fitted line rather than the raw points: DSpark stops at
+    the first admission that does not pay, so a single noisy point (one probe 30 ms
+    slow) ended the choice there; measured step times at a fixed n were linear in B
+    up to that noise.
+    """
+
+    seconds: Mapping[tuple[int, int], float]
+
+    @classmethod
+    def from_profile(cls, profile: Mapping[tuple[int, int], float]) -> StepsPerSecondGrid:
+        if not profile or any(v <= 0 for v in profile.values()):
+            raise ValueError(f"a steps-per-second profile needs positive rates, got {dict(profile)}")
+        counts = sorted({n for n, _ in profile})
+        widths = sorted({q for _, q in profile})
+        missing = [(n, q) for n in counts for q in widths if (n, q) not in profile]
+        if missing:
+            raise ValueError(f"a steps-per-second grid needs every (sequences, tokens) pair; missing {missing}")
+        return cls({key: 1.0 / sps for key, sps in profile.items()})
+
+    def line(self, n: int) -> tuple[float, float]:
+        """``(intercept, seconds per token)`` of the step time fitted at profiled count ``n``."""
+        points = [(n * q, t) for (count, q), t in self.seconds.items() if count == n]
+        if len(points) == 1:
+            return 0.0, points[0][1] / points[0][0]
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        spread = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = max(sum((b - mean_b) * (t - mean_t) for b, t in points) / spread, 0.0)
+        return mean_t - slope * mean_b, slope
+
+    def for_sequences(self, num_seqs: int) -> StepsPerSecond:
+        counts = sorted({n for n, _ in self.seconds})
+        n = max(num_seqs, 1)
+        if len(counts) == 1:
+            intercept, slope = self.line(counts[0])
+        else:
+            i = min(max(bisect.bisect_left(counts, n), 1), len(counts) - 1)
+            lo, hi = counts[i - 1], counts[i]
+            (a_lo, g_lo), (a_hi, g_hi) = self.line(lo), self.line(hi)
+            share = (n - lo) / (hi - lo)
+            intercept, slope = a_lo + (a_hi - a_lo) * share, max(g_lo + (g_hi - g_lo) * share, 0.0)
+        floor = min(self.seconds.values())  # a step never takes less than the fastest probe
+        widest = max(q for _, q in self.seconds)
+        return StepsPerSecond.from_profile({b: 1.0 / max(intercept + slope * b, floor) for b in (n, n * widest + 1)})
+
+
 def survival(confidences: Sequence[Sequence[float]]) -> list[list[float]]:
     """a(r, j) = c(r, 1)·…·c(r, j) for each request."""
     result = []

@@ -58,13 +58,11 @@ class DSparkConfig:
     #: Append one JSON line per request-step that verified drafts (raw confidences and
     #: how many were accepted): the data `powertrain-dspark calibrate` fits on.
     log: str = ""
-    #: Batch token counts at which the target's steps per second are measured at startup,
-    #: up to the batches verification makes at high concurrency (larger ones extrapolate
-    #: the last two points). Step time is not linear in B: on a 2-core CPU the cost per
-    #: token from 32 to 64 was 1.7x that from 64 to 256, so a ladder ending at 64
-    #: overpriced the drafts of large batches and DSpark verified too few of them.
-    profile_batch_tokens: tuple[int, ...] = attrs.field(
-        default=(1, 2, 4, 8, 16, 32, 64, 128, 256, 384), converter=lambda v: tuple(int(x) for x in v)
+    #: Sequence counts at which the target's steps per second are measured at startup,
+    #: each with 1 .. 1 + max_draft_tokens tokens per sequence (lengths.StepsPerSecondGrid);
+    #: steps with more sequences than the last extrapolate the last two counts.
+    profile_sequences: tuple[int, ...] = attrs.field(
+        default=(1, 2, 4, 8, 16, 32, 64), converter=lambda v: tuple(int(x) for x in v)
     )
     #: The MTP drafter's confidence head (`powertrain-dspark train-confidence-head`);
     #: "" = the draft distribution's own estimate.
@@ -74,7 +72,7 @@ class DSparkConfig:
 def build(context: Any, rule: str) -> Any:
     """A ``SpeculativeDecoder`` for ``context`` (an ``engine.speculative.SpeculativeContext``)."""
     from powertrain_dspark.calibration import Calibration
-    from powertrain_dspark.lengths import StepsPerSecond
+    from powertrain_dspark.lengths import StepsPerSecondGrid
     from powertrain_dspark.policy import SpeculativeDecoder
 
     config: DSparkConfig = context.config or DSparkConfig()
@@ -91,9 +89,13 @@ def build(context: Any, rule: str) -> Any:
     sps = None
     if rule == "dspark":  # only DSpark weighs tokens against step time
         # probed as the batches it will verify: each sequence a token and its drafts
-        profile = context.measure_steps_per_second(config.profile_batch_tokens, 1 + config.max_draft_tokens)
-        log.info("dspark steps-per-second profile", **{f"B={b}": round(v, 1) for b, v in sorted(profile.items())})
-        sps = StepsPerSecond.from_profile(profile)
+        widths = range(1, 2 + config.max_draft_tokens)
+        profile = context.measure_steps_per_second(config.profile_sequences, widths)
+        log.info(
+            "dspark steps-per-second profile",
+            **{f"n={n},q={q}": round(v, 1) for (n, q), v in sorted(profile.items())},
+        )
+        sps = StepsPerSecondGrid.from_profile(profile)
     return SpeculativeDecoder(
         drafter,
         rule,

@@ -11,7 +11,7 @@ import torch
 
 from powertrain.engine.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
 from powertrain_dspark.calibration import Calibration
-from powertrain_dspark.lengths import StepsPerSecond, dspark_lengths, fixed_lengths, top_k_lengths
+from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_lengths, fixed_lengths, top_k_lengths
 from powertrain_dspark.verify import verify_drafts
 
 
@@ -33,7 +33,7 @@ class SpeculativeDecoder:
         drafter: Drafter,
         rule: str,
         *,
-        sps: StepsPerSecond | None = None,
+        sps: StepsPerSecond | StepsPerSecondGrid | None = None,
         fixed_k: int = 0,
         calibration: Calibration | None = None,
         lagged_budget: bool = False,
@@ -71,7 +71,10 @@ class SpeculativeDecoder:
         if self.rule == "fixed":
             return fixed_lengths([len(t) for t in proposal.tokens], self.fixed_k)
         assert self.sps is not None
-        greedy = dspark_lengths(proposal.confidences, self.sps, batch.base_tokens, batch.num_sampling)
+        sps = self.sps
+        if isinstance(sps, StepsPerSecondGrid):  # the curve for this step's sequence count
+            sps = sps.for_sequences(batch.num_seqs or batch.num_sampling)
+        greedy = dspark_lengths(proposal.confidences, sps, batch.base_tokens, batch.num_sampling)
         if not self.lagged_budget:
             return greedy
         budget = self._budget if self._budget is not None else sum(greedy)
