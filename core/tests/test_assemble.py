@@ -53,11 +53,14 @@ def test_world_size_decides_the_communicator() -> None:
     assert "single-process (lacks world size 2 (at most 1))" in two.resolutions["communication"].reason
     forced = plan(
         EngineConfig(
-            components=ComponentsConfig(communication="single-process"), parallel=ParallelConfig(data_parallel=2)
+            components=ComponentsConfig(communication="single-process"), parallel=ParallelConfig(expert_parallel=2)
         ),
         strict=False,
     )
     assert "cannot be used here" in forced.resolutions["communication"].error
+    # Data parallelism alone runs independent engines: no process group joins them.
+    data_only = plan(EngineConfig(parallel=ParallelConfig(data_parallel=2)), strict=False)
+    assert data_only.resolutions["communication"].name == "single-process"
 
 
 def test_requirements_filter_candidates_and_make_kinds_needed() -> None:

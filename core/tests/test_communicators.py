@@ -24,6 +24,7 @@ class TestSingleProcess(CommunicatorSuite):
 
 class TestTorchDistributed(CommunicatorSuite):
     component = "torch-distributed"
+    world_sizes = (1, 2, 4)  # 4: expert-parallel exchange with several silent and cold ranks
 
 
 # --------------------------------------------------------------------------- single-process, in process

@@ -19,6 +19,9 @@ from powertrain.components import Availability, PlatformInfo
 from powertrain.config import EngineConfig, validate_sections
 from powertrain.layers.linear import can_pack, pack_linears
 from powertrain.layers.norm import use_norm_kernel
+from powertrain.parallel.expert import ExpertParallel, build_dispatcher
+from powertrain.parallel.layout import RankPlacement, layout_of
+from powertrain.parallel.lockstep import Lockstep
 from powertrain.plugins import PluginManager, Provided
 from powertrain.selection import Candidate, Selection, SelectionError
 
@@ -97,8 +100,11 @@ def plan(
     plugins = plugins or PluginManager.load(config.plugins)
     requirements = {kind: frozenset(tags) for kind, tags in (requirements or {}).items()}
     needed = ALWAYS_NEEDED | set(requirements)
-    # Attention data-parallel ranks and MoE expert-parallel ranks are the same processes.
-    world_size = world_size or max(config.parallel.data_parallel, config.parallel.expert_parallel)
+    # Attention data-parallel ranks and MoE expert-parallel ranks are the same processes;
+    # only expert parallelism joins them in one process group.
+    if world_size is None:
+        layout = layout_of(config)
+        world_size = layout.world_size if layout.expert_parallel_enabled else 1
 
     section_classes = {p.record.name: p.record.config_class for p in plugins.records("config-section")}
     sections = validate_sections(config, section_classes, plugins.broken())
@@ -357,6 +363,7 @@ def _load_model(
     attention: Any,
     dtype: torch.dtype,
     needs_moe: bool,
+    experts: ExpertParallel | None = None,
 ) -> tuple[Any, list[Any], int, int]:
     """Build the model, load its weights and allocate its KV cache (on the device thread)."""
     moe = build_moe(result, dtype) if needs_moe else None
@@ -372,11 +379,16 @@ def _load_model(
         attention=attention,
         moe=moe,
         fp8_block=checkpoint.fp8_block if keeps_fp8 else None,
+        **(experts.model_context_fields() if experts else {}),
     )
     model = architecture.record.factory(context)
     if not isinstance(model, interfaces.CausalLM):
         raise AssemblyError([f"model {architecture.record.name!r} built {type(model).__name__}, not a CausalLM"])
-    model.load_weights(checkpoint.tensors(fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None)))
+    model.load_weights(
+        checkpoint.tensors(
+            fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None), wanted=getattr(model, "wants_weight", None)
+        )
+    )
     if can_pack(result.device, dtype):
         log.info("packed linear weights for oneDNN", layers=pack_linears(model))
     if isinstance(attention, interfaces.RMSNormKernel):
@@ -384,6 +396,9 @@ def _load_model(
 
     block_size = config.cache.block_size
     specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in model.attention_layers]
+    if experts is not None and not experts.placement.holds_requests:
+        # An expert-only rank holds no requests; a few blocks serve its startup profiles.
+        config = attrs.evolve(config, cache=attrs.evolve(config.cache, num_blocks=EXPERT_ONLY_BLOCKS))
     bytes_per_block = sum(spec.bytes_per_block for spec in specs)
     num_blocks = config.cache.num_blocks or _kv_budget_bytes(config, result.platform, result.device) // bytes_per_block
     if num_blocks < 1:
@@ -412,6 +427,7 @@ def _build_speculative(
     dtype: torch.dtype,
     device_thread: Any,
     vocab_size: int,
+    expert_parallel_size: int = 1,
 ) -> Any:
     """The chosen speculative policy, built on the device thread (it profiles the
     target there), or None when speculation is off."""
@@ -435,18 +451,67 @@ def _build_speculative(
         block_size=block_size,
         measure_steps_per_second=StepsPerSecondProfiler(model, kv_caches, block_size, num_blocks, result.device),
         allocate_kv_caches=allocate,
+        expert_parallel_size=expert_parallel_size,
     )
     policy = device_thread.run(record.factory, context)
     log.info("speculative decoding", policy=record.name)
     return policy
 
 
-def build_engine(config: EngineConfig | None = None, plugins: PluginManager | None = None) -> Any:
+def model_length(config: EngineConfig, checkpoint_config: Mapping[str, Any]) -> int:
+    """Tokens per sequence (prompt + output): the config's limit within the model's."""
+    model_limit = int(checkpoint_config.get("max_position_embeddings") or 2048)
+    return min(config.model.max_model_len or model_limit, model_limit)
+
+
+#: KV blocks of a rank that serves experts only (it runs startup profiles, no requests).
+EXPERT_ONLY_BLOCKS = 64
+
+
+def _expert_parallel(result: Plan, placement: RankPlacement | None) -> ExpertParallel | None:
+    """Join the process group and build the exchange, when the layout splits experts."""
+    layout = layout_of(result.config)
+    if placement is None:
+        if layout.world_size > 1:
+            raise AssemblyError(
+                [
+                    f"[parallel] data_parallel={layout.data_parallel}, expert_parallel={layout.expert_parallel} "
+                    f"runs {layout.world_size} processes: use powertrain.LLM, `powertrain generate` or "
+                    "`powertrain serve`, which launch them (powertrain.parallel), not build_engine"
+                ]
+            )
+        return None
+    if not layout.expert_parallel_enabled:
+        return None
+    communicator = build_communicator(
+        result,
+        rank=placement.rank,
+        world_size=layout.world_size,
+        init_method=placement.init_method,
+        local_rank=0,  # a worker sees only its own accelerator (parallel.worker)
+    )
+    dispatcher = build_dispatcher(result.chosen("communication").record, communicator)
+    log.info("expert parallel", rank=placement.rank, world_size=layout.world_size, dispatcher=type(dispatcher).__name__)
+    return ExpertParallel(placement=placement, communicator=communicator, dispatcher=dispatcher)
+
+
+def _stopped(hooks: Any, engine: Any, experts: ExpertParallel | None) -> None:
+    try:
+        hooks.powertrain_engine_stopped(engine=engine)
+    finally:
+        if experts is not None:
+            experts.communicator.close()
+
+
+def build_engine(
+    config: EngineConfig | None = None, plugins: PluginManager | None = None, placement: RankPlacement | None = None
+) -> Any:
     """Load the model named by ``config`` and assemble a ready ``LLMEngine``.
 
     Order matters: the checkpoint's config says which architecture (and so which
     capabilities) are needed before components are chosen; the chosen attention
-    backend's KVCacheSpec then sizes the cache from the memory budget.
+    backend's KVCacheSpec then sizes the cache from the memory budget. ``placement``
+    is this process's rank when ``[parallel]`` asks for several (powertrain.parallel).
     """
     from powertrain.engine.block_manager import BlockManager
     from powertrain.engine.device_thread import DeviceThread
@@ -466,13 +531,23 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
 
     dtype = resolve_dtype(config.model.dtype, result.platform, checkpoint.config)
     attention = build_attention(result, dtype)
+    if placement is not None and placement.layout.expert_parallel_enabled and "moe" not in requirements:
+        raise AssemblyError(
+            [
+                f"expert_parallel={placement.layout.expert_parallel}: {checkpoint.path} has no routed experts "
+                f"({architecture.record.name}); use data_parallel alone"
+            ]
+        )
+    experts = _expert_parallel(result, placement)
     device_thread = DeviceThread()
     try:
         model, kv_caches, num_blocks, bytes_per_block = device_thread.run(
-            _load_model, config, result, architecture, checkpoint, attention, dtype, "moe" in requirements
+            _load_model, config, result, architecture, checkpoint, attention, dtype, "moe" in requirements, experts
         )
     except BaseException:
         device_thread.shutdown()
+        if experts is not None:
+            experts.communicator.close()
         raise
     block_size = config.cache.block_size
     block_manager = BlockManager(num_blocks, block_size, config.cache.prefix_caching)
@@ -490,11 +565,26 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
         Sampler(config.model.seed),
         structured=StructuredOutputs(checkpoint.tokenizer),
     )
+    if experts is not None:
+        runner.lockstep = Lockstep(
+            experts.communicator,
+            model.routed_expert_layers(),
+            int(checkpoint.config["hidden_size"]),
+            dtype,
+            result.device,
+        )
     runner.speculative = _build_speculative(
-        result, model, kv_caches, num_blocks, attention, dtype, device_thread, int(checkpoint.config["vocab_size"])
+        result,
+        model,
+        kv_caches,
+        num_blocks,
+        attention,
+        dtype,
+        device_thread,
+        int(checkpoint.config["vocab_size"]),
+        experts.placement.layout.expert_parallel if experts else 1,
     )
-    model_limit = int(checkpoint.config.get("max_position_embeddings") or 2048)
-    max_model_len = min(config.model.max_model_len or model_limit, model_limit)
+    max_model_len = model_length(config, checkpoint.config)
 
     hooks = plugins.hook
     on_step = None
@@ -511,7 +601,7 @@ def build_engine(config: EngineConfig | None = None, plugins: PluginManager | No
         max_model_len=max_model_len,
         async_scheduling=config.scheduler.async_scheduling,
         on_step=on_step,
-        on_shutdown=lambda e: hooks.powertrain_engine_stopped(engine=e),
+        on_shutdown=lambda e: _stopped(hooks, e, experts),
         model_name=config.model.path,
         model_config=checkpoint.config,
         device_thread=device_thread,

@@ -221,6 +221,27 @@ def config_check(path: str, as_json: bool) -> None:
 # --------------------------------------------------------------------------- generate
 
 
+def _parallel_options(command: Any) -> Any:
+    """--data-parallel / --expert-parallel, overriding the config's [parallel] section."""
+    command = click.option(
+        "--expert-parallel",
+        type=click.IntRange(min=1),
+        help="Expert-parallel ranks: each process holds num_experts / N routed experts ([parallel]).",
+    )(command)
+    return click.option(
+        "--data-parallel",
+        type=click.IntRange(min=1),
+        help="Data-parallel attention ranks, each with its own requests and KV cache ([parallel]).",
+    )(command)
+
+
+def _with_parallel(config: Any, data_parallel: int | None, expert_parallel: int | None) -> Any:
+    from powertrain.llm import apply_overrides
+
+    overrides = {"data_parallel": data_parallel, "expert_parallel": expert_parallel}
+    return apply_overrides(config, {k: v for k, v in overrides.items() if v is not None})
+
+
 @main.command("generate")
 @click.argument("prompts", nargs=-1)
 @click.option("--file", "prompt_file", type=click.File("r"), help="Prompts, one per line ('-' for stdin).")
@@ -237,6 +258,7 @@ def config_check(path: str, as_json: bool) -> None:
 @click.option("--seed", type=int, help="Make sampling reproducible.")
 @click.option("--stop", multiple=True, help="A stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
+@_parallel_options
 def generate_command(
     prompts: tuple[str, ...],
     prompt_file: Any,
@@ -245,19 +267,23 @@ def generate_command(
     chat: bool,
     system: str | None,
     as_json: bool,
+    data_parallel: int | None,
+    expert_parallel: int | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS (default model: the embedded SmolLM2-135M-Instruct)."""
-    from powertrain.engine.errors import InvalidRequestError
+    from powertrain.engine.errors import EngineDeadError, InvalidRequestError
     from powertrain.engine.sampling_params import SamplingParams
     from powertrain.llm import LLM
     from powertrain.loader import LoadError
+    from powertrain.parallel.layout import ParallelLayoutError
 
     texts = list(prompts) + ([line.rstrip("\n") for line in prompt_file if line.strip()] if prompt_file else [])
     if not texts:
         _fail('give at least one prompt, e.g. powertrain generate "What is the capital of France?"')
     config = _load_config_or_exit(config_path)
     try:
+        config = _with_parallel(config, data_parallel, expert_parallel)
         params = SamplingParams(**sampling)
         with LLM(model, config=config) as llm:
             if chat:
@@ -266,7 +292,15 @@ def generate_command(
                 outputs = llm.chat(conversations, params)
             else:
                 outputs = llm.generate(texts, params)
-    except (ConfigError, PluginError, AssemblyError, LoadError, InvalidRequestError) as exc:
+    except (
+        ConfigError,
+        PluginError,
+        AssemblyError,
+        LoadError,
+        InvalidRequestError,
+        EngineDeadError,
+        ParallelLayoutError,
+    ) as exc:
         _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
     for index, (text, output) in enumerate(zip(texts, outputs, strict=True)):
         completion = output.outputs[0]
@@ -298,6 +332,7 @@ def generate_command(
 @click.option("--served-model-name", help="The model name clients send (default: the model path).")
 @click.option("--max-body-bytes", type=int, default=4 * 2**20, show_default=True, help="Larger bodies get 413.")
 @click.option("--graceful-shutdown", type=float, default=10.0, show_default=True, help="Seconds for in-flight work.")
+@_parallel_options
 @click.pass_context
 def serve_command(
     ctx: click.Context,
@@ -309,10 +344,13 @@ def serve_command(
     served_model_name: str | None,
     max_body_bytes: int,
     graceful_shutdown: float,
+    data_parallel: int | None,
+    expert_parallel: int | None,
 ) -> None:
     """Serve OpenAI- and Anthropic-compatible APIs (default model: the embedded SmolLM2-135M-Instruct)."""
     from powertrain.llm import apply_overrides
     from powertrain.loader import LoadError
+    from powertrain.parallel.layout import ParallelLayoutError
     from powertrain.serve.run import NoProtocolAdapterError, serve
     from powertrain.serve.settings import ServeSettings
 
@@ -332,8 +370,8 @@ def serve_command(
         graceful_shutdown_s=graceful_shutdown,
     )
     try:
-        serve(config, settings)
-    except (ConfigError, PluginError, AssemblyError, LoadError, NoProtocolAdapterError) as exc:
+        serve(_with_parallel(config, data_parallel, expert_parallel), settings)
+    except (ConfigError, PluginError, AssemblyError, LoadError, NoProtocolAdapterError, ParallelLayoutError) as exc:
         _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
 
 

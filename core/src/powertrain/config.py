@@ -44,6 +44,11 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"must be at least 1, got {value}", attribute)
 
 
+def _port(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a TCP port (0-65535), got {value}", attribute)
+
+
 def _power_of_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if value < 1 or value & (value - 1) or value > 1024:
         raise ValueError(f"must be a power of two between 1 and 1024, got {value}", attribute)
@@ -116,8 +121,18 @@ class SchedulerConfig:
 
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
+    #: Data-parallel attention ranks: each holds its own requests and KV cache.
     data_parallel: int = attrs.field(default=1, validator=_positive)
+    #: Expert-parallel ranks: each holds num_experts / expert_parallel routed experts.
+    #: Processes: max(data_parallel, expert_parallel) (powertrain.parallel.layout).
     expert_parallel: int = attrs.field(default=1, validator=_positive)
+    #: Under torchrun, the port rank 0's front end listens on for the workers
+    #: (0: MASTER_PORT + 1).
+    frontend_port: int = attrs.field(default=0, validator=_port)
+    #: Seconds the workers may take to load the model and join the process group.
+    startup_timeout_s: float = attrs.field(default=1800.0, validator=_positive)
+    #: A worker silent this long (they report every second) is declared dead.
+    silence_timeout_s: float = attrs.field(default=60.0, validator=_positive)
 
 
 @attrs.frozen(kw_only=True)

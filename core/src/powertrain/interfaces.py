@@ -712,6 +712,12 @@ class ModelContext:
     #: None: every weight reaches the model dequantized.
     fp8_block: tuple[int, int] | None = None
     communicator: Any = None  # a Communicator, for expert parallelism
+    #: Expert parallelism: this rank among ``expert_parallel_size``. The model loads and
+    #: serves routed experts ``rank·E/size .. (rank+1)·E/size - 1`` and reaches the others'
+    #: through ``expert_dispatcher`` (an ExpertDispatcher). Size 1: every expert is local.
+    expert_parallel_rank: int = 0
+    expert_parallel_size: int = 1
+    expert_dispatcher: Any = None
 
 
 @runtime_checkable

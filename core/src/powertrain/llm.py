@@ -46,8 +46,8 @@ class LLM:
     """A loaded model and its engine. Use as a context manager, or call ``shutdown()``."""
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | Path | None = None, **settings: Any):
-        from powertrain.assemble import build_engine
         from powertrain.log_setup import configure_logging
+        from powertrain.parallel.launch import start_engine
 
         configure_logging("warning", only_if_unconfigured=True)
         if not isinstance(config, EngineConfig):
@@ -55,7 +55,7 @@ class LLM:
         if model is not None:
             settings = {"path": model, **settings}
         self.config = apply_overrides(config, settings)
-        self.engine = build_engine(self.config)
+        self.engine = start_engine(self.config)
 
     @property
     def tokenizer(self) -> Any:

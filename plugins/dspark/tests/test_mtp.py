@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
+from powertrain.engine.errors import EngineDeadError
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek
@@ -316,3 +317,12 @@ def test_training_command_trains_a_head_the_engine_uses(
     )
     assert speculated == plain
     assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]
+
+
+def test_mtp_drafting_is_refused_under_expert_parallelism(checkpoints: dict[str, Path]) -> None:
+    """Its MoE layers would exchange tokens on drafting ranks only: every worker refuses
+    at startup, and the front end reports why instead of hanging."""
+    config = engine_config(checkpoints["random"], "dspark", memory_gib=0.05, data_parallel=2, expert_parallel=2)
+    refusal = r'failed while starting: ValueError: \[dspark\] drafter = "mtp" does not run with expert_parallel=2'
+    with pytest.raises(EngineDeadError, match=refusal):
+        LLM(config=config)

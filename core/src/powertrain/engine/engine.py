@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import structlog
 
+from powertrain.engine.admission import check_length, checked_params, start_grammars, tokenize_prompt
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.errors import EngineDeadError, InvalidRequestError
@@ -39,7 +40,6 @@ from powertrain.engine.sequence import (
     Sequence as Seq,
 )
 from powertrain.engine.speculative import DraftSlot, VerifyBatch, can_speculate
-from powertrain.engine.structured import GrammarState
 from powertrain.interfaces import Scheduler
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -129,6 +129,8 @@ class LLMEngine:
         self._closed = False
         self._num_preemptions = 0
         self._speculative_counts = [0, 0, 0]  # request-steps, verified, accepted
+        #: Forwards launched so far (a step launches at most one).
+        self.launched_steps = 0
 
     # ----------------------------------------------------------------------- requests
 
@@ -141,15 +143,13 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Bad input raises
         InvalidRequestError and leaves the engine untouched."""
         self._check_alive()
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = checked_params(params)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._check_length(len(token_ids), params)
-        grammars = self._start_grammars(params)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        check_length(len(token_ids), params, self.max_model_len, self.cache_tokens)
+        grammars = start_grammars(self.runner.structured, params)
         # A constraint ends its output with EOS once complete (llguidance allows nothing else then).
         eos = self.tokenizer.eos_token_ids if not params.ignore_eos or grammars else set()
         stop_ids = tuple(sorted(set(params.stop_token_ids) | eos))
@@ -164,42 +164,10 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty; send at least one character")
-            return prompt, self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("the prompt has no tokens; send at least one token id")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        return None, token_ids
-
-    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens; this engine serves at most "
-                f"{self.max_model_len} tokens per sequence (prompt + output); shorten the prompt"
-            )
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        needed = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        if needed > capacity:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
-                f"cache slots, but the whole KV cache holds {capacity}; lower max_tokens or raise [cache] memory_gib"
-            )
-
-    def _start_grammars(self, params: SamplingParams) -> list[GrammarState]:
-        """One matcher per sequence of a constrained request (none for an unconstrained one)."""
-        if params.structured is None:
-            return []
-        structured = self.runner.structured
-        if structured is None:
-            raise InvalidRequestError("this engine was built without structured output; send no constraint")
-        return structured.start(params.structured, params.n)
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks at once; returns its final output
@@ -266,6 +234,7 @@ class LLMEngine:
                 seq.token_ids.append(PLACEHOLDER)
                 num_drafts.append(drafts_of.get(seq.seq_id, 0))
         future = self._device_thread.submit(self.runner.execute, prepared)
+        self.launched_steps += 1
         return _InFlight(
             batch=batch,
             future=future,
@@ -306,7 +275,7 @@ class LLMEngine:
         proposal = None
         if slots:
             proposal = policy.propose(slots)
-            step = VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples))
+            step = VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples), num_seqs=len(batch.seqs))
             lengths = [int(n) for n in policy.verify_lengths(proposal, step)]
             if len(lengths) != len(slots) or any(
                 not 0 <= n <= len(t) for n, t in zip(lengths, proposal.tokens, strict=True)
@@ -457,6 +426,12 @@ class LLMEngine:
         for seq in request.sequences:
             self._detokenizers.pop(seq.seq_id, None)
             self._texts.pop(seq.seq_id, None)
+
+    def run_on_device(self, fn: Callable[..., Any], /, *args: Any) -> Any:
+        """Run ``fn`` on the device thread after the step in flight, and wait for it
+        (expert-parallel idle rounds must stay in order with the forwards)."""
+        self._check_alive()
+        return self._device_thread.run(fn, *args)
 
     # ----------------------------------------------------------------------- lifecycle
 

@@ -89,6 +89,9 @@ class ModelRunner:
         self.structured = structured
         #: Verifies drafts (and sees every step); None: no speculative decoding.
         self.speculative = speculative
+        #: Expert parallelism: opens a round before every forward so that ranks without
+        #: work join this forward's MoE collectives (parallel.lockstep); None: one process.
+        self.lockstep: Any = None
         self._previous_tokens: dict[int, int] = {}  # device thread only
 
     def prepare(self, batch: ScheduledBatch, speculation: Speculation | None = None) -> PreparedStep:
@@ -160,6 +163,8 @@ class ModelRunner:
             if step.sampling.history[row]:
                 step.sampling.history[row][-1] = self._previous_tokens[seq_id]
         input_ids = input_ids.to(self.device)
+        if self.lockstep is not None:
+            self.lockstep.busy()
         hidden = self.model.forward(input_ids, step.positions, self.kv_caches, step.metadata)
         if step.speculation is not None:
             result = self._verify(step, hidden)

@@ -128,6 +128,9 @@ class SpeculativeContext:
     #: ``extra_blocks`` blocks after the target's (the last ids) are in no block table: a
     #: drafter's private scratch for positions its sequences own no block for yet.
     allocate_kv_caches: Callable[..., list[Any]]
+    #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none). A
+    #: drafter that runs MoE layers outside the target's forward cannot run above 1.
+    expert_parallel_size: int = 1
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:

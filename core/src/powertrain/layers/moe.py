@@ -270,6 +270,7 @@ class MoE(nn.Module):
         first_expert: int = 0,
         local_experts: int | None = None,
         fp8_block: tuple[int, int] | None = None,
+        dispatcher: Any = None,
     ) -> None:
         super().__init__()
         if fp8_block is not None and intermediate_size % fp8_block[0]:
@@ -297,6 +298,9 @@ class MoE(nn.Module):
                 log.info("moe routing stays in the core", backend=backend.name, reason=support.reason)
         self.first_expert = first_expert
         self.local_experts = local_experts
+        #: Expert parallelism: the ExpertDispatcher that takes each token to its experts'
+        #: ranks and back (None: every expert this layer routes to is local).
+        self.dispatcher = dispatcher
         self.register_buffer(
             "gate_weight", torch.empty(routing.num_experts, hidden_size, dtype=torch.float32, device=device)
         )
@@ -468,7 +472,13 @@ class MoE(nn.Module):
         router_logits = hidden.float() @ self.gate_weight.T
         choose = self.backend.route if self.backend_routes else route
         topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
-        return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
+        if self.dispatcher is None:
+            return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
+        rows, tokens_per_expert, scales, handle = self.dispatcher.dispatch(
+            hidden, topk_ids, topk_weights, self.routing.num_experts
+        )
+        out = self.backend.forward_grouped(rows, tokens_per_expert, self.prepared, scales)
+        return self.dispatcher.combine(out, handle)
 
     def extra_repr(self) -> str:
         r = self.routing

@@ -19,6 +19,10 @@ from powertrain.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 
 
+def _everything(name: str) -> bool:
+    return True
+
+
 def _read_only(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(mapping))
 
@@ -41,7 +45,8 @@ class Checkpoint:
     tokenizer: Tokenizer
     #: generation_config.json, or {} when the checkpoint has none.
     generation_config: Mapping[str, Any] = attrs.field(converter=_read_only, factory=dict)
-    _read_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]] = attrs.field(
+    #: ``read_tensors(wanted)``: the stored tensors whose HF names ``wanted`` accepts.
+    _read_tensors: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]] = attrs.field(
         alias="read_tensors", repr=False, eq=False
     )
     #: ``(rows, cols)`` of the FP8 weight blocks (DeepSeek-V3's quantization_config), or None when the
@@ -53,17 +58,22 @@ class Checkpoint:
         return len(self.tensor_names)
 
     def tensors(
-        self, *, fp8_dtype: torch.dtype = torch.float32, keep_fp8: Callable[[str], bool] | None = None
+        self,
+        *,
+        fp8_dtype: torch.dtype = torch.float32,
+        keep_fp8: Callable[[str], bool] | None = None,
+        wanted: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF name, tensor)`` one at a time, read on demand, with a progress bar on a terminal.
 
         GGUF tensors are dequantized to float32; safetensors keep their stored dtype, except FP8
         block-scaled weights (``fp8_block`` is set): those are dequantized to ``fp8_dtype`` and their
         ``*_scale_inv`` tensors dropped, unless ``keep_fp8(name)`` asks for the stored FP8 weight
-        and its scale (for kernels that multiply FP8 directly). Each call reads the checkpoint
-        again, so a caller keeps only what it copies into its model.
+        and its scale (for kernels that multiply FP8 directly). Tensors ``wanted(name)`` refuses
+        are not read at all (another expert-parallel rank's experts). Each call reads the
+        checkpoint again, so a caller keeps only what it copies into its model.
         """
-        stream = self._read_tensors()
+        stream = self._read_tensors(wanted or _everything)
         if self.fp8_block is not None:
             stream = dequantize_stream(stream, self.fp8_block, fp8_dtype, keep=keep_fp8 or (lambda name: False))
         started = time.perf_counter()

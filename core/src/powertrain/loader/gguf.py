@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,10 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
     tokenizer = tokenizer_from_gguf(metadata, source=source)
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
-    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name, hf_name in names.items():
+            if not wanted(hf_name):
+                continue
             weights = _dequantize(file_tensors[gguf_name], source)
             if ".attn_q." in gguf_name:
                 weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)

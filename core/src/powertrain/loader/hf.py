@@ -36,11 +36,12 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     shards = _tensor_locations(folder)
     tokenizer = _tokenizer(folder, config, generation_config)
 
-    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
         for shard, names in shards.items():
             with _safe_open(shard) as file:
                 for name in names:
-                    yield name, file.get_tensor(name)
+                    if wanted(name):
+                        yield name, file.get_tensor(name)
 
     tensor_names = [name for names in shards.values() for name in names]
     if fp8_block is not None:
@@ -61,7 +62,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
 
 def _fp8_reader(
     shards: Mapping[Path, list[str]],
-) -> tuple[Callable[[], Iterator[tuple[str, torch.Tensor]]], list[str]]:
+) -> tuple[Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]], list[str]]:
     """Read an FP8 checkpoint in stored order but with each ``X_scale_inv`` right after ``X``, even when
     another shard holds it, so the dequantizing stream never holds a weight back. Also returns the
     names that stream yields (scales folded into their weights)."""
@@ -75,10 +76,12 @@ def _fp8_reader(
         for shard, names in shards.items()
     }
 
-    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
         for shard, entries in plan.items():
             with _safe_open(shard) as file:
                 for name, scale_shard in entries:
+                    if not wanted(name):
+                        continue
                     yield name, file.get_tensor(name)
                     if scale_shard == shard:
                         yield name + SCALE_SUFFIX, file.get_tensor(name + SCALE_SUFFIX)

@@ -48,6 +48,7 @@ log = structlog.get_logger(__name__)
 ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +83,15 @@ class DeepseekArgs:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def expert_slice(self, ctx: ModelContext) -> tuple[int, int] | None:
+        """``(first, count)`` of the routed experts this rank holds; None: all of them."""
+        if self.routing is None or ctx.expert_parallel_size == 1:
+            return None
+        from powertrain.parallel.layout import ParallelLayout
+
+        layout = ParallelLayout(data_parallel=1, expert_parallel=ctx.expert_parallel_size)
+        return layout.expert_slice(ctx.expert_parallel_rank, self.routing.num_experts)
 
     def is_moe_layer(self, index: int) -> bool:
         return (
@@ -222,11 +232,23 @@ class DeepseekMoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fp8_block: tuple[int, int] | None = None,
+        expert_slice: tuple[int, int] | None = None,
+        dispatcher: Any = None,
     ) -> None:
         super().__init__()
         assert args.routing is not None
+        first, count = expert_slice or (0, args.routing.num_experts)
         self.experts = MoE(
-            args.routing, args.hidden_size, args.moe_intermediate_size, backend, dtype, device, fp8_block=fp8_block
+            args.routing,
+            args.hidden_size,
+            args.moe_intermediate_size,
+            backend,
+            dtype,
+            device,
+            fp8_block=fp8_block,
+            first_expert=first,
+            local_experts=count,
+            dispatcher=dispatcher,
         )
         self.shared_experts = (
             DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, args.mlp_bias)
@@ -246,7 +268,7 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLA(args, ctx.attention)
         self.mlp: nn.Module = (
-            DeepseekMoE(args, ctx.moe, dtype, device, ctx.fp8_block)
+            DeepseekMoE(args, ctx.moe, dtype, device, ctx.fp8_block, args.expert_slice(ctx), ctx.expert_dispatcher)
             if args.is_moe_layer(index)
             else DenseMLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
         )
@@ -475,6 +497,22 @@ class DeepseekV3ForCausalLM(nn.Module):
             own = self.model.embed_tokens.weight if name.endswith("embed_tokens.weight") else head
             if tensor.shape != own.shape or not torch.equal(tensor.to(own.device, own.dtype), own):
                 log.warning("MTP layer's copy differs from the model's own; the model's is used", tensor=name)
+
+    def routed_expert_layers(self) -> list[MoE]:
+        """The MoE layers ``forward`` runs, in order (expert-parallel lockstep replays
+        them with no tokens on a rank that has none)."""
+        return [layer.mlp.experts for layer in self.model.layers if isinstance(layer.mlp, DeepseekMoE)]
+
+    def wants_weight(self, name: str) -> bool:
+        """False for another expert-parallel rank's routed experts: they are not read."""
+        match = _EXPERT_INDEX.search(name)
+        if match is None or self.args.routing is None:
+            return True
+        layers = self._moe_layers()
+        if not layers:
+            return True
+        first, count = layers[0].first_expert, layers[0].local_experts
+        return first <= int(match.group(1)) < first + count
 
     def _moe_layers(self) -> list[MoE]:
         layers = list(self.model.layers) + [layer.block for layer in (self.mtp.layers if self.mtp else ())]

@@ -36,10 +36,10 @@ def protocol_adapter(plugins: PluginManager, tokenizer: Any, model_config: Any) 
 
 def serve(config: EngineConfig, settings: ServeSettings) -> None:
     """Serve until interrupted; in-flight requests get ``graceful_shutdown_s`` to finish."""
-    from powertrain.assemble import build_engine
+    from powertrain.parallel.launch import start_engine
 
     plugins = PluginManager.load(config.plugins)
-    engine = build_engine(config, plugins)
+    engine = start_engine(config, plugins)
     async_engine = AsyncEngine(engine)
     try:
         adapter = protocol_adapter(plugins, engine.tokenizer, engine.model_config)

@@ -40,6 +40,7 @@ import torch
 
 from powertrain.components import PlatformInfo
 from powertrain.interfaces import Communicator, CommunicatorContext
+from powertrain.parallel.expert import build_dispatcher
 from powertrain.plugins import PluginManager, Provided
 from powertrain.testing.base import ComponentSuite, find_component, fresh_seed, usable_platform
 
@@ -56,6 +57,9 @@ class GroupSpec:
     init_method: str
     seed: int
     check_timeout_s: float
+    #: Test the record's own expert dispatcher (False: the core's AllToAllDispatcher
+    #: over the communicator, for a dispatcher whose vendor ops are absent here).
+    record_dispatcher: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -66,6 +70,9 @@ class CheckEnv:
     rank: int
     world_size: int
     device: torch.device
+    #: Builds the expert dispatcher under test on the communicator: the record's own, or
+    #: the core's ``AllToAllDispatcher`` (when the record declares none, or the suite says).
+    make_dispatcher: Callable[[], Any] | None = None
 
     def rng(self, check: str, who: int | None = None) -> torch.Generator:
         """Inputs of rank ``who`` for ``check`` (``None``: values all ranks share)."""
@@ -327,6 +334,102 @@ def check_validation(comm: Any, env: CheckEnv) -> None:
     problems.raise_any()
 
 
+def _routing(env: CheckEnv, name: str, who: int, num_experts: int, top_k: int, cold: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``who``'s tokens and routing: hidden [T, 8], distinct ids [T, top_k] avoiding the
+    ``cold`` rank's experts, weights [T, top_k] summing to 1 per token. One rank sends nothing."""
+    g = env.rng(name, who)
+    silent = env.randint(name + ":silent", 0, env.world_size)
+    tokens = 0 if who == silent and env.world_size > 1 else int(torch.randint(1, 7, (1,), generator=g).item())
+    local = num_experts // env.world_size
+    allowed = [e for e in range(num_experts) if env.world_size == 1 or e // local != cold]
+    choices = torch.tensor(allowed)
+    picks = [choices[torch.randperm(len(allowed), generator=g)[:top_k]] for _ in range(tokens)]
+    ids = torch.stack(picks) if picks else torch.empty(0, top_k, dtype=torch.int64)
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    hidden = torch.randn(tokens, 8, generator=g)
+    return hidden, ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+def _expert_fn(rows: torch.Tensor, expert: int) -> torch.Tensor:
+    """A different affine map per expert, so rows sent to the wrong expert show."""
+    return rows * (expert + 1) + 0.5 * expert
+
+
+def check_dispatch_combine(comm: Any, env: CheckEnv) -> None:
+    """Dispatch groups every (token, expert) row at the expert's rank; combine returns
+    sum_k w_k f_e(x): identity experts give back the input (weights sum to 1).
+
+    Skewed routing: one rank's experts are chosen by nobody (it receives no rows) and one
+    rank sends no tokens; both still take part in every collective.
+    """
+    name = "dispatch_combine"
+    ws, rank = env.world_size, env.rank
+    local = env.randint(name + ":local", 1, 4)
+    num_experts = local * ws
+    allowed_count = num_experts - (local if ws > 1 else 0)
+    top_k = env.randint(name + ":top_k", 1, min(3, allowed_count) + 1)
+    cold = env.randint(name + ":cold", 0, ws)
+    inputs = [_routing(env, name, r, num_experts, top_k, cold) for r in range(ws)]
+    hidden, ids, weights = inputs[rank]
+    assert env.make_dispatcher is not None
+    dispatcher = env.make_dispatcher()  # a failure here happens on every rank, before any collective
+    problems = Problems()
+    for label, apply in (("identity experts", False), ("a different affine map per expert", True)):
+        rows, counts, scales, handle = dispatcher.dispatch(
+            hidden.to(env.device), ids.to(env.device), weights.to(env.device), num_experts
+        )
+        rows = rows.float() * scales.float().unsqueeze(1) if scales is not None else rows.float()
+        expected_counts = torch.zeros(local, dtype=torch.int64)
+        expected_rows: list[list[torch.Tensor]] = [[] for _ in range(local)]
+        for src_hidden, src_ids, _ in inputs:
+            for t in range(src_ids.shape[0]):
+                for e in src_ids[t].tolist():
+                    if e // local == rank:
+                        expected_counts[e - rank * local] += 1
+                        expected_rows[e - rank * local].append(src_hidden[t])
+        problems.tensor(f"{label}: tokens per local expert", counts.to(torch.int64), expected_counts, env)
+        outputs = []
+        start = 0
+        for e, count in enumerate(counts.tolist()):
+            group = rows[start : start + count].cpu()
+            want = torch.stack(expected_rows[e]) if expected_rows[e] else torch.empty(0, 8)
+            if group.shape == want.shape and not torch.allclose(_sorted_rows(group), _sorted_rows(want), atol=1e-2):
+                problems.add(f"{label}: rows grouped at local expert {e} are not the rows routed to it")
+            outputs.append(_expert_fn(group, rank * local + e) if apply else group)
+            start += count
+        expert_output = torch.cat(outputs) if outputs else rows.cpu()
+        got = dispatcher.combine(expert_output.to(env.device).to(hidden.dtype), handle)
+        want = torch.zeros_like(hidden, dtype=torch.float64)
+        for k in range(top_k):
+            mapped = (
+                torch.stack(
+                    [
+                        _expert_fn(hidden[t].double(), int(ids[t, k])) if apply else hidden[t].double()
+                        for t in range(len(ids))
+                    ]
+                )
+                if len(ids)
+                else want
+            )
+            want += weights[:, k].double().unsqueeze(1) * mapped
+        problems.tensor(
+            f"{label}: combine of {len(ids)} tokens, top_k={top_k}, {num_experts} experts",
+            got,
+            want.float(),
+            env,
+            exact=False,
+        )
+    problems.raise_any()
+
+
+def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Rows in a canonical order (the order within an expert's group is the dispatcher's)."""
+    if rows.shape[0] == 0:
+        return rows
+    keys = rows[:, 0] * 1e3 + rows[:, 1]
+    return rows[torch.argsort(keys)]
+
+
 def check_close(comm: Any, env: CheckEnv) -> None:
     comm.close()
 
@@ -342,6 +445,7 @@ CHECKS: dict[str, Callable[[Any, CheckEnv], None]] = {
     "broadcast": check_broadcast,
     "barrier": check_barrier,
     "validation": check_validation,
+    "dispatch_combine": check_dispatch_combine,
     "close": check_close,
 }
 
@@ -371,7 +475,14 @@ def _worker(spec: GroupSpec, rank: int, results: Any, side_barrier: Any) -> None
     except BaseException:
         results.put(("fatal", rank, traceback.format_exc()))
         return
-    env = CheckEnv(seed=spec.seed, rank=rank, world_size=spec.world_size, device=device)
+    record = provided.record if spec.record_dispatcher else None
+    env = CheckEnv(
+        seed=spec.seed,
+        rank=rank,
+        world_size=spec.world_size,
+        device=device,
+        make_dispatcher=lambda: build_dispatcher(record, comm),
+    )
     for name, check in CHECKS.items():
         results.put(("start", rank, name))
         try:
@@ -530,7 +641,8 @@ class CommunicatorSuite(ComponentSuite):
     Class settings: ``world_sizes`` to run (filtered by the record's
     ``max_world_size``), ``platform`` to force one (default: the first available one
     the record runs on), ``timeout_s`` for a whole group, ``check_timeout_s`` for one
-    rank waiting on its peers after a check, ``fixed_seed`` to replay a failure.
+    rank waiting on its peers after a check, ``fixed_seed`` to replay a failure,
+    ``record_dispatcher`` to choose which expert dispatcher ``dispatch_combine`` tests.
     """
 
     kind: ClassVar[str] = "communication"
@@ -539,6 +651,9 @@ class CommunicatorSuite(ComponentSuite):
     timeout_s: ClassVar[float] = 120.0
     check_timeout_s: ClassVar[float] = 60.0
     fixed_seed: ClassVar[int | None] = None
+    #: False: test dispatch/combine with the core's AllToAllDispatcher over this
+    #: communicator instead of the record's own dispatcher (whose ops may be absent here).
+    record_dispatcher: ClassVar[bool] = True
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         """One spawned group per world size, shared by the class's tests."""
@@ -583,6 +698,7 @@ class CommunicatorSuite(ComponentSuite):
             init_method=f"file://{init_file}",
             seed=seed,
             check_timeout_s=cls.check_timeout_s,
+            record_dispatcher=cls.record_dispatcher,
         )
         return run_group(spec, cls.timeout_s)
 
@@ -622,6 +738,12 @@ class CommunicatorSuite(ComponentSuite):
     def test_validation(self, communicator_run: GroupRun) -> None:
         """Bad counts or src raise ValueError on the calling rank; the group stays usable."""
         communicator_run.expect("validation")
+
+    def test_dispatch_combine(self, communicator_run: GroupRun) -> None:
+        """Expert-parallel exchange: rows reach their experts' ranks grouped by expert, and
+        combine returns each token's weighted sum (identity experts: the input), with a
+        rank that sends nothing and one that receives nothing."""
+        communicator_run.expect("dispatch_combine")
 
     def test_close(self, communicator_run: GroupRun) -> None:
         communicator_run.expect("close")

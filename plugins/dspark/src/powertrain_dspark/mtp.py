@@ -160,6 +160,13 @@ class MTPDrafter:
         mtp = getattr(context.model, "mtp", None)
         if mtp is None:
             raise ValueError(NO_MTP)
+        if context.expert_parallel_size > 1:
+            # Its MoE layers would exchange tokens on the drafting ranks only, out of
+            # step with the others (powertrain.parallel.lockstep).
+            raise ValueError(
+                f'[dspark] drafter = "mtp" does not run with expert_parallel={context.expert_parallel_size}; '
+                'use drafter = "ngram", or expert_parallel = 1'
+            )
         # Only depth 0 drafts (recursively), so only its cache is kept.
         (cache,) = context.allocate_kv_caches(mtp.attention_layers[:1], extra_blocks=SCRATCH_BLOCKS)
         for tensor in cache.values():

@@ -1,0 +1,63 @@
+"""The checks a request passes before any engine queues it.
+
+Shared by ``LLMEngine.add_request`` and the data-parallel front end
+(``parallel.frontend``), which must refuse bad input itself: once a request has left
+for a worker process, an error there could only reach the caller late and indirectly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from powertrain.engine.errors import InvalidRequestError
+from powertrain.engine.sampling_params import SamplingParams
+from powertrain.tokenizer import Tokenizer
+
+
+def checked_params(params: object) -> SamplingParams:
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    """``(text or None, token ids)``; token ids must be ints in the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; send at least one character")
+        return prompt, tokenizer.encode(prompt)
+    token_ids = list(prompt)
+    if not token_ids:
+        raise InvalidRequestError("the prompt has no tokens; send at least one token id")
+    vocab = tokenizer.vocab_size
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+    return None, token_ids
+
+
+def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, cache_tokens: int) -> None:
+    """The prompt fits the model, and prompt + output fit the whole KV cache."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {num_prompt_tokens} tokens; this engine serves at most "
+            f"{max_model_len} tokens per sequence (prompt + output); shorten the prompt"
+        )
+    needed = min(num_prompt_tokens + params.max_tokens, max_model_len)
+    if needed > cache_tokens:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs {needed} "
+            f"cache slots, but the whole KV cache holds {cache_tokens}; lower max_tokens or raise [cache] memory_gib"
+        )
+
+
+def start_grammars(structured: Any, params: SamplingParams) -> list[Any]:
+    """One matcher per sequence of a constrained request (none for an unconstrained one);
+    a constraint that does not compile raises InvalidRequestError."""
+    if params.structured is None:
+        return []
+    if structured is None:
+        raise InvalidRequestError("this engine was built without structured output; send no constraint")
+    return structured.start(params.structured, params.n)

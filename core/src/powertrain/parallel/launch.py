@@ -1,0 +1,172 @@
+"""Starting a multi-process engine: worker processes here, or ranks under torchrun.
+
+``start_engine(config)`` is what ``LLM``, ``powertrain generate`` and ``powertrain serve``
+call. One process (``[parallel]`` world size 1): a plain ``LLMEngine``. Several on this
+machine: the calling process becomes the front end and spawns one worker per rank;
+they join torch.distributed through a ``file://`` rendezvous. Under ``torchrun``
+(several machines), every rank runs the same command: rank 0 is the front end *and*
+rank 0's worker (in a thread), the others only work and exit when it stops them; the
+process group comes from torchrun's environment (``env://``) and the workers reach the
+front end at ``MASTER_ADDR:frontend_port``, authenticated with the shared secret
+``POWERTRAIN_PARALLEL_SECRET``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from multiprocessing.connection import Listener
+from typing import Any
+
+import attrs
+import structlog
+
+from powertrain.parallel.frontend import ParallelEngine
+from powertrain.parallel.layout import ParallelLayoutError, RankPlacement, layout_of
+from powertrain.parallel.worker import run_worker
+
+log = structlog.get_logger(__name__)
+
+SECRET_ENV = "POWERTRAIN_PARALLEL_SECRET"
+
+
+@attrs.frozen
+class TorchrunRank:
+    """What torchrun tells each process it starts."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environment(cls) -> TorchrunRank | None:
+        env = os.environ
+        if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:
+            return None
+        try:
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+            )
+        except KeyError as missing:
+            raise ParallelLayoutError(
+                f"torchrun-style environment without {missing}: launch the workers with torchrun, "
+                "which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+            ) from None
+
+
+def start_engine(config: Any, plugins: Any = None) -> Any:
+    """The engine ``config`` asks for: an ``LLMEngine`` or a ``ParallelEngine`` front end."""
+    layout = layout_of(config)
+    torchrun = TorchrunRank.from_environment()
+    if torchrun is not None and torchrun.world_size > 1:
+        return _start_under_torchrun(config, layout, torchrun)
+    if layout.world_size == 1:
+        from powertrain.assemble import build_engine
+
+        return build_engine(config, plugins)
+    return _start_local(config, layout)
+
+
+def _platform(config: Any) -> Any:
+    from powertrain.assemble import plan
+
+    return plan(config, strict=False).platform
+
+
+def _start_local(config: Any, layout: Any) -> ParallelEngine:
+    from powertrain.loader import load_checkpoint
+    from powertrain.log_setup import current_level
+
+    checkpoint = load_checkpoint(config.model.path)  # the front end's tokenizer; no weights
+    device_type = _platform(config).device_type
+    authkey = os.urandom(32)
+    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    rendezvous = tempfile.mkdtemp(prefix="powertrain-dist-")
+    threads = max(1, (os.cpu_count() or 1) // layout.world_size) if device_type == "cpu" else None
+    context = multiprocessing.get_context("spawn")
+    processes = {}
+    for rank in range(layout.world_size):
+        placement = RankPlacement(layout=layout, rank=rank, init_method=f"file://{rendezvous}/init", local_rank=rank)
+        processes[rank] = context.Process(
+            target=run_worker,
+            args=(config, placement, listener.address, authkey),
+            kwargs={"device_type": device_type, "threads": threads, "log_level": current_level},
+            name=f"powertrain-rank{rank}",
+            daemon=True,
+        )
+    engine = ParallelEngine(
+        config, checkpoint, layout, listener, processes=processes, silence_timeout_s=config.parallel.silence_timeout_s
+    )
+    weakref.finalize(engine, shutil.rmtree, rendezvous, True)
+    for process in processes.values():
+        process.start()
+    log.info("started workers", world_size=layout.world_size, pids=[p.pid for p in processes.values()])
+    try:
+        engine.wait_ready(config.parallel.startup_timeout_s)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def _secret(torchrun: TorchrunRank) -> bytes:
+    secret = os.environ.get(SECRET_ENV)
+    if secret:
+        return secret.encode()
+    if torchrun.world_size > torchrun.local_world_size:
+        raise ParallelLayoutError(
+            f"several machines: set {SECRET_ENV} to the same secret on every node, so that only "
+            "your workers can reach the front end"
+        )
+    # one machine: the front end listens on 127.0.0.1 only
+    return hashlib.sha256(f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{torchrun.master_port}".encode()).digest()
+
+
+def _start_under_torchrun(config: Any, layout: Any, torchrun: TorchrunRank) -> ParallelEngine:
+    from powertrain.log_setup import current_level
+
+    if torchrun.world_size != layout.world_size:
+        raise ParallelLayoutError(
+            f"torchrun started {torchrun.world_size} processes, but data_parallel={layout.data_parallel}, "
+            f"expert_parallel={layout.expert_parallel} need {layout.world_size}; match --nnodes × --nproc-per-node"
+        )
+    port = config.parallel.frontend_port or torchrun.master_port + 1
+    authkey = _secret(torchrun)
+    placement = RankPlacement(layout=layout, rank=torchrun.rank, init_method="env://", local_rank=torchrun.local_rank)
+    device_type = _platform(config).device_type
+    several_machines = torchrun.world_size > torchrun.local_world_size
+    frontend = (torchrun.master_addr if several_machines else "127.0.0.1", port)
+    worker_args = (config, placement, frontend, authkey)
+    worker_kwargs = {"device_type": device_type, "log_level": current_level}
+    if torchrun.rank != 0:
+        run_worker(*worker_args, **worker_kwargs)
+        raise SystemExit(0)  # rank 0's front end stopped this worker; the command ends here
+
+    from powertrain.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(config.model.path)
+    listener = Listener(("0.0.0.0" if several_machines else "127.0.0.1", port), authkey=authkey)  # noqa: S104
+    engine = ParallelEngine(config, checkpoint, layout, listener, silence_timeout_s=config.parallel.silence_timeout_s)
+    own = threading.Thread(target=run_worker, args=worker_args, kwargs=worker_kwargs, name="powertrain-rank0")
+    own.daemon = True
+    engine.own_worker = own
+    own.start()
+    try:
+        engine.wait_ready(config.parallel.startup_timeout_s)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine

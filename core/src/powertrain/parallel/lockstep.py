@@ -1,0 +1,71 @@
+"""Keeps expert-parallel ranks' collectives in the same order, whoever has work.
+
+Every MoE layer is a collective (dispatch and combine), so every rank must run every
+MoE layer of every step some rank runs. The ranks therefore advance in *rounds*, on
+each engine's device thread (where its forwards run, in order): a round opens with one
+all_reduce of ``[busy, stopping]`` flags. A rank with a batch then runs its forward; a
+rank without one runs the MoE layers with no tokens (it still receives, computes and
+returns its experts' share of the others' tokens) when any peer is busy, and nothing
+when no one is. Rounds pair up one to one across ranks because every rank opens
+exactly one per forward or idle turn, and every rank learns the same flags.
+
+Shutdown is a round too: ranks leave together at the first round in which all of them
+are stopping, so none is left waiting in a collective for a peer that has gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from powertrain.interfaces import Communicator
+
+
+@attrs.frozen
+class Round:
+    busy_ranks: int
+    stopping_ranks: int
+    world_size: int
+
+    @property
+    def anyone_busy(self) -> bool:
+        return self.busy_ranks > 0
+
+    @property
+    def everyone_stopping(self) -> bool:
+        return self.stopping_ranks == self.world_size
+
+
+class Lockstep:
+    def __init__(
+        self, communicator: Communicator, moe_layers: Sequence[Any], hidden_size: int, dtype: torch.dtype, device: Any
+    ) -> None:
+        self.communicator = communicator
+        self.moe_layers = list(moe_layers)
+        self._empty = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        #: Rounds this rank opened, busy or not (diagnostics and tests).
+        self.rounds = 0
+        self.busy_rounds = 0
+
+    def _open(self, busy: bool, stopping: bool) -> Round:
+        flags = torch.tensor([int(busy), int(stopping)], dtype=torch.int64)
+        total = self.communicator.all_reduce(flags).tolist()
+        self.rounds += 1
+        self.busy_rounds += int(busy)
+        return Round(busy_ranks=int(total[0]), stopping_ranks=int(total[1]), world_size=self.communicator.world_size)
+
+    def busy(self) -> Round:
+        """Open a round for this rank's forward, which the caller runs next."""
+        return self._open(True, False)
+
+    @torch.inference_mode()
+    def idle(self, stopping: bool = False) -> Round:
+        """Open a round with nothing to compute; serve the peers' tokens if any are busy."""
+        result = self._open(False, stopping)
+        if result.anyone_busy:
+            for layer in self.moe_layers:
+                layer(self._empty)
+        return result

@@ -1,0 +1,255 @@
+"""One rank's process: build its engine, take requests from the front end, run steps.
+
+Talks to the front end over one ``multiprocessing.connection`` (pickled tuples, an
+authentication key): the same code whether the front end spawned this process on its
+machine or ``torchrun`` started it on another. Messages in: ``("add", request_id,
+token_ids, params)``, ``("abort", request_id)``, ``("stop",)``. Messages out:
+``("hello", rank, pid, host)`` on connecting, ``("ready", WorkerInfo)`` once built,
+``("outputs", [RequestOutput], EngineStats, counters)`` after every step that produced
+something (and at least every ``HEARTBEAT_S`` as a sign of life),
+``("refused", request_id, why)`` (a request the front end should have refused),
+``("failed", rank, text)`` before dying of an exception, ``("stopped", rank)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import attrs
+import structlog
+
+from powertrain.engine.errors import InvalidRequestError
+from powertrain.parallel.layout import RankPlacement
+
+log = structlog.get_logger(__name__)
+
+#: A worker with nothing to do still reports this often, so silence means trouble.
+HEARTBEAT_S = 1.0
+#: How long an idle expert-parallel rank waits for input between (cheap) idle rounds.
+IDLE_POLL_S = 0.005
+#: How long an idle rank without peers to keep in step blocks on its inbox.
+IDLE_BLOCK_S = 0.5
+#: Per-platform variable that limits a process to one accelerator.
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+@attrs.frozen(kw_only=True)
+class WorkerInfo:
+    rank: int
+    pid: int
+    host: str
+    holds_requests: bool
+    num_blocks: int
+    block_size: int
+    #: ``(first, count)`` of the routed experts this rank loaded; None: not a MoE model.
+    experts: tuple[int, int] | None = None
+
+
+def _expert_slice(engine: Any) -> tuple[int, int] | None:
+    layers = getattr(engine.runner.model, "routed_expert_layers", lambda: [])()
+    return (layers[0].first_expert, layers[0].local_experts) if layers else None
+
+
+def counters(engine: Any) -> dict[str, float]:
+    """Lockstep rounds and all-to-all seconds so far (empty without expert parallelism)."""
+    lockstep = engine.runner.lockstep
+    if lockstep is None:
+        return {}
+    layers = getattr(engine.runner.model, "routed_expert_layers", lambda: [])()
+    dispatcher = layers[0].dispatcher if layers else None
+    return {
+        "rounds": lockstep.rounds,
+        "busy_rounds": lockstep.busy_rounds,
+        "exchange_s": getattr(dispatcher, "exchange_seconds", 0.0),
+    }
+
+
+def see_one_device(device_type: str, local_rank: int) -> None:
+    """Make this process see only its own accelerator (before anything initialises it)."""
+    variable = VISIBLE_DEVICES.get(device_type)
+    if variable is None:
+        return
+    visible = [d for d in os.environ.get(variable, "").split(",") if d.strip()]
+    os.environ[variable] = visible[local_rank] if local_rank < len(visible) else str(local_rank)
+
+
+def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    """The front end's connection, retried while it starts (another machine may be slower)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except OSError:  # refused, unreachable, timed out: not up yet
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"could not reach the powertrain front end at {address[0]}:{address[1]} within {timeout_s:.0f} s; "
+                    "check [parallel] frontend_port and that rank 0 is running"
+                ) from None
+            time.sleep(0.2)
+
+
+def run_worker(
+    config: Any,
+    placement: RankPlacement,
+    address: tuple[str, int],
+    authkey: bytes,
+    *,
+    device_type: str = "cpu",
+    threads: int | None = None,
+    log_level: str | None = None,
+    connect_timeout_s: float = 600.0,
+) -> None:
+    """A worker's whole life; the target of spawned processes and of torchrun ranks."""
+    import torch
+
+    from powertrain.assemble import build_engine
+    from powertrain.log_setup import configure_logging
+
+    if log_level:
+        configure_logging(log_level)
+    structlog.contextvars.bind_contextvars(rank=placement.rank)
+    see_one_device(device_type, placement.local_rank)
+    if threads:
+        torch.set_num_threads(threads)
+    conn = connect(address, authkey, connect_timeout_s)
+    conn.send(("hello", placement.rank, os.getpid(), socket.gethostname()))
+    try:
+        engine = build_engine(config, placement=placement)
+    except BaseException as exc:
+        _report_failure(conn, placement.rank, exc)
+        raise
+    info = WorkerInfo(
+        rank=placement.rank,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        holds_requests=placement.holds_requests,
+        num_blocks=engine.block_manager.num_blocks,
+        block_size=engine.block_manager.block_size,
+        experts=_expert_slice(engine),
+    )
+    conn.send(("ready", info))
+    try:
+        WorkerLoop(engine, conn, placement.rank).run()
+    except BaseException as exc:
+        _report_failure(conn, placement.rank, exc)
+        raise
+    finally:
+        engine.shutdown()
+    with contextlib.suppress(OSError):  # a front end that gave up waiting has closed it
+        conn.send(("stopped", placement.rank))
+    conn.close()
+
+
+def _report_failure(conn: Connection, rank: int, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    log.error("worker failed", error=f"{type(exc).__name__}: {exc}")
+    with contextlib.suppress(OSError):  # the front end is gone too
+        conn.send(("failed", rank, text))
+
+
+class WorkerLoop:
+    """Requests in, steps, outputs out; with expert parallelism, in lockstep (``lockstep``)."""
+
+    def __init__(self, engine: Any, conn: Connection, rank: int) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.rank = rank
+        self.lockstep = engine.runner.lockstep
+        self.stopping = False
+        self.requests: set[str] = set()
+        self._peers_busy = False
+        self._broken = False  # the connection to the front end
+        self._last_report = 0.0
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            self._receive(self._wait_s())
+            outputs = []
+            launched = engine.launched_steps
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+            if self.lockstep is not None:
+                if engine.launched_steps == launched:  # no forward this turn: keep peers in step
+                    done = self.stopping and not engine.has_unfinished_requests()
+                    result = engine.run_on_device(self.lockstep.idle, done)
+                    self._peers_busy = result.anyone_busy
+                    if result.everyone_stopping:
+                        return
+            elif self.stopping and not engine.has_unfinished_requests():
+                return
+            self._report(outputs)
+
+    def _wait_s(self) -> float:
+        if self.stopping or self.engine.has_unfinished_requests() or self._peers_busy:
+            return 0.0
+        return IDLE_POLL_S if self.lockstep is not None else IDLE_BLOCK_S
+
+    def _receive(self, wait_s: float) -> None:
+        try:
+            ready = self.conn.poll(wait_s)
+            while ready:
+                self._handle(self.conn.recv())
+                ready = self.conn.poll(0)
+        except (EOFError, OSError):
+            if not self._broken:
+                log.error("lost the front end; stopping")
+            self._broken = True
+            self._stop()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, request_id, token_ids, params = message
+            try:
+                self.engine.add_request(token_ids, params, request_id=request_id)
+            except InvalidRequestError as exc:  # the front end checks first; this is a bug
+                log.error("worker refused a request the front end accepted", request_id=request_id, error=str(exc))
+                self._send(("refused", request_id, str(exc)))
+                return
+            self.requests.add(request_id)
+        elif kind == "abort":
+            self._abort(message[1])
+        elif kind == "stop":
+            self._stop()
+        else:
+            raise ValueError(f"worker {self.rank}: unknown message {kind!r} from the front end")
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort_request(request_id)
+        self.requests.discard(request_id)
+        if output is not None:
+            self._send(("outputs", [output], self.engine.stats(), counters(self.engine)))
+
+    def _stop(self) -> None:
+        """Abort everything and leave (with the peers, under expert parallelism)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        for request_id in list(self.requests):
+            self._abort(request_id)
+
+    def _report(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            if output.finished:
+                self.requests.discard(output.request_id)
+        now = time.monotonic()
+        if outputs or now - self._last_report >= HEARTBEAT_S:
+            self._last_report = now
+            self._send(("outputs", outputs, self.engine.stats(), counters(self.engine)))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self._broken:
+            return
+        try:
+            self.conn.send(message)
+        except OSError:
+            self._broken = True
+            log.error("lost the front end; stopping")
+            self._stop()
