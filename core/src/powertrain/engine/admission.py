@@ -7,8 +7,10 @@ for a worker process, an error there could only reach the caller late and indire
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
+
+import attrs
 
 from powertrain.engine.errors import InvalidRequestError
 from powertrain.engine.sampling_params import SamplingParams
@@ -61,3 +63,39 @@ def start_grammars(structured: Any, params: SamplingParams) -> list[Any]:
     if structured is None:
         raise InvalidRequestError("this engine was built without structured output; send no constraint")
     return structured.start(params.structured, params.n)
+
+
+@attrs.frozen
+class Admitted:
+    """A request that passed every check, ready to queue."""
+
+    request_id: str
+    params: SamplingParams
+    text: str | None
+    token_ids: list[int]
+    #: One grammar matcher per sequence of a constrained request, else empty.
+    grammars: list[Any]
+
+
+def admit(
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[int],
+    params: object,
+    request_id: str | None,
+    *,
+    in_use: Container[str],
+    new_id: Callable[[], str],
+    max_model_len: int,
+    cache_tokens: int,
+    structured: Callable[[], Any],
+) -> Admitted:
+    """Every check, in order; the first that fails raises InvalidRequestError.
+    ``structured()`` gives the grammar compiler, asked only for a constrained request."""
+    params = checked_params(params)
+    request_id = request_id if request_id is not None else new_id()
+    if request_id in in_use:
+        raise InvalidRequestError(f"request id {request_id!r} is already in use")
+    text, token_ids = tokenize_prompt(tokenizer, prompt)
+    check_length(len(token_ids), params, max_model_len, cache_tokens)
+    grammars = start_grammars(structured(), params) if params.structured is not None else []
+    return Admitted(request_id, params, text, token_ids, grammars)

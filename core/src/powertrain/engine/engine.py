@@ -22,10 +22,10 @@ from typing import Any
 import attrs
 import structlog
 
-from powertrain.engine.admission import check_length, checked_params, start_grammars, tokenize_prompt
+from powertrain.engine.admission import admit
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
-from powertrain.engine.errors import EngineDeadError, InvalidRequestError
+from powertrain.engine.errors import EngineDeadError
 from powertrain.engine.model_runner import ModelRunner, Speculation, StepResult
 from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.scheduling import ScheduledBatch
@@ -143,13 +143,19 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Bad input raises
         InvalidRequestError and leaves the engine untouched."""
         self._check_alive()
-        params = checked_params(params)
-        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        check_length(len(token_ids), params, self.max_model_len, self.cache_tokens)
-        grammars = start_grammars(self.runner.structured, params)
+        admitted = admit(
+            self.tokenizer,
+            prompt,
+            params,
+            request_id,
+            in_use=self._requests,
+            new_id=lambda: f"req-{next(self._request_ids)}",
+            max_model_len=self.max_model_len,
+            cache_tokens=self.cache_tokens,
+            structured=lambda: self.runner.structured,
+        )
+        request_id, params, text, token_ids = admitted.request_id, admitted.params, admitted.text, admitted.token_ids
+        grammars = admitted.grammars
         # A constraint ends its output with EOS once complete (llguidance allows nothing else then).
         eos = self.tokenizer.eos_token_ids if not params.ignore_eos or grammars else set()
         stop_ids = tuple(sorted(set(params.stop_token_ids) | eos))

@@ -28,9 +28,9 @@ from typing import Any
 import attrs
 import structlog
 
-from powertrain.engine.admission import check_length, checked_params, start_grammars, tokenize_prompt
+from powertrain.engine.admission import admit
 from powertrain.engine.engine import EngineStats
-from powertrain.engine.errors import EngineDeadError, InvalidRequestError
+from powertrain.engine.errors import EngineDeadError
 from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.sequence import CompletionOutput, RequestOutput
 from powertrain.parallel.balance import PrefixBalancer
@@ -177,22 +177,25 @@ class ParallelEngine:
     ) -> str:
         """Check the request here, then send it to its rank; bad input raises InvalidRequestError."""
         self._check_alive()
-        params = checked_params(params)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        check_length(len(token_ids), params, self.max_model_len, self._cache_tokens)
-        if params.structured is not None:
-            start_grammars(self._grammar_checker(), params)  # compiles, or refuses, here
+        admitted = admit(  # a grammar is compiled here to refuse a bad one; the rank compiles its own
+            self.tokenizer,
+            prompt,
+            params,
+            request_id,
+            in_use=self._requests,
+            new_id=lambda: f"req-{next(self._ids)}",
+            max_model_len=self.max_model_len,
+            cache_tokens=self._cache_tokens,
+            structured=self._grammar_checker,
+        )
         assert self._balancer is not None
-        rank = self._balancer.choose(token_ids)
-        self._send(rank, ("add", request_id, token_ids, params))
-        self._balancer.assign(rank, token_ids)
+        rank = self._balancer.choose(admitted.token_ids)
+        self._send(rank, ("add", admitted.request_id, admitted.token_ids, admitted.params))
+        self._balancer.assign(rank, admitted.token_ids)
         self._ranks[rank].requests += 1
-        self._requests[request_id] = rank
-        self._prompts[request_id] = text
-        return request_id
+        self._requests[admitted.request_id] = rank
+        self._prompts[admitted.request_id] = admitted.text
+        return admitted.request_id
 
     def _grammar_checker(self) -> Any:
         if self._structured is None:

@@ -114,12 +114,7 @@ def _start_local(config: Any, layout: Any) -> ParallelEngine:
     for process in processes.values():
         process.start()
     log.info("started workers", world_size=layout.world_size, pids=[p.pid for p in processes.values()])
-    try:
-        engine.wait_ready(config.parallel.startup_timeout_s)
-    except BaseException:
-        engine.shutdown()
-        raise
-    return engine
+    return _ready(engine, config)
 
 
 def _secret(torchrun: TorchrunRank) -> bytes:
@@ -164,6 +159,11 @@ def _start_under_torchrun(config: Any, layout: Any, torchrun: TorchrunRank) -> P
     own.daemon = True
     engine.own_worker = own
     own.start()
+    return _ready(engine, config)
+
+
+def _ready(engine: ParallelEngine, config: Any) -> ParallelEngine:
+    """The engine once every worker is ready; nothing left running if one is not."""
     try:
         engine.wait_ready(config.parallel.startup_timeout_s)
     except BaseException:
