@@ -249,3 +249,53 @@ def test_a_rank_reads_only_its_own_experts(tiny_v3: Path) -> None:
     model.load_weights(checkpoint.tensors(wanted=wanted))  # complete: nothing missing
     experts_read = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".mlp.experts." in n}
     assert experts_read == {4, 5, 6, 7}
+
+
+def test_a_frozen_worker_is_declared_dead_after_the_silence_timeout(tiny_v3: Path) -> None:
+    """A worker that stops answering (SIGSTOP: no exit, no closed socket) is caught by
+    its silence, not waited on forever."""
+    llm = LLM(str(tiny_v3), data_parallel=2, expert_parallel=2, silence_timeout_s=3, **SETTINGS)
+    frozen = llm.engine.workers[1].pid
+    os.kill(frozen, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {frozen} .*has sent nothing for [3-9] s"):
+            llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        assert time.monotonic() - started < 30
+    finally:
+        llm.shutdown()  # kills the stopped process
+    with pytest.raises(ProcessLookupError):
+        os.kill(frozen, 0)
+
+
+ORPHAN_SCRIPT = """
+import os, sys
+from powertrain import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], data_parallel=2, expert_parallel=2, memory_gib=0.05, dtype="float32")
+    print(" ".join(str(w.pid) for w in llm.engine.workers), flush=True)
+    os._exit(0)  # the front end vanishes without shutting anything down
+"""
+
+
+def test_workers_leave_when_the_front_end_vanishes(tiny_v3: Path, tmp_path: Path) -> None:
+    script = tmp_path / "vanish.py"
+    script.write_text(ORPHAN_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tiny_v3)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in pids if _running(pid)]
+    assert not alive, f"workers {alive} outlived their front end"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+        return stat.read().split(")")[-1].split()[0] != "Z"
