@@ -6,6 +6,8 @@ policy — no speculation, fixed-k (k = 1..5) and DSpark — one engine serves t
 requests at concurrency 1, 4, 16 and 64 (a closed loop: a new request starts when one
 finishes; greedy, 64 output tokens each), after the same warm-up on other prompts. The
 engines stay loaded and take turns; each cell is the median of ``--repeats`` runs.
+DSpark's confidences are first calibrated (per-position temperature scaling, as
+``powertrain-dspark calibrate`` does) on a verification log of other prompts.
 Printed per policy and concurrency: output
 tokens/s, draft tokens verified per request-step and tokens accepted per request-step
 (a request-step is one decoding step of one request that could speculate).
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 import time
+from pathlib import Path
 
 import attrs
 from common import report
@@ -80,6 +84,29 @@ def closed_loop(llm: LLM, requests: list[str], concurrency: int, max_tokens: int
     }
 
 
+def calibrate(args: argparse.Namespace) -> str:
+    """DSpark's intended setup: per-position temperatures fitted (``powertrain-dspark
+    calibrate``'s functions) on a verification log of other prompts, written by fixed-k
+    verifying every drafted position so that no position goes unobserved."""
+    from powertrain_dspark.calibration import Calibration, fit, read_log, split, survival_ece
+
+    folder = Path(tempfile.mkdtemp(prefix="powertrain-dspark-calibration-"))
+    log = folder / "verifications.jsonl"
+    overrides = {"speculative": "fixed-k", "dtype": args.dtype, "max_num_seqs": 16, "memory_gib": args.kv_gib}
+    config = attrs.evolve(
+        apply_overrides(EngineConfig(), overrides), sections={"dspark": {"max_draft_tokens": 5, "log": str(log)}}
+    )
+    with LLM(config=config) as llm:
+        closed_loop(llm, prompts(llm, 48, seed=args.seed + 2), 8, args.max_tokens)
+    fitting, held = split(read_log(log), 0.3, args.seed)
+    calibration = fit(fitting)
+    before, after = survival_ece(held, Calibration()), survival_ece(held, calibration)
+    print(f"calibration: temperatures {[round(t, 3) for t in calibration.temperatures]}")
+    print(f"held-out survival ECE per position before {before} after {after}", flush=True)
+    calibration.save(folder / "calibration.json")
+    return str(folder / "calibration.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -93,7 +120,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="KV cache per engine (all stay loaded)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="DSpark on raw confidences instead of ones calibrated on held-out prompts first",
+    )
     args = parser.parse_args()
+    calibration = calibrate(args) if args.calibrate and "dspark" in args.policies else ""
 
     engines: dict[str, LLM] = {}
     for policy in args.policies:
@@ -101,7 +135,7 @@ def main() -> None:
         if policy.startswith("fixed-"):
             speculative, section = "fixed-k", {"max_draft_tokens": int(policy.split("-")[1])}
         elif policy == "dspark":
-            speculative = "dspark"
+            speculative, section = "dspark", {"calibration": calibration} if calibration else {}
         overrides = {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
         config = apply_overrides(EngineConfig(), {**overrides, "memory_gib": args.kv_gib})
         if section:
