@@ -242,6 +242,8 @@ def test_yarn_frequencies_and_attention_factor_equal_hf(rope: dict[str, Any]) ->
     want, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
     params = RopeParameters.from_config(config.to_dict())
     assert torch.equal(inverse_frequencies(params, config.qk_rope_head_dim), want)
+    with torch.device("meta"):  # models are built under their device (cuda on a GPU): the table stays on the CPU
+        assert torch.equal(inverse_frequencies(params, config.qk_rope_head_dim), want)
     from powertrain.layers.rotary import attention_factor
 
     assert attention_factor(params) == pytest.approx(factor, rel=1e-12)

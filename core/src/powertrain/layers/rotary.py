@@ -131,7 +131,8 @@ def _yarn_scaling(pos_freqs: torch.Tensor, params: RopeParameters, rotary_dim: i
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # as HF: avoid dividing by zero
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # on the CPU like pos_freqs, whatever default device the model is built under
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     return (1.0 / (params.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
