@@ -259,7 +259,8 @@ def test_a_frozen_worker_is_declared_dead_after_the_silence_timeout(tiny_v3: Pat
     os.kill(frozen, signal.SIGSTOP)
     started = time.monotonic()
     try:
-        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {frozen} .*has sent nothing for [3-9] s"):
+        # Its peer, waiting for it in a collective, falls silent too: both may be named.
+        with pytest.raises(EngineDeadError, match=rf"no word for over 3 s from .*rank 1 \(pid {frozen} "):
             llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         assert time.monotonic() - started < 30
     finally:

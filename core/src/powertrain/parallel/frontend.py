@@ -35,7 +35,7 @@ from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.sequence import CompletionOutput, RequestOutput
 from powertrain.parallel.balance import PrefixBalancer
 from powertrain.parallel.layout import ParallelLayout
-from powertrain.parallel.worker import WorkerInfo
+from powertrain.parallel.worker import HEARTBEAT_S, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
@@ -251,11 +251,21 @@ class ParallelEngine:
                 continue  # a process that exited is reported below, after its last words
             outputs.extend(self._drain(conns[ready]))
         self._check_processes()
-        now = time.monotonic()
-        for entry in self._ranks.values():
-            if not entry.stopped and now - entry.last_heard > self.silence_timeout_s:
-                self._fail(f"{entry.describe()} has sent nothing for {now - entry.last_heard:.0f} s")
+        self._check_silence()
         return outputs
+
+    def _check_silence(self) -> None:
+        """Fail when a rank has been silent for ``silence_timeout_s``, naming every silent
+        rank, the longest silent first: with expert parallelism one stuck rank stalls its
+        peers in their next collective, so they fall silent too, a moment later."""
+        now = time.monotonic()
+        silent = sorted(
+            (r for r in self._ranks.values() if not r.stopped and now - r.last_heard > 2 * HEARTBEAT_S),
+            key=lambda r: r.last_heard,
+        )
+        if silent and now - silent[0].last_heard > self.silence_timeout_s:
+            ages = ", ".join(f"{r.describe()} for {now - r.last_heard:.0f} s" for r in silent)
+            self._fail(f"no word for over {self.silence_timeout_s:.0f} s from {ages}")
 
     def _drain(self, entry: _Rank) -> list[RequestOutput]:
         assert entry.conn is not None

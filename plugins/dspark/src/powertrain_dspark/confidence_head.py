@@ -22,6 +22,7 @@ format name, the model's hidden size and the head's width.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -143,24 +144,42 @@ def train_head(
     lr: float = 1e-3,
     batch_size: int = 4096,
     seed: int = 0,
+    validation: float = 0.2,
 ) -> tuple[ConfidenceHead, list[float]]:
     """Fit a head with BCE to soft labels (Adam, minibatches drawn with ``seed``);
-    returns it and the training loss of every step."""
+    returns it and the training loss of every step.
+
+    Early stopping: ``validation`` of the rows (drawn with ``seed``) are not trained on;
+    the returned head is the step's whose loss on them was lowest. A few hundred drafts
+    are few for a head over two hidden states, and the last step's head had memorised
+    them (training loss 0.71 -> 0.12, held-out BCE 0.73, worse than a constant).
+    """
     hidden_size = features.shape[1] // 2
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = ConfidenceHead(hidden_size, width)
+    order = torch.randperm(len(labels), generator=generator)
+    held = max(1, int(len(labels) * validation)) if len(labels) > 1 and validation > 0 else 0
+    val, fit = order[:held], order[held:]
     optimizer = torch.optim.Adam(head.parameters(), lr=lr, weight_decay=1e-4)
     losses = []
+    best_loss, best_state = math.inf, copy.deepcopy(head.state_dict())
     with torch.enable_grad():
         for _ in range(steps):
-            rows = torch.randint(0, len(labels), (min(batch_size, len(labels)),), generator=generator)
+            rows = fit[torch.randint(0, len(fit), (min(batch_size, len(fit)),), generator=generator)]
             loss = nn.functional.binary_cross_entropy_with_logits(head(features[rows]), labels[rows])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            if held:
+                with torch.no_grad():
+                    val_loss = nn.functional.binary_cross_entropy_with_logits(head(features[val]), labels[val]).item()
+                if val_loss < best_loss:
+                    best_loss, best_state = val_loss, copy.deepcopy(head.state_dict())
+    if held:
+        head.load_state_dict(best_state)
     return head.eval().requires_grad_(False), losses
 
 
