@@ -396,6 +396,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 torch.set_default_dtype(previous)
         self.mtp: DeepseekMTP | None = DeepseekMTP(self, mtp_layers) if mtp_layers else None
         self._fp8_block = ctx.fp8_block
+        self._expert_slice = args.expert_slice(ctx)  # None: every routed expert is this rank's
         self.requires_grad_(False)
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(
             layer.self_attn.attn.spec for layer in self.model.layers
@@ -506,12 +507,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def wants_weight(self, name: str) -> bool:
         """False for another expert-parallel rank's routed experts: they are not read."""
         match = _EXPERT_INDEX.search(name)
-        if match is None or self.args.routing is None:
+        if match is None or self._expert_slice is None:
             return True
-        layers = self._moe_layers()
-        if not layers:
-            return True
-        first, count = layers[0].first_expert, layers[0].local_experts
+        first, count = self._expert_slice
         return first <= int(match.group(1)) < first + count
 
     def _moe_layers(self) -> list[MoE]:

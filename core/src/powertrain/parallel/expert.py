@@ -77,11 +77,13 @@ class AllToAllDispatcher:
             )
         num_tokens, top_k = topk_ids.shape
         ids = topk_ids.reshape(-1).to(torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-            raise ValueError(f"expert-parallel dispatch: expert ids must be in [0, {num_experts})")
         order = torch.argsort(ids, stable=True)  # by expert id, so by destination rank too
         sorted_ids = ids[order]
+        # The one host sync dispatch needs; it also shows ids past the last expert
+        # (bincount itself refuses negative ones).
         send_counts = torch.bincount(sorted_ids // local, minlength=self.world_size).tolist()
+        if len(send_counts) > self.world_size:
+            raise ValueError(f"expert-parallel dispatch: expert ids must be in [0, {num_experts})")
         recv_counts = self._exchange_counts(send_counts)
         received_ids = self._all_to_all(sorted_ids.unsqueeze(1), send_counts, recv_counts).squeeze(1)
         rows = hidden[order // top_k]

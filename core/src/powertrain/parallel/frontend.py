@@ -16,7 +16,6 @@ group cannot continue without the lost rank), and every later call raises
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import queue
 import threading
@@ -87,8 +86,8 @@ class ParallelEngine:
         self.silence_timeout_s = silence_timeout_s
         self._listener = listener
         self._ranks = {rank: _Rank(rank, process=(processes or {}).get(rank)) for rank in range(layout.world_size)}
-        self._requests: dict[str, int] = {}  # request id -> rank
-        self._prompts: dict[str, str | None] = {}
+        #: Requests in flight: id -> (its rank, its prompt text or None for token ids).
+        self._requests: dict[str, tuple[int, str | None]] = {}
         self._ids = itertools.count()
         self._balancer: PrefixBalancer | None = None
         self._structured: Any = None
@@ -193,8 +192,7 @@ class ParallelEngine:
         self._send(rank, ("add", admitted.request_id, admitted.token_ids, admitted.params))
         self._balancer.assign(rank, admitted.token_ids)
         self._ranks[rank].requests += 1
-        self._requests[admitted.request_id] = rank
-        self._prompts[admitted.request_id] = admitted.text
+        self._requests[admitted.request_id] = (rank, admitted.text)
         return admitted.request_id
 
     def _grammar_checker(self) -> Any:
@@ -206,7 +204,7 @@ class ParallelEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ask the request's rank to stop it; its final output comes from ``step``."""
-        rank = self._requests.get(request_id)
+        rank = self.rank_of(request_id)
         if rank is not None and self._dead is None:
             self._send(rank, ("abort", request_id))
         return None
@@ -216,7 +214,8 @@ class ParallelEngine:
 
     def rank_of(self, request_id: str) -> int | None:
         """The data-parallel rank serving a request in flight."""
-        return self._requests.get(request_id)
+        entry = self._requests.get(request_id)
+        return None if entry is None else entry[0]
 
     @property
     def workers(self) -> list[WorkerInfo]:
@@ -296,10 +295,9 @@ class ParallelEngine:
         return []
 
     def _deliver(self, output: RequestOutput) -> RequestOutput:
-        text = self._prompts.get(output.request_id)
+        rank, text = self._requests[output.request_id]
         if output.finished:
-            rank = self._requests.pop(output.request_id)
-            self._prompts.pop(output.request_id, None)
+            del self._requests[output.request_id]
             assert self._balancer is not None
             self._balancer.finished(rank)
         if text is not None:
@@ -391,11 +389,17 @@ class ParallelEngine:
 
     # ----------------------------------------------------------------------- shutdown
 
-    def _stop_workers(self, grace_s: float) -> None:
+    def _send_stop(self) -> None:
+        """Tell every worker still running to abort its requests and leave."""
         for entry in self._ranks.values():
             if entry.conn is not None and not entry.stopped:
-                with contextlib.suppress(OSError):  # it is gone already
+                try:
                     entry.conn.send(("stop",))
+                except OSError:  # it is gone already
+                    entry.stopped = True
+
+    def _stop_workers(self, grace_s: float) -> None:
+        self._send_stop()
         deadline = time.monotonic() + grace_s
         for entry in self._ranks.values():
             process = entry.process
@@ -428,12 +432,7 @@ class ParallelEngine:
 
     def _wait_stopped(self, timeout_s: float) -> None:
         """Send stop and read until every worker said it stopped (or gave up)."""
-        for entry in self._ranks.values():
-            if entry.conn is not None and not entry.stopped:
-                try:
-                    entry.conn.send(("stop",))
-                except OSError:
-                    entry.stopped = True
+        self._send_stop()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             live = [r for r in self._ranks.values() if r.conn is not None and not r.stopped]

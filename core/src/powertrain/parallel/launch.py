@@ -73,26 +73,26 @@ def start_engine(config: Any, plugins: Any = None) -> Any:
     layout = layout_of(config)
     torchrun = TorchrunRank.from_environment()
     if torchrun is not None and torchrun.world_size > 1:
-        return _start_under_torchrun(config, layout, torchrun)
+        return _start_under_torchrun(config, plugins, layout, torchrun)
     if layout.world_size == 1:
         from powertrain.assemble import build_engine
 
         return build_engine(config, plugins)
-    return _start_local(config, layout)
+    return _start_local(config, plugins, layout)
 
 
-def _platform(config: Any) -> Any:
+def _platform(config: Any, plugins: Any) -> Any:
     from powertrain.assemble import plan
 
-    return plan(config, strict=False).platform
+    return plan(config, plugins, strict=False).platform
 
 
-def _start_local(config: Any, layout: Any) -> ParallelEngine:
+def _start_local(config: Any, plugins: Any, layout: Any) -> ParallelEngine:
     from powertrain.loader import load_checkpoint
     from powertrain.log_setup import current_level
 
     checkpoint = load_checkpoint(config.model.path)  # the front end's tokenizer; no weights
-    device_type = _platform(config).device_type
+    device_type = _platform(config, plugins).device_type
     authkey = os.urandom(32)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     rendezvous = tempfile.mkdtemp(prefix="powertrain-dist-")
@@ -131,7 +131,7 @@ def _secret(torchrun: TorchrunRank) -> bytes:
     return hashlib.sha256(f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{torchrun.master_port}".encode()).digest()
 
 
-def _start_under_torchrun(config: Any, layout: Any, torchrun: TorchrunRank) -> ParallelEngine:
+def _start_under_torchrun(config: Any, plugins: Any, layout: Any, torchrun: TorchrunRank) -> ParallelEngine:
     from powertrain.log_setup import current_level
 
     if torchrun.world_size != layout.world_size:
@@ -142,7 +142,7 @@ def _start_under_torchrun(config: Any, layout: Any, torchrun: TorchrunRank) -> P
     port = config.parallel.frontend_port or torchrun.master_port + 1
     authkey = _secret(torchrun)
     placement = RankPlacement(layout=layout, rank=torchrun.rank, init_method="env://", local_rank=torchrun.local_rank)
-    device_type = _platform(config).device_type
+    device_type = _platform(config, plugins).device_type
     several_machines = torchrun.world_size > torchrun.local_world_size
     frontend = (torchrun.master_addr if several_machines else "127.0.0.1", port)
     worker_args = (config, placement, frontend, authkey)

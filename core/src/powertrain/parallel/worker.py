@@ -51,8 +51,12 @@ class WorkerInfo:
     experts: tuple[int, int] | None = None
 
 
+def _expert_layers(engine: Any) -> list[Any]:
+    return getattr(engine.runner.model, "routed_expert_layers", lambda: [])()
+
+
 def _expert_slice(engine: Any) -> tuple[int, int] | None:
-    layers = getattr(engine.runner.model, "routed_expert_layers", lambda: [])()
+    layers = _expert_layers(engine)
     return (layers[0].first_expert, layers[0].local_experts) if layers else None
 
 
@@ -61,7 +65,7 @@ def counters(engine: Any) -> dict[str, float]:
     lockstep = engine.runner.lockstep
     if lockstep is None:
         return {}
-    layers = getattr(engine.runner.model, "routed_expert_layers", lambda: [])()
+    layers = _expert_layers(engine)
     dispatcher = layers[0].dispatcher if layers else None
     return {
         "rounds": lockstep.rounds,

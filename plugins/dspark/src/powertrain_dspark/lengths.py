@@ -78,6 +78,12 @@ class StepsPerSecondGrid:
     """
 
     seconds: Mapping[tuple[int, int], float]
+    #: ``(intercept, seconds per token)`` fitted at each profiled count (``line``), once.
+    lines: Mapping[int, tuple[float, float]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        counts = sorted({n for n, _ in self.seconds})
+        object.__setattr__(self, "lines", {n: self.line(n) for n in counts})
 
     @classmethod
     def from_profile(cls, profile: Mapping[tuple[int, int], float]) -> StepsPerSecondGrid:
@@ -102,14 +108,14 @@ class StepsPerSecondGrid:
         return mean_t - slope * mean_b, slope
 
     def for_sequences(self, num_seqs: int) -> StepsPerSecond:
-        counts = sorted({n for n, _ in self.seconds})
+        counts = list(self.lines)
         n = max(num_seqs, 1)
         if len(counts) == 1:
-            intercept, slope = self.line(counts[0])
+            intercept, slope = self.lines[counts[0]]
         else:
             i = min(max(bisect.bisect_left(counts, n), 1), len(counts) - 1)
             lo, hi = counts[i - 1], counts[i]
-            (a_lo, g_lo), (a_hi, g_hi) = self.line(lo), self.line(hi)
+            (a_lo, g_lo), (a_hi, g_hi) = self.lines[lo], self.lines[hi]
             share = (n - lo) / (hi - lo)
             intercept, slope = a_lo + (a_hi - a_lo) * share, max(g_lo + (g_hi - g_lo) * share, 0.0)
         floor = min(self.seconds.values())  # a step never takes less than the fastest probe
