@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from powertrain.parallel.balance import PrefixBalancer, block_hashes
+from powertrain.deploy.balance import PrefixBalancer, block_hashes
 
 
 def prompt(rng: random.Random, length: int) -> list[int]:

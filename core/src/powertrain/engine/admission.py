@@ -1,7 +1,7 @@
 """The checks a request passes before any engine queues it.
 
 Shared by ``LLMEngine.add_request`` and the data-parallel front end
-(``parallel.frontend``), which must refuse bad input itself: once a request has left
+(``deploy.frontend``), which must refuse bad input itself: once a request has left
 for a worker process, an error there could only reach the caller late and indirectly.
 """
 

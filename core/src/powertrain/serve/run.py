@@ -36,7 +36,7 @@ def protocol_adapter(plugins: PluginManager, tokenizer: Any, model_config: Any) 
 
 def serve(config: EngineConfig, settings: ServeSettings) -> None:
     """Serve until interrupted; in-flight requests get ``graceful_shutdown_s`` to finish."""
-    from powertrain.parallel.launch import start_engine
+    from powertrain.deploy.launch import start_engine
 
     plugins = PluginManager.load(config.plugins)
     engine = start_engine(config, plugins)

@@ -24,7 +24,9 @@ from typing import Any
 import attrs
 import structlog
 
+from powertrain.assemble import build_engine
 from powertrain.engine.errors import InvalidRequestError
+from powertrain.log_setup import configure_logging
 from powertrain.parallel.layout import RankPlacement
 
 log = structlog.get_logger(__name__)
@@ -111,9 +113,6 @@ def run_worker(
 ) -> None:
     """A worker's whole life; the target of spawned processes and of torchrun ranks."""
     import torch
-
-    from powertrain.assemble import build_engine
-    from powertrain.log_setup import configure_logging
 
     if log_level:
         configure_logging(log_level)

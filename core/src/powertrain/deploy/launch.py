@@ -27,9 +27,12 @@ from typing import Any
 import attrs
 import structlog
 
-from powertrain.parallel.frontend import ParallelEngine
+from powertrain.assemble import build_engine, plan
+from powertrain.deploy.frontend import ParallelEngine
+from powertrain.deploy.worker import run_worker
+from powertrain.loader import load_checkpoint
+from powertrain.log_setup import current_level
 from powertrain.parallel.layout import ParallelLayoutError, RankPlacement, layout_of
-from powertrain.parallel.worker import run_worker
 
 log = structlog.get_logger(__name__)
 
@@ -75,22 +78,15 @@ def start_engine(config: Any, plugins: Any = None) -> Any:
     if torchrun is not None and torchrun.world_size > 1:
         return _start_under_torchrun(config, plugins, layout, torchrun)
     if layout.world_size == 1:
-        from powertrain.assemble import build_engine
-
         return build_engine(config, plugins)
     return _start_local(config, plugins, layout)
 
 
 def _platform(config: Any, plugins: Any) -> Any:
-    from powertrain.assemble import plan
-
     return plan(config, plugins, strict=False).platform
 
 
 def _start_local(config: Any, plugins: Any, layout: Any) -> ParallelEngine:
-    from powertrain.loader import load_checkpoint
-    from powertrain.log_setup import current_level
-
     checkpoint = load_checkpoint(config.model.path)  # the front end's tokenizer; no weights
     device_type = _platform(config, plugins).device_type
     authkey = os.urandom(32)
@@ -132,8 +128,6 @@ def _secret(torchrun: TorchrunRank) -> bytes:
 
 
 def _start_under_torchrun(config: Any, plugins: Any, layout: Any, torchrun: TorchrunRank) -> ParallelEngine:
-    from powertrain.log_setup import current_level
-
     if torchrun.world_size != layout.world_size:
         raise ParallelLayoutError(
             f"torchrun started {torchrun.world_size} processes, but data_parallel={layout.data_parallel}, "
@@ -156,8 +150,6 @@ def _start_under_torchrun(config: Any, plugins: Any, layout: Any, torchrun: Torc
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-    from powertrain.loader import load_checkpoint
 
     checkpoint = load_checkpoint(config.model.path)
     listener = Listener(("0.0.0.0" if several_machines else "127.0.0.1", port), authkey=authkey)  # noqa: S104

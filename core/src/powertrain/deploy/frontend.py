@@ -27,14 +27,15 @@ from typing import Any
 import attrs
 import structlog
 
+from powertrain.assemble import model_length
+from powertrain.deploy.balance import PrefixBalancer
+from powertrain.deploy.worker import HEARTBEAT_S, WorkerInfo
 from powertrain.engine.admission import admit
 from powertrain.engine.engine import EngineStats
 from powertrain.engine.errors import EngineDeadError
 from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.sequence import CompletionOutput, RequestOutput
-from powertrain.parallel.balance import PrefixBalancer
 from powertrain.parallel.layout import ParallelLayout
-from powertrain.parallel.worker import HEARTBEAT_S, WorkerInfo
 
 log = structlog.get_logger(__name__)
 
@@ -75,8 +76,6 @@ class ParallelEngine:
         silence_timeout_s: float = 60.0,
     ) -> None:
         """``processes``: the workers this front end started (by rank), watched for exits."""
-        from powertrain.assemble import model_length
-
         self.config = config
         self.layout = layout
         self.tokenizer = checkpoint.tokenizer

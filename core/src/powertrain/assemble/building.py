@@ -1,0 +1,196 @@
+"""Building: a plan's choices -> the Protocol objects the hot path calls directly.
+
+Each ``build_*`` calls the chosen record's factory with its context and checks that
+the object implements the Protocols its record claims, so a plugin that built the
+wrong thing fails here, naming itself, and pluggy never runs per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from powertrain import interfaces
+from powertrain.assemble.planning import AssemblyError, Plan
+from powertrain.engine.block_manager import BlockManager
+from powertrain.engine.device_thread import DeviceThread
+from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
+from powertrain.engine.speculative import SpeculativeContext, StepsPerSecondProfiler
+from powertrain.parallel.expert import ExpertParallel, build_dispatcher
+from powertrain.parallel.layout import RankPlacement, layout_of
+
+log = structlog.get_logger(__name__)
+
+
+def _build(plan: Plan, kind: str, context: Any, protocols: tuple[type, ...]) -> Any:
+    provided = plan.chosen(kind)
+    obj = provided.record.factory(context)
+    lacking = [p.__name__ for p in protocols if not isinstance(obj, p)]
+    if lacking:
+        raise AssemblyError(
+            [
+                f"{kind} {provided.record.name!r} from plugin {provided.plugin.name} "
+                f"({provided.plugin.distribution}) built {type(obj).__name__}, which does not "
+                f"implement powertrain.interfaces.{' and '.join(lacking)}"
+            ]
+        )
+    log.debug("component built", kind=kind, name=provided.record.name, plugin=provided.plugin.name)
+    return obj
+
+
+def _device(plan: Plan, local_rank: int | None) -> torch.device:
+    """The device of this process: each local rank owns one accelerator."""
+    if plan.platform.device_type == "cpu" or local_rank is None:
+        return plan.device
+    return torch.device(plan.platform.device_type, local_rank)
+
+
+def build_attention(
+    plan: Plan, dtype: torch.dtype, block_size: int | None = None, *, local_rank: int | None = None
+) -> Any:
+    """The chosen attention backend; it must implement the Protocols its capabilities claim
+    (``AttentionBackend`` for gqa/mha, ``MLAAttentionBackend`` for mla)."""
+    context = interfaces.AttentionBackendContext(
+        platform=plan.platform,
+        device=_device(plan, local_rank),
+        dtype=dtype,
+        block_size=block_size or plan.config.cache.block_size,
+    )
+    capabilities = plan.chosen("attention").record.capabilities
+    protocols = tuple(
+        protocol
+        for protocol, tags in (
+            (interfaces.AttentionBackend, {"gqa", "mha"}),
+            (interfaces.MLAAttentionBackend, {"mla"}),
+            (interfaces.RotaryAttentionBackend, {"fused-rotary"}),
+            (interfaces.RMSNormKernel, {"fused-rmsnorm"}),
+        )
+        if capabilities & tags
+    )
+    return _build(plan, "attention", context, protocols or (interfaces.AttentionBackend,))
+
+
+def build_moe(plan: Plan, dtype: torch.dtype, *, local_rank: int | None = None) -> interfaces.MoEBackend:
+    context = interfaces.MoEBackendContext(platform=plan.platform, device=_device(plan, local_rank), dtype=dtype)
+    return _build(plan, "moe", context, (interfaces.MoEBackend,))
+
+
+def build_communicator(
+    plan: Plan,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    init_method: str = "env://",
+    local_rank: int | None = None,
+) -> interfaces.Communicator:
+    context = interfaces.CommunicatorContext(
+        platform=plan.platform,
+        device=_device(plan, rank if local_rank is None else local_rank),
+        rank=rank,
+        world_size=world_size,
+        init_method=init_method,
+    )
+    return _build(plan, "communication", context, (interfaces.Communicator,))
+
+
+def build_scheduler(plan: Plan, block_manager: BlockManager) -> interfaces.Scheduler:
+    """The chosen scheduler over the engine's block manager, within ``[scheduler]``'s limits."""
+    settings = plan.config.scheduler
+    limits = SchedulerLimits(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        chunked_prefill=settings.chunked_prefill,
+    )
+    return plan.chosen("scheduler").record.factory(SchedulerContext(limits=limits, block_manager=block_manager))
+
+
+def check_expert_parallel_fits(placement: RankPlacement | None, needs_moe: bool, checkpoint: Any, model: str) -> None:
+    """Expert parallelism splits routed experts; a model without them cannot use it."""
+    if placement is not None and placement.layout.expert_parallel_enabled and not needs_moe:
+        raise AssemblyError(
+            [
+                f"expert_parallel={placement.layout.expert_parallel}: {checkpoint.path} has no routed experts "
+                f"({model}); use data_parallel alone"
+            ]
+        )
+
+
+def join_expert_parallel(plan: Plan, placement: RankPlacement | None) -> ExpertParallel | None:
+    """Join the process group and build the exchange, when the layout splits experts."""
+    layout = layout_of(plan.config)
+    if placement is None:
+        if layout.world_size > 1:
+            raise AssemblyError(
+                [
+                    f"[parallel] data_parallel={layout.data_parallel}, expert_parallel={layout.expert_parallel} "
+                    f"runs {layout.world_size} processes: use powertrain.LLM, `powertrain generate` or "
+                    "`powertrain serve`, which launch them (powertrain.deploy), not build_engine"
+                ]
+            )
+        return None
+    if not layout.expert_parallel_enabled:
+        return None
+    communicator = build_communicator(
+        plan,
+        rank=placement.rank,
+        world_size=layout.world_size,
+        init_method=placement.init_method,
+        local_rank=0,  # a worker sees only its own accelerator (deploy.worker)
+    )
+    dispatcher = build_dispatcher(plan.chosen("communication").record, communicator)
+    log.info("expert parallel", rank=placement.rank, world_size=layout.world_size, dispatcher=type(dispatcher).__name__)
+    return ExpertParallel(placement=placement, communicator=communicator, dispatcher=dispatcher)
+
+
+def build_speculative(
+    plan: Plan,
+    model: interfaces.CausalLM,
+    kv_caches: Sequence[interfaces.LayerKVCache],
+    num_blocks: int,
+    attention: Any,
+    dtype: torch.dtype,
+    device_thread: DeviceThread,
+    vocab_size: int,
+    expert_parallel_size: int = 1,
+) -> Any:
+    """The chosen speculative policy, built on the device thread (it profiles the
+    target there), or None when speculation is off."""
+    resolution = plan.resolutions.get("speculative")
+    if resolution is None or resolution.provided is None:
+        return None
+    record = plan.chosen("speculative").record
+    block_size = plan.config.cache.block_size
+
+    def allocate(layers: Sequence[interfaces.AttentionLayerSpec], extra_blocks: int = 0) -> list[Any]:
+        specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
+        return [spec.allocate(num_blocks + extra_blocks, plan.device) for spec in specs]
+
+    context = SpeculativeContext(
+        config=plan.sections.get(record.config_section) if record.config_section else None,
+        model=model,
+        vocab_size=vocab_size,
+        device=plan.device,
+        block_size=block_size,
+        measure_steps_per_second=StepsPerSecondProfiler(model, list(kv_caches), block_size, num_blocks, plan.device),
+        allocate_kv_caches=allocate,
+        expert_parallel_size=expert_parallel_size,
+    )
+    policy = device_thread.run(record.factory, context)
+    log.info("speculative decoding", policy=record.name)
+    return policy
+
+
+def step_observer(plan: Plan) -> Any:
+    """The ``on_step`` callback for the engine: None unless a plugin observes steps, so
+    no pluggy call runs per step for nobody."""
+    hooks = plan.plugins.hook
+    if not hooks.powertrain_step_finished.get_hookimpls():
+        return None
+
+    def on_step(engine: Any, stats: Any) -> None:
+        hooks.powertrain_step_finished(engine=engine, stats=stats)
+
+    return on_step

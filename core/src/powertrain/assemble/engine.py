@@ -1,0 +1,145 @@
+"""``build_engine``: config -> a ready ``LLMEngine``, as a sequence of named steps.
+
+Order matters: the checkpoint's config says which architecture (and so which
+capabilities) the model needs before components are planned; the chosen attention
+backend's KVCacheSpec then sizes the cache from the memory budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import structlog
+
+from powertrain.assemble.building import (
+    build_attention,
+    build_scheduler,
+    build_speculative,
+    check_expert_parallel_fits,
+    join_expert_parallel,
+    step_observer,
+)
+from powertrain.assemble.loading import LoadedModel, load_model, model_length, resolve_dtype
+from powertrain.assemble.planning import Plan, find_architecture, plan
+from powertrain.config import EngineConfig
+from powertrain.engine.block_manager import BlockManager
+from powertrain.engine.device_thread import DeviceThread
+from powertrain.engine.engine import LLMEngine
+from powertrain.engine.model_runner import ModelRunner
+from powertrain.engine.sampler import Sampler
+from powertrain.engine.structured import StructuredOutputs
+from powertrain.loader import load_checkpoint
+from powertrain.parallel.expert import ExpertParallel
+from powertrain.parallel.layout import RankPlacement
+from powertrain.parallel.lockstep import Lockstep
+from powertrain.plugins import PluginManager
+
+log = structlog.get_logger(__name__)
+
+
+def build_engine(
+    config: EngineConfig | None = None, plugins: PluginManager | None = None, placement: RankPlacement | None = None
+) -> LLMEngine:
+    """Load the model named by ``config`` and assemble a ready ``LLMEngine``.
+
+    ``placement`` is this process's rank when ``[parallel]`` asks for several
+    (``powertrain.deploy`` launches them and passes it).
+    """
+    config = config or EngineConfig()
+    plugins = plugins or PluginManager.load(config.plugins)
+    checkpoint = load_checkpoint(config.model.path)
+    architecture = find_architecture(plugins, checkpoint.config, str(checkpoint.path))
+    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
+    needs_moe = "moe" in requirements
+    chosen = plan(config, plugins, requirements=requirements)
+
+    dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
+    attention = build_attention(chosen, dtype)
+    check_expert_parallel_fits(placement, needs_moe, checkpoint, architecture.record.name)
+    experts = join_expert_parallel(chosen, placement)
+    device_thread = DeviceThread()
+    with _released_on_failure(device_thread, experts):
+        loaded = device_thread.run(load_model, chosen, architecture, checkpoint, attention, dtype, needs_moe, experts)
+        runner = _model_runner(chosen, loaded, checkpoint, experts, dtype)
+        runner.speculative = build_speculative(
+            chosen,
+            loaded.model,
+            loaded.kv_caches,
+            loaded.num_blocks,
+            attention,
+            dtype,
+            device_thread,
+            int(checkpoint.config["vocab_size"]),
+            experts.placement.layout.expert_parallel if experts else 1,
+        )
+    block_manager = BlockManager(loaded.num_blocks, config.cache.block_size, config.cache.prefix_caching)
+    hooks = plugins.hook
+    engine = LLMEngine(
+        tokenizer=checkpoint.tokenizer,
+        scheduler=build_scheduler(chosen, block_manager),
+        block_manager=block_manager,
+        runner=runner,
+        max_model_len=model_length(config, checkpoint.config),
+        async_scheduling=config.scheduler.async_scheduling,
+        on_step=step_observer(chosen),
+        on_shutdown=lambda e: _stopped(hooks, e, experts),
+        model_name=config.model.path,
+        model_config=checkpoint.config,
+        device_thread=device_thread,
+    )
+    log.info(
+        "engine ready",
+        model=config.model.path,
+        dtype=str(dtype),
+        attention=chosen.resolutions["attention"].name,
+        kv_blocks=loaded.num_blocks,
+        kv_gib=round(loaded.num_blocks * loaded.bytes_per_block / 2**30, 3),
+    )
+    hooks.powertrain_engine_started(engine=engine)
+    return engine
+
+
+def _model_runner(
+    chosen: Plan, loaded: LoadedModel, checkpoint: Any, experts: ExpertParallel | None, dtype: Any
+) -> ModelRunner:
+    """The runner of ``loaded``; under expert parallelism it keeps every rank's MoE
+    layers in step (``parallel.lockstep``)."""
+    runner = ModelRunner(
+        loaded.model,
+        loaded.kv_caches,
+        chosen.config.cache.block_size,
+        chosen.device,
+        Sampler(chosen.config.model.seed),
+        structured=StructuredOutputs(checkpoint.tokenizer),
+    )
+    if experts is not None:
+        runner.lockstep = Lockstep(
+            experts.communicator,
+            loaded.model.routed_expert_layers(),
+            int(checkpoint.config["hidden_size"]),
+            dtype,
+            chosen.device,
+        )
+    return runner
+
+
+@contextlib.contextmanager
+def _released_on_failure(device_thread: DeviceThread, experts: ExpertParallel | None) -> Iterator[None]:
+    """A build that fails leaves no thread running and no process group joined."""
+    try:
+        yield
+    except BaseException:
+        device_thread.shutdown()
+        if experts is not None:
+            experts.communicator.close()
+        raise
+
+
+def _stopped(hooks: Any, engine: Any, experts: ExpertParallel | None) -> None:
+    try:
+        hooks.powertrain_engine_stopped(engine=engine)
+    finally:
+        if experts is not None:
+            experts.communicator.close()
