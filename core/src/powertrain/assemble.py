@@ -17,7 +17,7 @@ import torch
 from powertrain import interfaces
 from powertrain.components import Availability, PlatformInfo
 from powertrain.config import EngineConfig, validate_sections
-from powertrain.layers.linear import can_pack, pack_linears
+from powertrain.layers.linear import pack_for_platform
 from powertrain.layers.norm import use_norm_kernel
 from powertrain.parallel.expert import ExpertParallel, build_dispatcher
 from powertrain.parallel.layout import RankPlacement, layout_of
@@ -389,8 +389,7 @@ def _load_model(
             fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None), wanted=getattr(model, "wants_weight", None)
         )
     )
-    if can_pack(result.device, dtype):
-        log.info("packed linear weights for oneDNN", layers=pack_linears(model))
+    pack_for_platform(model, result.platform, dtype)
     if isinstance(attention, interfaces.RMSNormKernel):
         log.info("rmsnorm through the attention backend's kernel", norms=use_norm_kernel(model, attention))
 
