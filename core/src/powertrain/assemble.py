@@ -143,7 +143,7 @@ def _resolve_platform(config: EngineConfig, plugins: PluginManager) -> tuple[Res
         )
         for p in plugins.records("platform")
     ]
-    host = detected.get("cpu") or next(iter(detected.values()), None)
+    host = next((info for info in detected.values() if info.host), None) or next(iter(detected.values()), None)
     if host is None:
         raise AssemblyError(["no platform is registered; is the builtin-platforms plugin disabled?"])
     resolution = _select(plugins, "platform", config.components.platform, candidates, host, {}, True)
@@ -263,8 +263,8 @@ def _build(plan: Plan, kind: str, context: Any, protocols: tuple[type, ...]) -> 
 
 
 def _device(plan: Plan, local_rank: int | None) -> torch.device:
-    """The device of this process: each local rank owns one accelerator."""
-    if plan.platform.device_type == "cpu" or local_rank is None:
+    """The device of this process: on a platform with a device per rank, its local rank's."""
+    if not plan.platform.device_per_rank or local_rank is None:
         return plan.device
     return torch.device(plan.platform.device_type, local_rank)
 
@@ -321,12 +321,12 @@ def build_communicator(
 
 
 def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Mapping[str, Any]) -> torch.dtype:
-    """``auto``: float32 on CPU (exact, and fast enough there); on accelerators the
-    checkpoint's half precision, bfloat16 when it names none."""
+    """``auto``: the platform's own choice (float32 on CPU: exact, and fast enough there);
+    otherwise (accelerators) the checkpoint's half precision, bfloat16 when it names none."""
     if requested != "auto":
         return getattr(torch, requested)
-    if platform.device_type == "cpu":
-        return torch.float32
+    if platform.auto_dtype is not None:
+        return platform.auto_dtype
     stored = str(checkpoint_config.get("torch_dtype") or checkpoint_config.get("dtype") or "bfloat16")
     return torch.float16 if stored.endswith("float16") and "b" not in stored else torch.bfloat16
 
@@ -334,9 +334,8 @@ def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Map
 def _kv_budget_bytes(config: EngineConfig, platform: PlatformInfo, device: torch.device) -> int:
     if config.cache.memory_gib is not None:
         return int(config.cache.memory_gib * 2**30)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
+    if platform.free_memory is not None:
+        return int(platform.free_memory(device) * 0.85)
     total = platform.total_memory_bytes or 16 * 2**30
     return int(min(4 * 2**30, total // 4))
 
@@ -367,10 +366,12 @@ def _load_model(
 ) -> tuple[Any, list[Any], int, int]:
     """Build the model, load its weights and allocate its KV cache (on the device thread)."""
     moe = build_moe(result, dtype) if needs_moe else None
-    # FP8 experts stay FP8 only where the MoE backend multiplies them itself; on a CPU
-    # everything is dequantized at load (there is no FP8 matmul to gain from).
+    # FP8 experts stay FP8 only where the MoE backend multiplies them itself and the
+    # platform keeps FP8 weights; elsewhere (a CPU) everything is dequantized at load.
     keeps_fp8 = (
-        moe is not None and result.device.type != "cpu" and "fp8-block" in result.chosen("moe").record.capabilities
+        moe is not None
+        and result.platform.keeps_fp8_weights
+        and "fp8-block" in result.chosen("moe").record.capabilities
     )
     context = interfaces.ModelContext(
         config=checkpoint.config,
