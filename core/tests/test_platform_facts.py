@@ -172,6 +172,8 @@ def test_platform_info_refuses_malformed_facts() -> None:
         type(info)(name="x", device_type="x", availability=info.availability, auto_dtype="float32")
     with pytest.raises(TypeError, match="packed_linear_dtypes takes torch.dtype"):
         type(info)(name="x", device_type="x", availability=info.availability, packed_linear_dtypes={"bfloat16"})
+    with pytest.raises(TypeError, match="packed_linear_dtypes takes torch.dtype"):
+        type(info)(name="x", device_type="x", availability=info.availability, packed_linear_dtypes={None})
 
 
 @pytest.mark.parametrize(("visible", "local_rank", "expected"), [("", 1, "1"), ("4,6, 7", 2, " 7"), ("3", 2, "2")])

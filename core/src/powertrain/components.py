@@ -100,8 +100,8 @@ def _dtypes(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """A torch.dtype, None, or a set of dtypes (torch is imported only when a value is checked)."""
     import torch
 
-    values = value if isinstance(value, frozenset) else {value}
-    wrong = [v for v in values if v is not None and not isinstance(v, torch.dtype)]
+    values = value if isinstance(value, frozenset) else set() if value is None else {value}
+    wrong = [v for v in values if not isinstance(v, torch.dtype)]
     if wrong:
         raise TypeError(f"{type(instance).__name__}.{attribute.name} takes torch.dtype values, got {wrong!r}")
 
