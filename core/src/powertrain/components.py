@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    import torch
 
 #: Component names are what users type into engine.toml and see in CLI output.
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
@@ -93,9 +96,27 @@ class Availability:
         return f"unavailable: {self.reason}"
 
 
+def _dtypes(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """A torch.dtype, None, or a set of dtypes (torch is imported only when a value is checked)."""
+    import torch
+
+    values = value if isinstance(value, frozenset) else set() if value is None else {value}
+    wrong = [v for v in values if not isinstance(v, torch.dtype)]
+    if wrong:
+        raise TypeError(f"{type(instance).__name__}.{attribute.name} takes torch.dtype values, got {wrong!r}")
+
+
 @attrs.frozen(kw_only=True)
 class PlatformInfo:
-    """What detection found for one device family on this machine."""
+    """What detection found for one device family on this machine, and the facts core
+    acts on there instead of branching on a platform's name.
+
+    The facts below ``dist_backend`` say how the family is used (which variable pins a
+    process to its device, whether its barrier needs device ids, ...); ``detect`` fills
+    them whether or not it found hardware, so an unavailable platform still reads true.
+    Their defaults are what is safe for a new family: no device selection, no FP8
+    weights, no weight packing, a memory budget from ``total_memory_bytes``.
+    """
 
     name: str
     device_type: str
@@ -106,6 +127,42 @@ class PlatformInfo:
     capability: tuple[int, int] | None = None
     total_memory_bytes: int = 0
     dist_backend: str = "gloo"
+
+    #: The host CPU itself: always present, so platform selection is judged against it
+    #: and a plan that resolves no platform reports it.
+    host: bool = False
+    #: What ``dtype = "auto"`` means here; None: the checkpoint's half precision
+    #: (bfloat16 when it names none), right for accelerators.
+    auto_dtype: torch.dtype | None = attrs.field(default=None, validator=_dtypes)
+    #: Each local rank owns one device, ``torch.device(device_type, local_rank)``; False:
+    #: all ranks share the one un-indexed device (the host).
+    device_per_rank: bool = False
+    #: Environment variable that limits a process to some of the devices (set before the
+    #: device runtime starts), e.g. CUDA_VISIBLE_DEVICES; None: the family has none.
+    visible_devices_env: str | None = None
+    #: Ranks on this family compute on the host's cores, so a launcher splits torch's
+    #: threads among the local ranks instead of oversubscribing them.
+    shares_host_cores: bool = False
+    #: Makes a device this process's current one (``torch.cuda.set_device``); collective
+    #: backends set up groups and barriers on the current device. None: nothing to select.
+    set_device: Callable[[torch.device], None] | None = attrs.field(default=None, validator=_callable)
+    #: The ``dist_backend``'s barrier must be told the device (``barrier(device_ids=)``),
+    #: as NCCL's must, or it guesses one.
+    barrier_needs_device_ids: bool = False
+    #: Free bytes on a device now, ``free_memory(torch.device) -> int``: the KV cache is
+    #: sized from it. None: sized from ``total_memory_bytes`` instead.
+    free_memory: Callable[[torch.device], int] | None = attrs.field(default=None, validator=_callable)
+    #: FP8 checkpoint weights may stay FP8 here, for MoE backends that multiply them
+    #: directly; False: they are dequantized at load (no FP8 matmul to gain from).
+    keeps_fp8_weights: bool = False
+    #: Dtypes whose projection weights are packed once at load for this platform's
+    #: kernels (oneDNN on a CPU: ``layers.linear``); others run plain ``F.linear``.
+    packed_linear_dtypes: frozenset[torch.dtype] = attrs.field(
+        converter=frozenset, factory=frozenset, validator=_dtypes
+    )
+    #: Why ``packed_linear_dtypes`` holds what it holds, logged when a dtype is not packed;
+    #: empty where packing is not a thing (accelerators).
+    linear_packing_note: str = ""
 
     @property
     def available(self) -> bool:
@@ -118,6 +175,9 @@ class PlatformRecord:
 
     ``detect`` must never raise because hardware or an SDK is missing: it returns a
     PlatformInfo whose availability says why not. Vendor SDK imports belong inside it.
+    What core does differently per family (free memory, the visible-devices variable,
+    weight packing, ...) are facts of that PlatformInfo, so they reach every backend
+    context with it: a new family gets what CUDA gets by filling them in.
     """
 
     name: str = attrs.field(validator=_valid_name)

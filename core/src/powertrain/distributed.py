@@ -125,6 +125,10 @@ class TorchDistributedCommunicator:
         self.world_size = ctx.world_size
         self.device = ctx.device
         self._closed = False
+        # The platform's backend wants the device named in barriers (NCCL): only when the
+        # group runs that backend and this rank has an indexed device.
+        self._barrier_device_ids = ctx.platform.barrier_needs_device_ids and ctx.device.index is not None
+        self._platform_backend = ctx.platform.dist_backend
         if dist.is_initialized():
             have_rank, have_size = dist.get_rank(), dist.get_world_size()
             if (have_rank, have_size) != (ctx.rank, ctx.world_size):
@@ -138,11 +142,9 @@ class TorchDistributedCommunicator:
             self.backend = str(dist.get_backend())
             return
         backend = ctx.platform.dist_backend
-        if ctx.device.type != "cpu" and ctx.device.index is not None:
+        if ctx.platform.set_device is not None and ctx.device.index is not None:
             # nccl/hccl pick the current device for group setup and barriers.
-            device_module = getattr(torch, ctx.device.type, None)
-            if device_module is not None and hasattr(device_module, "set_device"):
-                device_module.set_device(ctx.device)
+            ctx.platform.set_device(ctx.device)
         dist.init_process_group(
             backend=backend,
             init_method=ctx.init_method,
@@ -205,7 +207,7 @@ class TorchDistributedCommunicator:
 
     def barrier(self) -> None:
         dist = self._dist()
-        if self.backend == "nccl" and self.device.type == "cuda" and self.device.index is not None:
+        if self._barrier_device_ids and self.backend == self._platform_backend:
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()

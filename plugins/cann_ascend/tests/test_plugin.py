@@ -4,15 +4,19 @@ not usable here (torch_npu and CANN are what these tests stand in for)."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import types
 from pathlib import Path
 
+import attrs
 import pytest
 
+from powertrain.assemble.loading import kv_budget_bytes
+from powertrain.config import EngineConfig
 from powertrain.testing import PluginContract
-from powertrain_cann_ascend import support
+from powertrain_cann_ascend import plugin, support
 
 
 class TestContract(PluginContract):
@@ -30,11 +34,21 @@ def test_plugins_command_reports_the_pack_unavailable_with_the_reason() -> None:
     assert row["reason"].count("torch_npu is not installed") == 1
 
 
+def assert_npu_facts(info: object) -> None:
+    """What core does on an NPU comes from these facts, found NPU or not (no platform branches in core)."""
+    assert info.dist_backend == "hccl" and info.device_per_rank and not info.host
+    assert info.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+    assert info.free_memory is support.npu_free_memory and info.set_device is support.npu_set_device
+    assert info.keeps_fp8_weights and not info.barrier_needs_device_ids
+    assert info.auto_dtype is None and not info.shares_host_cores and not info.packed_linear_dtypes
+
+
 def test_no_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(support, "_installed", lambda module: False)
     info = support.detect_npu()
     assert not info.available and info.dist_backend == "hccl"
     assert "torch_npu is not installed" in info.availability.reason
+    assert_npu_facts(info)
 
 
 def test_no_cann_toolkit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -60,12 +74,21 @@ def test_torch_npu_import_failure_is_reported(monkeypatch: pytest.MonkeyPatch, t
     assert "import torch_npu failed" in reason and "libhccl.so" in reason and str(tmp_path) in reason
 
 
-def _fake_torch_npu(count: int) -> types.ModuleType:
-    """Only what detection reads: torch_npu.npu's device count, name and properties."""
+def _fake_torch_npu(count: int, free_bytes: int = 0, calls: list | None = None) -> types.ModuleType:
+    """Only what detection and the platform facts read: torch_npu.npu's device count, name and
+    properties, free memory and device selection (these two record what they were asked)."""
+    calls = [] if calls is None else calls
+
+    def mem_get_info(device: object) -> tuple[int, int]:
+        calls.append(("mem_get_info", device))
+        return free_bytes, 64 * 2**30
+
     npu = types.SimpleNamespace(
         device_count=lambda: count,
         get_device_name=lambda index: "Ascend910B3",
         get_device_properties=lambda index: types.SimpleNamespace(total_memory=64 * 2**30),
+        mem_get_info=mem_get_info,
+        set_device=lambda device: calls.append(("set_device", device)),
     )
     return types.SimpleNamespace(npu=npu)  # type: ignore[return-value]
 
@@ -81,3 +104,31 @@ def test_devices(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, count: int) ->
     else:
         assert info.available and info.device_count == 8 and info.device_name == "Ascend910B3"
         assert info.total_memory_bytes == 64 * 2**30 and info.dist_backend == "hccl"
+    assert_npu_facts(info)
+
+
+def test_the_kv_cache_is_sized_from_free_npu_memory_through_the_platform_record(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Mocked, because torch_npu and an NPU cannot exist on this machine: a fake torch_npu
+    reports a random amount of free memory. The pack's own record detects it, and assembly
+    sizes the KV cache from it exactly as it does from torch.cuda.mem_get_info on CUDA."""
+    free = random.randrange(2**30, 60 * 2**30)
+    calls: list = []
+    monkeypatch.setattr(support, "_installed", lambda module: True)
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    monkeypatch.setattr(support.importlib, "import_module", lambda name: _fake_torch_npu(8, free, calls))
+    (record,) = plugin.powertrain_platforms()
+    info = record.detect()
+    assert info.available
+    # Stands in for torch.device("npu", 0), which parses only once torch_npu has registered "npu".
+    device = object()
+
+    assert kv_budget_bytes(EngineConfig(), info, device) == int(free * 0.85), f"free={free}"
+    assert calls == [("mem_get_info", device)]
+    info.set_device(device)
+    assert calls[-1] == ("set_device", device)
+    config = EngineConfig()
+    explicit = attrs.evolve(config, cache=attrs.evolve(config.cache, memory_gib=1.5))
+    assert kv_budget_bytes(explicit, info, device) == int(1.5 * 2**30)  # [cache] memory_gib still wins
+    assert len(calls) == 2

@@ -42,8 +42,8 @@ def _build(plan: Plan, kind: str, context: Any, protocols: tuple[type, ...]) -> 
 
 
 def _device(plan: Plan, local_rank: int | None) -> torch.device:
-    """The device of this process: each local rank owns one accelerator."""
-    if plan.platform.device_type == "cpu" or local_rank is None:
+    """The device of this process: on a platform with a device per rank, its local rank's."""
+    if not plan.platform.device_per_rank or local_rank is None:
         return plan.device
     return torch.device(plan.platform.device_type, local_rank)
 

@@ -18,7 +18,7 @@ from powertrain.assemble.building import build_moe
 from powertrain.assemble.planning import AssemblyError, Plan
 from powertrain.components import PlatformInfo
 from powertrain.config import EngineConfig
-from powertrain.layers.linear import can_pack, pack_linears
+from powertrain.layers.linear import pack_for_platform
 from powertrain.layers.norm import use_norm_kernel
 from powertrain.parallel.expert import ExpertParallel
 from powertrain.plugins import Provided
@@ -40,12 +40,12 @@ class LoadedModel:
 
 
 def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Mapping[str, Any]) -> torch.dtype:
-    """``auto``: float32 on CPU (exact, and fast enough there); on accelerators the
-    checkpoint's half precision, bfloat16 when it names none."""
+    """``auto``: the platform's own choice (float32 on CPU: exact, and fast enough there);
+    otherwise (accelerators) the checkpoint's half precision, bfloat16 when it names none."""
     if requested != "auto":
         return getattr(torch, requested)
-    if platform.device_type == "cpu":
-        return torch.float32
+    if platform.auto_dtype is not None:
+        return platform.auto_dtype
     stored = str(checkpoint_config.get("torch_dtype") or checkpoint_config.get("dtype") or "bfloat16")
     return torch.float16 if stored.endswith("float16") and "b" not in stored else torch.bfloat16
 
@@ -83,9 +83,11 @@ def _build_model(
     experts: ExpertParallel | None,
 ) -> interfaces.CausalLM:
     moe = build_moe(plan, dtype) if needs_moe else None
-    # FP8 experts stay FP8 only where the MoE backend multiplies them itself; on a CPU
-    # everything is dequantized at load (there is no FP8 matmul to gain from).
-    keeps_fp8 = moe is not None and plan.device.type != "cpu" and "fp8-block" in plan.chosen("moe").record.capabilities
+    # FP8 experts stay FP8 only where the MoE backend multiplies them itself and the
+    # platform keeps FP8 weights; elsewhere (a CPU) everything is dequantized at load.
+    keeps_fp8 = (
+        moe is not None and plan.platform.keeps_fp8_weights and "fp8-block" in plan.chosen("moe").record.capabilities
+    )
     context = interfaces.ModelContext(
         config=checkpoint.config,
         dtype=dtype,
@@ -109,8 +111,7 @@ def _build_model(
 def _prepare_for_platform(model: interfaces.CausalLM, plan: Plan, attention: Any, dtype: torch.dtype) -> None:
     """Once-at-load changes that make the forward faster here: packed CPU weights, the
     attention pack's fused RMSNorm."""
-    if can_pack(plan.device, dtype):
-        log.info("packed linear weights for oneDNN", layers=pack_linears(model))
+    pack_for_platform(model, plan.platform, dtype)
     if isinstance(attention, interfaces.RMSNormKernel):
         log.info("rmsnorm through the attention backend's kernel", norms=use_norm_kernel(model, attention))
 
@@ -120,9 +121,8 @@ def kv_budget_bytes(config: EngineConfig, platform: PlatformInfo, device: torch.
     memory, else a quarter of the host's memory up to 4 GiB."""
     if config.cache.memory_gib is not None:
         return int(config.cache.memory_gib * 2**30)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
+    if platform.free_memory is not None:
+        return int(platform.free_memory(device) * 0.85)
     total = platform.total_memory_bytes or 16 * 2**30
     return int(min(4 * 2**30, total // 4))
 

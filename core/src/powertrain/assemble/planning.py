@@ -135,7 +135,7 @@ def _resolve_platform(config: EngineConfig, plugins: PluginManager) -> tuple[Res
         )
         for p in plugins.records("platform")
     ]
-    host = detected.get("cpu") or next(iter(detected.values()), None)
+    host = next((info for info in detected.values() if info.host), None) or next(iter(detected.values()), None)
     if host is None:
         raise AssemblyError(["no platform is registered; is the builtin-platforms plugin disabled?"])
     resolution = _select(plugins, "platform", config.components.platform, candidates, host, {}, True)

@@ -2,24 +2,63 @@
 
 CUDA detection goes through torch: capability and memory when torch sees a GPU,
 "unavailable: <reason>" otherwise (no GPU, a CPU-only torch build, a broken driver).
+Each detection also fills the facts core acts on (components.PlatformInfo), so core
+never asks which platform it runs on.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+from typing import TYPE_CHECKING, Any
 
 from powertrain import hookimpl
 from powertrain.components import Availability, PlatformInfo, PlatformRecord
 
+if TYPE_CHECKING:
+    import torch
+
 POWERTRAIN_HOOK_API = 1
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether this CPU runs oneDNN's bfloat16 kernels, as torch itself decides before it
+    refuses a bfloat16 weight reorder (x86: avx512bw + avx512vl + avx512dq, or
+    avx_ne_convert; Arm: bf16). False when this torch cannot say."""
+    import torch
+
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return probe is not None and bool(probe())
+
+
+def cpu_linear_packing() -> tuple[frozenset[torch.dtype], str]:
+    """The dtypes whose linear weights this CPU packs for oneDNN, and why these."""
+    import torch
+
+    from powertrain.layers.linear import onednn_packing_ops  # imports torch: not at plugin import
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not onednn_packing_ops():
+        return frozenset(), f"torch {torch.__version__} has no oneDNN linear packing (no mkldnn or its linear ops)"
+    if not onednn_bf16_supported():
+        return frozenset({torch.float32}), (
+            "oneDNN packs bfloat16 weights only on CPUs with bfloat16 kernels (x86: avx512bw, avx512vl and "
+            f"avx512dq, or avx_ne_convert); torch reports this CPU lacks them (vector capability {capability}), "
+            "so only float32 weights are packed"
+        )
+    return frozenset({torch.float32, torch.bfloat16}), (
+        f"oneDNN packs float32 and bfloat16 weights on this CPU (vector capability {capability})"
+    )
+
+
 def detect_cpu() -> PlatformInfo:
+    import torch
+
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not every OS exposes these
         memory = 0
+    packed, note = cpu_linear_packing()
     return PlatformInfo(
         name="cpu",
         device_type="cpu",
@@ -28,14 +67,44 @@ def detect_cpu() -> PlatformInfo:
         device_name=platform.processor() or platform.machine(),
         total_memory_bytes=memory,
         dist_backend="gloo",
+        host=True,
+        auto_dtype=torch.float32,  # exact, and fast enough on a CPU
+        shares_host_cores=True,
+        packed_linear_dtypes=packed,
+        linear_packing_note=note,
     )
+
+
+def cuda_free_memory(device: torch.device) -> int:
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def cuda_set_device(device: torch.device) -> None:
+    import torch
+
+    torch.cuda.set_device(device)
+
+
+#: What is true of CUDA whether or not detection finds a GPU.
+CUDA_FACTS: dict[str, Any] = {
+    "dist_backend": "nccl",
+    "device_per_rank": True,
+    "visible_devices_env": "CUDA_VISIBLE_DEVICES",
+    "set_device": cuda_set_device,
+    "barrier_needs_device_ids": True,
+    "free_memory": cuda_free_memory,
+    "keeps_fp8_weights": True,
+}
 
 
 def detect_cuda() -> PlatformInfo:
     import torch
 
     def unavailable(reason: str) -> PlatformInfo:
-        return PlatformInfo(name="cuda", device_type="cuda", dist_backend="nccl", availability=Availability.no(reason))
+        return PlatformInfo(name="cuda", device_type="cuda", availability=Availability.no(reason), **CUDA_FACTS)
 
     if torch.version.cuda is None:
         return unavailable(f"torch {torch.__version__} was built without CUDA")
@@ -57,7 +126,7 @@ def detect_cuda() -> PlatformInfo:
         device_name=props.name,
         capability=(props.major, props.minor),
         total_memory_bytes=props.total_memory,
-        dist_backend="nccl",
+        **CUDA_FACTS,
     )
 
 

@@ -88,11 +88,11 @@ def _platform(config: Any, plugins: Any) -> Any:
 
 def _start_local(config: Any, plugins: Any, layout: Any) -> ParallelEngine:
     checkpoint = load_checkpoint(config.model.path)  # the front end's tokenizer; no weights
-    device_type = _platform(config, plugins).device_type
+    platform = _platform(config, plugins)
     authkey = os.urandom(32)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     rendezvous = tempfile.mkdtemp(prefix="powertrain-dist-")
-    threads = max(1, (os.cpu_count() or 1) // layout.world_size) if device_type == "cpu" else None
+    threads = max(1, (os.cpu_count() or 1) // layout.world_size) if platform.shares_host_cores else None
     context = multiprocessing.get_context("spawn")
     processes = {}
     for rank in range(layout.world_size):
@@ -100,7 +100,7 @@ def _start_local(config: Any, plugins: Any, layout: Any) -> ParallelEngine:
         processes[rank] = context.Process(
             target=run_worker,
             args=(config, placement, listener.address, authkey),
-            kwargs={"device_type": device_type, "threads": threads, "log_level": current_level},
+            kwargs={"visible_devices": platform.visible_devices_env, "threads": threads, "log_level": current_level},
             name=f"powertrain-rank{rank}",
             daemon=True,
         )
@@ -136,11 +136,11 @@ def _start_under_torchrun(config: Any, plugins: Any, layout: Any, torchrun: Torc
     port = config.parallel.frontend_port or torchrun.master_port + 1
     authkey = _secret(torchrun)
     placement = RankPlacement(layout=layout, rank=torchrun.rank, init_method="env://", local_rank=torchrun.local_rank)
-    device_type = _platform(config, plugins).device_type
+    visible_devices = _platform(config, plugins).visible_devices_env
     several_machines = torchrun.world_size > torchrun.local_world_size
     frontend = (torchrun.master_addr if several_machines else "127.0.0.1", port)
     worker_args = (config, placement, frontend, authkey)
-    worker_kwargs = {"device_type": device_type, "log_level": current_level}
+    worker_kwargs = {"visible_devices": visible_devices, "log_level": current_level}
     if torchrun.rank != 0:
         run_worker(*worker_args, **worker_kwargs)
         # Rank 0's front end stopped this worker and its process group is destroyed: the

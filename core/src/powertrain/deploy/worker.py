@@ -37,8 +37,6 @@ HEARTBEAT_S = 1.0
 IDLE_POLL_S = 0.005
 #: How long an idle rank without peers to keep in step blocks on its inbox.
 IDLE_BLOCK_S = 0.5
-#: Per-platform variable that limits a process to one accelerator.
-VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 @attrs.frozen(kw_only=True)
@@ -76,9 +74,12 @@ def counters(engine: Any) -> dict[str, float]:
     }
 
 
-def see_one_device(device_type: str, local_rank: int) -> None:
-    """Make this process see only its own accelerator (before anything initialises it)."""
-    variable = VISIBLE_DEVICES.get(device_type)
+def see_one_device(variable: str | None, local_rank: int) -> None:
+    """Make this process see only its own accelerator (before anything initialises it).
+
+    ``variable`` is the platform's visible-devices variable
+    (``PlatformInfo.visible_devices_env``); None: the platform has none, nothing to do.
+    """
     if variable is None:
         return
     visible = [d for d in os.environ.get(variable, "").split(",") if d.strip()]
@@ -106,7 +107,7 @@ def run_worker(
     address: tuple[str, int],
     authkey: bytes,
     *,
-    device_type: str = "cpu",
+    visible_devices: str | None = None,
     threads: int | None = None,
     log_level: str | None = None,
     connect_timeout_s: float = 600.0,
@@ -117,7 +118,7 @@ def run_worker(
     if log_level:
         configure_logging(log_level)
     structlog.contextvars.bind_contextvars(rank=placement.rank)
-    see_one_device(device_type, placement.local_rank)
+    see_one_device(visible_devices, placement.local_rank)
     if threads:
         torch.set_num_threads(threads)
     conn = connect(address, authkey, connect_timeout_s)

@@ -8,20 +8,30 @@ freezing does) avoids both. Measured on this project's 2-core AMD EPYC dev box, 
 a 1536x576 weight: 64 rows 0.60 ms -> 0.26 ms, 2048 rows 17.1 ms -> 7.3 ms; the
 49152x576 SmolLM2 head at 4 rows 12.6 ms -> 2.5 ms. Results agree with
 ``F.linear`` to float32 rounding (a different summation order), not bit for bit.
+
+Whether a dtype is packed is the platform's fact (``PlatformInfo.packed_linear_dtypes``,
+which the CPU platform derives from what this CPU can run): bfloat16 packing, for one,
+needs CPU features that many CPUs lack, and torch refuses it there.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import structlog
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from powertrain.components import PlatformInfo
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build packs linear weights for ``device`` and ``dtype``."""
+log = structlog.get_logger(__name__)
+
+
+def onednn_packing_ops() -> bool:
+    """Whether this torch build has oneDNN's linear packing ops at all (any CPU, any dtype)."""
     return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -56,3 +66,24 @@ def pack_linears(model: nn.Module) -> int:
     for layer in layers:
         layer.pack()
     return len(layers)
+
+
+def pack_for_platform(model: nn.Module, platform: PlatformInfo, dtype: torch.dtype) -> int:
+    """Pack ``model``'s linears where ``platform`` packs ``dtype``; returns how many were packed.
+
+    Elsewhere they stay plain ``F.linear``, and where the platform packs other dtypes one
+    info line says why not this one (a bfloat16 model on a CPU without bfloat16 kernels).
+    """
+    if dtype in platform.packed_linear_dtypes:
+        packed = pack_linears(model)
+        log.info("packed linear weights for oneDNN", layers=packed, dtype=str(dtype))
+        return packed
+    if platform.linear_packing_note:
+        log.info(
+            "linear weights not packed: plain F.linear",
+            platform=platform.name,
+            dtype=str(dtype),
+            packed_dtypes=sorted(str(d) for d in platform.packed_linear_dtypes),
+            why=platform.linear_packing_note,
+        )
+    return 0

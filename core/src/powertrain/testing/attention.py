@@ -278,9 +278,9 @@ class AttentionBackendSuite(ComponentSuite):
         candidate = subject.provided.record.factory(
             AttentionBackendContext(platform=subject.platform, device=device, dtype=dtype, block_size=block_size)
         )
-        cpu = subject.plugins.platforms()["cpu"]
+        host = next(info for info in subject.plugins.platforms().values() if info.host)
         reference = find_component(subject.plugins, "attention", REFERENCE).record.factory(
-            AttentionBackendContext(platform=cpu, device=torch.device("cpu"), dtype=dtype, block_size=block_size)
+            AttentionBackendContext(platform=host, device=torch.device("cpu"), dtype=dtype, block_size=block_size)
         )
         return candidate, reference, device
 

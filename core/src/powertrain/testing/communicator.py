@@ -454,9 +454,9 @@ CHECKS: dict[str, Callable[[Any, CheckEnv], None]] = {
 
 
 def device_for(platform: PlatformInfo, rank: int) -> torch.device:
-    """One device per rank on accelerators; every rank shares the host on cpu."""
-    if platform.device_type == "cpu":
-        return torch.device("cpu")
+    """One device per rank where the platform has one per rank; else all ranks share its one (the host)."""
+    if not platform.device_per_rank:
+        return torch.device(platform.device_type)
     return torch.device(platform.device_type, rank % max(platform.device_count, 1))
 
 
@@ -685,7 +685,7 @@ class CommunicatorSuite(ComponentSuite):
         if limit is not None and world_size > limit:
             pytest.skip(f"{cls.component} declares max_world_size={limit}, so world size {world_size} is not for it")
         platform = cls._platform_for(powertrain_plugins, provided)
-        if platform.device_type != "cpu" and world_size > platform.device_count:
+        if platform.device_per_rank and world_size > platform.device_count:
             pytest.skip(
                 f"world size {world_size} needs {world_size} {platform.name} devices; {platform.device_count} here"
             )

@@ -19,8 +19,12 @@ import importlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from powertrain.components import Availability, PlatformInfo
+
+if TYPE_CHECKING:
+    import torch
 
 #: Where CANN's set_env.sh points, and where the installer puts the toolkit by default.
 CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
@@ -52,8 +56,30 @@ def autoload_hint() -> str:
     return " (with torch_npu installed but CANN unusable, set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so `import torch` works)"
 
 
+def npu_free_memory(device: torch.device) -> int:
+    """Free bytes on an NPU now (torch_npu's ``mem_get_info``): the KV cache is sized from it, as on CUDA."""
+    free, _ = importlib.import_module("torch_npu").npu.mem_get_info(device)
+    return int(free)
+
+
+def npu_set_device(device: torch.device) -> None:
+    """Make ``device`` this process's current NPU: HCCL sets up groups on the current device."""
+    importlib.import_module("torch_npu").npu.set_device(device)
+
+
+#: What is true of Ascend NPUs whether or not detection finds one (components.PlatformInfo).
+NPU_FACTS: dict[str, Any] = {
+    "dist_backend": "hccl",
+    "device_per_rank": True,
+    "visible_devices_env": "ASCEND_RT_VISIBLE_DEVICES",
+    "set_device": npu_set_device,
+    "free_memory": npu_free_memory,
+    "keeps_fp8_weights": True,
+}
+
+
 def unavailable(reason: str) -> PlatformInfo:
-    return PlatformInfo(name="npu", device_type="npu", dist_backend="hccl", availability=Availability.no(reason))
+    return PlatformInfo(name="npu", device_type="npu", availability=Availability.no(reason), **NPU_FACTS)
 
 
 def detect_npu() -> PlatformInfo:
@@ -89,5 +115,5 @@ def detect_npu() -> PlatformInfo:
         device_count=count,
         device_name=soc,
         total_memory_bytes=int(getattr(properties, "total_memory", 0)),
-        dist_backend="hccl",
+        **NPU_FACTS,
     )
