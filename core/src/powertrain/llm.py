@@ -46,10 +46,8 @@ class LLM:
     """A loaded model and its engine. Use as a context manager, or call ``shutdown()``."""
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | Path | None = None, **settings: Any):
-        from powertrain.log_setup import configure_logging
         from powertrain.parallel.launch import start_engine
 
-        configure_logging("warning", only_if_unconfigured=True)
         if not isinstance(config, EngineConfig):
             config = load_config(config)
         if model is not None:
