@@ -20,6 +20,7 @@ import torch
 from common import report
 
 from powertrain import LLM, SamplingParams
+from powertrain.log_setup import configure_logging
 from powertrain.testing.checkpoints import write_tiny_deepseek
 
 RUNS = {
@@ -57,4 +58,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging("warning")  # a script is the application: LLM leaves logging to it
     main()

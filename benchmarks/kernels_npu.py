@@ -90,7 +90,7 @@ def main() -> int:
 
     if args.smoke:
         # No NPU here: the torch stand-ins of the operators (written from their documentation).
-        from powertrain_cann_ascend.standins import StandInOps
+        from powertrain_cann_ascend.testing.standins import StandInOps
 
         ops, device, shapes, timer = StandInOps(), torch.device("cpu"), SMOKE, None
     else:

@@ -27,6 +27,7 @@ from common import report
 
 from powertrain import LLM, SamplingParams
 from powertrain.loader import resolve_model_path
+from powertrain.log_setup import configure_logging
 
 
 def workload(count: int, seed: int, vocab: int, min_prompt: int, max_prompt: int, min_out: int, max_out: int):
@@ -169,4 +170,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging("warning")  # a script is the application: LLM leaves logging to it
     main()

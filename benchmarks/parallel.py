@@ -24,6 +24,7 @@ import time
 from common import report
 
 from powertrain import LLM, SamplingParams
+from powertrain.log_setup import configure_logging
 from powertrain.testing.checkpoints import write_tiny_deepseek
 
 
@@ -73,4 +74,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging("warning")  # a script is the application: LLM leaves logging to it
     main()

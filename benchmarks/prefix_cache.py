@@ -18,6 +18,7 @@ import time
 from common import report
 
 from powertrain import LLM, SamplingParams
+from powertrain.log_setup import configure_logging
 
 TOPICS = [
     "volcanoes",
@@ -105,4 +106,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging("warning")  # a script is the application: LLM leaves logging to it
     main()

@@ -29,6 +29,7 @@ from common import report
 from powertrain import LLM, SamplingParams
 from powertrain.config import EngineConfig
 from powertrain.llm import apply_overrides
+from powertrain.log_setup import configure_logging
 
 SUBJECTS = "the river|the old mill|a small village|the northern road|the harbour|the library|a quiet garden".split("|")
 VERBS = "runs past|stands beside|looks over|leads to|hides behind|opens onto|turns toward".split("|")
@@ -178,4 +179,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging("warning")  # a script is the application: LLM leaves logging to it
     main()

@@ -272,7 +272,9 @@ def test_a_frozen_worker_is_declared_dead_after_the_silence_timeout(tiny_v3: Pat
 ORPHAN_SCRIPT = """
 import os, sys
 from powertrain import LLM
+from powertrain.log_setup import configure_logging
 if __name__ == "__main__":
+    configure_logging("warning")  # the application's choice (LLM leaves logging alone): stdout stays the pids
     llm = LLM(sys.argv[1], data_parallel=2, expert_parallel=2, memory_gib=0.05, dtype="float32")
     print(" ".join(str(w.pid) for w in llm.engine.workers), flush=True)
     os._exit(0)  # the front end vanishes without shutting anything down

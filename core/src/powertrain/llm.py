@@ -47,9 +47,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | Path | None = None, **settings: Any):
         from powertrain.deploy.launch import start_engine
-        from powertrain.log_setup import configure_logging
 
-        configure_logging("warning", only_if_unconfigured=True)
         if not isinstance(config, EngineConfig):
             config = load_config(config)
         if model is not None:

@@ -1,5 +1,6 @@
-"""Configuring structlog, for entry points only (the CLI, ``LLM``): library modules
-just call ``structlog.get_logger(__name__)``."""
+"""Configuring structlog, for entry points only (the CLI, benchmark scripts, spawned
+worker processes): library code, ``LLM`` included, just calls
+``structlog.get_logger(__name__)`` and leaves the configuration to the application."""
 
 from __future__ import annotations
 

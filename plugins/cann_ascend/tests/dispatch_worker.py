@@ -20,7 +20,7 @@ from powertrain.interfaces import CommunicatorContext, ExpertWeights, MoEBackend
 from powertrain.testing.moe import reference_moe
 from powertrain_cann_ascend import dispatch
 from powertrain_cann_ascend.moe import AscendMoE
-from powertrain_cann_ascend.standins import MoEOpsStandIn
+from powertrain_cann_ascend.testing.standins import MoEOpsStandIn
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 64, 32
 GROUP_NAME = "stand-in-ep"

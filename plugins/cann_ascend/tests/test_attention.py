@@ -1,7 +1,7 @@
 """ascend-cann attention: the metadata -> operator mapping, and the conformance kit.
 
 What is mocked is the Ascend NPU and torch_npu: ``powertrain_cann_ascend.ops.npu_ops``
-returns ``FusedInferAttentionStandIn`` (``powertrain_cann_ascend.standins``), plain-torch
+returns ``FusedInferAttentionStandIn`` (``powertrain_cann_ascend.testing.standins``), plain-torch
 versions of ``npu_fused_infer_attention_score`` and ``npu_scatter_nd_update_`` written
 from torch_npu's documentation that check their arguments as the documentation
 constrains them. Everything around the operators -- cache layout, cache writes,
@@ -30,7 +30,7 @@ from powertrain_cann_ascend.attention import (
     prefill_args,
     prefill_rows,
 )
-from powertrain_cann_ascend.standins import FusedInferAttentionStandIn
+from powertrain_cann_ascend.testing.standins import FusedInferAttentionStandIn
 
 #: The NPU is mocked: an ``npu`` platform whose tensors live on the CPU.
 STANDIN_PLATFORM = PlatformInfo(

@@ -14,7 +14,7 @@ import torch
 from powertrain.layers.moe import RoutingConfig, route
 from powertrain.testing.base import fresh_seed, generator
 from powertrain_cann_ascend import gating
-from powertrain_cann_ascend.standins import MoEOpsStandIn
+from powertrain_cann_ascend.testing.standins import MoEOpsStandIn
 
 DEEPSEEK_V3 = RoutingConfig(
     num_experts=256, top_k=8, scoring="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,

@@ -21,7 +21,7 @@ from powertrain.testing.base import fresh_seed, generator
 from powertrain.testing.moe import MoEBackendSuite, reference_moe, row_errors
 from powertrain_cann_ascend import ops as ops_module
 from powertrain_cann_ascend.moe import AscendMoE
-from powertrain_cann_ascend.standins import MoEOpsStandIn
+from powertrain_cann_ascend.testing.standins import MoEOpsStandIn
 
 #: The mocked device: an npu platform whose tensors live on the CPU.
 STANDIN_PLATFORM = PlatformInfo(

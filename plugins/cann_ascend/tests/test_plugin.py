@@ -3,6 +3,7 @@ not usable here (torch_npu and CANN are what these tests stand in for)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import subprocess
@@ -21,6 +22,61 @@ from powertrain_cann_ascend import plugin, support
 
 class TestContract(PluginContract):
     plugin = "cann_ascend"
+
+
+PACKAGE_DIR = Path(support.__file__).resolve().parent
+TESTING = "powertrain_cann_ascend.testing"
+
+
+def _serving_modules() -> dict[str, Path]:
+    """Every module of the pack outside its ``testing`` subpackage, by dotted name."""
+    modules = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        if parts[1:2] == ("testing",):
+            continue
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imported_names(module: str, path: Path) -> set[str]:
+    """Absolute names of every import statement in the file, lazy ones included."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _is_testing(name: str) -> bool:
+    return name == TESTING or name.startswith(TESTING + ".")
+
+
+def test_serving_code_never_imports_the_test_doubles() -> None:
+    """The stand-ins encode our reading of torch_npu's docs, not the hardware: serving
+    with them would compute plausible numbers on the CPU, so no serving module may reach
+    ``powertrain_cann_ascend.testing``, neither in its source nor once imported."""
+    modules = _serving_modules()
+    assert "powertrain_cann_ascend.attention" in modules and "powertrain_cann_ascend.plugin" in modules
+    for module, path in modules.items():
+        bad = sorted(filter(_is_testing, _imported_names(module, path)))
+        assert not bad, f"{path} imports the test doubles {bad}: serving code must use torch_npu's operators"
+    probe = (
+        "import importlib, sys\n"
+        f"for m in {sorted(modules)!r}: importlib.import_module(m)\n"
+        f"print(sorted(m for m in sys.modules if m == {TESTING!r} or m.startswith({TESTING + '.'!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing the serving modules loaded {done.stdout.strip()}"
 
 
 def test_plugins_command_reports_the_pack_unavailable_with_the_reason() -> None:

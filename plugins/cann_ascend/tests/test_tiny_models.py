@@ -1,7 +1,7 @@
 """The pack end to end on tiny models: Ascend backends over the stand-in operators
 against the builtin torch backends, same weights, same paged batches.
 
-What is mocked is the NPU and torch_npu (``powertrain_cann_ascend.standins``: the
+What is mocked is the NPU and torch_npu (``powertrain_cann_ascend.testing.standins``: the
 operators' documented semantics in plain torch); the models, the paged caches in the
 layout the pack declares, the argument mapping, routing through the gating op, MLA
 pieces and expert grouping all run for real. Both sides compute in bfloat16, so the
@@ -30,7 +30,7 @@ from powertrain.testing.checkpoints import random_hf_model, write_tiny_deepseek
 from powertrain.testing.paged import PagedRunner
 from powertrain_cann_ascend.attention import AscendAttention
 from powertrain_cann_ascend.moe import AscendMoE
-from powertrain_cann_ascend.standins import StandInOps
+from powertrain_cann_ascend.testing.standins import StandInOps
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 128  # what the fused attention op accepts for paged prefill and MLA alike

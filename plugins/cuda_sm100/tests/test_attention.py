@@ -318,11 +318,78 @@ def test_unsupported_inputs_are_named(interpreter_platform: PlatformInfo) -> Non
     with pytest.raises(ValueError, match="float64"):
         backend.kv_cache_spec(layer, 4, torch.float64)
     metadata = AttentionMetadata.build(query_lens=[1], seq_lens=[3], block_tables=[[0]], block_size=4)
-    query = torch.randn((1, 4, 32))
+    query, key = torch.randn((1, 4, 32)), torch.randn((1, 2, 32))
     wrong_layout = torch.randn((2, 2, 4, 32))  # block-head-major: not what the spec declared
     with pytest.raises(ValueError, match="block-token-major"):
-        backend._attend(layer, query, wrong_layout, wrong_layout, metadata)
+        backend.forward(layer, query, key, key, {"key": wrong_layout, "value": wrong_layout}, metadata)
     windowless = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=32, scale=0.2, sliding_window=0)
     cache = torch.randn((2, 4, 2, 32))
     with pytest.raises(ValueError, match="sliding_window=0"):
-        backend._attend(windowless, query, cache, cache, metadata)
+        backend.forward(windowless, query, key, key, {"key": cache, "value": cache.clone()}, metadata)
+    cos = torch.randn((1, 17))  # rotary_dim 34 > head_size 32
+    with pytest.raises(ValueError, match=r"cos/sin of \(1, 17\) do not fit"):
+        backend.forward_rotary(layer, query, key, key, cos, cos, {"key": cache, "value": cache.clone()}, metadata)
+    with pytest.raises(ValueError, match="cannot hold keys of 4 heads"):
+        wide_key = torch.randn((1, 4, 32))
+        backend.forward(layer, query, wide_key, wide_key, {"key": cache, "value": cache.clone()}, metadata)
+
+
+def _small_layers() -> tuple[AttentionLayerSpec, AttentionLayerSpec]:
+    gqa = AttentionLayerSpec(kind="gqa", num_heads=2, num_kv_heads=1, head_size=16, scale=0.25)
+    mla = AttentionLayerSpec(
+        kind="mla", num_heads=2, num_kv_heads=1, head_size=24, scale=24**-0.5, kv_lora_rank=16, qk_rope_head_dim=8
+    )
+    return gqa, mla
+
+
+def test_bad_mla_cache_is_refused_before_anything_is_written(interpreter_platform: PlatformInfo) -> None:
+    """forward_mla checks up front: a wrong rope cache leaves the latent cache as it was."""
+    _, layer = _small_layers()
+    metadata = AttentionMetadata.build(query_lens=[1], seq_lens=[3], block_tables=[[0]], block_size=4)
+    latent_cache = torch.randn((2, 4, 16))
+    before = latent_cache.clone()
+    cache = {"latent": latent_cache, "rope": torch.randn((2, 4, 6))}  # rope width 6, the layer's is 8
+    with pytest.raises(ValueError, match=r"MLA rope cache of shape \(2, 4, 6\)"):
+        _backend(interpreter_platform, torch.float32, 4).forward_mla(
+            layer,
+            torch.randn((1, 2, 16)),
+            torch.randn((1, 2, 8)),
+            torch.randn((1, 16)),
+            torch.randn((1, 8)),
+            cache,
+            metadata,
+        )
+    assert torch.equal(latent_cache, before)
+
+
+def test_each_entry_point_checks_its_inputs_once(
+    monkeypatch: pytest.MonkeyPatch, interpreter_platform: PlatformInfo
+) -> None:
+    """A batch of a decode and a prefill (both kernels run) is checked once per call, not
+    again by the helpers and kernel wrappers behind the entry point."""
+    from powertrain_cuda_sm100 import attention
+
+    calls: dict[str, int] = {}
+    for name in ("_check_gqa", "_check_cache_write", "_check_mla"):
+        check = getattr(attention, name)
+
+        def counted(*args, _name=name, _check=check, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _check(*args, **kwargs)
+
+        monkeypatch.setattr(attention, name, counted)
+    gqa, mla = _small_layers()
+    metadata = AttentionMetadata.build(query_lens=[1, 3], seq_lens=[5, 3], block_tables=[[0, 1], [2]], block_size=4)
+    assert metadata.num_decodes == 1 and metadata.batch_size == 2
+    backend, tokens = _backend(interpreter_platform, torch.float32, 4), metadata.num_tokens
+    gqa_cache = {name: torch.zeros((3, 4, 1, 16)) for name in ("key", "value")}
+    key = torch.randn((tokens, 1, 16))
+    backend.forward(gqa, torch.randn((tokens, 2, 16)), key, key, gqa_cache, metadata)
+    assert calls == {"_check_gqa": 1, "_check_cache_write": 1}
+    cos = torch.randn((tokens, 4))
+    backend.forward_rotary(gqa, torch.randn((tokens, 2, 16)), key, key, cos, cos, gqa_cache, metadata)
+    assert calls == {"_check_gqa": 2, "_check_cache_write": 2}
+    mla_cache = {"latent": torch.zeros((3, 4, 16)), "rope": torch.zeros((3, 4, 8))}
+    q_latent, q_rope = torch.randn((tokens, 2, 16)), torch.randn((tokens, 2, 8))
+    backend.forward_mla(mla, q_latent, q_rope, torch.randn((tokens, 16)), torch.randn((tokens, 8)), mla_cache, metadata)
+    assert calls == {"_check_gqa": 2, "_check_cache_write": 2, "_check_mla": 1}

@@ -3,7 +3,9 @@
 The host side of the kernels: it checks the layer and the cache against what the
 kernels read, writes this step's keys/values into the cache, and sends the batch's
 decode rows (the first ``num_decodes``, one token each) to the split-KV decode
-kernel and the rest to the flash prefill kernel. Only the factory imports this
+kernel and the rest to the flash prefill kernel. Each public entry point checks its
+inputs once, up front; the helpers and kernel wrappers behind it trust them (the
+checks cost host time on every layer of every step). Only the factory imports this
 module, so importing the plugin never imports triton.
 """
 
@@ -76,6 +78,7 @@ class TritonAttention:
             raise ValueError(f"forward() serves GQA/MHA layers; an {layer.kind!r} layer goes through forward_mla()")
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
         _check_gqa(layer, query, key_cache, value_cache, metadata)
+        _check_cache_write(query if cos is not None else None, key, key_cache, value_cache, cos, sin)
         rotated = rotary_cache_write(
             query if cos is not None else None, key, value, key_cache, value_cache, metadata.slot_mapping, cos, sin
         )
@@ -95,8 +98,8 @@ class TritonAttention:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Attention of ``query`` over a cache that already holds this step's keys/values."""
-        _check_gqa(layer, query, key_cache, value_cache, metadata)
+        """Attention of ``query`` over a cache that already holds this step's keys/values
+        (checked by the caller: ``_check_gqa``)."""
         query = _last_dim_contiguous(query)
         key_cache = _last_dim_contiguous(key_cache)
         value_cache = _last_dim_contiguous(value_cache)
@@ -147,9 +150,9 @@ class TritonAttention:
         if layer.kind != "mla":
             raise ValueError(f"forward_mla() serves MLA layers, got a {layer.kind!r} layer")
         latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
+        _check_mla(layer, q_latent, q_rope, latent_cache, rope_cache, metadata)
         metadata.store(latent_cache, latent)
         metadata.store(rope_cache, k_rope)
-        _check_mla(layer, q_latent, q_rope, latent_cache, rope_cache, metadata)
         q_latent = _last_dim_contiguous(q_latent)
         q_rope = _last_dim_contiguous(q_rope)
         latent_cache = _last_dim_contiguous(latent_cache)
@@ -245,6 +248,35 @@ def _check_gqa(
         raise ValueError(
             f"triton-sm100: query of shape {tuple(query.shape)}, the layer has "
             f"{layer.num_heads} heads of {layer.head_size}"
+        )
+
+
+def _check_cache_write(
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+) -> None:
+    """What ``rotary_cache_write`` reads beyond ``_check_gqa``: the new keys against the
+    cache, and (when rotating: ``query`` given) the query and the cos/sin tables."""
+    tokens, kv_heads, head_size = key.shape
+    if query is not None and (query.shape[0] != tokens or query.shape[2] != head_size):
+        raise ValueError(
+            f"triton-sm100: query of {tuple(query.shape)} and key of {tuple(key.shape)} do not pair up; "
+            "pass one query and one key row per token, of the same head size"
+        )
+    if key_cache.shape[-2:] != (kv_heads, head_size) or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"triton-sm100: cache of {tuple(key_cache.shape)} cannot hold keys of {kv_heads} heads x {head_size}; "
+            "key is [tokens, num_kv_heads, head_size] of the layer, and the value cache is shaped like the key cache"
+        )
+    half = 0 if cos is None else cos.shape[-1]
+    if half and (2 * half > head_size or cos.shape != sin.shape or cos.shape[0] < tokens):
+        raise ValueError(
+            f"triton-sm100: cos/sin of {tuple(cos.shape)} do not fit {tokens} tokens of head_size {head_size}; "
+            "pass cos and sin alike, [>= tokens, rotary_dim // 2] with rotary_dim <= head_size"
         )
 
 

@@ -97,18 +97,15 @@ def rotary_cache_write(
     sin: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Write (rotated) key and value to their slots; return the (rotated) query, contiguous
-    (None without a query: then this is only the cache store, with no host sync)."""
+    (None without a query: then this is only the cache store, with no host sync).
+
+    Shapes are not checked here: ``TritonAttention.forward_rotary`` checks them once per
+    call (``attention._check_cache_write``) before it gets here."""
     tokens, kv_heads, head_size = key.shape
     heads = 0 if query is None else query.shape[1]
-    if query is not None and (query.shape[0] != tokens or query.shape[2] != head_size):
-        raise ValueError(f"query of {tuple(query.shape)} and key of {tuple(key.shape)} do not pair up")
-    if key_cache.shape[-2:] != (kv_heads, head_size) or value_cache.shape != key_cache.shape:
-        raise ValueError(f"cache of {tuple(key_cache.shape)} cannot hold keys of {kv_heads} heads x {head_size}")
     key, value = _rows(key), _rows(value)
     half = 0 if cos is None else cos.shape[-1]
     if half:
-        if 2 * half > head_size or cos.shape != sin.shape or cos.shape[0] < tokens:
-            raise ValueError(f"cos/sin of {tuple(cos.shape)} do not fit {tokens} tokens of head_size {head_size}")
         cos, sin = cos.contiguous(), sin.contiguous()
     else:
         cos = sin = key  # unread

@@ -1,7 +1,7 @@
-"""Plain-torch stand-ins for the torch_npu operators the pack calls, for machines
-without an Ascend NPU: the tests (and ``benchmarks/kernels_npu.py --smoke``) hand them
-to the backends in place of the ``torch_npu`` module, so everything around the
-operators runs for real.
+"""Plain-torch stand-ins (test doubles, never for serving) for the torch_npu operators
+the pack calls, for machines without an Ascend NPU: the tests (and
+``benchmarks/kernels_npu.py --smoke``) hand them to the backends in place of the
+``torch_npu`` module, so everything around the operators runs for real.
 
 Each stand-in implements its operator's documented semantics (the docstrings name the
 pages followed), only for the argument combinations the pack uses, and validates its
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from powertrain_cann_ascend.standins.attention import FusedInferAttentionStandIn
-from powertrain_cann_ascend.standins.moe import MoEOpsStandIn
+from powertrain_cann_ascend.testing.standins.attention import FusedInferAttentionStandIn
+from powertrain_cann_ascend.testing.standins.moe import MoEOpsStandIn
 
 __all__ = ["FusedInferAttentionStandIn", "MoEOpsStandIn", "StandInOps"]
 
