@@ -74,7 +74,7 @@ def test_generation_through_the_engine_makes_no_hook_calls() -> None:
     """Steps of a real engine (scheduler, runner, model, attention, sampler) stay off pluggy."""
     from powertrain.assemble import build_engine
     from powertrain.config import CacheConfig, ModelConfig
-    from powertrain.engine.sampling_params import SamplingParams
+    from powertrain.interfaces.sampling import SamplingParams
     from powertrain.plugins import PluginManager
 
     manager = PluginManager.load()

@@ -431,7 +431,8 @@ def _build_speculative(
 ) -> Any:
     """The chosen speculative policy, built on the device thread (it profiles the
     target there), or None when speculation is off."""
-    from powertrain.engine.speculative import SpeculativeContext, StepsPerSecondProfiler
+    from powertrain.engine.speculative import StepsPerSecondProfiler
+    from powertrain.interfaces.speculative import SpeculativeContext
 
     resolution = result.resolutions.get("speculative")
     if resolution is None or resolution.provided is None:
@@ -518,8 +519,8 @@ def build_engine(
     from powertrain.engine.engine import LLMEngine
     from powertrain.engine.model_runner import ModelRunner
     from powertrain.engine.sampler import Sampler
-    from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
     from powertrain.engine.structured import StructuredOutputs
+    from powertrain.interfaces.scheduling import SchedulerContext, SchedulerLimits
     from powertrain.loader import load_checkpoint
 
     config = config or EngineConfig()

@@ -14,9 +14,9 @@ from typing import Any
 import attrs
 
 from powertrain.config import CORE_SECTIONS, EngineConfig, load_config
-from powertrain.engine.errors import InvalidRequestError
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import RequestOutput
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.outputs import RequestOutput
+from powertrain.interfaces.sampling import SamplingParams
 
 Message = Mapping[str, Any]
 

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import DraftSlot
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.speculative import DraftSlot
 from powertrain_dspark.calibration import (
     Calibration,
     Record,

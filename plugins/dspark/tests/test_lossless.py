@@ -18,8 +18,8 @@ import itertools
 import pytest
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import DraftSlot, VerifyBatch
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.speculative import DraftSlot, VerifyBatch
 from powertrain_dspark.lengths import StepsPerSecond
 from powertrain_dspark.policy import SpeculativeDecoder
 

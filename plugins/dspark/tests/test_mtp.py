@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
-from powertrain.engine.errors import EngineDeadError
+from powertrain.interfaces.errors import EngineDeadError
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek

@@ -29,9 +29,9 @@ import structlog
 
 from powertrain.engine.admission import admit
 from powertrain.engine.engine import EngineStats
-from powertrain.engine.errors import EngineDeadError
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import CompletionOutput, RequestOutput
+from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
+from powertrain.interfaces.sampling import SamplingParams
 from powertrain.parallel.balance import PrefixBalancer
 from powertrain.parallel.layout import ParallelLayout
 from powertrain.parallel.worker import HEARTBEAT_S, WorkerInfo

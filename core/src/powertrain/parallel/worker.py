@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import structlog
 
-from powertrain.engine.errors import InvalidRequestError
+from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.parallel.layout import RankPlacement
 
 log = structlog.get_logger(__name__)

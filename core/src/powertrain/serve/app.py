@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from powertrain.engine.async_engine import AsyncEngine
-from powertrain.engine.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces import EngineDeadError, InvalidRequestError
 from powertrain.serve.completions import CompletionsEndpoint
 from powertrain.serve.errors import ApiError, error_body
 from powertrain.serve.generation import Generation, sampling_params

@@ -10,9 +10,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from powertrain.engine.async_engine import AsyncEngine
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import RequestOutput
-from powertrain.engine.structured import StructuredOutput
+from powertrain.interfaces.outputs import RequestOutput
+from powertrain.interfaces.sampling import SamplingParams, StructuredOutput
 from powertrain.serve.errors import ApiError
 from powertrain.serve.metrics import ServerMetrics
 

@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 
 from powertrain.components import Availability
-from powertrain.layers.moe import RoutingConfig
+from powertrain.interfaces import RoutingConfig
 
 #: ``norm_type`` values of the op.
 SOFTMAX, SIGMOID = 0, 1

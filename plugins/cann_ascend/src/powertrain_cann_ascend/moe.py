@@ -40,9 +40,7 @@ import attrs
 import torch
 
 from powertrain.components import Availability
-from powertrain.interfaces import ExpertWeights, MoEBackendContext
-from powertrain.layers.moe import RoutingConfig
-from powertrain.loader.fp8 import dequantize_row_groups
+from powertrain.interfaces import ExpertWeights, MoEBackendContext, RoutingConfig, dequantize_row_groups
 from powertrain_cann_ascend import gating
 
 #: Expert dtypes npu_grouped_matmul multiplies without quantisation (float32 only

@@ -32,8 +32,7 @@ import attrs
 import torch
 from torch import nn
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import target_probs
+from powertrain.interfaces import SamplingParams, target_probs
 from powertrain_dspark.calibration import expected_calibration_error
 
 FORMAT = "powertrain-dspark-confidence-head/1"

@@ -42,9 +42,7 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import DraftSlot, ExecutedStep, target_probs
-from powertrain.interfaces import AttentionMetadata
+from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams, target_probs
 from powertrain_dspark.confidence_head import ConfidenceHead, ConfidenceLog, acceptance_probability, head_features
 from powertrain_dspark.verify import draw_token
 

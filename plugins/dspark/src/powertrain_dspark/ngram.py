@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from powertrain.engine.speculative import DraftSlot
+from powertrain.interfaces import DraftSlot
 
 _FRESH, _ACCEPTED_ALL, _REJECTED = 0, 1, 2
 #: How many outcomes a bucket needs before its own rate outweighs its position's.

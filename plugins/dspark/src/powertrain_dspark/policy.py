@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from powertrain.engine.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
+from powertrain.interfaces import DraftSlot, ExecutedStep, Proposal, VerifyBatch
 from powertrain_dspark.calibration import Calibration
 from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_lengths, fixed_lengths, top_k_lengths
 from powertrain_dspark.verify import verify_drafts

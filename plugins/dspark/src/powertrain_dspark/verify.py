@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import target_probs
+from powertrain.interfaces import SamplingParams, target_probs
 
 
 def verify_drafts(
