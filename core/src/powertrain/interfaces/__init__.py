@@ -14,7 +14,7 @@ implementation. One module per concern:
 * ``speculative``: what the engine and a speculative policy exchange;
 * ``sampling``: a request's sampling settings and the distribution they define;
 * ``outputs``: what the engine reports back for a request;
-* ``protocol``: protocol adapters;
+* ``protocol``: protocol adapters and the parsed request they hand the server;
 * ``model``: what an architecture's factory is given, and the decoder it builds;
 * ``platform``, ``errors``: the platform records and the typed errors.
 
@@ -48,7 +48,17 @@ from powertrain.interfaces.moe import (
 )
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.platform import Availability, PlatformInfo
-from powertrain.interfaces.protocol import ModelTokenizer, ParserEvent, ProtocolAdapter, ResponseWriter, StreamParser
+from powertrain.interfaces.protocol import (
+    ModelTokenizer,
+    ParsedRequest,
+    ParserEvent,
+    ProtocolAdapter,
+    RequestSampling,
+    ResponseFormat,
+    ResponseWriter,
+    StreamParser,
+    StructuredOutputsField,
+)
 from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, target_probs
 from powertrain.interfaces.scheduling import (
     BlockAllocator,
@@ -121,10 +131,14 @@ __all__ = [
     "RequestOutput",
     # protocol
     "ModelTokenizer",
+    "ParsedRequest",
     "ParserEvent",
     "ProtocolAdapter",
+    "RequestSampling",
+    "ResponseFormat",
     "ResponseWriter",
     "StreamParser",
+    "StructuredOutputsField",
     # model
     "CausalLM",
     "ModelContext",
