@@ -31,6 +31,7 @@ from powertrain.testing.checkpoints import write_tiny_deepseek
 from powertrain.testing.paged import PagedRunner
 from powertrain_dspark.cli import main
 from powertrain_dspark.confidence_head import ConfidenceHead
+from powertrain_dspark.drafter import DraftBatch
 from powertrain_dspark.mtp import MTPDrafter
 
 PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests quick
@@ -206,9 +207,9 @@ def test_drafts_equal_a_from_scratch_mtp_run(
             tensor.fill_(float("nan"))
         propose = drafter.propose
 
-        def spy(slots: list) -> tuple:
+        def spy(slots: list) -> DraftBatch:
             drafted = propose(slots)
-            for slot, tokens, confidences in zip(slots, drafted[0], drafted[1], strict=True):
+            for slot, tokens, confidences in zip(slots, drafted.tokens, drafted.confidences, strict=True):
                 proposals.append((list(slot.token_ids), list(tokens), list(confidences)))
             return drafted
 
@@ -258,9 +259,9 @@ def test_sampling_runs_and_is_reproducible_with_seeds(
         propose = drafter.propose
         seen = []
 
-        def spy(slots: list) -> tuple:
+        def spy(slots: list) -> DraftBatch:
             drafted = propose(slots)
-            seen.extend(zip(drafted[0], drafted[2], strict=True))
+            seen.extend(zip(drafted.tokens, drafted.probs(), strict=True))
             return drafted
 
         drafter.propose = spy
