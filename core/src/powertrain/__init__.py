@@ -1,9 +1,9 @@
 """powertrain: an open, pluggable LLM inference engine.
 
-The public API: ``LLM``, ``SamplingParams`` and ``StructuredOutput`` for offline generation,
-``AsyncEngine`` for streaming, the typed errors ``InvalidRequestError`` and
-``EngineDeadError``, and ``hookimpl`` for plugin authors (with the records in
-``powertrain.components`` and the contracts in ``powertrain.interfaces``).
+The public API: ``LLM`` (configured by keywords or an ``EngineConfig``), ``SamplingParams``
+and ``StructuredOutput`` for offline generation, ``AsyncEngine`` for streaming, the typed
+errors ``InvalidRequestError`` and ``EngineDeadError``, and ``hookimpl`` for plugin authors
+(with the records in ``powertrain.components`` and the contracts in ``powertrain.interfaces``).
 The engine names are imported on first use, so ``import powertrain`` stays cheap
 for plugins and the CLI.
 """
@@ -21,6 +21,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 _LAZY = {
     "LLM": "powertrain.llm",
+    "EngineConfig": "powertrain.config",
     "SamplingParams": "powertrain.interfaces.sampling",
     "StructuredOutput": "powertrain.interfaces.sampling",
     "RequestOutput": "powertrain.interfaces.outputs",

@@ -201,7 +201,7 @@ def test_drafts_equal_a_from_scratch_mtp_run(
     )
     proposals: list[tuple[list[int], list[int], list[float]]] = []
     with LLM(config=config) as llm:
-        drafter = llm.engine.runner.speculative.drafter
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
         assert isinstance(drafter, MTPDrafter)
         for tensor in drafter.kv_cache.values():
             tensor.fill_(float("nan"))
@@ -255,7 +255,7 @@ def test_sampling_runs_and_is_reproducible_with_seeds(
     ]
     config = engine_config(checkpoints["mimic"], speculative, dspark={"max_draft_tokens": 3})
     with LLM(config=config) as llm:
-        drafter = llm.engine.runner.speculative.drafter
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
         propose = drafter.propose
         seen = []
 
