@@ -50,7 +50,7 @@ ATTENTION_CAPABILITIES = frozenset(
         "chunked-prefill",
         "sliding-window",
         "batch-invariant",
-        # The backend also fuses small layer ops where it is active (interfaces.py):
+        # The backend also fuses small layer ops where it is active (interfaces.attention):
         "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
     }

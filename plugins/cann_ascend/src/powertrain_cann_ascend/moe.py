@@ -27,7 +27,7 @@ Two documented constraints shape the code around the ops:
   they contribute exactly nothing.
 
 Quantised dispatch (``forward_grouped`` with ``scales``): the int8 rows are
-dequantized to the layer's dtype first (``loader.fp8.dequantize_row_groups``), then
+dequantized to the layer's dtype first (``interfaces.dequantize_row_groups``), then
 multiplied like any rows. The op's int8 path (per_token_scale) needs int8 weights,
 which bf16/fp16 experts are not.
 """
