@@ -49,8 +49,10 @@ class ModelContext:
 class CausalLM(Protocol):
     """A decoder the model runner drives: one flat batch of tokens per step."""
 
-    #: One entry per attention layer, in order; the engine allocates one cache each.
-    attention_layers: Sequence[AttentionLayerSpec]
+    @property
+    def attention_layers(self) -> Sequence[AttentionLayerSpec]:
+        """One entry per attention layer, in order; the engine allocates one cache each."""
+        ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take tensors named as in the HF checkpoint; missing or unexpected names raise

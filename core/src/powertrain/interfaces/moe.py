@@ -46,7 +46,7 @@ CONFIG_KEYS = {
 #: (scoring_func and topk_method are not config fields there: HF's V2 gate always
 #: uses softmax, its V3 gate always sigmoid + noaux_tc). ``None`` = no usable default.
 #: Kimi K2 ships DeepSeek-V3's architecture under its own model_type.
-_DEFAULTS: dict[str, dict[str, Any]] = {
+_DEFAULTS: dict[str, dict[str, object]] = {
     "deepseek_v2": {
         "n_routed_experts": 64,
         "num_experts_per_tok": None,

@@ -9,7 +9,7 @@ adapter's own parse (``native``: the conversation, tools, protocol extras).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -105,7 +105,7 @@ class ResponseWriter(Protocol):
         """The frames that open the stream."""
         ...
 
-    def events(self, events: list[ParserEvent]) -> list[str]:
+    def events(self, events: Sequence[ParserEvent]) -> list[str]:
         """The frames for ``events``."""
         ...
 
@@ -166,7 +166,7 @@ class ProtocolAdapter(Protocol):
         """The writer of one streamed response."""
         ...
 
-    def finish_reason(self, events: list[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
+    def finish_reason(self, events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
         """The writer's finish reason (and stop sequence) from a response's events and
         the engine's reason (``stop``, ``length``, ``abort``)."""
         ...

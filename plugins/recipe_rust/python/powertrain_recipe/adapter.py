@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from powertrain.interfaces import (
@@ -150,7 +150,7 @@ class RecipeAdapter:
         model's distribution, as the engine reports it): Chat Completions'
         ``logprobs.content`` and Responses' ``output_text.logprobs`` share this shape."""
         content = []
-        for token, candidates in zip(completion.token_ids, completion.logprobs, strict=False):
+        for token, candidates in zip(completion.token_ids, completion.logprobs or (), strict=False):
             ranked = sorted(candidates.items(), key=lambda item: -item[1])[:top]
             content.append(
                 {
@@ -195,7 +195,7 @@ class RecipeAdapter:
         return text
 
     @staticmethod
-    def finish_reason(events: list[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
+    def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
         return finish_reason(events, engine_reason)
 
     def render_response(self, protocol: str, request: ParsedRequest, output: RequestOutput) -> bytes:
@@ -240,7 +240,7 @@ class RecipeAdapter:
         return json.dumps(merged).encode()
 
 
-def finish_reason(events: list[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
+def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
     """The writer's finish reason from all of a response's parser events and the engine's
     reason ("stop", "length", "abort"); with the stop sequence that ended it, if any."""
     stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)
