@@ -29,7 +29,8 @@ from kernel_bench import FULL, SMOKE, Bench, Row, Shapes, bench_gqa, bench_mla, 
 
 from powertrain.components import Availability, PlatformInfo
 from powertrain.interfaces import AttentionBackendContext, MoEBackendContext
-from powertrain.layers.moe import RoutingConfig, route
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.moe import route
 
 
 def _npu_timer(fn: Callable[[], Any], warmup: int = 3, repeats: int = 20) -> float:

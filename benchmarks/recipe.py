@@ -55,7 +55,7 @@ def main() -> None:
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
     started = time.perf_counter()
-    ours = [adapter.parse_request("openai.chat", body)["prompt_token_ids"] for body in bodies]
+    ours = [adapter.parse_request("openai.chat", body).prompt_token_ids for body in bodies]
     ours_s = time.perf_counter() - started
 
     started = time.perf_counter()

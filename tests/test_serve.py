@@ -450,7 +450,7 @@ def test_a_failure_inside_one_request_is_a_500_and_the_server_keeps_serving(
     real_render = adapter.render_response
 
     def render(protocol: str, request: Any, output: Any) -> bytes:
-        if "explode" in request["prompt"]:
+        if "explode" in request.prompt:
             raise RuntimeError("renderer exploded")
         return real_render(protocol, request, output)
 

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from powertrain.config import EngineConfig
+from powertrain.deploy.launch import start_engine
 from powertrain.engine.async_engine import AsyncEngine
 from powertrain.llm import apply_overrides
-from powertrain.deploy.launch import start_engine
 from powertrain.plugins import PluginManager
 from powertrain.serve.run import protocol_adapter
 from powertrain.serve.settings import ServeSettings

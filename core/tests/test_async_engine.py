@@ -9,7 +9,7 @@ import pytest
 from powertrain import AsyncEngine, SamplingParams
 from powertrain.assemble import build_engine
 from powertrain.config import EngineConfig, ModelConfig
-from powertrain.engine.errors import InvalidRequestError
+from powertrain.interfaces.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from powertrain.engine.block_manager import BlockManager
-from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.sequence import Request, Sequence
+from powertrain.interfaces.sampling import SamplingParams
 
 
 def seq_of(tokens: list[int]) -> Sequence:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
-from powertrain.engine.errors import InvalidRequestError
 from powertrain.interfaces import AttentionMetadata
+from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.loader import resolve_model_path
 
 PROMPTS = [

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from powertrain.engine.block_manager import BlockManager
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
 from powertrain.engine.sequence import Request, Sequence
 from powertrain.interfaces import Scheduler
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.scheduling import SchedulerContext, SchedulerLimits
 from powertrain.testing.base import find_component
 
 

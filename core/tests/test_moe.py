@@ -16,7 +16,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Exper
 
 from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.interfaces import ExpertWeights
-from powertrain.layers.moe import MoE, RoutingConfig, route
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.moe import MoE, route
 from powertrain.loader.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
 from powertrain.testing import MoEBackendSuite, fresh_seed
 from powertrain.testing.moe import reference_moe, row_errors

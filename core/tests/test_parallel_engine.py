@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
-from powertrain.engine.errors import EngineDeadError, InvalidRequestError
 from powertrain.interfaces import AttentionBackendContext, CommunicatorContext, ModelContext, MoEBackendContext
-from powertrain.layers.moe import MoE, RoutingConfig
+from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.moe import MoE
 from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
 from powertrain.parallel.expert import AllToAllDispatcher

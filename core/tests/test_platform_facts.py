@@ -103,7 +103,8 @@ def core_modules() -> list[Path]:
 
 def test_core_has_no_platform_branches() -> None:
     modules = core_modules()
-    assert len(modules) > 30 and PACKAGE / "assemble" / "loading.py" in modules and PACKAGE / "distributed.py" in modules
+    assert len(modules) > 30
+    assert PACKAGE / "assemble" / "loading.py" in modules and PACKAGE / "distributed.py" in modules
     problems = [p for path in modules for p in platform_branches(path.read_text(), str(path.relative_to(PACKAGE)))]
     assert not problems, (
         "core branches on a platform; make it a fact of components.PlatformInfo that the platform's "

@@ -8,9 +8,9 @@ import attrs
 import pytest
 import torch
 
-from powertrain.engine.errors import InvalidRequestError
 from powertrain.engine.sampler import Sampler, SamplingInputs, apply_penalties
-from powertrain.engine.sampling_params import SamplingParams
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.sampling import SamplingParams
 
 VOCAB = 12
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
-from powertrain.engine.errors import InvalidRequestError
-from powertrain.engine.structured import StructuredOutput, TokenMasks
+from powertrain.engine.structured import TokenMasks
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.sampling import StructuredOutput
 from powertrain.testing.schemas import JSON_SCHEMAS
 
 

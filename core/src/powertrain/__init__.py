@@ -1,8 +1,9 @@
 """powertrain: an open, pluggable LLM inference engine.
 
-The public API: ``LLM``, ``SamplingParams`` and ``StructuredOutput`` for offline generation,
-``AsyncEngine`` for streaming, ``hookimpl`` for plugin authors (with the records in
-``powertrain.components`` and the hot-path contracts in ``powertrain.interfaces``).
+The public API: ``LLM`` (configured by keywords or an ``EngineConfig``), ``SamplingParams``
+and ``StructuredOutput`` for offline generation, ``AsyncEngine`` for streaming, the typed
+errors ``InvalidRequestError`` and ``EngineDeadError``, and ``hookimpl`` for plugin authors
+(with the records in ``powertrain.components`` and the contracts in ``powertrain.interfaces``).
 The engine names are imported on first use, so ``import powertrain`` stays cheap
 for plugins and the CLI.
 """
@@ -20,12 +21,14 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 _LAZY = {
     "LLM": "powertrain.llm",
-    "SamplingParams": "powertrain.engine.sampling_params",
-    "StructuredOutput": "powertrain.engine.structured",
-    "RequestOutput": "powertrain.engine.sequence",
-    "CompletionOutput": "powertrain.engine.sequence",
+    "EngineConfig": "powertrain.config",
+    "SamplingParams": "powertrain.interfaces.sampling",
+    "StructuredOutput": "powertrain.interfaces.sampling",
+    "RequestOutput": "powertrain.interfaces.outputs",
+    "CompletionOutput": "powertrain.interfaces.outputs",
     "AsyncEngine": "powertrain.engine.async_engine",
-    "InvalidRequestError": "powertrain.engine.errors",
+    "InvalidRequestError": "powertrain.interfaces.errors",
+    "EngineDeadError": "powertrain.interfaces.errors",
 }
 
 __all__ = ["HOOK_API_VERSION", "__version__", "hookimpl", *_LAZY]

@@ -272,8 +272,8 @@ def generate_command(
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS (default model: the embedded SmolLM2-135M-Instruct)."""
-    from powertrain.engine.errors import EngineDeadError, InvalidRequestError
-    from powertrain.engine.sampling_params import SamplingParams
+    from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+    from powertrain.interfaces.sampling import SamplingParams
     from powertrain.llm import LLM
     from powertrain.loader import LoadError
     from powertrain.parallel.layout import ParallelLayoutError

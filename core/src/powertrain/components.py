@@ -10,13 +10,32 @@ message naming the field, not deep inside a forward pass.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the contracts import this module (PlatformInfo, Availability), so only for types
     import torch
+
+    from powertrain.interfaces import (
+        AttentionBackend,
+        AttentionBackendContext,
+        CausalLM,
+        Communicator,
+        CommunicatorContext,
+        ExpertDispatcher,
+        MLAAttentionBackend,
+        ModelContext,
+        ModelTokenizer,
+        MoEBackend,
+        MoEBackendContext,
+        ProtocolAdapter,
+        Scheduler,
+        SchedulerContext,
+        SpeculativeContext,
+        SpeculativePolicy,
+    )
 
 #: Component names are what users type into engine.toml and see in CLI output.
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
@@ -33,7 +52,7 @@ ATTENTION_CAPABILITIES = frozenset(
         "chunked-prefill",
         "sliding-window",
         "batch-invariant",
-        # The backend also fuses small layer ops where it is active (interfaces.py):
+        # The backend also fuses small layer ops where it is active (interfaces.attention):
         "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
     }
@@ -191,10 +210,9 @@ class PlatformRecord:
 
 @attrs.frozen(kw_only=True)
 class _Implementation:
-    """Fields every selectable implementation shares."""
+    """Fields every selectable implementation shares (each kind adds its typed ``factory``)."""
 
     name: str = attrs.field(validator=_valid_name)
-    factory: Callable[..., Any] = attrs.field(validator=_callable)
     #: Platform names this implementation runs on, e.g. {"cuda"}.
     platforms: frozenset[str] = attrs.field(converter=frozenset)
     priority: int = 0
@@ -223,6 +241,9 @@ class _Implementation:
 class AttentionBackendRecord(_Implementation):
     """An attention implementation. ``factory(AttentionBackendContext)`` builds it."""
 
+    factory: Callable[[AttentionBackendContext], AttentionBackend | MLAAttentionBackend] = attrs.field(
+        validator=_callable
+    )
     capabilities: frozenset[str] = attrs.field(converter=frozenset, validator=_known_tags(ATTENTION_CAPABILITIES))
 
 
@@ -230,6 +251,7 @@ class AttentionBackendRecord(_Implementation):
 class MoEBackendRecord(_Implementation):
     """A MoE grouped-GEMM implementation. ``factory(MoEBackendContext)`` builds it."""
 
+    factory: Callable[[MoEBackendContext], MoEBackend] = attrs.field(validator=_callable)
     capabilities: frozenset[str] = attrs.field(converter=frozenset, validator=_known_tags(MOE_CAPABILITIES))
 
 
@@ -241,20 +263,22 @@ class CommunicatorRecord(_Implementation):
     single-process implementation.
     """
 
+    factory: Callable[[CommunicatorContext], Communicator] = attrs.field(validator=_callable)
     max_world_size: int | None = None
     #: Optional expert-parallel exchange built on a communicator of this kind:
     #: ``dispatcher(communicator) -> interfaces.ExpertDispatcher``; the communicator
     #: exposes its torch.distributed ``group`` for ops that need the process group.
-    dispatcher: Callable[[Any], Any] | None = attrs.field(default=None, validator=_callable)
+    dispatcher: Callable[[Communicator], ExpertDispatcher] | None = attrs.field(default=None, validator=_callable)
 
 
 @attrs.frozen(kw_only=True)
 class SchedulerRecord:
-    """A batch-forming policy. The engine calls ``factory`` with what the policy needs
-    (its config, the block manager) and gets an ``interfaces.Scheduler``."""
+    """A batch-forming policy. ``factory(SchedulerContext)`` (the limits, the block
+    manager) builds an ``interfaces.Scheduler``; it serves any sequence type, so the
+    record does not fix one."""
 
     name: str = attrs.field(validator=_valid_name)
-    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    factory: Callable[[SchedulerContext[Any]], Scheduler[Any]] = attrs.field(validator=_callable)
     description: str = ""
 
 
@@ -262,22 +286,26 @@ class SchedulerRecord:
 class SpeculativePolicyRecord:
     """A speculative-decoding method: drafter, length policy and verifier together.
 
-    The engine calls ``factory`` and gets an ``interfaces.SpeculativePolicy``. ``config_section`` names the plugin's
-    config section that parameterises it, if any.
+    ``factory(SpeculativeContext)`` builds an ``interfaces.SpeculativePolicy``.
+    ``config_section`` names the plugin's config section that parameterises it, if any.
     """
 
     name: str = attrs.field(validator=_valid_name)
-    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    factory: Callable[[SpeculativeContext], SpeculativePolicy] = attrs.field(validator=_callable)
     config_section: str | None = None
     description: str = ""
 
 
 @attrs.frozen(kw_only=True)
 class ProtocolAdapterRecord:
-    """Request protocols -> conversation -> prompt tokens, and outputs back."""
+    """Request protocols -> conversation -> prompt tokens, and outputs back.
+
+    ``factory(tokenizer, model_config)`` builds the ``interfaces.ProtocolAdapter`` of one
+    loaded model from its tokenizer and its config.json dict.
+    """
 
     name: str = attrs.field(validator=_valid_name)
-    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    factory: Callable[[ModelTokenizer, Mapping[str, Any]], ProtocolAdapter] = attrs.field(validator=_callable)
     #: e.g. {"openai.chat", "openai.responses", "anthropic.messages"}
     protocols: frozenset[str] = attrs.field(converter=frozenset)
     priority: int = 0
@@ -286,14 +314,19 @@ class ProtocolAdapterRecord:
 
 @attrs.frozen(kw_only=True)
 class ModelArchitectureRecord:
-    """Checkpoint architecture names (config.json ``architectures``) -> model factory."""
+    """Checkpoint architecture names (config.json ``architectures``) -> model factory.
+
+    ``factory(ModelContext)`` builds the ``interfaces.CausalLM``.
+    """
 
     name: str = attrs.field(validator=_valid_name)
     architectures: frozenset[str] = attrs.field(converter=frozenset)
-    factory: Callable[..., Any] = attrs.field(validator=_callable)
+    factory: Callable[[ModelContext], CausalLM] = attrs.field(validator=_callable)
     #: checkpoint config -> capability tags the model needs per component kind, e.g.
     #: {"attention": {"gqa", "sliding-window"}}; assembly selects accordingly.
-    requirements: Callable[[Any], Any] | None = attrs.field(default=None, validator=_callable)
+    requirements: Callable[[Mapping[str, Any]], Mapping[str, Iterable[str]]] | None = attrs.field(
+        default=None, validator=_callable
+    )
     description: str = ""
 
 

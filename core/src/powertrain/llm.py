@@ -14,9 +14,10 @@ from typing import Any
 import attrs
 
 from powertrain.config import CORE_SECTIONS, EngineConfig, load_config
-from powertrain.engine.errors import InvalidRequestError
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import RequestOutput
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.outputs import RequestOutput
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.speculative import SpeculativePolicy
 
 Message = Mapping[str, Any]
 
@@ -58,6 +59,15 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def speculative_policy(self) -> SpeculativePolicy | None:
+        """The speculative-decoding policy this engine built, or None (speculation off, or
+        the model runs in worker processes). For a policy's own tools: DSpark's head
+        training reads what its drafter logs while ``generate`` runs."""
+        from powertrain.engine.engine import LLMEngine
+
+        return self.engine.runner.speculative if isinstance(self.engine, LLMEngine) else None
 
     def generate(
         self,

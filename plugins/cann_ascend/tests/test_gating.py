@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from powertrain.layers.moe import RoutingConfig, route
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.moe import route
 from powertrain.testing.base import fresh_seed, generator
 from powertrain_cann_ascend import gating
 from powertrain_cann_ascend.testing.standins import MoEOpsStandIn

@@ -15,7 +15,8 @@ import torch
 
 from powertrain.components import Availability, PlatformInfo
 from powertrain.interfaces import ExpertWeights, MoEBackendContext
-from powertrain.layers.moe import MoE, RoutingConfig
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.moe import MoE
 from powertrain.loader.fp8 import quantize_blocks
 from powertrain.testing.base import fresh_seed, generator
 from powertrain.testing.moe import MoEBackendSuite, reference_moe, row_errors

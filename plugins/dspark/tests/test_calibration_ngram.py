@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import DraftSlot
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.speculative import DraftSlot
 from powertrain_dspark.calibration import (
     Calibration,
     Record,
@@ -95,23 +95,26 @@ def slot(seq_id: int, tokens: list[int], max_draft: int = 5) -> DraftSlot:
 def test_ngram_drafts_the_continuation_of_the_longest_earlier_match() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3, max_draft_tokens=4)
     tokens = [7, 1, 2, 3, 9, 9, 4, 1, 2, 3]  # "1 2 3" occurred before, followed by 9 9 4 1
-    (drafts,), (confidences,) = drafter.propose([slot(0, tokens)])
+    drafted = drafter.propose([slot(0, tokens)])
+    (drafts,), (confidences,) = drafted.tokens, drafted.confidences
+    assert drafted.draft_probs is None  # n-gram drafts are point masses
     assert drafts == [9, 9, 4, 1]
     assert all(0 < c < 1 for c in confidences)
-    (short,), _ = drafter.propose([slot(0, tokens, max_draft=2)])
+    (short,) = drafter.propose([slot(0, tokens, max_draft=2)]).tokens
     assert short == [9, 9]
-    (nothing,), (none,) = drafter.propose([slot(1, [5, 6, 7])])
+    nothing_drafted = drafter.propose([slot(1, [5, 6, 7])])
+    (nothing,), (none,) = nothing_drafted.tokens, nothing_drafted.confidences
     assert nothing == [] and none == []
 
 
 def test_ngram_confidences_learn_from_outcomes() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3, max_draft_tokens=3)
     tokens = [1, 2, 3, 4, 5, 6, 1, 2, 3]
-    (_,), (first,) = drafter.propose([slot(0, tokens)])
+    (first,) = drafter.propose([slot(0, tokens)]).confidences
     for _ in range(20):  # this kind of draft keeps being accepted in full
         drafter.propose([slot(0, tokens)])
         drafter.record(0, verified=3, accepted=3)
-    (_,), (later,) = drafter.propose([slot(0, tokens)])
+    (later,) = drafter.propose([slot(0, tokens)]).confidences
     assert later[0] > first[0] and later[0] > 0.9
 
 

@@ -18,8 +18,9 @@ import itertools
 import pytest
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import DraftSlot, VerifyBatch
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.speculative import DraftSlot, VerifyBatch
+from powertrain_dspark.drafter import DraftBatch
 from powertrain_dspark.lengths import StepsPerSecond
 from powertrain_dspark.policy import SpeculativeDecoder
 
@@ -84,7 +85,7 @@ class StochasticDrafter:
             drafts.append(tokens)
             confidences.append(conf)
             probs.append(torch.stack(dists) if dists and not self.deterministic else None)
-        return drafts, confidences, probs
+        return DraftBatch(tokens=drafts, confidences=confidences, draft_probs=probs)
 
     def record(self, seq_id: int, verified: int, accepted: int) -> None:
         pass

@@ -24,13 +24,14 @@ from safetensors.torch import load_file, save_file
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
-from powertrain.engine.errors import EngineDeadError
+from powertrain.interfaces.errors import EngineDeadError
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek
 from powertrain.testing.paged import PagedRunner
 from powertrain_dspark.cli import main
 from powertrain_dspark.confidence_head import ConfidenceHead
+from powertrain_dspark.drafter import DraftBatch
 from powertrain_dspark.mtp import MTPDrafter
 
 PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests quick
@@ -200,15 +201,15 @@ def test_drafts_equal_a_from_scratch_mtp_run(
     )
     proposals: list[tuple[list[int], list[int], list[float]]] = []
     with LLM(config=config) as llm:
-        drafter = llm.engine.runner.speculative.drafter
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
         assert isinstance(drafter, MTPDrafter)
         for tensor in drafter.kv_cache.values():
             tensor.fill_(float("nan"))
         propose = drafter.propose
 
-        def spy(slots: list) -> tuple:
+        def spy(slots: list) -> DraftBatch:
             drafted = propose(slots)
-            for slot, tokens, confidences in zip(slots, drafted[0], drafted[1], strict=True):
+            for slot, tokens, confidences in zip(slots, drafted.tokens, drafted.confidences, strict=True):
                 proposals.append((list(slot.token_ids), list(tokens), list(confidences)))
             return drafted
 
@@ -254,13 +255,13 @@ def test_sampling_runs_and_is_reproducible_with_seeds(
     ]
     config = engine_config(checkpoints["mimic"], speculative, dspark={"max_draft_tokens": 3})
     with LLM(config=config) as llm:
-        drafter = llm.engine.runner.speculative.drafter
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
         propose = drafter.propose
         seen = []
 
-        def spy(slots: list) -> tuple:
+        def spy(slots: list) -> DraftBatch:
             drafted = propose(slots)
-            seen.extend(zip(drafted[0], drafted[2], strict=True))
+            seen.extend(zip(drafted.tokens, drafted.probs(), strict=True))
             return drafted
 
         drafter.propose = spy

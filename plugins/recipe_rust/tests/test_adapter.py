@@ -90,8 +90,8 @@ def test_prompts_and_ids_equal_transformers_from_every_protocol(smollm2: tuple[R
         ("anthropic.messages", anthropic_body(messages)),
     ):
         request = adapter.parse_request(protocol, body)
-        assert request["prompt"] == text, protocol
-        assert request["prompt_token_ids"] == ids, protocol
+        assert request.prompt == text, protocol
+        assert request.prompt_token_ids == ids, protocol
 
 
 def test_special_token_strings_in_user_and_tool_content_stay_plain_text(smollm2: tuple[RecipeAdapter, Any]) -> None:
@@ -107,8 +107,8 @@ def test_special_token_strings_in_user_and_tool_content_stay_plain_text(smollm2:
         request = adapter.parse_request("openai.chat", chat_body(messages))
         template_ids = adapter.parse_request("openai.chat", chat_body([{**m, "content": "z"} for m in messages]))
         # Only the template's own control tokens remain: the same count as with harmless content.
-        injected = [i for i in request["prompt_token_ids"] if i in special_ids]
-        expected = [i for i in template_ids["prompt_token_ids"] if i in special_ids]
+        injected = [i for i in request.prompt_token_ids if i in special_ids]
+        expected = [i for i in template_ids.prompt_token_ids if i in special_ids]
         assert injected == expected
 
 
@@ -175,13 +175,13 @@ def test_engine_output_becomes_protocol_responses(smollm2: tuple[RecipeAdapter, 
             ("anthropic.messages", anthropic_body(messages)),
         ):
             request = adapter.parse_request(protocol, body)
-            [output] = llm.generate([request["prompt_token_ids"]], SamplingParams(temperature=0, max_tokens=24))
+            [output] = llm.generate([request.prompt_token_ids], SamplingParams(temperature=0, max_tokens=24))
             response = json.loads(adapter.render_response(protocol, request, output))
             text = output.outputs[0].text
             assert "Paris" in text
             if protocol == "openai.chat":
                 assert response["choices"][0]["message"]["content"] == text
-                assert response["usage"]["prompt_tokens"] == len(request["prompt_token_ids"])
+                assert response["usage"]["prompt_tokens"] == len(request.prompt_token_ids)
             elif protocol == "openai.responses":
                 assert response["output"][-1]["content"][0]["text"] == text
             else:
@@ -325,7 +325,11 @@ def test_new_request_fields_reach_the_engine_request() -> None:
             user="legacy",
         ),
     )
-    assert (chat["prompt_cache_key"], chat["safety_identifier"], chat["user"]) == ("tenant-1", "u-hash", "legacy")
+    assert (chat.native["prompt_cache_key"], chat.native["safety_identifier"], chat.native["user"]) == (
+        "tenant-1",
+        "u-hash",
+        "legacy",
+    )
     responses = adapter.parse_request(
         "openai.responses",
         json.dumps(
@@ -338,8 +342,8 @@ def test_new_request_fields_reach_the_engine_request() -> None:
             }
         ).encode(),
     )
-    assert responses["reasoning_summary"] == "detailed"
-    assert (responses["sampling"]["logprobs"], responses["sampling"]["top_logprobs"]) == (True, 4)
+    assert responses.native["reasoning_summary"] == "detailed"
+    assert (responses.sampling.logprobs, responses.sampling.top_logprobs) == (True, 4)
     messages = adapter.parse_request(
         "anthropic.messages",
         json.dumps(
@@ -364,8 +368,8 @@ def test_new_request_fields_reach_the_engine_request() -> None:
             }
         ).encode(),
     )
-    assert messages["conversation"]["thinking"]["adaptive"] is True
-    assert messages["conversation"]["messages"][2] == {
+    assert messages.native["conversation"]["thinking"]["adaptive"] is True
+    assert messages.native["conversation"]["messages"][2] == {
         "role": "tool",
         "content": [{"type": "text", "text": "boom"}],
         "tool_call_id": "t1",
@@ -373,9 +377,8 @@ def test_new_request_fields_reach_the_engine_request() -> None:
         "is_error": True,
     }
     # The prompt still renders (the template ignores the flag), from the parsed request too.
-    parsed = {k: v for k, v in messages.items() if k not in ("prompt", "prompt_token_ids")}
-    prompt, ids = adapter.encoder.render_request(json.dumps(parsed))
-    assert prompt == messages["prompt"] and ids == messages["prompt_token_ids"]
+    prompt, ids = adapter.encoder.render_request(json.dumps(dict(messages.native)))
+    assert prompt == messages.prompt and ids == messages.prompt_token_ids
     for body in (
         chat_body([{"role": "user", "content": "hi"}], stream=True, n=2),
         chat_body([{"role": "user", "content": "hi"}], stream=True, logprobs=True),

@@ -17,8 +17,9 @@ from powertrain import interfaces
 from powertrain.assemble.planning import AssemblyError, Plan
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
-from powertrain.engine.scheduling import SchedulerContext, SchedulerLimits
-from powertrain.engine.speculative import SpeculativeContext, StepsPerSecondProfiler
+from powertrain.engine.speculative import StepsPerSecondProfiler
+from powertrain.interfaces.scheduling import SchedulerContext, SchedulerLimits
+from powertrain.interfaces.speculative import SpeculativeContext
 from powertrain.parallel.expert import ExpertParallel, build_dispatcher
 from powertrain.parallel.layout import RankPlacement, layout_of
 

@@ -12,25 +12,27 @@ so the engine cannot livelock, and nothing ever runs out of memory mid-step.
 from __future__ import annotations
 
 from collections import deque
+from typing import Generic
 
-from powertrain.engine.block_manager import BlockManager
-from powertrain.engine.scheduling import ScheduledBatch, SchedulerContext
-from powertrain.engine.sequence import Sequence, SequenceStatus
+from powertrain.interfaces.scheduling import BlockAllocator, ScheduledBatch, SchedulerContext, Seq, SequenceStatus
 
 
-class FcfsScheduler:
-    def __init__(self, context: SchedulerContext) -> None:
+class FcfsScheduler(Generic[Seq]):
+    """Sees the engine's sequences and block manager only through the contract
+    (``interfaces.scheduling``), as an external scheduler would."""
+
+    def __init__(self, context: SchedulerContext[Seq]) -> None:
         self.limits = context.limits
-        self.blocks: BlockManager = context.block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.blocks: BlockAllocator[Seq] = context.block_manager
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         self.num_preemptions = 0
 
-    def add(self, sequence: Sequence) -> None:
+    def add(self, sequence: Seq) -> None:
         sequence.status = SequenceStatus.WAITING
         self.waiting.append(sequence)
 
-    def finish(self, sequence: Sequence) -> None:
+    def finish(self, sequence: Seq) -> None:
         if sequence in self.running:
             self.running.remove(sequence)
         elif sequence in self.waiting:
@@ -41,10 +43,10 @@ class FcfsScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> ScheduledBatch[Seq]:
         budget = self.limits.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int]] = []
-        preempted: list[Sequence] = []
+        chosen: list[tuple[Seq, int]] = []
+        preempted: list[Seq] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -93,7 +95,7 @@ class FcfsScheduler:
             preempted=preempted,
         )
 
-    def _preempt(self, seq: Sequence) -> Sequence:
+    def _preempt(self, seq: Seq) -> Seq:
         """Free ``seq``'s blocks and queue it first, to be recomputed (its full blocks
         usually come straight back from the prefix cache)."""
         self.running.remove(seq)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from powertrain.interfaces import ExpertWeights
-from powertrain.loader.fp8 import dequantize_blocks, dequantize_row_groups
+from powertrain.interfaces import ExpertWeights, dequantize_row_groups
+from powertrain.loader.fp8 import dequantize_blocks
 
 
 def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

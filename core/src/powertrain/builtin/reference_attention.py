@@ -22,7 +22,7 @@ from powertrain.interfaces import (
 
 
 class TorchReferenceAttention:
-    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` (see interfaces.py)."""
+    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` (see interfaces.attention)."""
 
     name = "torch-reference"
 

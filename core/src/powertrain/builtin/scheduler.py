@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from powertrain import hookimpl
 from powertrain.components import SchedulerRecord
 
+if TYPE_CHECKING:
+    from powertrain.builtin.fcfs_scheduler import FcfsScheduler
+    from powertrain.interfaces.scheduling import SchedulerContext, Seq
+
 POWERTRAIN_HOOK_API = 1
 
 
-def build_fcfs(context: Any) -> Any:
+def build_fcfs(context: SchedulerContext[Seq]) -> FcfsScheduler[Seq]:
     from powertrain.builtin.fcfs_scheduler import FcfsScheduler
 
     return FcfsScheduler(context)

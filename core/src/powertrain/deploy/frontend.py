@@ -32,9 +32,9 @@ from powertrain.deploy.balance import PrefixBalancer
 from powertrain.deploy.worker import HEARTBEAT_S, WorkerInfo
 from powertrain.engine.admission import admit
 from powertrain.engine.engine import EngineStats
-from powertrain.engine.errors import EngineDeadError
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import CompletionOutput, RequestOutput
+from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
+from powertrain.interfaces.sampling import SamplingParams
 from powertrain.parallel.layout import ParallelLayout
 
 log = structlog.get_logger(__name__)

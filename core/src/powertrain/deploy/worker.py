@@ -25,7 +25,7 @@ import attrs
 import structlog
 
 from powertrain.assemble import build_engine
-from powertrain.engine.errors import InvalidRequestError
+from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.log_setup import configure_logging
 from powertrain.parallel.layout import RankPlacement
 

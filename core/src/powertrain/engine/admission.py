@@ -12,8 +12,8 @@ from typing import Any
 
 import attrs
 
-from powertrain.engine.errors import InvalidRequestError
-from powertrain.engine.sampling_params import SamplingParams
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.sampling import SamplingParams
 from powertrain.tokenizer import Tokenizer
 
 

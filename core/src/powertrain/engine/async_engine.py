@@ -18,9 +18,9 @@ from typing import Any
 import structlog
 
 from powertrain.engine.engine import EngineStats, LLMEngine
-from powertrain.engine.errors import EngineDeadError
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import RequestOutput
+from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.outputs import RequestOutput
+from powertrain.interfaces.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 

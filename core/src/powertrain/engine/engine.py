@@ -25,22 +25,15 @@ import structlog
 from powertrain.engine.admission import admit
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
-from powertrain.engine.errors import EngineDeadError
 from powertrain.engine.model_runner import ModelRunner, Speculation, StepResult
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.scheduling import ScheduledBatch
-from powertrain.engine.sequence import (
-    PLACEHOLDER,
-    CompletionOutput,
-    Request,
-    RequestOutput,
-    SequenceStatus,
-)
-from powertrain.engine.sequence import (
-    Sequence as Seq,
-)
-from powertrain.engine.speculative import DraftSlot, VerifyBatch, can_speculate
-from powertrain.interfaces import Scheduler
+from powertrain.engine.sequence import PLACEHOLDER, Request
+from powertrain.engine.sequence import Sequence as Seq
+from powertrain.engine.speculative import can_speculate
+from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.scheduling import ScheduledBatch, Scheduler, SequenceStatus
+from powertrain.interfaces.speculative import DraftSlot, VerifyBatch
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -77,7 +70,7 @@ class EngineStats:
 
 @attrs.define
 class _InFlight:
-    batch: ScheduledBatch
+    batch: ScheduledBatch[Seq]
     future: Future[StepResult]
     #: For each sampling sequence (in sample order): the index its token goes to.
     token_positions: list[int]
@@ -93,7 +86,7 @@ class LLMEngine:
         self,
         *,
         tokenizer: Tokenizer,
-        scheduler: Scheduler,
+        scheduler: Scheduler[Seq],
         block_manager: BlockManager,
         runner: ModelRunner,
         max_model_len: int,
@@ -110,7 +103,7 @@ class LLMEngine:
         self.runner = runner
         self.max_model_len = max_model_len
         # Speculative steps run synchronously: a step's drafts follow from the tokens the
-        # step before accepted (engine/speculative.py).
+        # step before accepted (interfaces/speculative.py).
         self.async_scheduling = async_scheduling and runner.speculative is None
         self.model_name = model_name
         #: The checkpoint's config (config.json semantics): protocol adapters read the
@@ -249,9 +242,9 @@ class LLMEngine:
             num_drafts=num_drafts if speculation else [],
         )
 
-    def _speculate(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, Speculation]:
+    def _speculate(self, batch: ScheduledBatch[Seq]) -> tuple[ScheduledBatch[Seq], Speculation]:
         """Ask the policy for drafts and lengths, and make each chosen sequence compute
-        its drafts this step (see engine/speculative.py)."""
+        its drafts this step (see interfaces/speculative.py)."""
         policy = self.runner.speculative
         assert policy is not None
         slots: list[DraftSlot] = []
@@ -411,7 +404,7 @@ class LLMEngine:
             )
             for seq in request.sequences
         ]
-        metrics: dict[str, Any] = {"arrival_time": request.arrival_time}
+        metrics: dict[str, float] = {"arrival_time": request.arrival_time}
         if request.first_token_time is not None:
             metrics["time_to_first_token_s"] = request.first_token_time - request.arrival_time
         result = RequestOutput(

@@ -20,11 +20,12 @@ import attrs
 import torch
 
 from powertrain.engine.sampler import Sampler, SamplingInputs
-from powertrain.engine.scheduling import ScheduledBatch
 from powertrain.engine.sequence import PLACEHOLDER
-from powertrain.engine.speculative import ExecutedStep
+from powertrain.engine.sequence import Sequence as Seq
 from powertrain.engine.structured import GrammarState, StructuredOutputs, TokenMasks
 from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache, SpeculativePolicy
+from powertrain.interfaces.scheduling import ScheduledBatch
+from powertrain.interfaces.speculative import ExecutedStep, Proposal
 
 
 @attrs.frozen(kw_only=True)
@@ -51,7 +52,7 @@ class PreparedStep:
 class Speculation:
     """A step's drafts: the policy's proposal and what the runner needs to verify it."""
 
-    proposal: Any  # engine.speculative.Proposal
+    proposal: Proposal | None  # None when no sequence could speculate
     lengths: list[int]  # per proposal slot
     #: Per sampling sequence (sample order): its proposal slot, or -1.
     slot_of: list[int]
@@ -94,7 +95,7 @@ class ModelRunner:
         self.lockstep: Any = None
         self._previous_tokens: dict[int, int] = {}  # device thread only
 
-    def prepare(self, batch: ScheduledBatch, speculation: Speculation | None = None) -> PreparedStep:
+    def prepare(self, batch: ScheduledBatch[Seq], speculation: Speculation | None = None) -> PreparedStep:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -220,6 +221,7 @@ class ModelRunner:
             for i, token, lp in zip(plain, sampled, sampled_logprobs, strict=True):
                 tokens[i], logprobs[i] = [token], lp
         if verified:
+            assert spec.proposal is not None  # a slot verifies drafts only if it was proposed some
             chunks = logits[len(plain) :].split([drafts[i] + 1 for i in verified])
             kept = self.speculative.verify(spec.proposal, spec.lengths, list(chunks))
             for i, accepted in zip(verified, kept, strict=True):

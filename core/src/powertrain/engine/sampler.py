@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
 from powertrain.engine.structured import TokenMasks
+from powertrain.interfaces.sampling import SamplingParams, filtered_probs
 
 
 @attrs.frozen(kw_only=True)
@@ -100,27 +100,6 @@ def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tenso
             counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[1]).float()
             logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return logits
-
-
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax, then top-k, top-p and min-p as masks, renormalised per row."""
-    probs = torch.softmax(logits, dim=-1)
-    vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    if (top_k < vocab).any() or (top_p < 1).any():
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
-        # Keep a token while the mass strictly before it is below top_p (so the top one always stays).
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep_sorted = (ranks < top_k[:, None]) & (before < top_p[:, None])
-        keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
-        probs = probs * keep
-    if (min_p > 0).any():
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _logprobs(

@@ -1,16 +1,16 @@
-"""Requests, the sequences they expand into, and what the engine reports back."""
+"""Requests and the sequences they expand into (what the engine reports back is
+``interfaces.outputs``)."""
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import attrs
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
+from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.scheduling import SequenceStatus
 
 if TYPE_CHECKING:
     from powertrain.engine.structured import GrammarState
@@ -20,12 +20,6 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1
 
 _seq_ids = itertools.count()
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class Sequence:
@@ -108,28 +102,3 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.sequences)
-
-
-@attrs.define(kw_only=True)
-class CompletionOutput:
-    """One sampled continuation of a request."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    #: Per generated token: {token id: logprob} for the chosen token and the top-k.
-    logprobs: list[dict[int, float]] | None = None
-
-
-@attrs.define(kw_only=True)
-class RequestOutput:
-    """A request's state after a step: all text so far, and whether it is done."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    metrics: dict[str, Any] = attrs.field(factory=dict)

@@ -1,140 +1,23 @@
-"""What the engine and a speculative-decoding policy exchange, and the engine's side of it.
-
-A step with speculation: the scheduler forms the batch as usual; then every decoding
-sequence that may speculate becomes a ``DraftSlot``, the policy ``propose``s draft
-tokens with confidences, decides with ``verify_lengths`` how many of each to verify
-(for the whole batch at once), and the engine appends those drafts to the sequences,
-so the step computes ``1 + ℓ`` tokens for each. The model runner hands the target's
-logits of those rows to ``verify``, which returns the tokens each sequence keeps
-(accepted drafts plus one token sampled from the target). The engine then rewinds
-what was rejected: the sequence's computed-token count falls back to the accepted
-tokens, so the rejected drafts' cache slots are simply written again later.
-
-Speculative steps run synchronously (no overlap of step N+1's preparation with step
-N): the drafts of N+1 depend on the tokens N accepts. A policy may still plan its
-verification budget from an earlier step's confidences (DSpark's lagged budget), which
-is what an overlapped engine would need.
-
-Which sequences may speculate: those whose next token comes from the plain sampling
-distribution (temperature, top-k, top-p, min-p), because verification must compare
-draft and target distributions exactly. Penalties, structured output, logprobs and
-not-yet-reached ``min_tokens`` make the distribution depend on per-token state the
-verifier does not replay, so such sequences decode one token at a time.
+"""The engine's side of speculative decoding: which sequences may speculate, and the
+startup profile a policy weighs drafts against. What the engine and a policy exchange,
+and how a speculative step runs, is ``interfaces.speculative``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import attrs
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.interfaces import AttentionMetadata
-
-
-@attrs.frozen(kw_only=True)
-class DraftSlot:
-    """One sequence the policy may draft for this step."""
-
-    seq_id: int
-    #: Prompt + generated tokens so far (the last one is this step's input; read only).
-    token_ids: Sequence[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    #: This sequence's own generator (seeded requests), or None for the shared one.
-    generator: torch.Generator | None
-    #: At most this many drafts can be used (max_tokens, model length).
-    max_draft: int
-
-
-@attrs.frozen(kw_only=True)
-class Proposal:
-    """Drafts for each slot (same order), with their confidences.
-
-    ``confidences[i][k]`` is c(i, k+1): the predicted probability that draft k+1 is
-    accepted given that the drafts before it were; it may depend on the drafts before
-    position k+1 but never on draft k+1 itself (a stochastic drafter's token at k+1 is
-    what verification tests). ``draft_probs[i]`` is ``[len(tokens[i]), vocab]``, the
-    distribution each draft was sampled from, or None for a deterministic drafter
-    (each draft is then a point mass).
-    """
-
-    slots: list[DraftSlot]
-    tokens: list[list[int]]
-    confidences: list[list[float]]
-    draft_probs: list[torch.Tensor | None]
-
-    def __attrs_post_init__(self) -> None:
-        n = len(self.slots)
-        if not (len(self.tokens) == len(self.confidences) == len(self.draft_probs) == n):
-            raise ValueError("a Proposal needs tokens, confidences and draft_probs for every slot")
-        for slot, tokens, confidences in zip(self.slots, self.tokens, self.confidences, strict=True):
-            if len(tokens) != len(confidences) or len(tokens) > slot.max_draft:
-                raise ValueError(
-                    f"sequence {slot.seq_id}: {len(tokens)} drafts with {len(confidences)} confidences "
-                    f"(at most {slot.max_draft} drafts)"
-                )
-
-
-@attrs.frozen(kw_only=True)
-class VerifyBatch:
-    """What ``verify_lengths`` may know of the step besides the drafts."""
-
-    #: Tokens the step computes without any draft (each decoding sequence's one token
-    #: plus prefill chunks).
-    base_tokens: int
-    #: Sequences that sample a token this step (each yields at least one).
-    num_sampling: int
-    #: Sequences in the step (0: take ``num_sampling``).
-    num_seqs: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class ExecutedStep:
-    """A step's forward, for policies that keep state on the device (an MTP drafter
-    catches up its own cache from the target's hidden states). Device thread only."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    hidden: torch.Tensor  # [num_tokens, hidden]: the target's final hidden states
-    metadata: AttentionMetadata
-    seq_ids: list[int]  # one per sequence in the batch, in batch order
-    #: For each sequence in the batch: the tokens it kept this step (accepted drafts and
-    #: the sampled token), or [] when it sampled nothing (a prompt chunk).
-    accepted: list[list[int]]
-    #: How many drafts each sequence carried into the step (0 for most).
-    num_drafts: list[int]
-
-
-@attrs.frozen(kw_only=True)
-class SpeculativeContext:
-    """What a speculative policy's factory is given."""
-
-    #: The plugin's validated config section (an attrs instance), or None.
-    config: Any
-    model: Any  # the CausalLM (an MTP drafter reads ``model.mtp``)
-    vocab_size: int
-    device: torch.device
-    block_size: int
-    #: ``(sequence counts, tokens per sequence) -> {(n, q): target steps per second}``,
-    #: measured now on this machine: one forward + logits of ``n`` sequences of ``q`` new
-    #: tokens each (a token and its drafts), for every pair.
-    measure_steps_per_second: Callable[..., dict[tuple[int, int], float]]
-    #: ``allocate_kv_caches(layers, extra_blocks=0)``: a cache like the target's for extra
-    #: attention layers (an MTP drafter's), filled through the same block tables. The
-    #: ``extra_blocks`` blocks after the target's (the last ids) are in no block table: a
-    #: drafter's private scratch for positions its sequences own no block for yet.
-    allocate_kv_caches: Callable[..., list[Any]]
-    #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none). A
-    #: drafter that runs MoE layers outside the target's forward cannot run above 1.
-    expert_parallel_size: int = 1
+from powertrain.interfaces.attention import AttentionMetadata, LayerKVCache
+from powertrain.interfaces.model import CausalLM
+from powertrain.interfaces.sampling import SamplingParams
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
-    """Whether a sequence's next tokens come from the plain sampling distribution (see module doc)."""
+    """Whether a sequence's next tokens come from the plain sampling distribution
+    (``interfaces.speculative``: the verifier does not replay per-token state)."""
     return not (
         constrained
         or params.logprobs is not None
@@ -143,17 +26,6 @@ def can_speculate(params: SamplingParams, num_output_tokens: int, constrained: b
         or params.frequency_penalty
         or num_output_tokens < params.min_tokens
     )
-
-
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution the sampler draws from for ``params``, one row per position
-    (float32 ``[rows, vocab]``); greedy (temperature 0) is a one-hot of the argmax."""
-    from powertrain.engine.sampler import filtered_probs
-
-    logits = logits.float()
-    if params.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    return filtered_probs(logits / params.temperature, [params] * logits.shape[0])
 
 
 #: The profile computes logits this many rows at a time: the time is the same, and a
@@ -175,8 +47,8 @@ class StepsPerSecondProfiler:
 
     def __init__(
         self,
-        model: Any,
-        kv_caches: Sequence[Any],
+        model: CausalLM,
+        kv_caches: Sequence[LayerKVCache],
         block_size: int,
         num_blocks: int,
         device: torch.device,

@@ -15,115 +15,23 @@ batch without constrained rows touches none of this.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 import torch
 
-from powertrain.engine.errors import InvalidRequestError
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.sampling import KIND_NAMES, StructuredOutput
 
 if TYPE_CHECKING:
     import llguidance
 
     from powertrain.tokenizer import Tokenizer
-
-#: What a constraint can be: a JSON schema (OpenAI ``response_format`` ``json_schema``), any JSON
-#: object (``json_object``), a regular expression (Rust ``regex`` syntax, matched against the
-#: whole output) or a Lark grammar (llguidance's dialect, which can also embed JSON schemas with
-#: ``%json {...}``).
-KINDS = ("json_schema", "json_object", "regex", "lark")
-_KIND_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "lark": "Lark grammar"}
-
-#: How JSON is laid out unless a schema's ``"x-guidance"`` says otherwise: one space after ``:``
-#: and ``,`` (as ``json.dumps`` writes it) and no other whitespace. Free whitespace lets a small
-#: model pad with newlines until it runs out of tokens; a fixed layout is still valid JSON.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-@attrs.frozen
-class StructuredOutput:
-    """A constraint on a request's output, e.g. ``StructuredOutput("json_schema", {...})``.
-
-    ``spec`` is the JSON schema (a dict, or its JSON text) for ``json_schema``, nothing for
-    ``json_object``, the pattern for ``regex`` and the grammar text for ``lark``. A schema's
-    ``"x-guidance"`` key takes llguidance's JSON options (e.g. ``{"whitespace_flexible": true}``).
-    Whether the constraint compiles is checked when the request is added.
-    """
-
-    kind: str
-    spec: Any = attrs.field(default=None, hash=False)  # dicts do not hash; equality still sees them
-
-    def __attrs_post_init__(self) -> None:
-        kind, spec = self.kind, self.spec
-        if kind not in KINDS:
-            raise InvalidRequestError(f"structured output kind must be one of {', '.join(KINDS)}; got {kind!r}")
-        if kind == "json_schema":
-            if isinstance(spec, str):
-                try:
-                    spec = json.loads(spec)
-                except ValueError as error:
-                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {error}") from None
-            if not isinstance(spec, Mapping):
-                raise InvalidRequestError(
-                    f"a json_schema constraint needs the schema as a JSON object, got {type(spec).__name__}"
-                )
-            try:  # a private copy, so a caller changing its dict later cannot change this request
-                spec = json.loads(json.dumps(spec))
-            except (TypeError, ValueError) as error:
-                raise InvalidRequestError(f"the JSON schema cannot be written as JSON: {error}") from None
-            object.__setattr__(self, "spec", spec)
-        elif kind == "json_object":
-            if spec is not None:
-                raise InvalidRequestError("a json_object constraint takes no spec; use json_schema to give a schema")
-        elif not isinstance(spec, str) or not spec:
-            what = "pattern" if kind == "regex" else "grammar text"
-            raise InvalidRequestError(f"a {kind} constraint needs its {what} as a non-empty string, got {spec!r}")
-
-    @classmethod
-    def json_schema(cls, schema: Mapping[str, Any] | str) -> StructuredOutput:
-        return cls("json_schema", schema)
-
-    @classmethod
-    def json_object(cls) -> StructuredOutput:
-        return cls("json_object")
-
-    @classmethod
-    def regex(cls, pattern: str) -> StructuredOutput:
-        return cls("regex", pattern)
-
-    @classmethod
-    def lark(cls, grammar: str) -> StructuredOutput:
-        return cls("lark", grammar)
-
-    def check(self) -> None:
-        """Raise InvalidRequestError now if the constraint cannot compile: for callers (a
-        server) that must refuse a request before they start answering it. Checked without
-        the tokenizer, so a grammar can still fail later against a vocabulary."""
-        from llguidance import LLMatcher
-
-        problem = LLMatcher.validate_grammar(self.grammar())
-        if problem:
-            raise InvalidRequestError(f"the {_KIND_NAMES[self.kind]} constraint cannot be compiled: {problem.strip()}")
-
-    def grammar(self) -> str:
-        """llguidance's grammar for this constraint (not yet compiled, so not yet checked)."""
-        from llguidance import LLMatcher
-
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.spec)
-        if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.spec)
-        schema = {"type": "object"} if self.kind == "json_object" else self.spec
-        try:
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)  # type: ignore[arg-type]
-        except ValueError as error:  # e.g. an "x-guidance" value of the wrong type
-            raise InvalidRequestError(f"the JSON schema cannot be compiled: {error}") from None
 
 
 class GrammarState:
@@ -200,7 +108,7 @@ class StructuredOutputs:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)  # compiles without the GIL
         if matcher.is_error():
             raise InvalidRequestError(
-                f"the {_KIND_NAMES[constraint.kind]} constraint cannot be compiled: {matcher.get_error().strip()}"
+                f"the {KIND_NAMES[constraint.kind]} constraint cannot be compiled: {matcher.get_error().strip()}"
             )
         return matcher
 

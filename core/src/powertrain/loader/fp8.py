@@ -48,19 +48,6 @@ def dequantize_blocks(
     return (weight.float() * _expand(scale_inv.float(), rows, cols, block)).to(dtype)
 
 
-def dequantize_row_groups(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Quantised activation rows times their scales (one per row, or one per equal
-    column group, as an FP8 dispatch sends them), in float32."""
-    count, width = rows.shape
-    per_group = scales.float().reshape(count, -1)
-    groups = per_group.shape[1]
-    if groups and width % groups:
-        raise ValueError(f"scales of shape {tuple(scales.shape)} do not split {width} columns into equal groups")
-    if count == 0:
-        return rows.float()
-    return (rows.float().view(count, groups, width // groups) * per_group.unsqueeze(-1)).view(count, width)
-
-
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse, as DeepSeek's quantizer does it: each block's absolute maximum maps
     onto ``FP8_MAX``. Returns ``(fp8 weight, float32 scale_inv)``."""

@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext
+from powertrain.interfaces.moe import RoutingConfig
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import MLAAttention
 from powertrain.layers.linear import Linear
-from powertrain.layers.moe import MoE, RoutingConfig
+from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary, yarn_mscale
 from powertrain.models.weights import check_complete, copy_checked

@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from powertrain.engine.async_engine import AsyncEngine
-from powertrain.engine.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.protocol import ParsedRequest, ParserEvent, ProtocolAdapter
 from powertrain.serve.completions import CompletionsEndpoint
 from powertrain.serve.errors import ApiError, error_body
 from powertrain.serve.generation import Generation, sampling_params
@@ -46,7 +47,7 @@ def _json(status: int, body: bytes) -> Response:
 class Server:
     """What every route shares: the engine, the adapter, settings and metrics."""
 
-    def __init__(self, engine: AsyncEngine, adapter: Any, settings: ServeSettings) -> None:
+    def __init__(self, engine: AsyncEngine, adapter: ProtocolAdapter, settings: ServeSettings) -> None:
         self.engine = engine
         self.adapter = adapter
         self.settings = settings
@@ -104,15 +105,15 @@ class Server:
             if status is None:
                 raise
             return _json(status, str(exc.body).encode())  # the adapter's protocol-shaped error
-        self.check_model(parsed["model"])
-        self.check_prompt_length(len(parsed["prompt_token_ids"]))
+        self.check_model(parsed.model)
+        self.check_prompt_length(len(parsed.prompt_token_ids))
         try:
             params = sampling_params(parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed))
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
         request_id = uuid.uuid4().hex[:24]
-        generation = Generation(self.engine, self.metrics, request_id, list(parsed["prompt_token_ids"]), params)
-        if parsed.get("stream"):
+        generation = Generation(self.engine, self.metrics, request_id, list(parsed.prompt_token_ids), params)
+        if parsed.stream:
             return StreamingResponse(
                 self._stream(protocol, parsed, generation),
                 media_type="text/event-stream",
@@ -122,13 +123,13 @@ class Server:
         self.metrics.requests.labels(protocol, "200").inc()
         return _json(200, self.adapter.render_response(protocol, parsed, final))
 
-    async def _stream(self, protocol: str, parsed: dict[str, Any], generation: Generation) -> AsyncIterator[str]:
+    async def _stream(self, protocol: str, parsed: ParsedRequest, generation: Generation) -> AsyncIterator[str]:
         prompt_tokens = len(generation.prompt_ids)
         writer = self.adapter.response_writer(
             protocol, parsed, generation.request_id, int(time.time()), prompt_tokens=prompt_tokens
         )
         parser = self.adapter.stream_parser(parsed, id_prefix=f"call_{generation.request_id}")
-        events: list[Any] = []
+        events: list[ParserEvent] = []
         status = "200"
         try:
             for frame in writer.start():
@@ -172,7 +173,7 @@ def _sse_error(protocol: str, status: int, message: str) -> str:
     return f"event: error\ndata: {body}\n\n" if protocol == "anthropic.messages" else f"data: {body}\n\n"
 
 
-def create_app(engine: AsyncEngine, adapter: Any, settings: ServeSettings | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, adapter: ProtocolAdapter, settings: ServeSettings | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; the caller owns the engine's lifetime."""
     server = Server(engine, adapter, settings or ServeSettings())
     completions = CompletionsEndpoint(server)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from powertrain.engine.errors import InvalidRequestError
-from powertrain.engine.sampling_params import SamplingParams
+from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.sampling import SamplingParams
 from powertrain.serve.errors import ApiError
 from powertrain.serve.generation import Generation
 

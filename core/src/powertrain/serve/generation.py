@@ -6,69 +6,66 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator
 
 from powertrain.engine.async_engine import AsyncEngine
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.sequence import RequestOutput
-from powertrain.engine.structured import StructuredOutput
+from powertrain.interfaces.outputs import RequestOutput
+from powertrain.interfaces.protocol import ParsedRequest
+from powertrain.interfaces.sampling import SamplingParams, StructuredOutput
 from powertrain.serve.errors import ApiError
 from powertrain.serve.metrics import ServerMetrics
 
 
-def sampling_params(
-    request: Mapping[str, Any], max_model_len: int, tool_call_grammar: str | None = None
-) -> SamplingParams:
+def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_grammar: str | None = None) -> SamplingParams:
     """The engine's settings for a parsed request; what the server cannot honour is a 400.
     ``tool_call_grammar`` (from the adapter) forces the tool call the request requires."""
-    sampling = request["sampling"]
-    if sampling.get("n", 1) != 1:
+    sampling = request.sampling
+    if sampling.n != 1:
         raise ApiError(400, "n > 1 is not supported by this server; send n requests instead", "n")
     logprobs = None
-    if sampling.get("logprobs"):
-        if request["protocol"] not in ("chat_completions", "responses") or request.get("stream"):
+    if sampling.logprobs:
+        if request.protocol not in ("openai.chat", "openai.responses") or request.stream:
             raise ApiError(
                 400, "logprobs are supported for non-streaming Chat Completions and Responses only", "logprobs"
             )
-        logprobs = sampling.get("top_logprobs") or 0
-    prompt_tokens = len(request["prompt_token_ids"])
-    max_tokens = sampling.get("max_tokens")
+        logprobs = sampling.top_logprobs or 0
+    prompt_tokens = len(request.prompt_token_ids)
+    max_tokens = sampling.max_tokens
     if max_tokens is None:  # until the model stops or the context is full
         max_tokens = max(1, max_model_len - prompt_tokens)
     values = {
         "max_tokens": max_tokens,
-        "temperature": sampling.get("temperature"),
-        "top_p": sampling.get("top_p"),
-        "top_k": sampling.get("top_k"),
-        "seed": sampling.get("seed"),
-        "presence_penalty": sampling.get("presence_penalty"),
-        "frequency_penalty": sampling.get("frequency_penalty"),
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": sampling.seed,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
         "logprobs": logprobs,
     }
     return SamplingParams(
         **{key: value for key, value in values.items() if value is not None},
         # The engine stops at a stop string but keeps it: the adapter's parser cuts the text
         # and reports which one matched (Anthropic's stop_sequence).
-        stop=tuple(sampling.get("stop") or ()),
+        stop=sampling.stop,
         include_stop_str_in_output=True,
         skip_special_tokens=False,
         structured=structured_output(request, tool_call_grammar),
     )
 
 
-def structured_output(request: Mapping[str, Any], tool_call_grammar: str | None) -> StructuredOutput | None:
+def structured_output(request: ParsedRequest, tool_call_grammar: str | None) -> StructuredOutput | None:
     """The request's one output constraint: a JSON response format, the structured_outputs
     extension field, or a forced tool call (two of them at once is a 400)."""
     found: list[tuple[str, StructuredOutput]] = []
-    response_format = request.get("response_format") or {"type": "text"}
-    if response_format["type"] == "json_schema":
-        found.append(("response_format", StructuredOutput("json_schema", response_format["schema"])))
-    elif response_format["type"] == "json_object":
+    response_format = request.response_format
+    if response_format.type == "json_schema":
+        found.append(("response_format", StructuredOutput("json_schema", response_format.schema)))
+    elif response_format.type == "json_object":
         found.append(("response_format", StructuredOutput("json_object")))
-    extension = request.get("structured_outputs")
+    extension = request.structured_outputs
     if extension is not None:
-        kind, value = extension["type"], extension["value"]
+        kind, value = extension.type, extension.value
         if kind == "json":
             constraint = StructuredOutput("json_schema", value)
         elif kind == "regex":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -9,6 +10,7 @@ import uvicorn
 
 from powertrain.config import EngineConfig
 from powertrain.engine.async_engine import AsyncEngine
+from powertrain.interfaces.protocol import ModelTokenizer, ProtocolAdapter
 from powertrain.plugins import PluginManager
 from powertrain.serve.app import GENERATION_ROUTES, create_app
 from powertrain.serve.settings import ServeSettings
@@ -20,7 +22,9 @@ class NoProtocolAdapterError(RuntimeError):
     pass
 
 
-def protocol_adapter(plugins: PluginManager, tokenizer: Any, model_config: Any) -> Any:
+def protocol_adapter(
+    plugins: PluginManager, tokenizer: ModelTokenizer, model_config: Mapping[str, Any]
+) -> ProtocolAdapter:
     """The highest-priority protocol adapter that speaks every generation protocol."""
     needed = set(GENERATION_ROUTES.values())
     candidates = [p for p in plugins.records("protocol") if needed <= set(p.record.protocols)]

@@ -27,7 +27,8 @@ import torch
 
 from powertrain.components import Availability
 from powertrain.interfaces import ExpertWeights, MoEBackend, MoEBackendContext, MoERouter
-from powertrain.layers.moe import RoutingConfig, route
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.moe import route
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
 from powertrain.testing.base import ComponentSuite, Subject, generator
 

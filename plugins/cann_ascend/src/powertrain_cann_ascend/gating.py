@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 
 from powertrain.components import Availability
-from powertrain.layers.moe import RoutingConfig
+from powertrain.interfaces import RoutingConfig
 
 #: ``norm_type`` values of the op.
 SOFTMAX, SIGMOID = 0, 1
@@ -191,7 +191,7 @@ def _refusal(config: RoutingConfig, limits: GatingLimits) -> str | None:
 def routing_support(config: Any, limits: GatingLimits = GENERAL) -> Availability:
     """Whether ``npu_moe_gating_top_k`` chooses what ``layers.moe.route`` chooses for ``config``."""
     if not isinstance(config, RoutingConfig):
-        return Availability.no(f"expected a powertrain.layers.moe.RoutingConfig, got {type(config).__name__}")
+        return Availability.no(f"expected a powertrain.interfaces.RoutingConfig, got {type(config).__name__}")
     return _support(config, limits)
 
 

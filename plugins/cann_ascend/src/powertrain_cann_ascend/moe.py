@@ -27,7 +27,7 @@ Two documented constraints shape the code around the ops:
   they contribute exactly nothing.
 
 Quantised dispatch (``forward_grouped`` with ``scales``): the int8 rows are
-dequantized to the layer's dtype first (``loader.fp8.dequantize_row_groups``), then
+dequantized to the layer's dtype first (``interfaces.dequantize_row_groups``), then
 multiplied like any rows. The op's int8 path (per_token_scale) needs int8 weights,
 which bf16/fp16 experts are not.
 """
@@ -40,9 +40,7 @@ import attrs
 import torch
 
 from powertrain.components import Availability
-from powertrain.interfaces import ExpertWeights, MoEBackendContext
-from powertrain.layers.moe import RoutingConfig
-from powertrain.loader.fp8 import dequantize_row_groups
+from powertrain.interfaces import ExpertWeights, MoEBackendContext, RoutingConfig, dequantize_row_groups
 from powertrain_cann_ascend import gating
 
 #: Expert dtypes npu_grouped_matmul multiplies without quantisation (float32 only

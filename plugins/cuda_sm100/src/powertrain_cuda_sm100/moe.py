@@ -18,8 +18,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from powertrain.interfaces import ExpertWeights, MoEBackendContext
-from powertrain.loader.fp8 import dequantize_row_groups
+from powertrain.interfaces import ExpertWeights, MoEBackendContext, dequantize_row_groups
 from powertrain_cuda_sm100.kernels import moe_gemm
 from powertrain_cuda_sm100.kernels.fp8_quant import FP8_DTYPE, GROUP, quantize_per_token_group
 from powertrain_cuda_sm100.kernels.moe_align import Alignment, align_by_expert

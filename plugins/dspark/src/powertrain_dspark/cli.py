@@ -94,7 +94,7 @@ def train_confidence_head_command(
     expected calibration error next to the raw confidence's (the draft's max probability)."""
     import random
 
-    from powertrain_dspark.confidence_head import log_and_train
+    from powertrain_dspark.training import log_and_train
 
     if (prompts is None) == (num_prompts is None):
         raise click.UsageError("give --prompts FILE or --num-prompts N")

@@ -42,10 +42,9 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import DraftSlot, ExecutedStep, target_probs
-from powertrain.interfaces import AttentionMetadata
+from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams, target_probs
 from powertrain_dspark.confidence_head import ConfidenceHead, ConfidenceLog, acceptance_probability, head_features
+from powertrain_dspark.drafter import DraftBatch
 from powertrain_dspark.verify import draw_token
 
 #: Private blocks for draft positions past a sequence's own blocks (a sequence needs at
@@ -189,9 +188,7 @@ class MTPDrafter:
     # -- engine thread ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(
-        self, slots: Sequence[DraftSlot]
-    ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None]]:
+    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
         """Drafts, raw confidences and draft distributions per slot."""
         chosen: list[_Drafts | None] = [None] * len(slots)
         lazy: list[int] = []
@@ -219,7 +216,7 @@ class MTPDrafter:
             tokens.append(drafts.tokens)
             confidences.append(drafts.confidences)
             probs.append(drafts.probs)
-        return tokens, confidences, probs
+        return DraftBatch(tokens=tokens, confidences=confidences, draft_probs=probs)
 
     def record(self, seq_id: int, verified: int, accepted: int) -> None:
         """Nothing to learn online: the MTP's confidences come from the model (and the

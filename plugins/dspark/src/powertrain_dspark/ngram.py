@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from powertrain.engine.speculative import DraftSlot
+from powertrain.interfaces import DraftSlot
+from powertrain_dspark.drafter import DraftBatch
 
 _FRESH, _ACCEPTED_ALL, _REJECTED = 0, 1, 2
 #: How many outcomes a bucket needs before its own rate outweighs its position's.
@@ -57,8 +58,8 @@ class NgramDrafter:
         self._position_stats: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         self._pending: dict[int, list[tuple[int, int, bool, int]]] = {}
 
-    def propose(self, slots: Sequence[DraftSlot]) -> tuple[list[list[int]], list[list[float]]]:
-        """Drafts and raw confidences per slot."""
+    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
+        """Drafts and raw confidences per slot (point masses: no draft distributions)."""
         alive = {slot.seq_id for slot in slots}
         for seq_id in [s for s in self._indexes if s not in alive]:  # finished sequences
             self._forget(seq_id)
@@ -68,7 +69,7 @@ class NgramDrafter:
             self._pending[slot.seq_id] = buckets
             drafts.append(tokens)
             confidences.append([self._rate(b) for b in buckets])
-        return drafts, confidences
+        return DraftBatch(tokens=drafts, confidences=confidences)
 
     def record(self, seq_id: int, verified: int, accepted: int) -> None:
         """The outcome of verifying ``verified`` drafts of a sequence, ``accepted`` of them kept."""

@@ -8,13 +8,18 @@ verifying (``lengths.dspark_lengths``); ``speculative = "fixed-k"`` verifies
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import structlog
 
 from powertrain import hookimpl
 from powertrain.components import ConfigSectionRecord, SpeculativePolicyRecord
+
+if TYPE_CHECKING:  # importing the plugin stays cheap: no torch until a policy is built
+    from powertrain.interfaces import SpeculativeContext
+    from powertrain_dspark.drafter import Drafter
+    from powertrain_dspark.policy import SpeculativeDecoder
 
 POWERTRAIN_HOOK_API = 1
 
@@ -69,8 +74,8 @@ class DSparkConfig:
     confidence_head: str = ""
 
 
-def build(context: Any, rule: str) -> Any:
-    """A ``SpeculativeDecoder`` for ``context`` (an ``engine.speculative.SpeculativeContext``)."""
+def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
+    """A ``SpeculativeDecoder`` for ``context``."""
     from powertrain_dspark.calibration import Calibration
     from powertrain_dspark.lengths import StepsPerSecondGrid
     from powertrain_dspark.policy import SpeculativeDecoder
@@ -81,7 +86,7 @@ def build(context: Any, rule: str) -> Any:
     if config.drafter == "mtp":
         from powertrain_dspark.mtp import MTPDrafter
 
-        drafter: Any = MTPDrafter.from_context(context, config)
+        drafter: Drafter = MTPDrafter.from_context(context, config)
     else:
         from powertrain_dspark.ngram import NgramDrafter
 
@@ -107,11 +112,11 @@ def build(context: Any, rule: str) -> Any:
     )
 
 
-def build_dspark(context: Any) -> Any:
+def build_dspark(context: SpeculativeContext) -> SpeculativeDecoder:
     return build(context, "dspark")
 
 
-def build_fixed(context: Any) -> Any:
+def build_fixed(context: SpeculativeContext) -> SpeculativeDecoder:
     return build(context, "fixed")
 
 

@@ -5,24 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 
-from powertrain.engine.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
+from powertrain.interfaces import DraftSlot, ExecutedStep, Proposal, VerifyBatch
 from powertrain_dspark.calibration import Calibration
+from powertrain_dspark.drafter import Drafter
 from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_lengths, fixed_lengths, top_k_lengths
 from powertrain_dspark.verify import verify_drafts
-
-
-class Drafter(Protocol):
-    def propose(self, slots: Sequence[DraftSlot]) -> Any:
-        """(drafts, raw confidences) per slot, or (drafts, raw confidences, draft probs)."""
-        ...
-
-    def record(self, seq_id: int, verified: int, accepted: int) -> None:
-        """How the drafts proposed for ``seq_id`` fared (0 verified: not looked at)."""
-        ...
 
 
 class SpeculativeDecoder:
@@ -57,14 +47,13 @@ class SpeculativeDecoder:
 
     def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
         drafted = self.drafter.propose(slots)
-        tokens, raw = drafted[0], drafted[1]
-        probs = drafted[2] if len(drafted) > 2 else [None] * len(slots)
+        raw = drafted.confidences
         self._raw = {slot.seq_id: list(r) for slot, r in zip(slots, raw, strict=True)}
         return Proposal(
             slots=list(slots),
-            tokens=[list(t) for t in tokens],
+            tokens=[list(t) for t in drafted.tokens],
             confidences=[self.calibration.apply(r) for r in raw],
-            draft_probs=list(probs),
+            draft_probs=drafted.probs(),
         )
 
     def verify_lengths(self, proposal: Proposal, batch: VerifyBatch) -> list[int]:

@@ -11,7 +11,7 @@ Greedy requests (temperature 0) accept a draft iff it is the target's argmax, an
 otherwise emit the argmax — token-for-token what plain decoding gives.
 
 ``p_j`` is the sampler's own distribution for the request (temperature, top-k, top-p,
-min-p: ``powertrain.engine.speculative.target_probs``), and every draw uses the
+min-p: ``powertrain.interfaces.target_probs``), and every draw uses the
 request's generator (seeded requests) or the engine's shared one.
 """
 
@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from powertrain.engine.sampling_params import SamplingParams
-from powertrain.engine.speculative import target_probs
+from powertrain.interfaces import SamplingParams, target_probs
 
 
 def verify_drafts(

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from powertrain.interfaces import (
+    CompletionOutput,
+    ModelTokenizer,
+    ParsedRequest,
+    ParserEvent,
+    RequestOutput,
+    RequestSampling,
+    ResponseFormat,
+    StructuredOutputsField,
+)
 from powertrain_recipe._native import PromptEncoder, ResponseWriter, StreamParser, parse_request_json
 from powertrain_recipe.grammar import tool_call_grammar
 
@@ -18,8 +28,44 @@ PROTOCOLS = {
 }
 
 
+#: The native names -> the core's (a parsed request is answered in the core's name).
+CORE_PROTOCOLS = {native: core for core, native in PROTOCOLS.items()}
+
+
 def _native_protocol(protocol: str) -> str:
     return PROTOCOLS.get(protocol, protocol)
+
+
+def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: list[int]) -> ParsedRequest:
+    """The core's typed record of a native parse (``parse_request``'s dict) and its prompt."""
+    sampling = native["sampling"]
+    response_format = native.get("response_format") or {"type": "text"}
+    extension = native.get("structured_outputs")
+    return ParsedRequest(
+        protocol=CORE_PROTOCOLS[native["protocol"]],
+        model=native["model"],
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        sampling=RequestSampling(
+            temperature=sampling.get("temperature"),
+            top_p=sampling.get("top_p"),
+            top_k=sampling.get("top_k"),
+            max_tokens=sampling.get("max_tokens"),
+            stop=tuple(sampling.get("stop") or ()),
+            seed=sampling.get("seed"),
+            n=sampling.get("n", 1),
+            logprobs=bool(sampling.get("logprobs")),
+            top_logprobs=sampling.get("top_logprobs"),
+            presence_penalty=sampling.get("presence_penalty"),
+            frequency_penalty=sampling.get("frequency_penalty"),
+        ),
+        stream=bool(native.get("stream")),
+        response_format=ResponseFormat(type=response_format["type"], schema=response_format.get("schema")),
+        structured_outputs=None
+        if extension is None
+        else StructuredOutputsField(type=extension["type"], value=extension["value"]),
+        native=native,
+    )
 
 
 def parse_request(protocol: str, body: bytes | str) -> dict[str, Any]:
@@ -56,8 +102,8 @@ class RecipeAdapter:
         self._decoder: Any = None  # a tokenizers.Tokenizer, built when logprobs are first asked for
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, model_config: Mapping[str, Any]) -> RecipeAdapter:
-        """From a ``powertrain.tokenizer.Tokenizer`` (as the loader builds it) and config.json."""
+    def for_tokenizer(cls, tokenizer: ModelTokenizer, model_config: Mapping[str, Any]) -> RecipeAdapter:
+        """From the loaded model's tokenizer and config.json."""
         config = {
             "chat_template": tokenizer.chat_template,
             "bos_token": tokenizer.bos_token,
@@ -65,48 +111,46 @@ class RecipeAdapter:
         }
         return cls(tokenizer.backend.to_str(), config, model_config)
 
-    def parse_request(self, protocol: str, body: bytes) -> dict[str, Any]:
-        """Parse, render and tokenize: the engine request with ``prompt`` and ``prompt_token_ids`` added."""
-        request, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body)
-        request["prompt"] = prompt
-        request["prompt_token_ids"] = ids
-        return request
+    def parse_request(self, protocol: str, body: bytes) -> ParsedRequest:
+        """Parse, render and tokenize: the request, its prompt and the prompt's tokens."""
+        native, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body)
+        return parsed_request(native, prompt, ids)
 
-    def stream_parser(self, request: Mapping[str, Any], id_prefix: str | None = None) -> StreamParser:
+    def stream_parser(self, request: ParsedRequest, id_prefix: str | None = None) -> StreamParser:
         """A parser for this request's generated text (its stop sequences; reasoning first
         when the prompt already opened a thinking block)."""
         return StreamParser(
             self.output_format,
-            list(request["sampling"]["stop"]),
-            starts_in_reasoning=str(request.get("prompt", "")).endswith("<think>"),
+            list(request.sampling.stop),
+            starts_in_reasoning=request.prompt.endswith("<think>"),
             id_prefix=id_prefix,
         )
 
     def response_writer(
-        self, protocol: str, request: Mapping[str, Any], request_id: str, created: int = 0, prompt_tokens: int = 0
+        self, protocol: str, request: ParsedRequest, request_id: str, created: int = 0, prompt_tokens: int = 0
     ) -> ResponseWriter:
         """The writer of one response: its JSON body, or its SSE events as text arrives."""
         return ResponseWriter(
             _native_protocol(protocol),
             request_id,
-            request["model"],
+            request.model,
             created,
-            include_usage=bool(request.get("include_usage", False)),
+            include_usage=bool(request.native.get("include_usage", False)),
             prompt_tokens=prompt_tokens,
-            reasoning_summary=request.get("reasoning_summary") is not None,
+            reasoning_summary=request.native.get("reasoning_summary") is not None,
         )
 
-    def tool_call_grammar(self, request: Mapping[str, Any]) -> str | None:
+    def tool_call_grammar(self, request: ParsedRequest) -> str | None:
         """A Lark grammar forcing the tool call the request requires, in this model's markup
         (strict tools' arguments follow their schema); None when no call is forced."""
-        return tool_call_grammar(self.output_format, request)
+        return tool_call_grammar(self.output_format, request.native)
 
-    def _token_logprobs(self, completion: Any, top: int) -> list[dict[str, Any]]:
+    def _token_logprobs(self, completion: CompletionOutput, top: int) -> list[dict[str, Any]]:
         """Each generated token with its logprob and the ``top`` most likely tokens (the
         model's distribution, as the engine reports it): Chat Completions'
         ``logprobs.content`` and Responses' ``output_text.logprobs`` share this shape."""
         content = []
-        for token, candidates in zip(completion.token_ids, completion.logprobs, strict=False):
+        for token, candidates in zip(completion.token_ids, completion.logprobs or (), strict=False):
             ranked = sorted(candidates.items(), key=lambda item: -item[1])[:top]
             content.append(
                 {
@@ -151,11 +195,11 @@ class RecipeAdapter:
         return text
 
     @staticmethod
-    def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:
+    def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
         return finish_reason(events, engine_reason)
 
-    def render_response(self, protocol: str, request: Mapping[str, Any], output: Any) -> bytes:
-        """A finished engine output (``powertrain`` RequestOutput) -> the protocol's JSON body.
+    def render_response(self, protocol: str, request: ParsedRequest, output: RequestOutput) -> bytes:
+        """A finished engine output -> the protocol's JSON body.
 
         Every completion of the output becomes one choice (``n`` > 1, Chat Completions
         only); usage counts the prompt once and the completion tokens of all choices.
@@ -180,8 +224,8 @@ class RecipeAdapter:
                 stop_sequence=stopped,
             )
             body = json.loads(body)
-            if request["sampling"].get("logprobs") and completion.logprobs:
-                top = request["sampling"].get("top_logprobs") or 0
+            if request.sampling.logprobs and completion.logprobs:
+                top = request.sampling.top_logprobs or 0
                 self._add_logprobs(native, body, self._token_logprobs(completion, top))
             bodies.append(body)
         if len(bodies) == 1:
@@ -196,7 +240,7 @@ class RecipeAdapter:
         return json.dumps(merged).encode()
 
 
-def finish_reason(events: list[dict[str, Any]], engine_reason: str | None) -> tuple[str, str | None]:
+def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
     """The writer's finish reason from all of a response's parser events and the engine's
     reason ("stop", "length", "abort"); with the stop sequence that ended it, if any."""
     stopped = next((e["stop"] for e in events if e["type"] == "stopped"), None)

@@ -1,4 +1,6 @@
-"""Errors a caller can cause. Each says what was wrong and what to do instead."""
+"""Errors a caller can cause, and the engine's own death. Each says what was wrong and
+what to do instead. Part of the contract: a protocol adapter, a server or a plugin's
+tool tells them apart (a refused request is a 400, a dead engine a 503)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,150 @@
+"""The public contract: the records and Protocols the hot path and plugins share.
+
+Assembly (``assemble.py``) turns component records into objects satisfying these
+Protocols; after that, the engine, model runner and layers call them directly, with no
+pluggy dispatch in between (DESIGN §2). A kernel pack, a scheduler, a speculative
+policy or a protocol adapter implements these and imports nothing else of the core's
+implementation. One module per concern:
+
+* ``attention``: the KV cache a backend declares, the attention metadata, attention
+  backends and the small kernels they may fuse (rotary, RMSNorm);
+* ``moe``: the experts a rank holds, routing configs, MoE backends and routers;
+* ``communication``: communicators and expert-parallel dispatchers;
+* ``scheduling``: what a scheduler is given, sees and returns;
+* ``speculative``: what the engine and a speculative policy exchange;
+* ``sampling``: a request's sampling settings and the distribution they define;
+* ``outputs``: what the engine reports back for a request;
+* ``protocol``: protocol adapters and the parsed request they hand the server;
+* ``model``: what an architecture's factory is given, and the decoder it builds;
+* ``platform``, ``errors``: the platform records and the typed errors.
+
+Contracts are the bottom layer: these modules import only each other and
+``powertrain.components`` (the platform records), never the engine, layers or loader.
+"""
+
+from powertrain.interfaces.attention import (
+    AttentionBackend,
+    AttentionBackendContext,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    KVCacheSpec,
+    KVLayout,
+    KVTensorSpec,
+    LayerKVCache,
+    MLAAttentionBackend,
+    RMSNormKernel,
+    RotaryAttentionBackend,
+)
+from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
+from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.model import CausalLM, ModelContext
+from powertrain.interfaces.moe import (
+    ExpertWeights,
+    MoEBackend,
+    MoEBackendContext,
+    MoERouter,
+    RoutingConfig,
+    dequantize_row_groups,
+)
+from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
+from powertrain.interfaces.platform import Availability, PlatformInfo
+from powertrain.interfaces.protocol import (
+    ModelTokenizer,
+    ParsedRequest,
+    ParserEvent,
+    ProtocolAdapter,
+    RequestSampling,
+    ResponseFormat,
+    ResponseWriter,
+    StreamParser,
+    StructuredOutputsField,
+)
+from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, target_probs
+from powertrain.interfaces.scheduling import (
+    BlockAllocator,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerContext,
+    SchedulerLimits,
+    SchedulerSequence,
+    SequenceStatus,
+)
+from powertrain.interfaces.speculative import (
+    DraftSlot,
+    ExecutedStep,
+    KVCacheAllocator,
+    Proposal,
+    SpeculativeContext,
+    SpeculativePolicy,
+    StepsPerSecondProbe,
+    VerifyBatch,
+)
+
+__all__ = [
+    # attention
+    "AttentionBackend",
+    "AttentionBackendContext",
+    "AttentionLayerSpec",
+    "AttentionMetadata",
+    "KVCacheSpec",
+    "KVLayout",
+    "KVTensorSpec",
+    "LayerKVCache",
+    "MLAAttentionBackend",
+    "RMSNormKernel",
+    "RotaryAttentionBackend",
+    # moe
+    "ExpertWeights",
+    "MoEBackend",
+    "MoEBackendContext",
+    "MoERouter",
+    "RoutingConfig",
+    "dequantize_row_groups",
+    # communication
+    "Communicator",
+    "CommunicatorContext",
+    "ExpertDispatcher",
+    # scheduling
+    "BlockAllocator",
+    "ScheduledBatch",
+    "Scheduler",
+    "SchedulerContext",
+    "SchedulerLimits",
+    "SchedulerSequence",
+    "SequenceStatus",
+    # speculative
+    "DraftSlot",
+    "ExecutedStep",
+    "KVCacheAllocator",
+    "Proposal",
+    "SpeculativeContext",
+    "SpeculativePolicy",
+    "StepsPerSecondProbe",
+    "VerifyBatch",
+    # sampling
+    "SamplingParams",
+    "StructuredOutput",
+    "filtered_probs",
+    "target_probs",
+    # outputs
+    "CompletionOutput",
+    "RequestOutput",
+    # protocol
+    "ModelTokenizer",
+    "ParsedRequest",
+    "ParserEvent",
+    "ProtocolAdapter",
+    "RequestSampling",
+    "ResponseFormat",
+    "ResponseWriter",
+    "StreamParser",
+    "StructuredOutputsField",
+    # model
+    "CausalLM",
+    "ModelContext",
+    # platform, errors
+    "Availability",
+    "PlatformInfo",
+    "EngineDeadError",
+    "InvalidRequestError",
+]

@@ -1,0 +1,368 @@
+"""The attention contract: the KV cache a backend declares, the metadata of one step's
+batch, and the Protocols attention backends (and their fused small kernels) implement.
+
+It carries what both a Triton kernel and Ascend's
+``npu_fused_infer_attention_score`` consume, without a translation layer:
+
+* tokens of all sequences are packed into one flat ``[num_tokens, heads, dim]``
+  batch; decode sequences (one new token) come first, so a backend may split the
+  batch at ``num_decodes`` (e.g. decode through the op's BSH/BSND paged path, one
+  query token per sequence, and prefill through its TND path);
+* host copies of the lengths, as the op wants them (``actual_seq_lengths`` and
+  ``actual_seq_lengths_kv`` are host int lists): ``query_start_loc_host[1:]`` is
+  the cumulative query length list of TND, ``seq_lens_host`` the per-sequence kv
+  lengths (cumulate them where a layout asks for cumulative kv lengths); the
+  device tensors hold the same numbers for kernels;
+* ``block_tables`` is an int32 ``[batch, max_blocks]`` table into the paged cache,
+  the op's ``block_table``;
+* the paged cache is laid out as the backend declares in its ``KVCacheSpec``
+  (block-token-major = BSH/BSND, block-head-major = BNBD) and allocated that way
+  by the engine, so no backend re-lays it out per step.
+
+MLA: ``forward_mla`` is the weight-absorbed form. Ascend's rope-split path and
+FlashMLA serve it for decode only; a backend declares ``decode``/``prefill``
+alongside ``mla`` to say which phases it serves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from powertrain.interfaces.platform import PlatformInfo
+
+# --------------------------------------------------------------------------- KV cache
+
+
+@attrs.frozen(kw_only=True)
+class KVTensorSpec:
+    """One tensor of a layer's cache: its name and its shape per token."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+
+    @shape.validator
+    def _positive(self, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+        if not value or any((not isinstance(d, int)) or d <= 0 for d in value):
+            raise ValueError(f"KV tensor {self.name!r}: shape must be positive ints, got {value!r}")
+
+
+KVLayout = Literal["block-token-major", "block-head-major"]
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheSpec:
+    """A backend's declaration of one layer's paged cache.
+
+    ``block-token-major``: each tensor is ``[num_blocks, block_size, *shape]``
+    (``shape`` = ``(kv_heads, head_dim)`` for GQA, or ``(kv_heads * head_dim,)`` for
+    Ascend's BSH paged layout). ``block-head-major``: ``[num_blocks, shape[0],
+    block_size, *shape[1:]]`` (Ascend's BNBD layout).
+
+    GQA caches hold ``key`` and ``value``; MLA caches hold only the compressed
+    ``latent`` (kv_lora_rank) and the ``rope`` key (qk_rope_head_dim), which is
+    what makes MLA's cache small: the engine's memory accounting reads
+    ``bytes_per_token``.
+    """
+
+    block_size: int = attrs.field()
+    dtype: torch.dtype
+    tensors: tuple[KVTensorSpec, ...] = attrs.field(converter=tuple)
+    layout: KVLayout = attrs.field(default="block-token-major")
+
+    @block_size.validator
+    def _block_size(self, attribute: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"KVCacheSpec.block_size must be a positive int, got {value!r}")
+
+    @layout.validator
+    def _layout(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in ("block-token-major", "block-head-major"):
+            raise ValueError(f"KVCacheSpec.layout: unknown layout {value!r}")
+        if value == "block-head-major" and any(len(t.shape) < 2 for t in self.tensors):
+            raise ValueError("KVCacheSpec: block-head-major needs per-token shapes of (heads, dim, ...)")
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(t.shape) for t in self.tensors) * itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def tensor_shape(self, tensor: KVTensorSpec, num_blocks: int) -> tuple[int, ...]:
+        if self.layout == "block-head-major":
+            return (num_blocks, tensor.shape[0], self.block_size, *tensor.shape[1:])
+        return (num_blocks, self.block_size, *tensor.shape)
+
+    @classmethod
+    def standard(
+        cls, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype, layout: KVLayout = "block-token-major"
+    ) -> KVCacheSpec:
+        """The usual cache of ``layer``: ``key`` and ``value`` of (kv_heads, head_size)
+        per token for GQA/MHA; only ``latent`` and ``rope`` for MLA."""
+        if layer.kind == "mla":
+            tensors = (
+                KVTensorSpec(name="latent", shape=(layer.kv_lora_rank,)),
+                KVTensorSpec(name="rope", shape=(layer.qk_rope_head_dim,)),
+            )
+        else:
+            per_token = (layer.num_kv_heads, layer.head_size)
+            tensors = (KVTensorSpec(name="key", shape=per_token), KVTensorSpec(name="value", shape=per_token))
+        return cls(block_size=block_size, dtype=dtype, tensors=tensors, layout=layout)
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """One layer's cache tensors, uninitialised (blocks are written before read)."""
+        return {
+            t.name: torch.empty(self.tensor_shape(t, num_blocks), dtype=self.dtype, device=device) for t in self.tensors
+        }
+
+
+#: One layer's cache, as allocated from its KVCacheSpec: tensor name -> tensor.
+LayerKVCache = Mapping[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@attrs.frozen(kw_only=True)
+class AttentionLayerSpec:
+    """Static shape of one attention layer, fixed at model construction."""
+
+    kind: Literal["gqa", "mla"]
+    num_heads: int
+    #: GQA: key/value heads. MLA: 1 (the latent is shared by all heads).
+    num_kv_heads: int
+    #: GQA: head dim of q/k/v. MLA: kv_lora_rank + qk_rope_head_dim (the absorbed q·k dim).
+    head_size: int
+    scale: float
+    #: MLA only: latent width and rope width of the cached key.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    #: Each token sees itself and the ``sliding_window - 1`` tokens before it (HF/Mistral
+    #: rule). Only backends declaring the "sliding-window" capability serve such layers.
+    sliding_window: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class AttentionMetadata:
+    """One step's batch as every attention backend sees it (see the module docstring).
+
+    Sequence ``i`` owns flat tokens ``query_start_loc[i]:query_start_loc[i+1]``; its
+    keys are the ``seq_lens[i]`` tokens in blocks ``block_tables[i]``, of which the last
+    ``query_len`` are this step's new tokens (so prefix-cache hits and earlier chunks are
+    simply cached tokens before them). ``slot_mapping[t]`` = block * block_size + offset
+    is where new token ``t``'s key/value go. A runner may pad the flat batch past
+    ``num_tokens`` (e.g. to a captured graph size): padded rows have slot -1 and
+    position 0, are not written to the cache, and their outputs are unspecified. Any
+    sequence with one new token counts as a decode, whether it decodes or ends a
+    prompt with a one-token chunk: the runner places all of them first. Entries of
+    ``block_tables`` past a sequence's last block are 0 and never read. Query/key/value
+    may be strided views (e.g. of a fused qkv projection); a kernel that needs
+    contiguous inputs makes them so itself.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [batch + 1], on the device
+    seq_lens: torch.Tensor  # int32 [batch], on the device
+    block_tables: torch.Tensor  # int32 [batch, max_blocks], on the device
+    slot_mapping: torch.Tensor  # int64 [num_tokens], on the device
+    query_start_loc_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    #: The first ``num_decodes`` sequences have exactly one new token.
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_host[-1]
+
+    @property
+    def query_lens_host(self) -> tuple[int, ...]:
+        q = self.query_start_loc_host
+        return tuple(q[i + 1] - q[i] for i in range(len(q) - 1))
+
+    @property
+    def context_lens_host(self) -> tuple[int, ...]:
+        """Tokens already cached before this step, per sequence."""
+        return tuple(s - q for s, q in zip(self.seq_lens_host, self.query_lens_host, strict=True))
+
+    def store(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        """Write this step's per-token ``new`` values into a block-token-major cache tensor
+        at ``slot_mapping`` (padding rows, slot -1, are skipped): the cache write every
+        plain-torch backend does; fused kernels do it themselves."""
+        if cache.shape[1] != self.block_size:
+            raise ValueError(
+                f"cache blocks hold {cache.shape[1]} tokens but the metadata says block_size={self.block_size}; "
+                "allocate the cache from the backend's kv_cache_spec with the engine's block size"
+            )
+        rows = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, *per_token]: a slot is a row
+        # Padding (slot -1) only ever follows the batch's num_tokens real rows: copying
+        # those by index needs no boolean mask, which would cost a device sync.
+        real = self.num_tokens
+        rows.index_copy_(0, self.slot_mapping[:real], new[:real].to(cache.dtype))
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Derive the whole contract from per-sequence lengths and block lists.
+
+        The model runner builds it this way, and so do tests and the conformance kit,
+        so every producer agrees on offsets, slots and padding.
+        """
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        starts = [0]
+        slots: list[int] = []
+        for q, s, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+            if q < 1 or s < q:
+                raise ValueError(f"sequence with query_len={q}, seq_len={s}: need 1 <= query_len <= seq_len")
+            if len(blocks) * block_size < s:
+                raise ValueError(f"sequence of {s} tokens needs {math.ceil(s / block_size)} blocks, got {len(blocks)}")
+            starts.append(starts[-1] + q)
+            for pos in range(s - q, s):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        num_decodes = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decodes += 1
+        if any(q == 1 for q in query_lens[num_decodes:]) and any(q > 1 for q in query_lens[:num_decodes]):
+            raise ValueError("decode sequences must come before prefill sequences")
+        max_blocks = max((len(b) for b in block_tables), default=0)
+        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc_host=tuple(starts),
+            seq_lens_host=tuple(int(s) for s in seq_lens),
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class AttentionBackendContext:
+    """What an attention backend factory is given."""
+
+    platform: PlatformInfo
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """GQA/MHA attention over the paged cache (and MLA if it declares ``mla``)."""
+
+    name: str
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The cache this backend needs for ``layer``; the engine allocates exactly that."""
+        ...
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size] (this step's new tokens)
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write new keys/values at ``slot_mapping``, then attend causally.
+
+        Returns ``[num_tokens, num_heads, head_size]``.
+        """
+        ...
+
+
+@runtime_checkable
+class RotaryAttentionBackend(Protocol):
+    """A GQA/MHA backend that rotates query and key itself, fused with its cache write
+    (capability ``fused-rotary``): one pass reads the new keys, rotates them and writes
+    them to their slots, instead of a rotation pass and then a store.
+
+    ``cos``/``sin`` are ``[num_tokens, rotary_dim // 2]`` in the query dtype; the rotation
+    is ``layers.rotary.apply_rotary`` (per half, dims past ``2 * (rotary_dim // 2)``
+    pass through). The result equals ``forward`` on the rotated query and key.
+    """
+
+    def forward_rotary(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size], not yet rotated
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], not yet rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        ...
+
+
+@runtime_checkable
+class RMSNormKernel(Protocol):
+    """RMSNorm as a kernel pack computes it (capability ``fused-rmsnorm``); the engine
+    hands it to every ``layers.norm.RMSNorm`` of the model while the pack's attention
+    backend is the one in use.
+
+    ``rms_norm(x, weight, eps)`` equals ``layers.norm.RMSNorm`` (statistics in float32,
+    cast back, then scaled by the weight); with ``residual`` it first adds it, in the
+    activation dtype, and returns ``(normed, x + residual)``.
+    """
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class MLAAttentionBackend(Protocol):
+    """Multi-head latent attention in the weight-absorbed form over a latent cache.
+
+    The model projects queries into the latent space (``q_latent``) and keeps the rope
+    part apart (``q_rope``), as ``npu_fused_infer_attention_score``'s query/query_rope
+    and key/key_rope split expects; the backend returns latent outputs, which the model
+    up-projects. Scores are ``scale * (q_latent·latent + q_rope·k_rope)``.
+    """
+
+    name: str
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec: ...
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+        q_rope: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim]
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank] (new tokens, normalised)
+        k_rope: torch.Tensor,  # [num_tokens, qk_rope_head_dim] (new tokens, rotated)
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        ...

@@ -1,0 +1,73 @@
+"""The model contract: what an architecture's factory is given, and the decoder the
+model runner drives."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from powertrain.interfaces.attention import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    LayerKVCache,
+    MLAAttentionBackend,
+)
+from powertrain.interfaces.communication import Communicator, ExpertDispatcher
+from powertrain.interfaces.moe import MoEBackend
+
+
+@attrs.frozen(kw_only=True)
+class ModelContext:
+    """What a model architecture's factory is given: the checkpoint's config (HF
+    ``config.json`` semantics, whatever the file format) and the built components."""
+
+    config: Mapping[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+    attention: AttentionBackend | MLAAttentionBackend
+    #: For MoE architectures.
+    moe: MoEBackend | None = None
+    #: The checkpoint's FP8 block shape when the MoE backend multiplies FP8 experts itself:
+    #: the model then keeps routed experts FP8 (and says which tensors through ``keep_fp8``).
+    #: None: every weight reaches the model dequantized.
+    fp8_block: tuple[int, int] | None = None
+    #: For expert parallelism.
+    communicator: Communicator | None = None
+    #: Expert parallelism: this rank among ``expert_parallel_size``. The model loads and
+    #: serves routed experts ``rank·E/size .. (rank+1)·E/size - 1`` and reaches the others'
+    #: through ``expert_dispatcher``. Size 1: every expert is local.
+    expert_parallel_rank: int = 0
+    expert_parallel_size: int = 1
+    expert_dispatcher: ExpertDispatcher | None = None
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder the model runner drives: one flat batch of tokens per step."""
+
+    @property
+    def attention_layers(self) -> Sequence[AttentionLayerSpec]:
+        """One entry per attention layer, in order; the engine allocates one cache each."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take tensors named as in the HF checkpoint; missing or unexpected names raise
+        ValueError naming them."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [num_tokens]
+        positions: torch.Tensor,  # int64 [num_tokens], position of each token in its sequence
+        kv_caches: Sequence[LayerKVCache],  # one per attention layer
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden]`` -> float32 ``[rows, vocab]`` (only rows that are sampled)."""
+        ...

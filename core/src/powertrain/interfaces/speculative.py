@@ -1,0 +1,179 @@
+"""What the engine and a speculative-decoding policy exchange.
+
+A step with speculation: the scheduler forms the batch as usual; then every decoding
+sequence that may speculate becomes a ``DraftSlot``, the policy ``propose``s draft
+tokens with confidences, decides with ``verify_lengths`` how many of each to verify
+(for the whole batch at once), and the engine appends those drafts to the sequences,
+so the step computes ``1 + ℓ`` tokens for each. The model runner hands the target's
+logits of those rows to ``verify``, which returns the tokens each sequence keeps
+(accepted drafts plus one token sampled from the target). The engine then rewinds
+what was rejected: the sequence's computed-token count falls back to the accepted
+tokens, so the rejected drafts' cache slots are simply written again later.
+
+Speculative steps run synchronously (no overlap of step N+1's preparation with step
+N): the drafts of N+1 depend on the tokens N accepts. A policy may still plan its
+verification budget from an earlier step's confidences (DSpark's lagged budget), which
+is what an overlapped engine would need.
+
+Which sequences may speculate: those whose next token comes from the plain sampling
+distribution (temperature, top-k, top-p, min-p: ``sampling.target_probs``), because
+verification must compare draft and target distributions exactly. Penalties,
+structured output, logprobs and not-yet-reached ``min_tokens`` make the distribution
+depend on per-token state the verifier does not replay, so such sequences decode one
+token at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from powertrain.interfaces.attention import AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.interfaces.model import CausalLM
+from powertrain.interfaces.sampling import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class DraftSlot:
+    """One sequence the policy may draft for this step."""
+
+    seq_id: int
+    #: Prompt + generated tokens so far (the last one is this step's input; read only).
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    #: This sequence's own generator (seeded requests), or None for the shared one.
+    generator: torch.Generator | None
+    #: At most this many drafts can be used (max_tokens, model length).
+    max_draft: int
+
+
+@attrs.frozen(kw_only=True)
+class Proposal:
+    """Drafts for each slot (same order), with their confidences.
+
+    ``confidences[i][k]`` is c(i, k+1): the predicted probability that draft k+1 is
+    accepted given that the drafts before it were; it may depend on the drafts before
+    position k+1 but never on draft k+1 itself (a stochastic drafter's token at k+1 is
+    what verification tests). ``draft_probs[i]`` is ``[len(tokens[i]), vocab]``, the
+    distribution each draft was sampled from, or None for a deterministic drafter
+    (each draft is then a point mass).
+    """
+
+    slots: list[DraftSlot]
+    tokens: list[list[int]]
+    confidences: list[list[float]]
+    draft_probs: list[torch.Tensor | None]
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.slots)
+        if not (len(self.tokens) == len(self.confidences) == len(self.draft_probs) == n):
+            raise ValueError("a Proposal needs tokens, confidences and draft_probs for every slot")
+        for slot, tokens, confidences in zip(self.slots, self.tokens, self.confidences, strict=True):
+            if len(tokens) != len(confidences) or len(tokens) > slot.max_draft:
+                raise ValueError(
+                    f"sequence {slot.seq_id}: {len(tokens)} drafts with {len(confidences)} confidences "
+                    f"(at most {slot.max_draft} drafts)"
+                )
+
+
+@attrs.frozen(kw_only=True)
+class VerifyBatch:
+    """What ``verify_lengths`` may know of the step besides the drafts."""
+
+    #: Tokens the step computes without any draft (each decoding sequence's one token
+    #: plus prefill chunks).
+    base_tokens: int
+    #: Sequences that sample a token this step (each yields at least one).
+    num_sampling: int
+    #: Sequences in the step (0: take ``num_sampling``).
+    num_seqs: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class ExecutedStep:
+    """A step's forward, for policies that keep state on the device (an MTP drafter
+    catches up its own cache from the target's hidden states). Device thread only."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    hidden: torch.Tensor  # [num_tokens, hidden]: the target's final hidden states
+    metadata: AttentionMetadata
+    seq_ids: list[int]  # one per sequence in the batch, in batch order
+    #: For each sequence in the batch: the tokens it kept this step (accepted drafts and
+    #: the sampled token), or [] when it sampled nothing (a prompt chunk).
+    accepted: list[list[int]]
+    #: How many drafts each sequence carried into the step (0 for most).
+    num_drafts: list[int]
+
+
+class StepsPerSecondProbe(Protocol):
+    """``(sequence counts, tokens per sequence) -> {(n, q): target steps per second}``,
+    measured now on this machine: one forward + logits of ``n`` sequences of ``q`` new
+    tokens each (a token and its drafts), for every pair."""
+
+    def __call__(self, seq_counts: Sequence[int], tokens_per_seq: Sequence[int]) -> dict[tuple[int, int], float]: ...
+
+
+class KVCacheAllocator(Protocol):
+    """A cache like the target's for extra attention layers (an MTP drafter's), one per
+    layer, filled through the same block tables. The ``extra_blocks`` blocks after the
+    target's (the last ids) are in no block table: a drafter's private scratch for
+    positions its sequences own no block for yet."""
+
+    def __call__(self, layers: Sequence[AttentionLayerSpec], extra_blocks: int = 0) -> list[LayerKVCache]: ...
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeContext:
+    """What a speculative policy's factory is given."""
+
+    #: The plugin's validated config section: an instance of the attrs class its
+    #: ConfigSectionRecord names (the core knows no more of it), or None.
+    config: Any
+    #: The target model (an MTP drafter reads the architecture's own ``model.mtp``).
+    model: CausalLM
+    vocab_size: int
+    device: torch.device
+    block_size: int
+    measure_steps_per_second: StepsPerSecondProbe
+    allocate_kv_caches: KVCacheAllocator
+    #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none). A
+    #: drafter that runs MoE layers outside the target's forward cannot run above 1.
+    expert_parallel_size: int = 1
+
+
+@runtime_checkable
+class SpeculativePolicy(Protocol):
+    """Drafts tokens, decides how many to verify, and verifies them losslessly.
+
+    Built by its record's factory from a ``SpeculativeContext``. ``propose`` and
+    ``verify_lengths`` run on the engine thread before the step; ``verify`` and
+    ``observe`` on the device thread, after the step's forward.
+    """
+
+    def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
+        """Draft tokens and confidences per slot."""
+        ...
+
+    def verify_lengths(self, proposal: Proposal, batch: VerifyBatch) -> Sequence[int]:
+        """How many draft tokens of each slot to verify this step; a length may not
+        exceed the slot's drafts."""
+        ...
+
+    def verify(
+        self, proposal: Proposal, lengths: Sequence[int], target_logits: Sequence[torch.Tensor]
+    ) -> list[list[int]]:
+        """Per slot with a length > 0: the target's logits ``[1 + length, vocab]`` at
+        the slot's verified rows -> the tokens it keeps (accepted drafts, then one token
+        sampled from the target: the correction or the bonus). Lossless rejection
+        sampling with the slots' own generators (``sampling.target_probs`` is the
+        target's distribution); greedy slots accept on argmax match."""
+        ...
+
+    def observe(self, step: ExecutedStep) -> None:
+        """Every executed step, for drafters that keep state."""
+        ...

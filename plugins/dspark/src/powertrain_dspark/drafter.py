@@ -1,0 +1,46 @@
+"""What a drafter gives the speculative decoder: drafts per slot, with the drafter's raw
+confidences and, for sampled drafts, the distributions they were drawn from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from powertrain.interfaces import DraftSlot
+
+
+@attrs.frozen(kw_only=True)
+class DraftBatch:
+    """One ``propose``'s drafts, one entry per slot (same order as the slots).
+
+    ``confidences[i][k]`` is the drafter's raw confidence in draft k+1 (calibration turns
+    it into the policy's c(i, k+1)). ``draft_probs[i]`` is ``[len(tokens[i]), vocab]``,
+    the distribution each draft was drawn from, or None for deterministic drafts (point
+    masses); ``draft_probs`` None: every slot's drafts are deterministic.
+    """
+
+    tokens: list[list[int]]
+    confidences: list[list[float]]
+    draft_probs: list[torch.Tensor | None] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        slots = len(self.tokens)
+        if len(self.confidences) != slots or (self.draft_probs is not None and len(self.draft_probs) != slots):
+            raise ValueError("a DraftBatch needs confidences (and draft_probs, if given) for every slot")
+
+    def probs(self) -> list[torch.Tensor | None]:
+        """One entry per slot: its draft distributions, or None."""
+        return list(self.draft_probs) if self.draft_probs is not None else [None] * len(self.tokens)
+
+
+class Drafter(Protocol):
+    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
+        """Drafts for each slot (at most its ``max_draft``), with raw confidences."""
+        ...
+
+    def record(self, seq_id: int, verified: int, accepted: int) -> None:
+        """How the drafts proposed for ``seq_id`` fared (0 verified: not looked at)."""
+        ...
