@@ -68,3 +68,30 @@ def test_bad_input_fails_only_its_own_request(engine: AsyncEngine) -> None:
 
     outputs = asyncio.run(main())
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) >= 1
+
+
+def test_the_one_process_engine_is_the_front_ends_engine(engine: AsyncEngine) -> None:
+    """``LLM``, ``AsyncEngine`` and the server see only ``interfaces.Engine``; the
+    one-process engine implements it, as the parallel front end does
+    (test_parallel_engine)."""
+    from powertrain.engine.engine import LLMEngine
+    from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
+
+    assert isinstance(engine.engine, LLMEngine) and isinstance(engine.engine, Engine)
+    assert isinstance(engine.engine.tokenizer, EngineTokenizer)
+    assert isinstance(engine.stats, EngineStats)
+
+
+def test_an_object_missing_part_of_the_contract_is_not_an_engine() -> None:
+    from powertrain.interfaces.engine import Engine
+
+    class NoStep:
+        tokenizer = model_name = model_config = max_model_len = None
+
+        def add_request(self, prompt, params=None, request_id=None): ...
+        def abort_request(self, request_id): ...
+        def has_unfinished_requests(self): ...
+        def stats(self): ...
+        def shutdown(self): ...
+
+    assert not isinstance(NoStep(), Engine)

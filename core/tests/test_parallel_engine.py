@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
+from powertrain.deploy.frontend import ParallelEngine
 from powertrain.interfaces import AttentionBackendContext, CommunicatorContext, ModelContext, MoEBackendContext
+from powertrain.interfaces.engine import Engine, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
 from powertrain.interfaces.moe import RoutingConfig
 from powertrain.layers.moe import MoE
@@ -68,6 +70,8 @@ def test_dp2_ep2_matches_one_process(dp2_ep2: LLM, prompts: list[list[int]], ref
     outputs = dp2_ep2.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     engine = dp2_ep2.engine
+    assert isinstance(engine, ParallelEngine) and isinstance(engine, Engine)  # the front ends' one contract
+    assert isinstance(engine.tokenizer, EngineTokenizer)
     assert [w.experts for w in engine.workers] == [(0, 4), (4, 4)]  # each rank loaded its half
     assert all(n > 0 for n in engine.requests_per_rank().values()), engine.requests_per_rank()
     counters = engine.counters()

@@ -49,3 +49,25 @@ def test_a_rank_outside_the_world_is_refused() -> None:
         RankPlacement(layout=ParallelLayout(2, 4), rank=4)
     assert RankPlacement(layout=ParallelLayout(2, 4), rank=2).holds_requests
     assert not RankPlacement(layout=ParallelLayout(2, 4), rank=3).holds_requests
+
+
+def test_the_model_and_the_layout_read_one_expert_split() -> None:
+    """A model slices its experts from its ModelContext (models do not know the parallel
+    layout); the dispatcher's layout must agree with it rank by rank."""
+    import torch
+
+    from powertrain.interfaces.model import ModelContext
+
+    layout = ParallelLayout(data_parallel=2, expert_parallel=4)
+    for rank in range(4):
+        context = ModelContext(
+            config={},
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            attention=None,
+            expert_parallel_rank=rank,
+            expert_parallel_size=4,
+        )
+        assert context.local_experts(16) == layout.expert_slice(rank, 16) == (4 * rank, 4)
+    with pytest.raises(ValueError, match="18 routed experts, which expert_parallel=4 does not divide"):
+        context.local_experts(18)

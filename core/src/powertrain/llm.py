@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from powertrain.config import CORE_SECTIONS, EngineConfig, load_config
+from powertrain.interfaces.engine import Engine, EngineTokenizer
 from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
@@ -54,10 +55,10 @@ class LLM:
         if model is not None:
             settings = {"path": model, **settings}
         self.config = apply_overrides(config, settings)
-        self.engine = start_engine(self.config)
+        self.engine: Engine = start_engine(self.config)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> EngineTokenizer:
         return self.engine.tokenizer
 
     @property

@@ -31,7 +31,7 @@ from powertrain.assemble import model_length
 from powertrain.deploy.balance import PrefixBalancer
 from powertrain.deploy.worker import HEARTBEAT_S, WorkerInfo
 from powertrain.engine.admission import admit
-from powertrain.engine.engine import EngineStats
+from powertrain.interfaces.engine import EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.sampling import SamplingParams

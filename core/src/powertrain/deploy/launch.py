@@ -22,17 +22,20 @@ import tempfile
 import threading
 import weakref
 from multiprocessing.connection import Listener
-from typing import Any
 
 import attrs
 import structlog
 
 from powertrain.assemble import build_engine, plan
+from powertrain.components import PlatformInfo
+from powertrain.config import EngineConfig
 from powertrain.deploy.frontend import ParallelEngine
 from powertrain.deploy.worker import run_worker
+from powertrain.interfaces.engine import Engine
 from powertrain.loader import load_checkpoint
 from powertrain.log_setup import current_level
-from powertrain.parallel.layout import ParallelLayoutError, RankPlacement, layout_of
+from powertrain.parallel.layout import ParallelLayout, ParallelLayoutError, RankPlacement, layout_of
+from powertrain.plugins import PluginManager
 
 log = structlog.get_logger(__name__)
 
@@ -71,8 +74,9 @@ class TorchrunRank:
             ) from None
 
 
-def start_engine(config: Any, plugins: Any = None) -> Any:
-    """The engine ``config`` asks for: an ``LLMEngine`` or a ``ParallelEngine`` front end."""
+def start_engine(config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
+    """The engine ``config`` asks for: an ``LLMEngine`` or a ``ParallelEngine`` front end,
+    both ``interfaces.Engine``."""
     layout = layout_of(config)
     torchrun = TorchrunRank.from_environment()
     if torchrun is not None and torchrun.world_size > 1:
@@ -82,11 +86,11 @@ def start_engine(config: Any, plugins: Any = None) -> Any:
     return _start_local(config, plugins, layout)
 
 
-def _platform(config: Any, plugins: Any) -> Any:
+def _platform(config: EngineConfig, plugins: PluginManager | None) -> PlatformInfo:
     return plan(config, plugins, strict=False).platform
 
 
-def _start_local(config: Any, plugins: Any, layout: Any) -> ParallelEngine:
+def _start_local(config: EngineConfig, plugins: PluginManager | None, layout: ParallelLayout) -> ParallelEngine:
     checkpoint = load_checkpoint(config.model.path)  # the front end's tokenizer; no weights
     platform = _platform(config, plugins)
     authkey = os.urandom(32)
@@ -127,7 +131,9 @@ def _secret(torchrun: TorchrunRank) -> bytes:
     return hashlib.sha256(f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{torchrun.master_port}".encode()).digest()
 
 
-def _start_under_torchrun(config: Any, plugins: Any, layout: Any, torchrun: TorchrunRank) -> ParallelEngine:
+def _start_under_torchrun(
+    config: EngineConfig, plugins: PluginManager | None, layout: ParallelLayout, torchrun: TorchrunRank
+) -> ParallelEngine:
     if torchrun.world_size != layout.world_size:
         raise ParallelLayoutError(
             f"torchrun started {torchrun.world_size} processes, but data_parallel={layout.data_parallel}, "
@@ -161,7 +167,7 @@ def _start_under_torchrun(config: Any, plugins: Any, layout: Any, torchrun: Torc
     return _ready(engine, config)
 
 
-def _ready(engine: ParallelEngine, config: Any) -> ParallelEngine:
+def _ready(engine: ParallelEngine, config: EngineConfig) -> ParallelEngine:
     """The engine once every worker is ready; nothing left running if one is not."""
     try:
         engine.wait_ready(config.parallel.startup_timeout_s)

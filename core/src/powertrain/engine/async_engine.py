@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from powertrain.engine.engine import EngineStats, LLMEngine
+from powertrain.interfaces.engine import Engine, EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
@@ -26,7 +26,7 @@ log = structlog.get_logger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}

@@ -29,6 +29,7 @@ from powertrain.engine.model_runner import ModelRunner, Speculation, StepResult
 from powertrain.engine.sequence import PLACEHOLDER, Request
 from powertrain.engine.sequence import Sequence as Seq
 from powertrain.engine.speculative import can_speculate
+from powertrain.interfaces.engine import EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
@@ -48,24 +49,6 @@ class StepStats:
     num_tokens: int
     num_preempted: int
     duration_s: float
-
-
-@attrs.frozen(kw_only=True)
-class EngineStats:
-    """A snapshot of the engine's load and cumulative counters (for metrics)."""
-
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    preemptions: int
-    #: Speculative decoding: sequence-steps that could speculate, draft tokens verified
-    #: and accepted in them (all 0 without a speculative policy).
-    speculative_request_steps: int = 0
-    speculative_verified_tokens: int = 0
-    speculative_accepted_tokens: int = 0
 
 
 @attrs.define

@@ -1,6 +1,6 @@
 """The public contract: the records and Protocols the hot path and plugins share.
 
-Assembly (``assemble.py``) turns component records into objects satisfying these
+Assembly (``powertrain.assemble``) turns component records into objects satisfying these
 Protocols; after that, the engine, model runner and layers call them directly, with no
 pluggy dispatch in between (DESIGN §2). A kernel pack, a scheduler, a speculative
 policy or a protocol adapter implements these and imports nothing else of the core's
@@ -16,6 +16,7 @@ implementation. One module per concern:
 * ``outputs``: what the engine reports back for a request;
 * ``protocol``: protocol adapters and the parsed request they hand the server;
 * ``model``: what an architecture's factory is given, and the decoder it builds;
+* ``engine``: the engine the front ends (``LLM``, ``AsyncEngine``, the server) drive;
 * ``platform``, ``errors``: the platform records and the typed errors.
 
 Contracts are the bottom layer: these modules import only each other and
@@ -36,6 +37,7 @@ from powertrain.interfaces.attention import (
     RotaryAttentionBackend,
 )
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
+from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
 from powertrain.interfaces.model import CausalLM, ModelContext
 from powertrain.interfaces.moe import (
@@ -142,6 +144,10 @@ __all__ = [
     # model
     "CausalLM",
     "ModelContext",
+    # engine
+    "Engine",
+    "EngineStats",
+    "EngineTokenizer",
     # platform, errors
     "Availability",
     "PlatformInfo",

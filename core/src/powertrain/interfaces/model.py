@@ -44,6 +44,25 @@ class ModelContext:
     expert_parallel_size: int = 1
     expert_dispatcher: ExpertDispatcher | None = None
 
+    def local_experts(self, num_experts: int) -> tuple[int, int]:
+        """``(first, count)`` of the routed experts this rank loads and serves."""
+        return expert_slice(self.expert_parallel_rank, self.expert_parallel_size, num_experts)
+
+
+def expert_slice(rank: int, size: int, num_experts: int) -> tuple[int, int]:
+    """``(first, count)`` of the routed experts of ``rank`` among ``size`` expert-parallel
+    ranks: an even, contiguous split. The model loads this slice and the dispatcher sends
+    each expert's tokens to the rank holding it, so both read it from here."""
+    if size == 1:
+        return 0, num_experts
+    if num_experts % size:
+        raise ValueError(
+            f"the model has {num_experts} routed experts, which expert_parallel={size} does not divide; "
+            f"choose an expert_parallel that divides {num_experts}"
+        )
+    per_rank = num_experts // size
+    return rank * per_rank, per_rank
+
 
 @runtime_checkable
 class CausalLM(Protocol):

@@ -89,10 +89,7 @@ class DeepseekArgs:
         """``(first, count)`` of the routed experts this rank holds; None: all of them."""
         if self.routing is None or ctx.expert_parallel_size == 1:
             return None
-        from powertrain.parallel.layout import ParallelLayout
-
-        layout = ParallelLayout(data_parallel=1, expert_parallel=ctx.expert_parallel_size)
-        return layout.expert_slice(ctx.expert_parallel_rank, self.routing.num_experts)
+        return ctx.local_experts(self.routing.num_experts)
 
     def is_moe_layer(self, index: int) -> bool:
         return (

@@ -15,6 +15,8 @@ from typing import Any
 
 import attrs
 
+from powertrain.interfaces.model import expert_slice
+
 
 class ParallelLayoutError(ValueError):
     """A data/expert-parallel combination or placement that cannot be served."""
@@ -55,16 +57,10 @@ class ParallelLayout:
 
     def expert_slice(self, rank: int, num_experts: int) -> tuple[int, int]:
         """``(first expert, number of experts)`` that ``rank`` loads and serves."""
-        if not self.expert_parallel_enabled:
-            return 0, num_experts
-        ep = self.expert_parallel
-        if num_experts % ep:
-            raise ParallelLayoutError(
-                f"the model has {num_experts} routed experts, which expert_parallel={ep} does not divide; "
-                f"choose an expert_parallel that divides {num_experts}"
-            )
-        per_rank = num_experts // ep
-        return rank * per_rank, per_rank
+        try:
+            return expert_slice(rank, self.expert_parallel, num_experts)
+        except ValueError as exc:
+            raise ParallelLayoutError(str(exc)) from None
 
 
 @attrs.frozen(kw_only=True)

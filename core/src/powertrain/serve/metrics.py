@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from powertrain.engine.engine import EngineStats
+from powertrain.interfaces.engine import EngineStats
 
 #: Buckets in seconds: CPU time-to-first-token spans milliseconds to tens of seconds.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

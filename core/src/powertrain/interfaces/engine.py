@@ -1,0 +1,91 @@
+"""The engine contract the front ends program against.
+
+``LLM``, ``AsyncEngine``, the HTTP server and the CLI drive an engine only through
+``Engine``: one process's ``LLMEngine`` and the multi-process front end
+``ParallelEngine`` both implement it, and ``powertrain.deploy.start_engine`` returns
+whichever the config asks for. An engine is not thread-safe: one thread drives it
+(``AsyncEngine`` owns that thread for asyncio callers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from powertrain.interfaces.outputs import RequestOutput
+from powertrain.interfaces.protocol import ModelTokenizer
+from powertrain.interfaces.sampling import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """A snapshot of the engine's load and cumulative counters (for metrics)."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    #: Speculative decoding: sequence-steps that could speculate, draft tokens verified
+    #: and accepted in them (all 0 without a speculative policy).
+    speculative_request_steps: int = 0
+    speculative_verified_tokens: int = 0
+    speculative_accepted_tokens: int = 0
+
+
+@runtime_checkable
+class EngineTokenizer(ModelTokenizer, Protocol):
+    """What the front ends use of the model's tokenizer (beyond what an adapter reads)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """A conversation -> prompt text, with the model's chat template."""
+        ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Requests in, outputs out, one ``step`` at a time."""
+
+    tokenizer: EngineTokenizer
+    #: What the model is served as (``[model] path``).
+    model_name: str
+    #: The checkpoint's config (HF ``config.json`` semantics).
+    model_config: Mapping[str, Any]
+    #: Tokens per sequence, prompt and output together.
+    max_model_len: int
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Check and queue a request; returns its id. Bad input raises
+        ``InvalidRequestError`` and leaves the engine as it was."""
+        ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free what it holds; its final output (finish reason
+        "abort"), or None for an unknown or finished id."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests it advanced or finished."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats:
+        """Counts as of now; call on the thread that drives the engine."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop, releasing devices, worker processes and process groups."""
+        ...
