@@ -32,7 +32,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class TritonAttention:
     """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``RotaryAttentionBackend``
-    and ``RMSNormKernel`` (see interfaces.py): where it is the attention backend, the
+    and ``RMSNormKernel`` (see powertrain.interfaces.attention): where it is the attention backend, the
     layers' rotary, cache writes and norms run as this pack's kernels too."""
 
     name = "triton-sm100"
