@@ -55,6 +55,8 @@ ATTENTION_CAPABILITIES = frozenset(
         # The backend also fuses small layer ops where it is active (interfaces.attention):
         "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
+        # Extra forward paths:
+        "sparse-mla",  # SparseMLAAttentionBackend: MLA over indexer-picked top-k tokens (DSA)
     }
 )
 

@@ -53,7 +53,8 @@ def build_attention(
     plan: Plan, dtype: torch.dtype, block_size: int | None = None, *, local_rank: int | None = None
 ) -> Any:
     """The chosen attention backend; it must implement the Protocols its capabilities claim
-    (``AttentionBackend`` for gqa/mha, ``MLAAttentionBackend`` for mla)."""
+    (``AttentionBackend`` for gqa/mha, ``MLAAttentionBackend`` for mla,
+    ``SparseMLAAttentionBackend`` for sparse-mla, ...)."""
     context = interfaces.AttentionBackendContext(
         platform=plan.platform,
         device=_device(plan, local_rank),
@@ -66,6 +67,7 @@ def build_attention(
         for protocol, tags in (
             (interfaces.AttentionBackend, {"gqa", "mha"}),
             (interfaces.MLAAttentionBackend, {"mla"}),
+            (interfaces.SparseMLAAttentionBackend, {"sparse-mla"}),
             (interfaces.RotaryAttentionBackend, {"fused-rotary"}),
             (interfaces.RMSNormKernel, {"fused-rmsnorm"}),
         )

@@ -35,6 +35,7 @@ from powertrain.interfaces.attention import (
     MLAAttentionBackend,
     RMSNormKernel,
     RotaryAttentionBackend,
+    SparseMLAAttentionBackend,
 )
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
@@ -95,6 +96,7 @@ __all__ = [
     "MLAAttentionBackend",
     "RMSNormKernel",
     "RotaryAttentionBackend",
+    "SparseMLAAttentionBackend",
     # moe
     "ExpertWeights",
     "MoEBackend",

@@ -21,7 +21,9 @@ It carries what both a Triton kernel and Ascend's
 
 MLA: ``forward_mla`` is the weight-absorbed form. Ascend's rope-split path and
 FlashMLA serve it for decode only; a backend declares ``decode``/``prefill``
-alongside ``mla`` to say which phases it serves.
+alongside ``mla`` to say which phases it serves. Sparse MLA (DeepSeek-V3.2's DSA,
+capability ``sparse-mla``): ``forward_mla_sparse`` attends each query token only to
+the top-k cached tokens an indexer picked for it.
 """
 
 from __future__ import annotations
@@ -212,6 +214,37 @@ class AttentionMetadata:
         real = self.num_tokens
         rows.index_copy_(0, self.slot_mapping[:real], new[:real].to(cache.dtype))
 
+    def check_sparse_indices(self, indices: torch.Tensor) -> None:
+        """Refuse sparse-attention ``indices`` that do not fit this batch (see
+        ``SparseMLAAttentionBackend``): the wrong shape or dtype, or a position
+        ``>= seq_len`` of its query's sequence or ``< -1``, with a ValueError naming
+        the query row, the index and the length.
+
+        The range check reads one flag back to the host, a device sync per call; a
+        kernel that wants to avoid it may check on the device instead, as long as a bad
+        index is still refused rather than read.
+        """
+        if indices.dim() != 2 or indices.shape[0] < self.num_tokens:
+            raise ValueError(
+                f"sparse indices must be [num_tokens, topk] with num_tokens >= {self.num_tokens}, "
+                f"got shape {tuple(indices.shape)}"
+            )
+        if indices.dtype != torch.int32:
+            raise ValueError(f"sparse indices must be int32 token positions, got {indices.dtype}")
+        real = indices[: self.num_tokens]
+        lengths = torch.repeat_interleave(
+            self.seq_lens.to(device=real.device, dtype=torch.int32),
+            torch.tensor(self.query_lens_host, device=real.device),
+        )[:, None]
+        bad = (real >= lengths) | (real < -1)
+        if bool(bad.any()):  # the one device sync
+            row, column = (int(x) for x in bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"sparse index {int(real[row, column])} at query row {row} (column {column}) is out of range "
+                f"for its sequence of seq_len={int(lengths[row, 0])}: positions must be 0 <= p < seq_len, "
+                "or -1 for padding; the indexer must pick only this sequence's cached tokens"
+            )
+
     @classmethod
     def build(
         cls,
@@ -364,5 +397,49 @@ class MLAAttentionBackend(Protocol):
         k_rope: torch.Tensor,  # [num_tokens, qk_rope_head_dim] (new tokens, rotated)
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        ...
+
+
+@runtime_checkable
+class SparseMLAAttentionBackend(Protocol):
+    """Sparse MLA (capability ``sparse-mla``): DeepSeek-V3.2's DSA, where a lightning
+    indexer picks per query token the top-k cached tokens it attends to.
+
+    ``forward_mla_sparse`` takes what ``forward_mla`` takes and writes the new tokens'
+    latent/rope at ``slot_mapping`` first, as it does; then query token ``t`` attends
+    only to the tokens of its own sequence at the positions ``indices[t]`` lists:
+    scores ``scale * (q_latent·latent + q_rope·k_rope)``, softmax over the listed
+    positions, output ``probs·latent``.
+
+    * ``indices`` is int32 ``[num_tokens, topk]`` (rows past ``num_tokens`` are padding
+      like the batch's own). Entries are logical token positions within the sequence,
+      ``0 <= p < seq_len``, mapped through ``block_tables`` by the backend, so the
+      indexer need not know the paging. ``-1`` is padding and is ignored, wherever it
+      sits in the row; positions in a row are distinct.
+    * The listed positions are exactly what is attended: the backend applies no causal
+      mask of its own (the indexer already chose visible tokens).
+    * A row that is all ``-1`` attends to nothing and outputs zeros.
+    * A position ``>= seq_len`` or ``< -1`` is refused with a ValueError naming the
+      query row, the index and the length (``AttentionMetadata.check_sparse_indices``
+      does it on the host, one device sync per call; a kernel may check on the device
+      instead). The error comes before any output; the reference raises it before
+      writing the cache, so a refused step leaves the cache as it was.
+    """
+
+    name: str
+
+    def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec: ...
+
+    def forward_mla_sparse(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank]
+        q_rope: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim]
+        latent: torch.Tensor,  # [num_tokens, kv_lora_rank] (new tokens, normalised)
+        k_rope: torch.Tensor,  # [num_tokens, qk_rope_head_dim] (new tokens, rotated)
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        indices: torch.Tensor,  # int32 [num_tokens, topk]: positions in the sequence, -1 = padding
     ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
         ...
