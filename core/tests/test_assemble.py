@@ -9,7 +9,7 @@ from powertrain import hookimpl
 from powertrain.assemble import AssemblyError, build_attention, build_communicator, plan
 from powertrain.components import AttentionBackendRecord
 from powertrain.config import ComponentsConfig, ConfigError, EngineConfig, ParallelConfig, PluginsConfig, parse_config
-from powertrain.interfaces import AttentionBackend, Communicator
+from powertrain.interfaces import AttentionBackend, Communicator, SparseMLAAttentionBackend
 from powertrain.plugins import PluginManager
 from powertrain.selection import Selection
 
@@ -202,6 +202,37 @@ def test_build_returns_protocol_objects_and_rejects_impostors() -> None:
     manager.register(Impostor())
     with pytest.raises(AssemblyError, match="does not implement powertrain.interfaces.AttentionBackend"):
         build_attention(plan(config(attention="impostor"), manager, strict=False), torch.float32)
+
+
+def test_a_backend_declaring_sparse_mla_must_implement_it() -> None:
+    """Declaring sparse-mla is a promise build_attention checks: a dense-only MLA backend
+    that declares it is refused, naming the missing Protocol."""
+    from powertrain.builtin.reference_attention import TorchReferenceAttention
+
+    class DenseOnly:
+        name = "dense-only"
+        kv_cache_spec = TorchReferenceAttention.kv_cache_spec
+        forward_mla = TorchReferenceAttention.forward_mla
+
+    class Overclaims:
+        POWERTRAIN_HOOK_API = 1
+
+        @hookimpl
+        def powertrain_attention_backends(self):
+            return [
+                AttentionBackendRecord(
+                    name="overclaims",
+                    platforms={"cpu"},
+                    capabilities={"mla", "sparse-mla"},
+                    factory=lambda c: DenseOnly(),
+                )
+            ]
+
+    manager = _with_selector(Overclaims())
+    with pytest.raises(AssemblyError, match="does not implement powertrain.interfaces.SparseMLAAttentionBackend"):
+        build_attention(plan(config(attention="overclaims"), manager, strict=False), torch.float32)
+    reference = build_attention(plan(config(attention="torch-reference"), strict=False), torch.float32)
+    assert isinstance(reference, SparseMLAAttentionBackend)
 
 
 def _with_selector(selector) -> PluginManager:

@@ -56,9 +56,19 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name="torch-reference",
             platforms={"cpu", "cuda"},
-            capabilities={"gqa", "mha", "mla", "paged", "prefill", "decode", "chunked-prefill", "sliding-window"},
+            capabilities={
+                "gqa",
+                "mha",
+                "mla",
+                "sparse-mla",
+                "paged",
+                "prefill",
+                "decode",
+                "chunked-prefill",
+                "sliding-window",
+            },
             priority=0,
             factory=build_reference,
-            description="plain-torch paged attention (GQA/MHA/MLA); the oracle, not fast",
+            description="plain-torch paged attention (GQA/MHA/MLA, sparse MLA); the oracle, not fast",
         ),
     ]

@@ -22,7 +22,8 @@ from powertrain.interfaces import (
 
 
 class TorchReferenceAttention:
-    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` (see interfaces.attention)."""
+    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend`` and
+    ``SparseMLAAttentionBackend`` (see interfaces.attention)."""
 
     name = "torch-reference"
 
@@ -104,6 +105,60 @@ class TorchReferenceAttention:
                 scale=layer.scale,
                 sliding_window=layer.sliding_window,
             ).to(output.dtype)
+        return output
+
+    def forward_mla_sparse(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sparse MLA (DSA): each token attends to the positions its ``indices`` row lists.
+
+        The indices are checked before the cache is written, so a refused step leaves
+        it as it was. Positions go through the token's own sequence's block table to
+        slots, the selected latent/rope rows are gathered (one ``[topk]`` set per
+        token, not per sequence, hence no loop), and -1 entries are masked out of the
+        softmax; a row with none left outputs zeros rather than NaN.
+        """
+        if layer.kind != "mla":
+            raise ValueError(f"forward_mla_sparse() serves MLA layers, got a {layer.kind!r} layer")
+        metadata.check_sparse_indices(indices)
+        latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
+        metadata.store(latent_cache, latent)
+        metadata.store(rope_cache, k_rope)
+
+        compute = _compute_dtype(q_latent.dtype)
+        num_tokens, num_heads, rank = q_latent.shape
+        output = q_latent.new_zeros((num_tokens, num_heads, rank))
+        real = metadata.num_tokens
+        if real == 0:
+            return output
+        device = q_latent.device
+        sequence = torch.repeat_interleave(
+            torch.arange(metadata.batch_size, device=device),
+            torch.tensor(metadata.query_lens_host, device=device),
+        )  # [real]: the sequence of each query token
+        chosen = indices[:real].to(device=device, dtype=torch.long)
+        valid = chosen >= 0
+        positions = chosen.clamp(min=0)  # padding reads position 0, then is masked out
+        block_size = metadata.block_size
+        blocks = metadata.block_tables.to(device=device, dtype=torch.long)[sequence[:, None], positions // block_size]
+        slots = blocks * block_size + positions % block_size  # [real, topk]
+        selected_latent = latent_cache.view(-1, rank)[slots].to(compute)  # [real, topk, rank]
+        selected_rope = rope_cache.view(-1, rope_cache.shape[-1])[slots].to(compute)
+
+        scores = torch.einsum("thr,tkr->thk", q_latent[:real].to(compute), selected_latent)
+        scores = (scores + torch.einsum("thr,tkr->thk", q_rope[:real].to(compute), selected_rope)) * layer.scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.where(valid.any(dim=-1)[:, None, None], probs, 0.0)  # all -1: softmax of -inf is NaN
+        output[:real] = torch.einsum("thk,tkr->thr", probs, selected_latent).to(output.dtype)
         return output
 
 
