@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
 import attrs
 import pytest
 import torch
 
 from powertrain.builtin.reference_attention import TorchReferenceAttention
-from powertrain.interfaces import AttentionBackend, AttentionLayerSpec, AttentionMetadata, MLAAttentionBackend
-from powertrain.testing import AttentionBackendSuite, fresh_seed
+from powertrain.interfaces import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    LayerKVCache,
+    MLAAttentionBackend,
+    SparseMLAAttentionBackend,
+)
+from powertrain.testing import AttentionBackendSuite, check_sparse_mla, check_sparse_mla_refuses, fresh_seed
 
 
 class TestReferenceConformance(AttentionBackendSuite):
@@ -154,6 +162,7 @@ def test_satisfies_both_protocols() -> None:
     backend = TorchReferenceAttention()
     assert isinstance(backend, AttentionBackend)
     assert isinstance(backend, MLAAttentionBackend)
+    assert isinstance(backend, SparseMLAAttentionBackend)
 
 
 def test_kv_cache_specs() -> None:
@@ -285,3 +294,140 @@ class TestBucketedConformance(AttentionBackendSuite):
     """The default portable backend against the reference, through the kit."""
 
     component = "torch-bucketed"
+
+
+# --------------------------------------------------------------------------- sparse MLA
+
+MLA_LAYER = AttentionLayerSpec(
+    kind="mla", num_heads=4, num_kv_heads=1, head_size=48, scale=48**-0.5, kv_lora_rank=32, qk_rope_head_dim=16
+)
+# Decodes at block edges first, then a chunk after a cached context and a prefill spanning blocks.
+SPARSE_LENGTHS = [(0, 1), (3, 1), (4, 1), (9, 1), (5, 3), (0, 11)]
+
+
+class ShiftedByOne(TorchReferenceAttention):
+    """Deliberately wrong: reads position p + 1 (wrapping at the sequence's end) for p."""
+
+    def forward_mla_sparse(self, layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices):
+        lengths = torch.repeat_interleave(metadata.seq_lens, torch.tensor(metadata.query_lens_host))[:, None]
+        shifted = torch.where(indices >= 0, (indices + 1) % lengths, indices).to(torch.int32)
+        return super().forward_mla_sparse(layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, shifted)
+
+
+class NeighboursTable(TorchReferenceAttention):
+    """Deliberately wrong: maps positions through the next sequence's block table."""
+
+    def forward_mla_sparse(self, layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices):
+        metadata.check_sparse_indices(indices)  # the right lengths, the wrong table
+        wrong = attrs.evolve(metadata, block_tables=metadata.block_tables.roll(1, dims=0))
+        return super().forward_mla_sparse(layer, q_latent, q_rope, latent, k_rope, kv_cache, wrong, indices)
+
+
+class AddsCausalMask(TorchReferenceAttention):
+    """Wrong by the contract: drops listed positions after the query's own."""
+
+    def forward_mla_sparse(self, layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices):
+        own = torch.cat(
+            [torch.arange(c, s) for c, s in zip(metadata.context_lens_host, metadata.seq_lens_host, strict=True)]
+        )
+        causal = torch.where(indices > own[:, None], -1, indices).to(torch.int32)
+        return super().forward_mla_sparse(layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, causal)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [ShiftedByOne, NeighboursTable, AddsCausalMask],
+    ids=["shifted-by-one", "neighbours-table", "adds-causal-mask"],
+)
+def test_the_sparse_kit_catches_a_wrong_index_mapping(backend: type, seed: int) -> None:
+    """The kit's check can fail: a backend that maps indices to the wrong tokens is caught."""
+    with pytest.raises(AssertionError, match="sparse MLA output differs from the float64 oracle") as failed:
+        check_sparse_mla(
+            backend(),
+            layer=MLA_LAYER,
+            lengths=SPARSE_LENGTHS,
+            block_size=4,
+            dtype=torch.float32,
+            seed=seed,
+            tolerance=(1e-4, 1e-4),
+        )
+    print(str(failed.value))
+
+
+def test_the_reference_passes_the_sparse_check_directly(seed: int) -> None:
+    check_sparse_mla(
+        TorchReferenceAttention(),
+        layer=MLA_LAYER,
+        lengths=SPARSE_LENGTHS,
+        block_size=4,
+        dtype=torch.float64,
+        seed=seed,
+        tolerance=(1e-12, 1e-12),
+    )
+
+
+def test_the_refusal_check_catches_a_backend_that_does_not_check(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the index check, an index past the sequence's end reads another token (a
+    zero block-table entry past the sequence's blocks) or falls off the table and
+    crashes: either way the kit's check fails, since nothing refused it."""
+    monkeypatch.setattr(AttentionMetadata, "check_sparse_indices", lambda self, indices: None)
+    with pytest.raises((pytest.fail.Exception, IndexError), match="DID NOT RAISE|out of bounds") as failed:
+        check_sparse_mla_refuses(
+            TorchReferenceAttention(),
+            layer=MLA_LAYER,
+            lengths=SPARSE_LENGTHS,
+            block_size=4,
+            dtype=torch.float32,
+            seed=seed,
+            bad_row="prefill",
+        )
+    print(str(failed.value))
+
+
+def test_refused_sparse_step_leaves_the_cache_untouched(seed: int) -> None:
+    """The reference checks the indices before writing: a refused step changes nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    per_token = {"latent": (32,), "rope": (16,)}
+    paged = page(backend, MLA_LAYER, SPARSE_LENGTHS, per_token, 4, torch.float32, gen)
+    tokens = paged.metadata.num_tokens
+    indices = torch.full((tokens, 5), -1, dtype=torch.int32)
+    indices[:, 0] = 0
+    indices[tokens - 1, 3] = paged.metadata.seq_lens_host[-1]  # one past the prefill's last token
+    before: LayerKVCache = {name: t.clone() for name, t in paged.cache.items()}
+    q_latent = torch.randn(tokens, 4, 32, generator=gen)
+    q_rope = torch.randn(tokens, 4, 16, generator=gen)
+
+    with pytest.raises(ValueError, match=rf"sparse index 11 at query row {tokens - 1} .*seq_len=11"):
+        backend.forward_mla_sparse(
+            MLA_LAYER, q_latent, q_rope, paged.new["latent"], paged.new["rope"], paged.cache, paged.metadata, indices
+        )
+    for name, tensor in paged.cache.items():
+        assert torch.equal(tensor.nan_to_num(7.0), before[name].nan_to_num(7.0)), f"{name} changed (seed={seed})"
+
+
+def test_sparse_over_every_visible_position_equals_dense_mla(seed: int) -> None:
+    """Listing each token's causal positions makes sparse MLA the dense forward_mla."""
+    gen = torch.Generator().manual_seed(seed)
+    backend = TorchReferenceAttention()
+    per_token = {"latent": (32,), "rope": (16,)}
+    paged = page(backend, MLA_LAYER, SPARSE_LENGTHS, per_token, 4, torch.float64, gen)
+    metadata = paged.metadata
+    topk = metadata.max_seq_len + 2
+    indices = torch.full((metadata.num_tokens, topk), -1, dtype=torch.int32)
+    for i, (start, end) in enumerate(pairwise(metadata.query_start_loc_host)):
+        context = metadata.context_lens_host[i]
+        for j in range(end - start):
+            indices[start + j, torch.randperm(topk, generator=gen)[: context + j + 1]] = torch.arange(
+                context + j + 1, dtype=torch.int32
+            )
+    tokens = metadata.num_tokens
+    q_latent = torch.randn(tokens, 4, 32, generator=gen, dtype=torch.float64)
+    q_rope = torch.randn(tokens, 4, 16, generator=gen, dtype=torch.float64)
+    dense_cache = {name: t.clone() for name, t in paged.cache.items()}
+    new = (paged.new["latent"], paged.new["rope"])
+
+    sparse = backend.forward_mla_sparse(MLA_LAYER, q_latent, q_rope, *new, paged.cache, metadata, indices)
+    dense = backend.forward_mla(MLA_LAYER, q_latent, q_rope, *new, dense_cache, metadata)
+
+    torch.testing.assert_close(sparse, dense, atol=1e-12, rtol=1e-12, msg=lambda m: f"{m}\n(seed={seed})")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import pytest
 
 from powertrain.plugins import PluginManager
-from powertrain.testing.attention import AttentionBackendSuite
+from powertrain.testing.attention import AttentionBackendSuite, check_sparse_mla, check_sparse_mla_refuses
 from powertrain.testing.base import ComponentSuite, fresh_seed
 from powertrain.testing.checkpoints import quantize_checkpoint_fp8, write_tiny_deepseek
 from powertrain.testing.communicator import CommunicatorSuite
@@ -48,6 +48,8 @@ __all__ = [
     "ComponentSuite",
     "MoEBackendSuite",
     "PluginContract",
+    "check_sparse_mla",
+    "check_sparse_mla_refuses",
     "fresh_seed",
     "quantize_checkpoint_fp8",
     "write_tiny_deepseek",

@@ -13,13 +13,21 @@ outputs are compared on fresh random inputs. After each forward the candidate's
 cache must hold exactly the new tokens at ``slot_mapping`` and nothing else changed.
 The reference always runs on the CPU, where it is exact and always available.
 
+Sparse MLA (``sparse-mla``) is checked differently: against a float64 oracle in this
+module (dense MLA over each sequence's whole history with a mask built from the
+indices), since the indices, not causality, decide what is attended.
+``check_sparse_mla`` and ``check_sparse_mla_refuses`` run one such check on any
+backend object; the suite's ``test_sparse_mla*`` tests call them.
+
 The helpers ``token_major``, ``write_tokens`` and ``read_tokens`` address a cache
 per token whatever its layout; plugin authors may use them in their own tests.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -37,13 +45,21 @@ from powertrain.interfaces import (
     MLAAttentionBackend,
     RMSNormKernel,
     RotaryAttentionBackend,
+    SparseMLAAttentionBackend,
 )
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import apply_rotary
 from powertrain.plugins import Provided
 from powertrain.testing.base import ComponentSuite, Subject, find_component, generator
 
-__all__ = ["AttentionBackendSuite", "read_tokens", "token_major", "write_tokens"]
+__all__ = [
+    "AttentionBackendSuite",
+    "check_sparse_mla",
+    "check_sparse_mla_refuses",
+    "read_tokens",
+    "token_major",
+    "write_tokens",
+]
 
 REFERENCE = "torch-reference"
 
@@ -696,6 +712,62 @@ class AttentionBackendSuite(ComponentSuite):
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         self._run_mla(pair, layer, batch, dtype, block_size, seed, f"MLA {scenario} batch, {_dtype_id(dtype)}")
 
+    def _sparse_candidate(self, subject: Subject, dtype: torch.dtype, block_size: int) -> tuple[Any, torch.device]:
+        candidate, _, device = self._build(subject, dtype, block_size)
+        assert isinstance(candidate, SparseMLAAttentionBackend), (
+            f"{subject.provided.record.name} declares sparse-mla, but its factory returned {candidate!r}, "
+            "which has no forward_mla_sparse (SparseMLAAttentionBackend)"
+        )
+        return candidate, device
+
+    @pytest.mark.parametrize("scenario", ["decode", "mixed", "verify"])
+    def test_sparse_mla(
+        self,
+        subject: Subject,
+        scenario: str,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int,
+    ) -> None:
+        """forward_mla_sparse against the float64 oracle: ragged batches (decodes first,
+        prefills, tokens after a cached context, block edges), random duplicate-free
+        index sets with -1 padding, rows all -1 and rows with every position."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(subject.provided, "sparse-mla", "paged", *capabilities)
+        candidate, device = self._sparse_candidate(subject, dtype, block_size)
+        gen = generator(seed)
+        check_sparse_mla(
+            candidate,
+            layer=self._mla_layer(),
+            lengths=lengths_of(block_size, gen),
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            tolerance=self.tolerances[dtype],
+            what=f"sparse MLA {scenario} batch, {_dtype_id(dtype)}",
+        )
+
+    @pytest.mark.parametrize("where", ["decode", "prefill", "below-minus-one"])
+    def test_sparse_mla_refuses_out_of_range(self, subject: Subject, where: str, dtype: torch.dtype, seed: int) -> None:
+        """An index past its sequence's length (or below -1) is a ValueError naming the row,
+        the index and the length, raised before any output; the cache keeps its
+        context (only this step's slots may have been written)."""
+        self.require(subject.provided, "sparse-mla", "paged", "decode", "prefill")
+        block_size = self.block_sizes[0]
+        candidate, device = self._sparse_candidate(subject, dtype, block_size)
+        gen = generator(seed)
+        check_sparse_mla_refuses(
+            candidate,
+            layer=self._mla_layer(),
+            lengths=_mixed_lengths(block_size, gen),
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            bad_row=where,
+        )
+
 
 # --------------------------------------------------------------------------- checks
 
@@ -770,3 +842,228 @@ def _check_cache_writes(
                 f"(first: {bad_slots[:8]}; {len(misplaced)} of them are not this step's slots, so were "
                 f"overwritten): {where}"
             )
+
+
+# --------------------------------------------------------------------------- sparse MLA
+
+
+@attrs.frozen(kw_only=True)
+class _SparseCase:
+    """One sparse-MLA step: the batch, its inputs, the dense histories the oracle reads
+    and the candidate's cache prepared with the context tokens."""
+
+    batch: _Batch
+    spec: KVCacheSpec
+    cache: dict[str, torch.Tensor]
+    q_latent: torch.Tensor
+    q_rope: torch.Tensor
+    new: dict[str, torch.Tensor]
+    #: per sequence, name -> [seq_len, width]: context then new tokens
+    history: list[dict[str, torch.Tensor]]
+    indices: torch.Tensor  # int32 [num_tokens, topk], on the CPU
+
+
+def _sparse_case(
+    backend: Any,
+    layer: AttentionLayerSpec,
+    lengths: Sequence[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    gen: torch.Generator,
+    topk: int,
+) -> _SparseCase:
+    batch = _make_batch(lengths, block_size, gen, shuffle=True)
+    spec = backend.kv_cache_spec(layer, block_size, dtype)
+    _check_spec(spec, layer, block_size, dtype, getattr(backend, "name", type(backend).__name__))
+    num_tokens = sum(batch.query_lens)
+    widths = {"latent": layer.kv_lora_rank, "rope": layer.qk_rope_head_dim}
+    context_slots = batch.context_slots(block_size)
+    context = {name: _random((len(context_slots), w), gen, dtype) for name, w in widths.items()}
+    new = {name: _random((num_tokens, w), gen, dtype) for name, w in widths.items()}
+    cache = spec.allocate(batch.num_blocks, device)
+    for tensor in cache.values():
+        # Random garbage, not zeros: a read of the wrong slot changes the answer.
+        tensor.copy_(_random(tensor.shape, gen, spec.dtype))
+    for name, values in context.items():
+        write_tokens(spec, cache, name, context_slots, values)
+    contexts = {name: values.split(batch.context_lens) for name, values in context.items()}
+    news = {name: values.split(batch.query_lens) for name, values in new.items()}
+    history = [
+        {name: torch.cat([contexts[name][i], news[name][i]]) for name in widths} for i in range(len(batch.query_lens))
+    ]
+    return _SparseCase(
+        batch=batch,
+        spec=spec,
+        cache=cache,
+        q_latent=_random((num_tokens, layer.num_heads, layer.kv_lora_rank), gen, dtype),
+        q_rope=_random((num_tokens, layer.num_heads, layer.qk_rope_head_dim), gen, dtype),
+        new=new,
+        history=history,
+        indices=_sparse_indices(batch, topk, gen),
+    )
+
+
+def _sparse_indices(batch: _Batch, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """Random duplicate-free positions per query token, -1 in the unused columns (which
+    are scattered over the row, not only at its end).
+
+    Rows cycle (from a random offset) through: all -1; every position the row can hold;
+    and random counts. Positions range over the whole sequence, including after the
+    query's own: the backend must attend to what is listed and apply no causal mask.
+    """
+    num_tokens = sum(batch.query_lens)
+    indices = torch.full((num_tokens, topk), -1, dtype=torch.int32)
+    offset = _randint(gen, 0, 3)
+    row = 0
+    for seq_len, query_len in zip(batch.seq_lens, batch.query_lens, strict=True):
+        for _ in range(query_len):
+            most = min(topk, seq_len)
+            kind = (row + offset) % 4
+            count = 0 if kind == 0 else most if kind == 1 else _randint(gen, 1, most)
+            positions = torch.randperm(seq_len, generator=gen)[:count]
+            columns = torch.randperm(topk, generator=gen)[:count]
+            indices[row, columns] = positions.to(torch.int32)
+            row += 1
+    return indices
+
+
+def _sparse_oracle(layer: AttentionLayerSpec, case: _SparseCase) -> torch.Tensor:
+    """Dense MLA per sequence in float64, each query row masked to the positions its
+    indices list (a row listing none gives zeros). Knows nothing of paging."""
+    out = torch.zeros(case.q_latent.shape, dtype=torch.float64)
+    starts = [0, *itertools.accumulate(case.batch.query_lens)]
+    for i, seq in enumerate(case.history):
+        start, end = starts[i], starts[i + 1]
+        seq_len = seq["latent"].shape[0]
+        rows = case.indices[start:end].long()
+        mask = torch.zeros((end - start, seq_len + 1), dtype=torch.bool)
+        mask.scatter_(1, torch.where(rows < 0, seq_len, rows), True)  # -1 lands in a spare column
+        mask = mask[:, :seq_len]
+        latent, rope = seq["latent"].double(), seq["rope"].double()
+        q_latent = case.q_latent[start:end].double().transpose(0, 1)  # [heads, q, rank]
+        q_rope = case.q_rope[start:end].double().transpose(0, 1)
+        scores = layer.scale * (q_latent @ latent.T + q_rope @ rope.T)  # [heads, q, seq_len]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        exp = torch.where(mask, torch.exp(scores - scores.amax(-1, keepdim=True).nan_to_num(0.0)), 0.0)
+        total = exp.sum(-1, keepdim=True)
+        probs = torch.where(total > 0, exp / total.clamp(min=1e-300), 0.0)
+        out[start:end] = (probs @ latent).transpose(0, 1)
+    return out
+
+
+def check_sparse_mla(
+    backend: Any,
+    *,
+    layer: AttentionLayerSpec,
+    lengths: Sequence[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    tolerance: tuple[float, float],
+    device: torch.device | str = "cpu",
+    topk: int | None = None,
+    what: str = "sparse MLA",
+) -> None:
+    """Run ``backend.forward_mla_sparse`` on one random step and assert it matches the
+    float64 oracle and wrote exactly the new tokens (AssertionError otherwise).
+
+    ``lengths`` are ``(context_len, query_len)`` per sequence, decodes first; ``topk``
+    defaults to ``2 * block_size + 3``, so short sequences pad their rows and long ones
+    pick a subset spread over several blocks.
+    """
+    gen = generator(seed)
+    topk = 2 * block_size + 3 if topk is None else topk
+    case = _sparse_case(backend, layer, lengths, block_size, dtype, device, gen, topk)
+    batch = case.batch
+    where = (
+        f"{what}; context_lens={batch.context_lens} query_lens={batch.query_lens} topk={topk} "
+        f"block_size={block_size} (seed={seed})"
+    )
+    before = {name: t.clone() for name, t in case.cache.items()}
+    got = backend.forward_mla_sparse(
+        layer,
+        case.q_latent.to(device),
+        case.q_rope.to(device),
+        case.new["latent"].to(device),
+        case.new["rope"].to(device),
+        case.cache,
+        batch.metadata(block_size, device),
+        case.indices.to(device),
+    )
+    shape = tuple(case.q_latent.shape)
+    assert isinstance(got, torch.Tensor), f"forward_mla_sparse returned {type(got).__name__}, not a tensor: {where}"
+    assert tuple(got.shape) == shape, f"output shape {tuple(got.shape)}, expected {shape}: {where}"
+    assert got.dtype == dtype, f"output dtype {got.dtype}, expected the query's {dtype}: {where}"
+    want = _sparse_oracle(layer, case)
+    atol, rtol = tolerance
+    torch.testing.assert_close(
+        got.detach().cpu().double(),
+        want,
+        atol=atol,
+        rtol=rtol,
+        msg=lambda detail: f"sparse MLA output differs from the float64 oracle: {where}\n{detail}",
+    )
+    slots = batch.metadata(block_size, "cpu").slot_mapping
+    _check_cache_writes(case.spec, before, case.cache, slots, case.new, where)
+
+
+def check_sparse_mla_refuses(
+    backend: Any,
+    *,
+    layer: AttentionLayerSpec,
+    lengths: Sequence[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: torch.device | str = "cpu",
+    bad_row: str = "prefill",
+) -> None:
+    """Plant one bad index (past its sequence's length in a ``decode`` or ``prefill`` row,
+    or ``below-minus-one``) and assert ``forward_mla_sparse`` raises a ValueError naming
+    the row, the index and the length, with no cached token but this step's changed.
+
+    ``lengths`` must hold a decode (first) and a prefill (last) sequence.
+    """
+    gen = generator(seed)
+    case = _sparse_case(backend, layer, lengths, block_size, dtype, device, gen, 2 * block_size + 3)
+    batch = case.batch
+    assert batch.query_lens[0] == 1 and batch.query_lens[-1] > 1, f"need a decode first and a prefill last: {lengths}"
+    starts = [0, *itertools.accumulate(batch.query_lens)]
+    if bad_row == "decode":
+        sequence, row = 0, 0
+    else:
+        sequence = len(batch.query_lens) - 1
+        row = _randint(gen, starts[sequence], starts[sequence + 1] - 1)
+    seq_len = batch.seq_lens[sequence]
+    bad = -2 - _randint(gen, 0, 5) if bad_row == "below-minus-one" else seq_len + _randint(gen, 0, 3)
+    indices = case.indices.clone()
+    indices[row, _randint(gen, 0, indices.shape[1] - 1)] = bad
+    where = (
+        f"index {bad} in query row {row} of a sequence of {seq_len} tokens ({bad_row}); "
+        f"context_lens={batch.context_lens} query_lens={batch.query_lens} (seed={seed})"
+    )
+    before = {name: t.clone() for name, t in case.cache.items()}
+    with pytest.raises(ValueError) as refused:
+        backend.forward_mla_sparse(
+            layer,
+            case.q_latent.to(device),
+            case.q_rope.to(device),
+            case.new["latent"].to(device),
+            case.new["rope"].to(device),
+            case.cache,
+            batch.metadata(block_size, device),
+            indices.to(device),
+        )
+    message = str(refused.value)
+    for number, name in ((row, "row"), (bad, "index"), (seq_len, "length")):
+        assert re.search(rf"(?<![\d-]){number}(?!\d)", message), (
+            f"the ValueError should name the {name} {number}, it says {message!r}: {where}"
+        )
+    # Only this step's own slots may have been written (a fused kernel writes them first).
+    slots = set(batch.metadata(block_size, "cpu").slot_mapping.tolist())
+    for name, tensor in case.cache.items():
+        changed = (token_major(case.spec, tensor).cpu() != token_major(case.spec, before[name]).cpu()).flatten(2)
+        touched = [b * block_size + o for b, o in changed.any(-1).nonzero().tolist()]
+        stray = [slot for slot in touched if slot not in slots]
+        assert not stray, f"refused step still changed {name!r} at slots {stray[:8]}: {where}"
