@@ -416,7 +416,8 @@ class SparseMLAAttentionBackend(Protocol):
       like the batch's own). Entries are logical token positions within the sequence,
       ``0 <= p < seq_len``, mapped through ``block_tables`` by the backend, so the
       indexer need not know the paging. ``-1`` is padding and is ignored, wherever it
-      sits in the row; positions in a row are distinct.
+      sits in the row; positions in a row are distinct (not checked: a repeated one would
+      weigh twice).
     * The listed positions are exactly what is attended: the backend applies no causal
       mask of its own (the indexer already chose visible tokens).
     * A row that is all ``-1`` attends to nothing and outputs zeros.
