@@ -242,3 +242,37 @@ def test_loads_the_tiny_checkpoint_by_name_and_matches_transformers_inside_the_m
         keys = ours.keys(seen["hidden"], cos, sin)
         indices = ours.select(seen["hidden"], seen["q_resid"], positions, cos, sin, (0, length), [keys])
     assert visible_sets(indices, positions) == visible_sets(seen["indices"], positions)
+
+
+def test_bfloat16_keys_are_what_transformers_caches(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 the keys to store are bit-equal to those HF's indexer hands its cache (same casts:
+    bf16 projection, LayerNorm and rope with a bf16 cos/sin table), and the float32 scores agree."""
+    indexer, config = hf_indexer(seed, torch.bfloat16)
+    ours = ours_from(indexer)
+    generator = torch.Generator().manual_seed(seed + 6)
+    length = 24
+    hidden = torch.randn(length, CONFIG["hidden_size"], generator=generator).bfloat16()
+    resid = torch.randn(length, CONFIG["q_lora_rank"], generator=generator).bfloat16()
+    positions = torch.arange(length)
+
+    class RecordingCache:
+        def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+            self.keys = keys
+            return keys
+
+    cache = RecordingCache()
+    cos_hf, sin_hf = hf_v32.DeepseekV32RotaryEmbedding(config)(hidden[None], positions[None])
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None]
+    ranked: list[torch.Tensor] = []
+    original = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, *a, **k: ranked.append(self) or original(self, *a, **k))
+    indexer(hidden[None], resid[None], (cos_hf, sin_hf), causal, positions[None], cache=cache)
+    monkeypatch.undo()
+
+    cos, sin = rope()(positions, length, torch.bfloat16)
+    with torch.no_grad():
+        keys = ours.keys(hidden, cos, sin)
+        scores = ours.scores(hidden, resid, cos, sin, keys)
+    assert keys.dtype == torch.bfloat16 and torch.equal(keys, cache.keys[0])
+    causal_2d = causal[0]
+    torch.testing.assert_close(scores[causal_2d], ranked[0][0][causal_2d], rtol=1e-4, atol=1e-4)
