@@ -25,7 +25,8 @@ Testing checkpoints: no model hub is needed to test code that loads or runs a
 DeepSeek model. ``write_tiny_deepseek(folder)`` writes a tiny random DeepSeek-V3
 (or ``variant="v2-lite"``) checkpoint with HF transformers, MTP layer and tokenizer
 included, in well under a second; ``quantize_checkpoint_fp8(folder, fp8_folder)``
-turns it into DeepSeek-V3's FP8 block-scaled layout. Both are deterministic per seed;
+turns it into DeepSeek-V3's FP8 block-scaled layout; ``write_tiny_deepseek_v32(folder)``
+writes a tiny DeepSeek-V3.2 (Lightning Indexer in every attention layer). Both are deterministic per seed;
 cache them with a session-scoped fixture over ``tmp_path_factory`` (see
 ``powertrain.testing.checkpoints``).
 """
@@ -37,7 +38,7 @@ import pytest
 from powertrain.plugins import PluginManager
 from powertrain.testing.attention import AttentionBackendSuite, check_sparse_mla, check_sparse_mla_refuses
 from powertrain.testing.base import ComponentSuite, fresh_seed
-from powertrain.testing.checkpoints import quantize_checkpoint_fp8, write_tiny_deepseek
+from powertrain.testing.checkpoints import quantize_checkpoint_fp8, write_tiny_deepseek, write_tiny_deepseek_v32
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
 from powertrain.testing.moe import MoEBackendSuite
@@ -53,6 +54,7 @@ __all__ = [
     "fresh_seed",
     "quantize_checkpoint_fp8",
     "write_tiny_deepseek",
+    "write_tiny_deepseek_v32",
 ]
 
 

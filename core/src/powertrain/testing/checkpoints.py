@@ -34,11 +34,13 @@ from powertrain.loader.fp8 import SCALE_SUFFIX, quantize_blocks
 __all__ = [
     "DEEPSEEK_V3_QUANTIZATION_CONFIG",
     "TINY_DEEPSEEK_CONFIGS",
+    "TINY_DEEPSEEK_V32_CONFIG",
     "fp8_quantized_in_deepseek_v3",
     "quantize_checkpoint_fp8",
     "random_hf_model",
     "tiny_tokenizer",
     "write_tiny_deepseek",
+    "write_tiny_deepseek_v32",
 ]
 
 Variant = Literal["v3", "v2-lite"]
@@ -119,6 +121,20 @@ TINY_DEEPSEEK_CONFIGS: Mapping[Variant, Mapping[str, Any]] = {
         "bos_token_id": 0,
         "eos_token_id": 1,
     },
+}
+
+#: HF config arguments of the tiny DeepSeek-V3.2 (``DeepseekV32Config``), before ``**overrides``:
+#: V3's tiny shape plus the Lightning Indexer. 16 indexer heads: with few heads a query-key pair
+#: whose ReLU scores are all zero (probability 2**-heads) ties with others at exactly 0, and the
+#: top-k order among ties is arbitrary. ``index_topk`` 8 so a prompt of a dozen tokens already
+#: drops some; ``index_head_dim`` 32 holds the 16 rope dims and 16 that pass through.
+TINY_DEEPSEEK_V32_CONFIG: Mapping[str, Any] = {
+    **{key: value for key, value in TINY_DEEPSEEK_CONFIGS["v3"].items() if key not in ("scoring_func", "topk_method")},
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 8,
 }
 
 #: What DeepSeek-V3's config.json says about its FP8 weights (the block shape is filled in).
@@ -296,6 +312,58 @@ def write_tiny_deepseek(
     return folder
 
 
+def write_tiny_deepseek_v32(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    per_expert_names: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random DeepSeek-V3.2 checkpoint folder (``DeepseekV32ForCausalLM``) and return it.
+
+    As ``write_tiny_deepseek`` (same weight recipe, tokenizer, expert layout, recipe file so a second
+    call with the same arguments returns at once), with transformers' ``DeepseekV32Config``: V3's MLA
+    and sigmoid/group-limited MoE, plus a Lightning Indexer in every attention layer, stored as
+    ``model.layers.{i}.self_attn.indexer.{wq_b,wk,weights_proj}.weight`` and
+    ``...indexer.k_norm.{weight,bias}`` (a LayerNorm: its bias is random too, ~ 0.1 N(0, 1)).
+    Sizes: ``TINY_DEEPSEEK_V32_CONFIG``; any config key can be overridden by keyword. No MTP layer
+    is written (transformers' V3.2 class has none); the MLA rope stays interleaved, the indexer's is
+    not (transformers hard-codes both).
+    """
+    folder = Path(path)
+    config_args = {**TINY_DEEPSEEK_V32_CONFIG, **overrides}
+    recipe = {
+        "variant": "v3.2",
+        "seed": seed,
+        "dtype": str(dtype),
+        "per_expert_names": per_expert_names,
+        "config": json.loads(json.dumps(config_args, default=repr)),
+    }
+    if _recipe_matches(folder, recipe):
+        return folder
+    _clear(folder)
+
+    transformers = _import_transformers()
+    tokenizer = tiny_tokenizer()
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if config_args.setdefault("vocab_size", vocab_size) != vocab_size:
+        raise ValueError(f"vocab_size must be the tokenizer's size, {vocab_size}; got {config_args['vocab_size']}")
+    config = transformers.DeepseekV32Config(**config_args)
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
+        model = transformers.DeepseekV32ForCausalLM(config)
+    _randomize(model.state_dict(keep_vars=True), torch.Generator().manual_seed(seed))
+    model = _to_dtype(model, dtype)
+    model.save_pretrained(folder)
+    saved = folder / "model.safetensors"
+    _write_tensors(saved, _expert_layout(load_file(saved), per_expert=per_expert_names))
+
+    _write_tokenizer(folder, tokenizer)
+    files = sorted(file.name for file in folder.iterdir())
+    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
+    return folder
+
+
 def random_hf_model(model_class: Any, config: Any) -> Any:
     """A transformers model (eager attention, eval mode) whose every parameter is
     perturbed: HF initialises norms to one and biases to zero, and a weight loaded into
@@ -419,7 +487,7 @@ def _randomize(tensors: Mapping[str, torch.Tensor], generator: torch.Generator) 
         for name in sorted(tensors):
             tensor = tensors[name]
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "norm.bias")):  # the indexer's k_norm LayerNorm
                 values = 0.1 * values
             elif "norm" in name.rsplit(".", 2)[-2]:  # input_layernorm, q_a_layernorm, enorm, shared_head.norm
                 values = 1 + 0.1 * values
