@@ -168,8 +168,13 @@ def build_speculative(
     block_size = plan.config.cache.block_size
 
     def allocate(layers: Sequence[interfaces.AttentionLayerSpec], extra_blocks: int = 0) -> list[Any]:
-        specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
-        return [spec.allocate(num_blocks + extra_blocks, plan.device) for spec in specs]
+        # The model's own cache tensors (AttentionLayerSpec.model_cache) come with the backend's.
+        return [
+            layer.allocate_cache(
+                attention.kv_cache_spec(layer, block_size, dtype), num_blocks + extra_blocks, plan.device
+            )
+            for layer in layers
+        ]
 
     context = SpeculativeContext(
         config=plan.sections.get(record.config_section) if record.config_section else None,

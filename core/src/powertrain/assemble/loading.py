@@ -6,7 +6,7 @@ where the forward passes will use it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -127,14 +127,25 @@ def kv_budget_bytes(config: EngineConfig, platform: PlatformInfo, device: torch.
     return int(min(4 * 2**30, total // 4))
 
 
+def model_cache_bytes_per_token(
+    layers: Sequence[interfaces.AttentionLayerSpec], block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes per token of every layer's model-declared cache tensors (0 for most models)."""
+    specs = (layer.model_cache_spec(block_size, dtype) for layer in layers)
+    return sum(spec.bytes_per_token for spec in specs if spec is not None)
+
+
 def _allocate_kv_cache(
     model: interfaces.CausalLM, plan: Plan, attention: Any, dtype: torch.dtype, *, expert_only: bool
 ) -> LoadedModel:
-    """One cache per attention layer, as the backend declares it, as many blocks as fit."""
+    """One cache per attention layer, as the backend declares it plus the tensors the model
+    declares for itself (``AttentionLayerSpec.model_cache``), as many blocks as fit."""
     config = plan.config
     block_size = config.cache.block_size
-    specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in model.attention_layers]
-    bytes_per_block = sum(spec.bytes_per_block for spec in specs)
+    layers = model.attention_layers
+    specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
+    model_bytes_per_token = model_cache_bytes_per_token(layers, block_size, dtype)
+    bytes_per_block = sum(spec.bytes_per_block for spec in specs) + model_bytes_per_token * block_size
     if expert_only:  # an expert-only rank holds no requests; a few blocks serve its startup profiles
         num_blocks = EXPERT_ONLY_BLOCKS
     else:
@@ -143,12 +154,13 @@ def _allocate_kv_cache(
         raise AssemblyError(
             [f"the KV cache budget holds no block of {bytes_per_block} bytes; raise [cache] memory_gib"]
         )
-    kv_caches = [spec.allocate(num_blocks, plan.device) for spec in specs]
+    kv_caches = [layer.allocate_cache(spec, num_blocks, plan.device) for layer, spec in zip(layers, specs, strict=True)]
     naive = getattr(model, "naive_kv_bytes_per_token", None)
     log.info(
         "kv cache",
-        bytes_per_token=sum(spec.bytes_per_token for spec in specs),
+        bytes_per_token=sum(spec.bytes_per_token for spec in specs) + model_bytes_per_token,
         **({"bytes_per_token_uncompressed": naive(dtype)} if naive else {}),
+        **({"model_cache_bytes_per_token": model_bytes_per_token} if model_bytes_per_token else {}),
         blocks=num_blocks,
         block_size=block_size,
     )

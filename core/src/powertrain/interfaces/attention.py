@@ -149,6 +149,39 @@ class AttentionLayerSpec:
     #: Each token sees itself and the ``sliding_window - 1`` tokens before it (HF/Mistral
     #: rule). Only backends declaring the "sliding-window" capability serve such layers.
     sliding_window: int | None = None
+    #: Per-token tensors the model itself writes and reads beside the backend's cache
+    #: (DeepSeek-V3.2: its indexer's ``index_keys``). The engine allocates them
+    #: block-token-major (``model_cache_spec``) in the same blocks, under the same block
+    #: table, and merges them into the layer's ``LayerKVCache`` under their names. So a
+    #: slot holds the backend's KV and these for the same token, and prefix caching,
+    #: chunked prefill, preemption and speculative rollback, which only move block ids
+    #: and lengths, treat them exactly like the KV. The model writes this step's rows
+    #: with ``metadata.store(kv_cache[name], values)`` and reads a sequence's rows through
+    #: ``metadata.block_tables``. Names must not collide with the backend's tensors.
+    model_cache: tuple[KVTensorSpec, ...] = attrs.field(default=(), converter=tuple)
+
+    def model_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None:
+        """The paged layout of ``model_cache`` (None when the model declares none)."""
+        if not self.model_cache:
+            return None
+        return KVCacheSpec(block_size=block_size, dtype=dtype, tensors=self.model_cache)
+
+    def allocate_cache(
+        self, backend_spec: KVCacheSpec, num_blocks: int, device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """This layer's whole cache: the backend's tensors plus the model's, one dict.
+        Raises ValueError when a model tensor's name is one the backend uses."""
+        cache = backend_spec.allocate(num_blocks, device)
+        own = self.model_cache_spec(backend_spec.block_size, backend_spec.dtype)
+        if own is not None:
+            clash = sorted(cache.keys() & {t.name for t in own.tensors})
+            if clash:
+                raise ValueError(
+                    f"model cache tensors {clash} clash with the attention backend's cache tensors "
+                    f"{sorted(cache)}; rename the model's AttentionLayerSpec.model_cache entries"
+                )
+            cache.update(own.allocate(num_blocks, device))
+        return cache
 
 
 @attrs.frozen(kw_only=True)
