@@ -26,7 +26,7 @@ Read it top to bottom like DeepSeek's own ``inference/model.py``:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -259,12 +259,26 @@ class DeepseekMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
 
+#: Builds one layer's attention module: ``MLA`` here, V3.2's indexed MLA in deepseek_v32.py.
+AttentionFactory = Callable[[DeepseekArgs, ModelContext], nn.Module]
+
+
+def dense_mla(args: DeepseekArgs, ctx: ModelContext) -> nn.Module:
+    return MLA(args, ctx.attention)
+
+
 class DeepseekDecoderLayer(nn.Module):
     def __init__(
-        self, args: DeepseekArgs, index: int, ctx: ModelContext, dtype: torch.dtype, device: torch.device
+        self,
+        args: DeepseekArgs,
+        index: int,
+        ctx: ModelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionFactory = dense_mla,
     ) -> None:
         super().__init__()
-        self.self_attn = MLA(args, ctx.attention)
+        self.self_attn = attention(args, ctx)
         self.mlp: nn.Module = (
             DeepseekMoE(args, ctx.moe, dtype, device, ctx.fp8_block, args.expert_slice(ctx), ctx.expert_dispatcher)
             if args.is_moe_layer(index)
@@ -296,13 +310,20 @@ class DeepseekMTPLayer(nn.Module):
     """One multi-token-prediction depth: ``eh_proj([enorm(embed(next token)); hnorm(h)])``
     through a decoder block, then its own head norm (the head matrix is the model's)."""
 
-    def __init__(self, args: DeepseekArgs, ctx: ModelContext, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        args: DeepseekArgs,
+        ctx: ModelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionFactory = dense_mla,
+    ) -> None:
         super().__init__()
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.eh_proj = Linear(2 * args.hidden_size, args.hidden_size, bias=False)
         # Every MTP layer of the DeepSeek checkpoints is a MoE layer when the model has experts.
-        self.block = DeepseekDecoderLayer(args, args.num_layers, ctx, dtype, device)
+        self.block = DeepseekDecoderLayer(args, args.num_layers, ctx, dtype, device, attention)
         self.head_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -347,10 +368,19 @@ class DeepseekMTP(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, args: DeepseekArgs, ctx: ModelContext, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        args: DeepseekArgs,
+        ctx: ModelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionFactory = dense_mla,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(args, i, ctx, dtype, device) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(args, i, ctx, dtype, device, attention) for i in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.qk_rope_head_dim, args.rope, args.max_position_embeddings)
 
@@ -374,21 +404,22 @@ class DeepseekV3ForCausalLM(nn.Module):
     """Implements ``interfaces.CausalLM`` (and carries ``mtp``, the drafter, when the
     checkpoint has MTP layers)."""
 
-    def __init__(self, ctx: ModelContext) -> None:
+    def __init__(self, ctx: ModelContext, attention: AttentionFactory = dense_mla) -> None:
         super().__init__()
-        self.args = args = DeepseekArgs.from_config(ctx.config)
+        self.args = args = self.read_args(ctx.config)
         if args.n_routed_experts is not None and ctx.moe is None:
             raise ValueError("a DeepSeek MoE model needs a MoE backend (ModelContext.moe)")
         with torch.device(ctx.device):
             previous = torch.get_default_dtype()
             torch.set_default_dtype(ctx.dtype)  # parameters are created in the model dtype
             try:
-                self.model = DeepseekModel(args, ctx, ctx.dtype, ctx.device)
+                self.model = DeepseekModel(args, ctx, ctx.dtype, ctx.device, attention)
                 self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
                 if args.tie_word_embeddings:
                     self.lm_head.weight = self.model.embed_tokens.weight
                 mtp_layers = [
-                    DeepseekMTPLayer(args, ctx, ctx.dtype, ctx.device) for _ in range(args.num_nextn_predict_layers)
+                    DeepseekMTPLayer(args, ctx, ctx.dtype, ctx.device, attention)
+                    for _ in range(args.num_nextn_predict_layers)
                 ]
             finally:
                 torch.set_default_dtype(previous)
@@ -399,6 +430,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(
             layer.self_attn.attn.spec for layer in self.model.layers
         )
+
+    @classmethod
+    def read_args(cls, config: Mapping[str, Any]) -> DeepseekArgs:
+        return DeepseekArgs.from_config(config)
 
     def forward(
         self,
