@@ -15,6 +15,7 @@ from powertrain.components import ModelArchitectureRecord
 if TYPE_CHECKING:
     from powertrain.interfaces import ModelContext
     from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
     from powertrain.models.llama import LlamaForCausalLM
 
 POWERTRAIN_HOOK_API = 1
@@ -50,6 +51,19 @@ def deepseek_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
     return needs
 
 
+def build_deepseek_v32(context: ModelContext) -> DeepseekV32ForCausalLM:
+    from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+    return DeepseekV32ForCausalLM(context)
+
+
+def deepseek_v32_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
+    """V3's needs plus sparse MLA: every V3.2 layer attends through its indexer's top-k."""
+    needs = deepseek_requirements(config)
+    needs["attention"] = needs["attention"] | {"sparse-mla"}
+    return needs
+
+
 @hookimpl
 def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
     return [
@@ -66,5 +80,12 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
             factory=build_deepseek,
             requirements=deepseek_requirements,
             description="DeepSeek-V2/V2-Lite/V3/V3.1/R1: MLA with a latent KV cache, DeepSeekMoE, MTP drafter",
+        ),
+        ModelArchitectureRecord(
+            name="deepseek-v32",
+            architectures={"DeepseekV32ForCausalLM"},
+            factory=build_deepseek_v32,
+            requirements=deepseek_v32_requirements,
+            description="DeepSeek-V3.2: V3 with DeepSeek Sparse Attention (lightning indexer, sparse MLA)",
         ),
     ]

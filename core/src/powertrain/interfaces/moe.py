@@ -69,6 +69,7 @@ _DEFAULTS: dict[str, dict[str, object]] = {
     },
 }
 _DEFAULTS["kimi_k2"] = _DEFAULTS["deepseek_v3"]
+_DEFAULTS["deepseek_v32"] = _DEFAULTS["deepseek_v3"]  # transformers' DeepseekV32Config defaults
 
 
 def _problem(field: str, value: object, why: str) -> ValueError:

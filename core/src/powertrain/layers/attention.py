@@ -87,3 +87,21 @@ class MLAAttention(nn.Module):
             f"backend={self.backend.name}, heads={s.num_heads}, "
             f"kv_lora_rank={s.kv_lora_rank}, rope={s.qk_rope_head_dim}"
         )
+
+
+class SparseMLAAttention(MLAAttention):
+    """``MLAAttention`` for DeepSeek-V3.2: each query attends only to the positions its
+    row of ``indices`` lists (int32 ``[num_tokens, topk]``, -1 padding), through the
+    backend's ``forward_mla_sparse``; no causal mask beyond what the indices say."""
+
+    def forward(  # type: ignore[override]
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.backend.forward_mla_sparse(self.spec, q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices)
