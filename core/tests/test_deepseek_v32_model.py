@@ -78,6 +78,17 @@ def load_ours(path: Path) -> DeepseekV32ForCausalLM:
     return model
 
 
+def context_with(path: Path, **changes: Any) -> ModelContext:
+    checkpoint = load_checkpoint(str(path))
+    return ModelContext(
+        config={**checkpoint.config, **changes},
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=TorchReferenceAttention(),
+        moe=TorchGroupedMoE(),
+    )
+
+
 def config_of(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 
@@ -254,3 +265,26 @@ def test_auto_attention_is_a_sparse_mla_backend(path: Path) -> None:
     assert "moe" in needs
     chosen = plan(EngineConfig(), requirements=needs, strict=False).resolutions["attention"]
     assert chosen.name == "torch-reference", chosen.error
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"scoring_func": "softmax"}, "scoring_func='softmax', but V3.2 routes with scoring_func='sigmoid'"),
+        ({"topk_method": "greedy"}, "topk_method='greedy', but V3.2 routes with topk_method='noaux_tc'"),
+        ({"q_lora_rank": None}, "needs q_lora_rank"),
+        ({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types=.* is not the first_k_dense_replace"),
+    ],
+)
+def test_configs_it_does_not_follow_are_refused(path: Path, changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DeepseekV32ForCausalLM(context_with(path, **changes))
+
+
+def test_a_cache_without_index_keys_is_refused(path: Path) -> None:
+    ours = load_ours(path)
+    runner = PagedRunner(ours, TorchReferenceAttention(), block_size=4, num_blocks=8)
+    for cache in runner.caches:
+        del cache["index_keys"]
+    with pytest.raises(ValueError, match="lacks 'index_keys'.*AttentionLayerSpec.allocate_cache"):
+        runner.step([("a", random_tokens(path, 5))])
