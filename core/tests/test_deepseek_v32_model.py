@@ -169,12 +169,23 @@ def test_prefill_and_decode_beside_a_neighbour_match_hf(path: Path, hf: Any, pre
     assert generated == hf_greedy(hf, prompt, DECODE_STEPS), f"greedy continuation differs (seed={seed})"
 
 
-def test_hf_generate_agrees_with_its_own_step_by_step_forward(path: Path, hf: Any) -> None:
-    """The step-by-step reference used above is what HF's cached ``generate`` produces too."""
-    prompt = random_tokens(path, 25)
+def test_hf_generate_agrees_with_its_own_step_by_step_forward(tmp_path: Path) -> None:
+    """The step-by-step reference used above is what HF's cached ``generate`` produces too.
+
+    This checks the oracle, not our code, on one fixed checkpoint and prompt: with fresh
+    random ones, HF's cached and uncached forwards (different float summation orders)
+    flipped a near-tied choice once in about a dozen runs, which says nothing about powertrain.
+    """
+    fixed = write_tiny_deepseek_v32(tmp_path, seed=20261201)
+    model = transformers.DeepseekV32ForCausalLM.from_pretrained(str(fixed), dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    model.eval()
+    prompt = torch.randint(
+        0, config_of(fixed)["vocab_size"], (25,), generator=torch.Generator().manual_seed(7)
+    ).tolist()
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    assert out[0, len(prompt) :].tolist() == hf_greedy(hf, prompt, 8)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert out[0, len(prompt) :].tolist() == hf_greedy(model, prompt, 8)
 
 
 # --------------------------------------------------------------------------- the engine

@@ -249,22 +249,12 @@ def write_tiny_deepseek(
         ),
         **overrides,
     }
-    recipe = {
-        "variant": variant,
-        "seed": seed,
-        "dtype": str(dtype),
-        "per_expert_names": per_expert_names,
-        "config": json.loads(json.dumps(config_args, default=repr)),
-    }
-    if _recipe_matches(folder, recipe):
+    recipe = _recipe(variant, seed, dtype, per_expert_names, config_args)
+    if _reuse_or_clear(folder, recipe):
         return folder
-    _clear(folder)
 
     transformers = _import_transformers()
-    tokenizer = tiny_tokenizer()
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if config_args.setdefault("vocab_size", vocab_size) != vocab_size:
-        raise ValueError(f"vocab_size must be the tokenizer's size, {vocab_size}; got {config_args['vocab_size']}")
+    tokenizer = _tokenizer_for(config_args)
     config_class, model_class = (
         (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
         if variant == "v3"
@@ -333,22 +323,12 @@ def write_tiny_deepseek_v32(
     """
     folder = Path(path)
     config_args = {**TINY_DEEPSEEK_V32_CONFIG, **overrides}
-    recipe = {
-        "variant": "v3.2",
-        "seed": seed,
-        "dtype": str(dtype),
-        "per_expert_names": per_expert_names,
-        "config": json.loads(json.dumps(config_args, default=repr)),
-    }
-    if _recipe_matches(folder, recipe):
+    recipe = _recipe("v3.2", seed, dtype, per_expert_names, config_args)
+    if _reuse_or_clear(folder, recipe):
         return folder
-    _clear(folder)
 
     transformers = _import_transformers()
-    tokenizer = tiny_tokenizer()
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if config_args.setdefault("vocab_size", vocab_size) != vocab_size:
-        raise ValueError(f"vocab_size must be the tokenizer's size, {vocab_size}; got {config_args['vocab_size']}")
+    tokenizer = _tokenizer_for(config_args)
     config = transformers.DeepseekV32Config(**config_args)
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
         model = transformers.DeepseekV32ForCausalLM(config)
@@ -580,6 +560,37 @@ def _write_tokenizer(folder: Path, tokenizer: Any) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     generation_config = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
     (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+
+
+def _recipe(
+    variant: str, seed: int, dtype: torch.dtype, per_expert_names: bool, config_args: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What makes a tiny checkpoint what it is; a folder holding the same one is reused."""
+    return {
+        "variant": variant,
+        "seed": seed,
+        "dtype": str(dtype),
+        "per_expert_names": per_expert_names,
+        "config": json.loads(json.dumps(config_args, default=repr)),
+    }
+
+
+def _reuse_or_clear(folder: Path, recipe: Mapping[str, Any]) -> bool:
+    """True when ``folder`` already holds this exact tiny checkpoint; otherwise it is
+    cleared for a fresh write (so tests that write the same model share one copy)."""
+    if _recipe_matches(folder, recipe):
+        return True
+    _clear(folder)
+    return False
+
+
+def _tokenizer_for(config_args: dict[str, Any]) -> Any:
+    """The tiny tokenizer, with ``config_args``' vocab_size set to its size (or checked)."""
+    tokenizer = tiny_tokenizer()
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if config_args.setdefault("vocab_size", vocab_size) != vocab_size:
+        raise ValueError(f"vocab_size must be the tokenizer's size, {vocab_size}; got {config_args['vocab_size']}")
+    return tokenizer
 
 
 def _recipe_matches(folder: Path, recipe: Mapping[str, Any]) -> bool:
