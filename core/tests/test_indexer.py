@@ -8,17 +8,14 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # the oracle; the locked dev group pins 5.24, which has DeepSeek-V3.2
 from safetensors.torch import load_file
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
 from powertrain.layers.indexer import LightningIndexer
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.testing import fresh_seed, write_tiny_deepseek_v32
 from powertrain.testing.checkpoints import TINY_DEEPSEEK_V32_CONFIG
-
-transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "DeepseekV32Config"):
-    pytest.skip("this transformers has no DeepSeek-V3.2", allow_module_level=True)
-from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32  # noqa: E402
 
 CONFIG = {**TINY_DEEPSEEK_V32_CONFIG, "vocab_size": 512}
 TOPK = CONFIG["index_topk"]
