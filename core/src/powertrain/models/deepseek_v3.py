@@ -192,8 +192,16 @@ class MLA(nn.Module):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        _, q_nope, q_rope, latent, k_rope = self._project(hidden, cos, sin)
+        return self._attend(q_nope, q_rope, latent, k_rope, kv_cache, metadata)
+
+    def _project(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q-LoRA residual or None, q_nope, rotated q_rope, normalised latent, rotated k_rope)."""
         a = self.args
-        q = self.q_proj(hidden) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_resid = None if a.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(hidden))
+        q = self.q_proj(hidden) if q_resid is None else self.q_b_proj(q_resid)
         q = q.view(-1, a.num_heads, a.qk_head_dim)
         q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         compressed = self.kv_a_proj_with_mqa(hidden)
@@ -201,10 +209,23 @@ class MLA(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope = apply_rotary(_deinterleave(q_rope), cos, sin)
         k_rope = apply_rotary(_deinterleave(k_rope).unsqueeze(1), cos, sin).squeeze(1)
+        return q_resid, q_nope, q_rope, latent, k_rope
 
+    def _attend(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        *extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """Absorbed attention over the latent cache (``extra``: what ``self.attn`` takes
+        beyond MLA's inputs, e.g. V3.2's sparse indices), then the output projection."""
         w_key, w_value = self._absorbed()
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_key)  # queries in the latent space
-        out_latent = self.attn(q_latent, q_rope, latent, k_rope, kv_cache, metadata)
+        out_latent = self.attn(q_latent, q_rope, latent, k_rope, kv_cache, metadata, *extra)
         out = torch.einsum("thr,hvr->thv", out_latent, w_value)  # back up to value heads
         return self.o_proj(out.flatten(1))
 

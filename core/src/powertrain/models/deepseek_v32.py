@@ -34,8 +34,7 @@ import torch
 from powertrain.interfaces import AttentionMetadata, KVTensorSpec, LayerKVCache, ModelContext
 from powertrain.layers.attention import SparseMLAAttention
 from powertrain.layers.indexer import LightningIndexer
-from powertrain.layers.rotary import apply_rotary
-from powertrain.models.deepseek_v3 import MLA, DeepseekArgs, DeepseekV3ForCausalLM, _deinterleave, mla_layer_spec
+from powertrain.models.deepseek_v3 import MLA, DeepseekArgs, DeepseekV3ForCausalLM, mla_layer_spec
 
 ARCHITECTURES = frozenset({"DeepseekV32ForCausalLM"})
 #: The model-declared cache tensor holding each token's indexer key.
@@ -88,22 +87,9 @@ class IndexedMLA(MLA):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        a = self.args
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-        q = self.q_b_proj(q_resid).view(-1, a.num_heads, a.qk_head_dim)
-        q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        compressed = self.kv_a_proj_with_mqa(hidden)
-        latent, k_rope = compressed.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        q_rope = apply_rotary(_deinterleave(q_rope), cos, sin)
-        k_rope = apply_rotary(_deinterleave(k_rope).unsqueeze(1), cos, sin).squeeze(1)
-
+        q_resid, q_nope, q_rope, latent, k_rope = self._project(hidden, cos, sin)
         indices = self._select(hidden, q_resid, cos, sin, kv_cache, metadata)
-        w_key, w_value = self._absorbed()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_key)
-        out_latent = self.attn(q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices)
-        out = torch.einsum("thr,hvr->thv", out_latent, w_value)
-        return self.o_proj(out.flatten(1))
+        return self._attend(q_nope, q_rope, latent, k_rope, kv_cache, metadata, indices)
 
     def _select(
         self,
