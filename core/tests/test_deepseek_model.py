@@ -208,7 +208,7 @@ def test_generate_startup_log_states_both_cache_sizes(checkpoints: dict[str, Pat
     config = json.loads((path / "config.json").read_text())
     latent_and_rope = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     assert kv["bytes_per_token"] == latent_and_rope * config["num_hidden_layers"] * 4
-    assert kv["bytes_per_token_uncompressed"] > kv["bytes_per_token"]
+    assert kv["dense_bytes_per_token"] > kv["bytes_per_token"]
 
 
 # --------------------------------------------------------------------------- rope

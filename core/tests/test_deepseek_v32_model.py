@@ -20,12 +20,14 @@ from typing import Any
 import pytest
 import torch
 import transformers  # the oracle; the locked dev group pins 5.24, which has DeepSeek-V3.2
+from click.testing import CliRunner
 
 from powertrain import LLM, SamplingParams
 from powertrain.assemble import build_engine, plan
 from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.builtin.models import deepseek_v32_requirements
 from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.cli import main as cli_main
 from powertrain.config import CacheConfig, EngineConfig, ModelConfig
 from powertrain.interfaces import ModelContext
 from powertrain.loader import load_checkpoint
@@ -248,7 +250,7 @@ def test_engine_allocates_and_counts_the_index_keys(path: Path) -> None:
         engine.shutdown()
 
 
-def test_startup_log_counts_the_index_keys_as_their_own_field(path: Path) -> None:
+def test_startup_log_accounts_each_cache_group(path: Path) -> None:
     script = Path(sys.executable).with_name("powertrain")
     proc = subprocess.run(
         [str(script), "--log-level", "info", "generate", "--model", str(path), "--max-tokens", "2", "hello"],
@@ -262,9 +264,16 @@ def test_startup_log_counts_the_index_keys_as_their_own_field(path: Path) -> Non
     kv = next(e for e in events if e["event"] == "kv cache")
     config = config_of(path)
     layers = config["num_hidden_layers"]
-    assert kv["model_cache_bytes_per_token"] == config["index_head_dim"] * layers * 4
+    groups = {g["name"]: g for g in kv["groups"]}
+    assert set(groups) == {"attention", "indexer"}
+    assert all(g["retention"] == "full" and g["tokens_per_entry"] == 1 for g in groups.values())
+    assert groups["indexer"]["bytes_per_token"] == config["index_head_dim"] * layers * 4
     latent_and_rope = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * layers * 4
-    assert kv["bytes_per_token"] == latent_and_rope + kv["model_cache_bytes_per_token"]
+    assert groups["attention"]["bytes_per_token"] == latent_and_rope
+    assert kv["bytes_per_token"] == latent_and_rope + groups["indexer"]["bytes_per_token"]
+    qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    assert kv["dense_bytes_per_token"] == config["num_attention_heads"] * (qk + config["v_head_dim"]) * layers * 4
+    assert list(kv["blocks"]) == ["full"] and kv["gib"] > 0
 
 
 def test_auto_attention_is_a_sparse_mla_backend(path: Path) -> None:
@@ -296,3 +305,22 @@ def test_a_cache_without_index_keys_is_refused(path: Path) -> None:
         del cache["index_keys"]
     with pytest.raises(ValueError, match="lacks 'index_keys'.*AttentionLayerSpec.allocate_cache"):
         runner.step([("a", random_tokens(path, 5))])
+
+
+def test_config_check_reports_the_indexer_group_and_the_dense_comparison(path: Path, tmp_path: Path) -> None:
+    config = config_of(path)
+    toml = tmp_path / "engine.toml"
+    toml.write_text(f'[model]\npath = "{path}"\ndtype = "float32"\n[cache]\nnum_blocks = 32\n')
+    result = CliRunner().invoke(cli_main, ["config", "check", str(toml), "--json"])
+    assert result.exit_code == 0, result.output
+    cache = json.loads(result.output)["kv_cache"]
+    layers = config["num_hidden_layers"]
+    groups = {g["name"]: g["bytes_per_token"] for g in cache["groups"]}
+    assert groups == {
+        "attention": (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * layers * 4,
+        "indexer": config["index_head_dim"] * layers * 4,
+    }
+    assert cache["architecture"] == "deepseek-v32" and cache["blocks"] == {"full": 32}
+    qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    dense = config["num_attention_heads"] * (qk + config["v_head_dim"]) * layers * 4
+    assert cache["dense_bytes_per_token"] == dense > cache["bytes_per_token"]  # what MLA saves

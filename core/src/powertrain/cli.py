@@ -11,9 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from powertrain import __version__
-from powertrain.assemble import AssemblyError, plan
+from powertrain.assemble import AssemblyError, describe_kv_cache, plan
 from powertrain.components import Availability
 from powertrain.config import ConfigError, load_config
+from powertrain.loader import LoadError
 from powertrain.log_setup import configure_logging
 from powertrain.plugins import PluginError, PluginInfo, PluginManager
 
@@ -132,10 +133,14 @@ def plugins_command(as_json: bool, config_path: str | None) -> None:
     except PluginError as exc:
         _fail(str(exc))
     report = describe_plugins(manager)
+    cache, cache_error = _kv_cache_or_error(config, manager) if config_path else (None, None)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        extra = {"kv_cache": cache, "kv_cache_error": cache_error} if config_path else {}
+        click.echo(json.dumps({**report, **extra}, indent=2))
     else:
         _print_plugins(report)
+        if config_path:
+            _print_kv_cache(cache, cache_error)
     if report["conflicts"]:
         _fail(report["conflicts"])
 
@@ -168,6 +173,32 @@ def _print_plugins(report: dict[str, Any]) -> None:
         console.print(f"warning: {warning}", highlight=False, style="yellow")
 
 
+def _kv_cache_or_error(config: Any, manager: PluginManager) -> tuple[dict[str, Any] | None, str | None]:
+    """The KV cache accounting of ``config`` (``assemble.describe_kv_cache``), or why none."""
+    try:
+        return describe_kv_cache(config, manager), None
+    except (LoadError, AssemblyError, PluginError, ValueError) as exc:
+        return None, f"kv cache: {exc}"
+
+
+def _print_kv_cache(cache: dict[str, Any] | None, error: str | None) -> None:
+    if cache is None:
+        click.echo(f"  {error}")
+        return
+    click.echo(
+        f"  kv cache ({cache['architecture']}, {cache['dtype']}, block_size {cache['block_size']}): "
+        f"{cache['bytes_per_token']:g} bytes/token in all, a dense uncompressed cache "
+        f"{cache['dense_bytes_per_token']:g}; {cache['gib']} GiB"
+    )
+    for group in cache["groups"]:
+        click.echo(
+            f"    {group['name']:<12} {group['retention']:<12} 1 entry/{group['tokens_per_entry']} tokens, "
+            f"{group['layers']} layers: {group['bytes_per_token']:g} bytes/token"
+        )
+    blocks = ", ".join(f"{name}: {count}" for name, count in cache["blocks"].items())
+    click.echo(f"    blocks: {blocks}")
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -198,10 +229,20 @@ def config_check(path: str, as_json: bool) -> None:
         }
         for r in result.resolutions.values()
     ]
+    problems = list(result.problems)
+    cache, cache_error = (None, None) if problems else _kv_cache_or_error(config, manager)
+    if cache_error:
+        problems.append(cache_error)
     if as_json:
         click.echo(
             json.dumps(
-                {"config": path, "ok": not result.problems, "components": rows, "sections": sorted(result.sections)},
+                {
+                    "config": path,
+                    "ok": not problems,
+                    "components": rows,
+                    "sections": sorted(result.sections),
+                    "kv_cache": cache,
+                },
                 indent=2,
             )
         )
@@ -212,10 +253,12 @@ def config_check(path: str, as_json: bool) -> None:
             click.echo(f"  {row['kind']:<14} {row['requested']:<18} -> {target:<20} {row['error'] or row['reason']}")
         for name in sorted(result.sections):
             click.echo(f"  [{name}] validated by its plugin")
+        if cache is not None:
+            _print_kv_cache(cache, None)
         for warning in manager.warnings:
             click.echo(f"warning: {warning}", err=True)
-    if result.problems:
-        _fail([f"{config.source}: {problem}" for problem in result.problems])
+    if problems:
+        _fail([f"{config.source}: {problem}" for problem in problems])
 
 
 # --------------------------------------------------------------------------- generate

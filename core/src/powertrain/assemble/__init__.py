@@ -11,7 +11,7 @@ everything it wires (engine, models, layers, parallel mechanisms, plugins' objec
 """
 
 from powertrain.assemble.building import build_attention, build_communicator, build_moe
-from powertrain.assemble.engine import build_engine
+from powertrain.assemble.engine import build_engine, describe_kv_cache
 from powertrain.assemble.loading import model_length, resolve_dtype
 from powertrain.assemble.planning import AssemblyError, Plan, Resolution, plan
 
@@ -23,6 +23,7 @@ __all__ = [
     "build_communicator",
     "build_engine",
     "build_moe",
+    "describe_kv_cache",
     "model_length",
     "plan",
     "resolve_dtype",

@@ -7,7 +7,7 @@ wrong thing fails here, naming itself, and pluggy never runs per layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -152,7 +152,7 @@ def build_speculative(
     plan: Plan,
     model: interfaces.CausalLM,
     kv_caches: Sequence[interfaces.LayerKVCache],
-    num_blocks: int,
+    num_blocks: Mapping[int | None, int],
     attention: Any,
     dtype: torch.dtype,
     device_thread: DeviceThread,
@@ -168,11 +168,10 @@ def build_speculative(
     block_size = plan.config.cache.block_size
 
     def allocate(layers: Sequence[interfaces.AttentionLayerSpec], extra_blocks: int = 0) -> list[Any]:
-        # The model's own cache tensors (AttentionLayerSpec.model_cache) come with the backend's.
+        # The model's own cache groups (AttentionLayerSpec.cache_groups) come with the backend's.
+        counts = {window: blocks + extra_blocks for window, blocks in num_blocks.items()}
         return [
-            layer.allocate_cache(
-                attention.kv_cache_spec(layer, block_size, dtype), num_blocks + extra_blocks, plan.device
-            )
+            layer.allocate_cache(attention.kv_cache_spec(layer, block_size, dtype), counts, plan.device)
             for layer in layers
         ]
 
@@ -182,7 +181,9 @@ def build_speculative(
         vocab_size=vocab_size,
         device=plan.device,
         block_size=block_size,
-        measure_steps_per_second=StepsPerSecondProfiler(model, list(kv_caches), block_size, num_blocks, plan.device),
+        measure_steps_per_second=StepsPerSecondProfiler(
+            model, list(kv_caches), block_size, min(num_blocks.values()), plan.device
+        ),
         allocate_kv_caches=allocate,
         expert_parallel_size=expert_parallel_size,
     )

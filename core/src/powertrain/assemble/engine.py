@@ -21,7 +21,7 @@ from powertrain.assemble.building import (
     join_expert_parallel,
     step_observer,
 )
-from powertrain.assemble.loading import LoadedModel, load_model, model_length, resolve_dtype
+from powertrain.assemble.loading import LoadedModel, describe_cache, load_model, model_length, resolve_dtype
 from powertrain.assemble.planning import Plan, find_architecture, plan
 from powertrain.config import EngineConfig
 from powertrain.engine.block_manager import BlockManager
@@ -94,11 +94,26 @@ def build_engine(
         model=config.model.path,
         dtype=str(dtype),
         attention=chosen.resolutions["attention"].name,
-        kv_blocks=loaded.num_blocks,
-        kv_gib=round(loaded.num_blocks * loaded.bytes_per_block / 2**30, 3),
+        kv_blocks=loaded.num_blocks[next(iter(loaded.num_blocks))],
+        kv_gib=round(loaded.layout.bytes_for(loaded.num_blocks) / 2**30, 3),
     )
     hooks.powertrain_engine_started(engine=engine)
     return engine
+
+
+def describe_kv_cache(config: EngineConfig, plugins: PluginManager | None = None) -> dict[str, Any]:
+    """The KV cache ``build_engine`` would allocate for ``config`` here: each cache group's
+    bytes per token, the total, what a dense uncompressed cache would take, and the blocks
+    per retention class; reads the checkpoint's config but not its weights."""
+    plugins = plugins or PluginManager.load(config.plugins)
+    checkpoint = load_checkpoint(config.model.path)
+    architecture = find_architecture(plugins, checkpoint.config, str(checkpoint.path))
+    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
+    chosen = plan(config, plugins, requirements=requirements)
+    dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
+    attention = build_attention(chosen, dtype)
+    report = describe_cache(chosen, architecture, checkpoint, attention, dtype, "moe" in requirements)
+    return {"model": config.model.path, "architecture": architecture.record.name, "dtype": str(dtype), **report}
 
 
 def _model_runner(
@@ -113,6 +128,7 @@ def _model_runner(
         chosen.device,
         Sampler(chosen.config.model.seed),
         structured=StructuredOutputs(checkpoint.tokenizer),
+        windows=tuple(loaded.num_blocks),
     )
     if experts is not None:
         runner.lockstep = Lockstep(

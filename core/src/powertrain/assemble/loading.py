@@ -6,7 +6,7 @@ where the forward passes will use it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -18,6 +18,7 @@ from powertrain.assemble.building import build_moe
 from powertrain.assemble.planning import AssemblyError, Plan
 from powertrain.components import PlatformInfo
 from powertrain.config import EngineConfig
+from powertrain.engine.cache_layout import CacheLayout, cache_layout
 from powertrain.layers.linear import pack_for_platform
 from powertrain.layers.norm import use_norm_kernel
 from powertrain.parallel.expert import ExpertParallel
@@ -35,8 +36,9 @@ class LoadedModel:
 
     model: interfaces.CausalLM
     kv_caches: list[interfaces.LayerKVCache]
-    num_blocks: int
-    bytes_per_block: int
+    #: Usable blocks per retention class (None: full history; else a sliding window).
+    num_blocks: dict[int | None, int]
+    layout: CacheLayout
 
 
 def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Mapping[str, Any]) -> torch.dtype:
@@ -73,6 +75,26 @@ def load_model(
     )
 
 
+def describe_cache(
+    plan: Plan, architecture: Provided, checkpoint: Any, attention: Any, dtype: torch.dtype, needs_moe: bool
+) -> dict[str, Any]:
+    """What the KV cache would be (groups, bytes per token, blocks per class), from the
+    model built on the meta device: no weights are read and no memory is taken."""
+    model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, None, device=torch.device("meta"))
+    config = plan.config
+    layout = model_cache_layout(model, attention, config.cache.block_size, dtype)
+    try:
+        counts = layout.num_blocks(
+            kv_budget_bytes(config, plan.platform, plan.device),
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            fixed=config.cache.num_blocks,
+        )
+    except ValueError as error:
+        raise AssemblyError([str(error)]) from error
+    return layout.report(counts)
+
+
 def _build_model(
     plan: Plan,
     architecture: Provided,
@@ -81,7 +103,9 @@ def _build_model(
     dtype: torch.dtype,
     needs_moe: bool,
     experts: ExpertParallel | None,
+    device: torch.device | None = None,
 ) -> interfaces.CausalLM:
+    """The model with its weights, or (``device`` meta) only its structure."""
     moe = build_moe(plan, dtype) if needs_moe else None
     # FP8 experts stay FP8 only where the MoE backend multiplies them itself and the
     # platform keeps FP8 weights; elsewhere (a CPU) everything is dequantized at load.
@@ -91,7 +115,7 @@ def _build_model(
     context = interfaces.ModelContext(
         config=checkpoint.config,
         dtype=dtype,
-        device=plan.device,
+        device=device or plan.device,
         attention=attention,
         moe=moe,
         fp8_block=checkpoint.fp8_block if keeps_fp8 else None,
@@ -100,6 +124,8 @@ def _build_model(
     model = architecture.record.factory(context)
     if not isinstance(model, interfaces.CausalLM):
         raise AssemblyError([f"model {architecture.record.name!r} built {type(model).__name__}, not a CausalLM"])
+    if device is not None and device.type == "meta":
+        return model
     model.load_weights(
         checkpoint.tensors(
             fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None), wanted=getattr(model, "wants_weight", None)
@@ -127,41 +153,39 @@ def kv_budget_bytes(config: EngineConfig, platform: PlatformInfo, device: torch.
     return int(min(4 * 2**30, total // 4))
 
 
-def model_cache_bytes_per_token(
-    layers: Sequence[interfaces.AttentionLayerSpec], block_size: int, dtype: torch.dtype
-) -> int:
-    """Bytes per token of every layer's model-declared cache tensors (0 for most models)."""
-    specs = (layer.model_cache_spec(block_size, dtype) for layer in layers)
-    return sum(spec.bytes_per_token for spec in specs if spec is not None)
-
-
 def _allocate_kv_cache(
     model: interfaces.CausalLM, plan: Plan, attention: Any, dtype: torch.dtype, *, expert_only: bool
 ) -> LoadedModel:
-    """One cache per attention layer, as the backend declares it plus the tensors the model
-    declares for itself (``AttentionLayerSpec.model_cache``), as many blocks as fit."""
+    """One cache per attention layer, as the backend declares it plus the model's own
+    cache groups, as many blocks per retention class as the budget holds
+    (``engine.cache_layout``)."""
     config = plan.config
-    block_size = config.cache.block_size
+    layers = model.attention_layers
+    layout = model_cache_layout(model, attention, config.cache.block_size, dtype)
+    if expert_only:  # an expert-only rank holds no requests; a few blocks serve its startup profiles
+        counts = dict.fromkeys(layout.windows, EXPERT_ONLY_BLOCKS)
+    else:
+        try:
+            counts = layout.num_blocks(
+                kv_budget_bytes(config, plan.platform, plan.device),
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                fixed=config.cache.num_blocks,
+            )
+        except ValueError as error:
+            raise AssemblyError([str(error)]) from error
+    specs = [attention.kv_cache_spec(layer, config.cache.block_size, dtype) for layer in layers]
+    kv_caches = [layer.allocate_cache(spec, counts, plan.device) for layer, spec in zip(layers, specs, strict=True)]
+    log.info("kv cache", **layout.report(counts))
+    return LoadedModel(model=model, kv_caches=kv_caches, num_blocks=counts, layout=layout)
+
+
+def model_cache_layout(model: interfaces.CausalLM, attention: Any, block_size: int, dtype: torch.dtype) -> CacheLayout:
+    """The cache ``model`` needs with ``attention``'s cache specs (``engine.cache_layout``)."""
     layers = model.attention_layers
     specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
-    model_bytes_per_token = model_cache_bytes_per_token(layers, block_size, dtype)
-    bytes_per_block = sum(spec.bytes_per_block for spec in specs) + model_bytes_per_token * block_size
-    if expert_only:  # an expert-only rank holds no requests; a few blocks serve its startup profiles
-        num_blocks = EXPERT_ONLY_BLOCKS
-    else:
-        num_blocks = config.cache.num_blocks or kv_budget_bytes(config, plan.platform, plan.device) // bytes_per_block
-    if num_blocks < 1:
-        raise AssemblyError(
-            [f"the KV cache budget holds no block of {bytes_per_block} bytes; raise [cache] memory_gib"]
-        )
-    kv_caches = [layer.allocate_cache(spec, num_blocks, plan.device) for layer, spec in zip(layers, specs, strict=True)]
     naive = getattr(model, "naive_kv_bytes_per_token", None)
-    log.info(
-        "kv cache",
-        bytes_per_token=sum(spec.bytes_per_token for spec in specs) + model_bytes_per_token,
-        **({"bytes_per_token_uncompressed": naive(dtype)} if naive else {}),
-        **({"model_cache_bytes_per_token": model_bytes_per_token} if model_bytes_per_token else {}),
-        blocks=num_blocks,
-        block_size=block_size,
-    )
-    return LoadedModel(model=model, kv_caches=kv_caches, num_blocks=num_blocks, bytes_per_block=bytes_per_block)
+    try:
+        return cache_layout(layers, specs, naive(dtype) if naive else None)
+    except ValueError as error:
+        raise AssemblyError([str(error)]) from error

@@ -71,7 +71,7 @@ class FcfsScheduler(Generic[Seq]):
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             matched = self.blocks.match_prefix(seq)
-            cached = len(matched) * self.blocks.block_size
+            cached = matched.num_tokens
             remaining = seq.num_tokens - cached
             count = min(remaining, budget)
             if count < remaining and not self.limits.chunked_prefill:

@@ -148,8 +148,10 @@ class LLMEngine:
 
     @property
     def cache_tokens(self) -> int:
-        """Tokens the whole KV cache holds."""
-        return self.block_manager.num_blocks * self.block_manager.block_size
+        """Most tokens one sequence's cache can hold (unbounded, as max_model_len, when
+        every cache group slides)."""
+        held = self.block_manager.max_sequence_tokens
+        return self.max_model_len if held is None else held
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks at once; returns its final output
@@ -267,11 +269,13 @@ class LLMEngine:
             for slot_index, index in enumerate(members):
                 seq = batch.seqs[index]
                 length = lengths[slot_index]
-                while length and not self.block_manager.can_append(seq, seq.num_computed_tokens + length):
+                # Drafts join a step already scheduled: grow, releasing nothing (its queries
+                # start before num_computed_tokens now).
+                while length and not self.block_manager.can_grow(seq, seq.num_computed_tokens + length):
                     length -= 1  # the cache is nearly full: verify what fits
                 lengths[slot_index] = length
                 if length:
-                    self.block_manager.append(seq, seq.num_computed_tokens + length)
+                    self.block_manager.grow(seq, seq.num_computed_tokens + length)
                     seq.token_ids.extend(proposal.tokens[slot_index][:length])
                     seq.num_computed_tokens += length
                     counts[index] += length

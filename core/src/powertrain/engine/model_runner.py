@@ -80,8 +80,11 @@ class ModelRunner:
         sampler: Sampler,
         structured: StructuredOutputs | None = None,
         speculative: SpeculativePolicy | None = None,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         self.model = model
+        #: The block manager's retention classes, in its order (the first is the primary).
+        self.windows = tuple(windows)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -135,7 +138,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens=batch.num_new_tokens,
             seq_lens=[seq.num_computed_tokens for seq in batch.seqs],
-            block_tables=[seq.block_table for seq in batch.seqs],
+            block_tables={w: [seq.block_tables[w] for seq in batch.seqs] for w in self.windows},
             block_size=self.block_size,
             device=self.device,
         )

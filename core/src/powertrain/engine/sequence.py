@@ -26,7 +26,8 @@ class Sequence:
     """One stream of tokens: a prompt and what has been generated after it.
 
     ``num_computed_tokens`` counts tokens whose keys/values are (or, for the step in
-    flight, will be) in the cache; ``block_table`` lists the cache blocks holding them.
+    flight, will be) in the cache; ``block_tables`` lists, per retention class (None:
+    full history, else a sliding window), the cache blocks holding them.
     """
 
     def __init__(self, request: Request, index: int) -> None:
@@ -37,7 +38,11 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
-        self.block_table: list[int] = []
+        self.block_tables: dict[int | None, list[int]] = {}
+        #: Chained prefix-cache hashes of the sequence's full, computed blocks.
+        self.block_hashes: list[int] = []
+        #: Leading blocks already published to the prefix cache since the last allocation.
+        self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
@@ -53,6 +58,11 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def block_table(self) -> list[int]:
+        """The blocks of the first retention class (the full history when there is one)."""
+        return next(iter(self.block_tables.values()), [])
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ from powertrain.interfaces.attention import (
     AttentionBackendContext,
     AttentionLayerSpec,
     AttentionMetadata,
+    CacheGroupSpec,
     KVCacheSpec,
     KVLayout,
     KVTensorSpec,
@@ -65,6 +66,7 @@ from powertrain.interfaces.protocol import (
 from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, target_probs
 from powertrain.interfaces.scheduling import (
     BlockAllocator,
+    PrefixMatch,
     ScheduledBatch,
     Scheduler,
     SchedulerContext,
@@ -89,6 +91,7 @@ __all__ = [
     "AttentionBackendContext",
     "AttentionLayerSpec",
     "AttentionMetadata",
+    "CacheGroupSpec",
     "KVCacheSpec",
     "KVLayout",
     "KVTensorSpec",
@@ -110,6 +113,7 @@ __all__ = [
     "ExpertDispatcher",
     # scheduling
     "BlockAllocator",
+    "PrefixMatch",
     "ScheduledBatch",
     "Scheduler",
     "SchedulerContext",

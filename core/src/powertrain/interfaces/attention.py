@@ -125,6 +125,75 @@ class KVCacheSpec:
         }
 
 
+@attrs.frozen(kw_only=True)
+class CacheGroupSpec:
+    """Tensors a layer caches with one granularity and one retention: a *cache group*.
+
+    ``tokens_per_entry``: 1 for per-token tensors (raw KV, indexer keys); ``m`` for a
+    compressed cache holding one entry per ``m`` tokens (DeepSeek-V4's CSA/HCA).
+    ``sliding_window``: None keeps the whole history; ``W`` keeps what a token at
+    position ``p`` still reads, positions ``> p - W`` (the Mistral/HF rule), and lets the
+    engine free the blocks before that.
+
+    Blocks are the unit across groups: block ``i`` of a sequence covers its tokens
+    ``[i*block_size, (i+1)*block_size)`` in every group, so a group holds
+    ``block_size // tokens_per_entry`` entries per block, block-token-major
+    (``[num_blocks, entries_per_block, *shape]``). Groups of the same retention share
+    one block table; each retention class has its own pool of blocks.
+
+    State that is not per token but per sequence (a compressor's open window, say) is
+    declared as a sliding group of per-token rows wide enough for the window: it then
+    rolls back with rejected drafts, survives preemption and is prefix-cached by the
+    same lengths and block ids as everything else, which a separate per-sequence state
+    buffer could not.
+    """
+
+    name: str
+    tensors: tuple[KVTensorSpec, ...] = attrs.field(converter=tuple)
+    tokens_per_entry: int = attrs.field(default=1)
+    sliding_window: int | None = attrs.field(default=None)
+    #: None: the engine's cache dtype.
+    dtype: torch.dtype | None = None
+
+    @tokens_per_entry.validator
+    def _granularity(self, attribute: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"cache group {self.name!r}: tokens_per_entry must be a positive int, got {value!r}")
+
+    @sliding_window.validator
+    def _window(self, attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"cache group {self.name!r}: sliding_window must be None or a positive int, got {value!r}")
+
+    def entries_per_block(self, block_size: int) -> int:
+        if block_size % self.tokens_per_entry:
+            raise ValueError(
+                f"cache group {self.name!r} holds one entry per {self.tokens_per_entry} tokens, which a block of "
+                f"{block_size} tokens does not divide; set [cache] block_size to a multiple of {self.tokens_per_entry}"
+            )
+        return block_size // self.tokens_per_entry
+
+    def paged(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The group's block layout (``KVCacheSpec.block_size`` counts entries here)."""
+        return KVCacheSpec(
+            block_size=self.entries_per_block(block_size), dtype=self.dtype or dtype, tensors=self.tensors
+        )
+
+    def bytes_per_token(self, block_size: int, dtype: torch.dtype) -> float:
+        return self.paged(block_size, dtype).bytes_per_block / block_size
+
+    def allocate(
+        self, block_size: int, dtype: torch.dtype, num_blocks: int, device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """The group's tensors for ``num_blocks`` usable blocks (plus a zeroed null block
+        when sliding, see ``AttentionLayerSpec.allocate_cache``)."""
+        tensors = self.paged(block_size, dtype).allocate(pool_blocks(self.sliding_window, num_blocks), device)
+        if self.sliding_window is not None:
+            for tensor in tensors.values():
+                tensor[-1].zero_()
+        return tensors
+
+
 #: One layer's cache, as allocated from its KVCacheSpec: tensor name -> tensor.
 LayerKVCache = Mapping[str, torch.Tensor]
 
@@ -149,39 +218,69 @@ class AttentionLayerSpec:
     #: Each token sees itself and the ``sliding_window - 1`` tokens before it (HF/Mistral
     #: rule). Only backends declaring the "sliding-window" capability serve such layers.
     sliding_window: int | None = None
-    #: Per-token tensors the model itself writes and reads beside the backend's cache
-    #: (DeepSeek-V3.2: its indexer's ``index_keys``). The engine allocates them
-    #: block-token-major (``model_cache_spec``) in the same blocks, under the same block
-    #: table, and merges them into the layer's ``LayerKVCache`` under their names. So a
-    #: slot holds the backend's KV and these for the same token, and prefix caching,
-    #: chunked prefill, preemption and speculative rollback, which only move block ids
-    #: and lengths, treat them exactly like the KV. The model writes this step's rows
-    #: with ``metadata.store(kv_cache[name], values)`` and reads a sequence's rows through
-    #: ``metadata.block_tables``. Names must not collide with the backend's tensors.
-    model_cache: tuple[KVTensorSpec, ...] = attrs.field(default=(), converter=tuple)
+    #: Cache groups the model itself writes and reads beside the backend's KV (DeepSeek-V3.2:
+    #: its indexer's ``index_keys``), each with its own granularity and retention (see
+    #: ``CacheGroupSpec``). The engine allocates them in the blocks of their retention
+    #: class and merges their tensors into the layer's ``LayerKVCache`` under their names,
+    #: so prefix caching, chunked prefill, preemption and speculative rollback, which only
+    #: move block ids and lengths, treat them exactly like the KV. Names must not collide
+    #: with the backend's tensors or each other.
+    cache_groups: tuple[CacheGroupSpec, ...] = attrs.field(default=(), converter=tuple)
 
-    def model_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None:
-        """The paged layout of ``model_cache`` (None when the model declares none)."""
-        if not self.model_cache:
-            return None
-        return KVCacheSpec(block_size=block_size, dtype=dtype, tensors=self.model_cache)
+    @property
+    def windows(self) -> frozenset[int | None]:
+        """The retention classes this layer's cache lives in (None: full history)."""
+        return frozenset({self.sliding_window, *(g.sliding_window for g in self.cache_groups)})
+
+    def groups(self, backend_spec: KVCacheSpec) -> tuple[CacheGroupSpec, ...]:
+        """Every cache group of this layer: the backend's KV (named ``attention``, one entry
+        per token, retained as the layer's ``sliding_window`` says) and the model's own."""
+        attention = CacheGroupSpec(
+            name="attention", tensors=backend_spec.tensors, sliding_window=self.sliding_window, dtype=backend_spec.dtype
+        )
+        return (attention, *self.cache_groups)
+
+    def bytes_per_block(self, backend_spec: KVCacheSpec) -> dict[int | None, int]:
+        """Bytes one block of each retention class takes for this layer."""
+        out: dict[int | None, int] = {}
+        for group in self.groups(backend_spec):
+            paged = group.paged(backend_spec.block_size, backend_spec.dtype)
+            out[group.sliding_window] = out.get(group.sliding_window, 0) + paged.bytes_per_block
+        return out
 
     def allocate_cache(
-        self, backend_spec: KVCacheSpec, num_blocks: int, device: torch.device | str
+        self, backend_spec: KVCacheSpec, num_blocks: int | Mapping[int | None, int], device: torch.device | str
     ) -> dict[str, torch.Tensor]:
-        """This layer's whole cache: the backend's tensors plus the model's, one dict.
-        Raises ValueError when a model tensor's name is one the backend uses."""
-        cache = backend_spec.allocate(num_blocks, device)
-        own = self.model_cache_spec(backend_spec.block_size, backend_spec.dtype)
-        if own is not None:
-            clash = sorted(cache.keys() & {t.name for t in own.tensors})
+        """This layer's whole cache: the backend's tensors plus the model's groups, one dict.
+
+        ``num_blocks[w]`` is the number of usable blocks of retention class ``w`` (an int:
+        the same for every class). A sliding class gets one block more, its last, zeroed:
+        its *null block*, where block tables point blocks that fell out of the window, so
+        a backend that reads (and masks) them reads zeros, never stale or NaN memory.
+        Raises ValueError when two tensors share a name.
+        """
+        counts = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
+        block_size = backend_spec.block_size
+        cache = backend_spec.allocate(pool_blocks(self.sliding_window, counts[self.sliding_window]), device)
+        if self.sliding_window is not None:
+            for tensor in cache.values():
+                tensor[-1].zero_()
+        for group in self.cache_groups:
+            tensors = group.allocate(block_size, backend_spec.dtype, counts[group.sliding_window], device)
+            clash = sorted(cache.keys() & tensors.keys())
             if clash:
                 raise ValueError(
-                    f"model cache tensors {clash} clash with the attention backend's cache tensors "
-                    f"{sorted(cache)}; rename the model's AttentionLayerSpec.model_cache entries"
+                    f"cache group {group.name!r} tensors {clash} clash with other cache tensors of the layer "
+                    f"{sorted(cache)}; rename the model's CacheGroupSpec tensors"
                 )
-            cache.update(own.allocate(num_blocks, device))
+            cache.update(tensors)
         return cache
+
+
+def pool_blocks(window: int | None, usable: int) -> int:
+    """Blocks a retention class's tensors hold: its usable blocks, plus the null block of a
+    sliding class (block id ``usable``)."""
+    return usable + (window is not None)
 
 
 @attrs.frozen(kw_only=True)
@@ -200,6 +299,14 @@ class AttentionMetadata:
     ``block_tables`` past a sequence's last block are 0 and never read. Query/key/value
     may be strided views (e.g. of a fused qkv projection); a kernel that needs
     contiguous inputs makes them so itself.
+
+    Retention classes (see ``CacheGroupSpec``): each class (a sliding window ``W``, or
+    None for the full history) has its own block pool, so its own ``block_tables`` and
+    ``slot_mapping``; everything else is shared. ``window`` names the class this view's
+    tables belong to and ``for_window(w)`` gives class ``w``'s view; a layer hands its
+    backend the view of its ``sliding_window``. In a sliding class, entries for blocks
+    wholly before a sequence's window point at the class's null block (zeros): a
+    backend may read them under its mask, but they hold no keys.
     """
 
     query_start_loc: torch.Tensor  # int32 [batch + 1], on the device
@@ -213,6 +320,29 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    #: The retention class of ``block_tables``/``slot_mapping`` (None: full history).
+    window: int | None = None
+    #: Every retention class's ``(block_tables, slot_mapping)``; empty or one entry when
+    #: all layers share one class.
+    window_tables: Mapping[int | None, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
+    _views: dict[int | None, AttentionMetadata] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """This step seen through retention class ``window``'s block tables."""
+        if window == self.window or len(self.window_tables) <= 1:
+            return self
+        view = self._views.get(window)
+        if view is None:
+            if window not in self.window_tables:
+                raise ValueError(
+                    f"no block tables for retention class window={window!r}; this step has "
+                    f"{sorted(self.window_tables, key=str)}: the engine allocates a class per distinct "
+                    "sliding_window its layers and cache groups declare"
+                )
+            tables, slots = self.window_tables[window]
+            view = attrs.evolve(self, block_tables=tables, slot_mapping=slots, window=window)
+            self._views[window] = view
+        return view
 
     @property
     def batch_size(self) -> int:
@@ -284,27 +414,28 @@ class AttentionMetadata:
         *,
         query_lens: Sequence[int],
         seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]] | Mapping[int | None, Sequence[Sequence[int]]],
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Derive the whole contract from per-sequence lengths and block lists.
 
-        The model runner builds it this way, and so do tests and the conformance kit,
-        so every producer agrees on offsets, slots and padding.
+        ``block_tables``: one block list per sequence, or per retention class (window ->
+        lists; the first class is the view returned). The model runner builds it this
+        way, and so do tests and the conformance kit, so every producer agrees on
+        offsets, slots and padding.
         """
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        by_window = dict(block_tables) if isinstance(block_tables, Mapping) else {None: block_tables}
+        if not by_window:
+            raise ValueError("block_tables: no retention class given")
+        for tables in by_window.values():
+            if not (len(query_lens) == len(seq_lens) == len(tables)):
+                raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         starts = [0]
-        slots: list[int] = []
-        for q, s, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+        for q, s in zip(query_lens, seq_lens, strict=True):
             if q < 1 or s < q:
                 raise ValueError(f"sequence with query_len={q}, seq_len={s}: need 1 <= query_len <= seq_len")
-            if len(blocks) * block_size < s:
-                raise ValueError(f"sequence of {s} tokens needs {math.ceil(s / block_size)} blocks, got {len(blocks)}")
             starts.append(starts[-1] + q)
-            for pos in range(s - q, s):
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         num_decodes = 0
         for q in query_lens:
             if q != 1:
@@ -312,22 +443,46 @@ class AttentionMetadata:
             num_decodes += 1
         if any(q == 1 for q in query_lens[num_decodes:]) and any(q > 1 for q in query_lens[:num_decodes]):
             raise ValueError("decode sequences must come before prefill sequences")
-        max_blocks = max((len(b) for b in block_tables), default=0)
-        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
-        for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+        window_tables = {
+            window: _paging(query_lens, seq_lens, tables, block_size, device) for window, tables in by_window.items()
+        }
+        window = next(iter(window_tables))
+        tables, slots = window_tables[window]
         return cls(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=table.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=tables,
+            slot_mapping=slots,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(int(s) for s in seq_lens),
             num_decodes=num_decodes,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             block_size=block_size,
+            window=window,
+            window_tables=window_tables if len(window_tables) > 1 else {},
         )
+
+
+def _paging(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One retention class's padded block table and the slots of the step's new tokens."""
+    slots: list[int] = []
+    for q, s, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+        if len(blocks) * block_size < s:
+            raise ValueError(f"sequence of {s} tokens needs {math.ceil(s / block_size)} blocks, got {len(blocks)}")
+        for pos in range(s - q, s):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max((len(b) for b in block_tables), default=0)
+    table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    return table.to(device), torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 @attrs.frozen(kw_only=True)

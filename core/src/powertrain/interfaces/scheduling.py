@@ -11,6 +11,7 @@ them to the block manager unchanged.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -45,22 +46,38 @@ Seq = TypeVar("Seq", bound=SchedulerSequence)
 Seq_contra = TypeVar("Seq_contra", bound=SchedulerSequence, contravariant=True)
 
 
+@attrs.frozen(kw_only=True)
+class PrefixMatch:
+    """The longest prefix of a sequence the cache can serve: its first ``num_tokens``
+    tokens (whole blocks), and for each retention class (a sliding window, or None for
+    the full history) the cached block ids holding them, None where a sliding class needs
+    no block (it fell out of the window). The block manager reads ``blocks``; a
+    scheduler needs only ``num_tokens``."""
+
+    num_tokens: int = 0
+    blocks: Mapping[int | None, tuple[int | None, ...]] = attrs.field(factory=dict)
+
+
 class BlockAllocator(Protocol[Seq_contra]):
     """What a scheduler uses of the engine's block manager: cache blocks for sequences,
-    with prefix-cache hits. ``matched`` is what ``match_prefix`` returned."""
+    with prefix-cache hits. ``matched`` is what ``match_prefix`` returned.
+
+    Blocks come in retention classes (``interfaces.attention.CacheGroupSpec``); every
+    call covers all of a sequence's classes at once, so a scheduler never sees them.
+    """
 
     @property
     def block_size(self) -> int: ...
 
-    def match_prefix(self, seq: Seq_contra) -> list[int]:
-        """Cached blocks holding ``seq``'s leading full blocks, without taking them."""
+    def match_prefix(self, seq: Seq_contra) -> PrefixMatch:
+        """The longest cached prefix of ``seq`` every class can reproduce, without taking it."""
         ...
 
-    def can_allocate(self, seq: Seq_contra, num_tokens: int, matched: list[int]) -> bool:
-        """Could ``seq`` (with ``matched`` prefix blocks) get slots for ``num_tokens``?"""
+    def can_allocate(self, seq: Seq_contra, num_tokens: int, matched: PrefixMatch) -> bool:
+        """Could ``seq`` (with its ``matched`` prefix) get slots for ``num_tokens``?"""
         ...
 
-    def allocate(self, seq: Seq_contra, num_tokens: int, matched: list[int]) -> None:
+    def allocate(self, seq: Seq_contra, num_tokens: int, matched: PrefixMatch) -> None:
         """Give a sequence with no blocks its prefix hits plus fresh blocks for
         ``num_tokens``; sets its ``num_computed_tokens`` to the tokens the hits hold."""
         ...
@@ -68,7 +85,9 @@ class BlockAllocator(Protocol[Seq_contra]):
     def can_append(self, seq: Seq_contra, num_tokens: int) -> bool: ...
 
     def append(self, seq: Seq_contra, num_tokens: int) -> None:
-        """Grow ``seq``'s blocks to hold its first ``num_tokens`` tokens."""
+        """Grow ``seq``'s blocks to hold its first ``num_tokens`` tokens. Called before the
+        step's tokens are counted in ``num_computed_tokens``: sliding-window classes first
+        release the blocks no query from ``num_computed_tokens`` on can see."""
         ...
 
     def free_sequence(self, seq: Seq_contra) -> None:

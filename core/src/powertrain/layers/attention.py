@@ -40,6 +40,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) per token
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
+        metadata = metadata.for_window(self.spec.sliding_window)  # this layer's block tables
         if rotary is None:
             output = self.backend.forward(self.spec, query, key, value, kv_cache, metadata)
         elif self.fused_rotary:
@@ -79,6 +80,7 @@ class MLAAttention(nn.Module):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        metadata = metadata.for_window(self.spec.sliding_window)
         return self.backend.forward_mla(self.spec, q_latent, q_rope, latent, k_rope, kv_cache, metadata)
 
     def extra_repr(self) -> str:
@@ -104,4 +106,5 @@ class SparseMLAAttention(MLAAttention):
         metadata: AttentionMetadata,
         indices: torch.Tensor,
     ) -> torch.Tensor:
+        metadata = metadata.for_window(self.spec.sliding_window)
         return self.backend.forward_mla_sparse(self.spec, q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices)

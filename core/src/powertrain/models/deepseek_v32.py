@@ -6,11 +6,12 @@ tokens its attention reads; the MLA itself then runs through the backend's
 ``forward_mla_sparse`` over exactly those positions, always (with few tokens the
 indices simply list every visible one).
 
-The indexer keeps one key per token. It lives beside MLA's latent cache as a
-model-declared cache tensor (``AttentionLayerSpec.model_cache``: ``index_keys``), in
-the same blocks under the same block table, so prefix caching, chunked prefill and
-preemption need nothing of their own: each step stores the new tokens' keys at
-``slot_mapping`` and reads a sequence's keys ``[0, seq_len)`` through its blocks.
+The indexer keeps one key per token: a model-declared cache group
+(``AttentionLayerSpec.cache_groups``: ``indexer``, tensor ``index_keys``, one entry per
+token, full history), so it shares the full-history block table with MLA's latent
+cache, and prefix caching, chunked prefill, preemption and speculative rollback need
+nothing of their own: each step stores the new tokens' keys at ``slot_mapping`` and
+reads a sequence's keys ``[0, seq_len)`` through its blocks.
 
 Followed from transformers' ``DeepseekV32ForCausalLM`` (the oracle), where it differs
 from its V3:
@@ -31,7 +32,7 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, KVTensorSpec, LayerKVCache, ModelContext
+from powertrain.interfaces import AttentionMetadata, CacheGroupSpec, KVTensorSpec, LayerKVCache, ModelContext
 from powertrain.layers.attention import SparseMLAAttention
 from powertrain.layers.indexer import LightningIndexer
 from powertrain.models.deepseek_v3 import MLA, DeepseekArgs, DeepseekV3ForCausalLM, mla_layer_spec
@@ -74,9 +75,8 @@ class IndexedMLA(MLA):
     def __init__(self, args: DeepseekArgs, ctx: ModelContext) -> None:
         super().__init__(args, ctx.attention)
         self.indexer = LightningIndexer.from_config(ctx.config)
-        spec = attrs.evolve(
-            mla_layer_spec(args), model_cache=(KVTensorSpec(name=INDEX_KEYS, shape=(self.indexer.head_dim,)),)
-        )
+        keys = KVTensorSpec(name=INDEX_KEYS, shape=(self.indexer.head_dim,))
+        spec = attrs.evolve(mla_layer_spec(args), cache_groups=(CacheGroupSpec(name="indexer", tensors=(keys,)),))
         self.attn = SparseMLAAttention(spec, ctx.attention)
 
     def forward(
@@ -104,9 +104,10 @@ class IndexedMLA(MLA):
         if INDEX_KEYS not in kv_cache:
             raise ValueError(
                 f"DeepSeek-V3.2 layer cache lacks {INDEX_KEYS!r} (has {sorted(kv_cache)}); allocate it with "
-                "AttentionLayerSpec.allocate_cache, which adds the model's own cache tensors"
+                "AttentionLayerSpec.allocate_cache, which adds the model's own cache groups"
             )
         store = kv_cache[INDEX_KEYS]
+        metadata = metadata.for_window(None)  # the indexer group keeps the full history
         metadata.store(store, self.indexer.keys(hidden, cos, sin))
         cached = gather_sequences(store, metadata)
         positions = torch.cat(

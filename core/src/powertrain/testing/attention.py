@@ -171,6 +171,18 @@ def _make_batch(
     )
 
 
+def _released(batch: _Batch, window: int, block_size: int) -> tuple[_Batch, int]:
+    """``batch`` as a sliding-window pool holds it: each sequence's blocks wholly before
+    its first query's window point at a null block (one past the others, the engine's
+    rule), which the caller zeroes. Returns the batch and the null block's id."""
+    null = batch.num_blocks
+    tables = []
+    for blocks, context in zip(batch.block_tables, batch.context_lens, strict=True):
+        first = max(0, (context - window + 1) // block_size)
+        tables.append((null,) * first + tuple(blocks[first:]))
+    return attrs.evolve(batch, block_tables=tuple(tables), num_blocks=batch.num_blocks + 1), null
+
+
 # Each scenario returns (context_len, query_len) per sequence, decodes first.
 
 
@@ -346,9 +358,11 @@ class AttentionBackendSuite(ComponentSuite):
         what: str,
         *,
         rotary_dim: int | None = None,
+        release: bool = False,
     ) -> None:
         """Both backends on one random batch; with ``rotary_dim`` the candidate rotates
-        (``forward_rotary``) and the reference is given query and key rotated in torch."""
+        (``forward_rotary``) and the reference is given query and key rotated in torch;
+        with ``release`` the blocks before each window point at a zeroed null block."""
         gen = generator(seed)
         num_tokens = sum(batch.query_lens)
         kv_shape = (layer.num_kv_heads, layer.head_size)
@@ -362,7 +376,14 @@ class AttentionBackendSuite(ComponentSuite):
         }
         where = f"{what}; context_lens={batch.context_lens} query_lens={batch.query_lens} (seed={seed})"
 
+        if release:
+            assert layer.sliding_window is not None
+            batch, null = _released(batch, layer.sliding_window, block_size)
+            where += f"; blocks before each window point at null block {null}: {batch.block_tables}"
         candidate_cache, reference_cache = _prepared_caches(pair, batch, context_slots, context, gen)
+        if release:
+            for tensor in (*candidate_cache.values(), *reference_cache.values()):
+                tensor[null].zero_()
         before = {name: t.clone() for name, t in candidate_cache.items()}
         candidate_meta = batch.metadata(block_size, pair.device)
         reference_meta = batch.metadata(block_size, "cpu")
@@ -626,6 +647,23 @@ class AttentionBackendSuite(ComponentSuite):
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         what = f"sliding window {window}, {scenario} batch, {_dtype_id(dtype)}"
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
+
+    @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
+    def test_sliding_window_over_released_blocks(
+        self, subject: Subject, scenario: str, dtype: torch.dtype, block_size: int, seed: int
+    ) -> None:
+        """The engine gives back the blocks a sliding window has left: their table entries
+        then point at a zeroed null block, which the backend may read only under its mask.
+        The context tokens in them are gone from the tables; the answer must not change."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(subject.provided, "sliding-window", "paged", *capabilities)
+        gen = generator(seed)
+        window = _randint(gen, 1, 2 * block_size)
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided), sliding_window=window)
+        pair = self._pair(subject, layer, dtype, block_size)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
+        what = f"sliding window {window} over released blocks, {scenario} batch, {_dtype_id(dtype)}"
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, what, release=True)
 
     @pytest.mark.parametrize("scenario", ["mixed", "verify"])
     @pytest.mark.parametrize("partial", [False, True], ids=["full-rotary", "partial-rotary"])

@@ -38,6 +38,7 @@ __all__ = [
     "fp8_quantized_in_deepseek_v3",
     "quantize_checkpoint_fp8",
     "random_hf_model",
+    "save_with_tiny_tokenizer",
     "tiny_tokenizer",
     "write_tiny_deepseek",
     "write_tiny_deepseek_v32",
@@ -354,6 +355,19 @@ def random_hf_model(model_class: Any, config: Any) -> Any:
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.1)
     return model
+
+
+def save_with_tiny_tokenizer(hf_model: Any, folder: str | Path) -> Path:
+    """Save any transformers causal LM (e.g. from ``random_hf_model``, with
+    ``vocab_size=TOKENIZER_VOCAB_SIZE``) as a checkpoint folder the engine opens, with the
+    tiny tokenizer beside it."""
+    folder = Path(folder)
+    vocab_size = hf_model.config.vocab_size
+    if vocab_size != TOKENIZER_VOCAB_SIZE:
+        raise ValueError(f"the model's vocab_size is {vocab_size}; the tiny tokenizer has {TOKENIZER_VOCAB_SIZE}")
+    hf_model.save_pretrained(folder)
+    _write_tokenizer(folder, tiny_tokenizer())
+    return folder
 
 
 def tiny_tokenizer() -> Any:
