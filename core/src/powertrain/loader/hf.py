@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from powertrain.loader.checkpoint import Checkpoint
+from powertrain.loader.deepseek_native import check_native_layout, hf_names, without_dropped_mtp
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from powertrain.loader.fp8 import SCALE_SUFFIX, fp8_block_from_config
 from powertrain.tokenizer import Tokenizer
@@ -30,10 +31,14 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_hf_folder(folder: Path) -> Checkpoint:
     """Read config, tokenizer and the safetensors headers now; tensor data when ``tensors()`` is iterated."""
+    check_native_layout(folder)
     config = with_both_rope_spellings(_read_json(folder / "config.json", required=True))
     generation_config = _read_json(folder / "generation_config.json") or {}
     fp8_block = fp8_block_from_config(config, source=str(folder / "config.json"))
     shards = _tensor_locations(folder)
+    shards, stored = _with_hf_names(folder, shards)
+    if stored:
+        config = without_dropped_mtp(config, (name for names in shards.values() for name in names))
     tokenizer = _tokenizer(folder, config, generation_config)
 
     def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -41,11 +46,11 @@ def load_hf_folder(folder: Path) -> Checkpoint:
             with _safe_open(shard) as file:
                 for name in names:
                     if wanted(name):
-                        yield name, file.get_tensor(name)
+                        yield name, file.get_tensor(stored.get(name, name))
 
     tensor_names = [name for names in shards.values() for name in names]
     if fp8_block is not None:
-        read_tensors, tensor_names = _fp8_reader(shards)
+        read_tensors, tensor_names = _fp8_reader(shards, stored)
 
     log.debug("hf.opened", path=str(folder), shards=len(shards), fp8_block=fp8_block)
     return Checkpoint(
@@ -60,12 +65,25 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     )
 
 
+def _with_hf_names(folder: Path, shards: dict[Path, list[str]]) -> tuple[dict[Path, list[str]], Mapping[str, str]]:
+    """``shards`` with HF names, and HF name -> stored name for those stored under another name
+    (a checkpoint in DeepSeek's native names; empty for an HF one)."""
+    renamed = hf_names((name for names in shards.values() for name in names), source=str(folder))
+    if renamed is None:
+        return shards, {}
+    log.info("hf.native_names", path=str(folder), tensors=len(renamed))
+    return {shard: [renamed[name] for name in names] for shard, names in shards.items()}, {
+        hf: name for name, hf in renamed.items()
+    }
+
+
 def _fp8_reader(
-    shards: Mapping[Path, list[str]],
+    shards: Mapping[Path, list[str]], stored: Mapping[str, str]
 ) -> tuple[Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]], list[str]]:
     """Read an FP8 checkpoint in stored order but with each ``X_scale_inv`` right after ``X``, even when
     another shard holds it, so the dequantizing stream never holds a weight back. Also returns the
-    names that stream yields (scales folded into their weights)."""
+    names that stream yields (scales folded into their weights). Names are HF names; ``stored``
+    gives the name in the file where it differs."""
     location = {name: shard for shard, names in shards.items() for name in names}
     plan = {
         shard: [
@@ -82,12 +100,13 @@ def _fp8_reader(
                 for name, scale_shard in entries:
                     if not wanted(name):
                         continue
-                    yield name, file.get_tensor(name)
+                    scale = name + SCALE_SUFFIX
+                    yield name, file.get_tensor(stored.get(name, name))
                     if scale_shard == shard:
-                        yield name + SCALE_SUFFIX, file.get_tensor(name + SCALE_SUFFIX)
+                        yield scale, file.get_tensor(stored.get(scale, scale))
                     elif scale_shard is not None:
                         with _safe_open(scale_shard) as other:
-                            yield name + SCALE_SUFFIX, other.get_tensor(name + SCALE_SUFFIX)
+                            yield scale, other.get_tensor(stored.get(scale, scale))
 
     return read_tensors, [name for entries in plan.values() for name, _ in entries]
 
