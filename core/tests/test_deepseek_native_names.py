@@ -60,8 +60,8 @@ PROMPTS = [[0, 17, 250, 3, 99, 42, 7, 300, 11, 64, 128, 5, 77, 400, 23, 8, 190, 
 DECODE_STEPS = 12
 
 
-def to_native(name: str, num_hidden_layers: int) -> str | None:
-    """convert.py's loop body for one tensor name (mp = 1); None for what it skips.
+def to_native(name: str, num_hidden_layers: int) -> tuple[str, int | None] | None:
+    """convert.py's renaming of one tensor: (native name, dimension to cut); None for what it skips.
 
     convert.py skips ``model.layers.61``, V3's MTP layer: here the first layer past the decoder's.
     """
@@ -75,22 +75,36 @@ def to_native(name: str, num_hidden_layers: int) -> str | None:
     name = name.replace("e_score_correction_bias", "bias")
     key = name.split(".")[-2]
     assert key in CONVERT_MAPPING, f"Key {key} not found in mapping"
-    new_key, _ = CONVERT_MAPPING[key]
-    return name.replace(key, new_key)
+    new_key, dim = CONVERT_MAPPING[key]
+    return name.replace(key, new_key), dim
 
 
-def convert(source: Path, target: Path) -> Path:
-    """``source`` (an HF folder) as convert.py --model-parallel 1 writes it, plus config.json."""
+def convert(source: Path, target: Path, mp: int = 1) -> Path:
+    """``source`` (an HF folder) as ``convert.py --model-parallel mp`` writes it, plus config.json."""
     target.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
-    tensors: dict[str, torch.Tensor] = {}
+    n_local_experts = config["n_routed_experts"] // mp
+    state_dicts: list[dict[str, torch.Tensor]] = [{} for _ in range(mp)]
     for file in sorted(source.glob("*.safetensors")):
-        for name, tensor in load_file(file).items():
-            native = to_native(name, config["num_hidden_layers"])
-            if native is not None:
-                assert native not in tensors, native
-                tensors[native] = tensor
-    save_file(tensors, target / "model0-mp1.safetensors")
+        for hf_name, param in load_file(file).items():
+            converted = to_native(hf_name, config["num_hidden_layers"])
+            if converted is None:
+                continue
+            name, dim = converted
+            for i in range(mp):
+                new_param = param
+                if "experts" in name and "shared_experts" not in name:
+                    idx = int(name.split(".")[-3])
+                    if idx < i * n_local_experts or idx >= (i + 1) * n_local_experts:
+                        continue
+                elif dim is not None:
+                    assert param.size(dim) % mp == 0, f"Dimension {dim} must be divisible by {mp}"
+                    shard_size = param.size(dim) // mp
+                    new_param = param.narrow(dim, i * shard_size, shard_size).contiguous()
+                assert name not in state_dicts[i], name
+                state_dicts[i][name] = new_param
+    for i in range(mp):
+        save_file(state_dicts[i], target / f"model{i}-mp{mp}.safetensors")
     for file in source.iterdir():  # convert.py copies *token*; the loader needs config.json too
         if "token" in file.name or file.name in ("config.json", "generation_config.json"):
             shutil.copy2(file, target / file.name)
@@ -102,10 +116,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("native")
     v3 = write_tiny_deepseek(root / "v3", seed=11)  # with an MTP layer, which convert.py drops
     v32 = write_tiny_deepseek_v32(root / "v32", seed=12)
-    v32_fp8 = quantize_checkpoint_fp8(v32, root / "v32-fp8")
-    v3_fp8 = quantize_checkpoint_fp8(v3, root / "v3-fp8")
-    hf = {"v3": v3, "v32": v32, "v32-fp8": v32_fp8, "v3-fp8": v3_fp8}
-    return hf | {f"{key}-native": convert(path, root / f"{key}-native") for key, path in hf.items()}
+    # 32x32 blocks: several per tensor, and (as 128x128 ones do on the real model) whole blocks in
+    # each cut that convert.py --model-parallel 2 makes.
+    v32_fp8 = quantize_checkpoint_fp8(v32, root / "v32-fp8", block=(32, 32))
+    v3_fp8 = quantize_checkpoint_fp8(v3, root / "v3-fp8", block=(32, 32))
+    v2_lite = write_tiny_deepseek(root / "v2-lite", variant="v2-lite", seed=13)  # q_proj, no q LoRA
+    hf = {"v3": v3, "v32": v32, "v32-fp8": v32_fp8, "v3-fp8": v3_fp8, "v2-lite": v2_lite}
+    native = {f"{key}-native": convert(path, root / f"{key}-native") for key, path in hf.items()}
+    split = {f"{key}-mp2": convert(path, root / f"{key}-mp2", mp=2) for key, path in hf.items()}
+    return hf | native | split
 
 
 def load_model(path: Path) -> Any:
@@ -166,9 +185,10 @@ def test_the_oracle_writes_deepseeks_names(folders: dict[str, Path]) -> None:
     assert not any(name.startswith("layers.3.") for name in load_file(folders["v3-native"] / "model0-mp1.safetensors"))
 
 
-@pytest.mark.parametrize("kind", ["v3", "v32", "v3-fp8", "v32-fp8"])
-def test_native_checkpoint_yields_the_hf_tensors(folders: dict[str, Path], kind: str) -> None:
-    hf, native = load_checkpoint(folders[kind]), load_checkpoint(folders[f"{kind}-native"])
+@pytest.mark.parametrize("form", ["native", "mp2"])
+@pytest.mark.parametrize("kind", ["v3", "v32", "v3-fp8", "v32-fp8", "v2-lite"])
+def test_native_checkpoint_yields_the_hf_tensors(folders: dict[str, Path], kind: str, form: str) -> None:
+    hf, native = load_checkpoint(folders[kind]), load_checkpoint(folders[f"{kind}-{form}"])
     assert native.fp8_block == hf.fp8_block
     mtp = f"model.layers.{hf.config['num_hidden_layers']}."
     theirs = {name: tensor for name, tensor in hf.tensors() if not name.startswith(mtp)}
@@ -201,14 +221,15 @@ def test_v32_fp8_checkpoint_stores_the_indexer_as_deepseek_does(folders: dict[st
         assert (weight - reference).abs().max() <= 0.07 * reference.abs().max(), name
 
 
+@pytest.mark.parametrize("form", ["native", "mp2"])
 @pytest.mark.parametrize("kind", ["v3", "v32", "v3-fp8", "v32-fp8"])
-def test_native_logits_and_greedy_equal_the_hf_checkpoints(folders: dict[str, Path], kind: str) -> None:
+def test_native_logits_and_greedy_equal_the_hf_checkpoints(folders: dict[str, Path], kind: str, form: str) -> None:
     for hf_logits, native_logits in zip(
-        prefill_logits(folders[kind]), prefill_logits(folders[f"{kind}-native"]), strict=True
+        prefill_logits(folders[kind]), prefill_logits(folders[f"{kind}-{form}"]), strict=True
     ):
         assert torch.equal(native_logits, hf_logits)
     hf_tokens = engine_greedy(folders[kind])
-    assert engine_greedy(folders[f"{kind}-native"]) == hf_tokens
+    assert engine_greedy(folders[f"{kind}-{form}"]) == hf_tokens
     assert all(len(tokens) == DECODE_STEPS for tokens in hf_tokens)
 
 
@@ -237,11 +258,29 @@ def test_a_native_name_convert_never_writes_is_refused(folders: dict[str, Path],
         load_checkpoint(odd)
 
 
-def test_model_parallel_shards_and_a_missing_config_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
-    split = shutil.copytree(folders["v3-native"], tmp_path / "split")
-    (split / "model0-mp1.safetensors").rename(split / "model0-mp2.safetensors")
-    with pytest.raises(UnsupportedCheckpointError, match="--model-parallel 1"):
-        load_checkpoint(split)
+def test_model_parallel_files_are_glued_back(folders: dict[str, Path]) -> None:
+    files = [load_file(folders["v32-fp8-mp2"] / f"model{rank}-mp2.safetensors") for rank in range(2)]
+    whole = load_file(folders["v32-fp8-native"] / "model0-mp1.safetensors")
+    for name, dim in [("layers.1.attn.wo.weight", 1), ("layers.1.attn.wo.scale", 1), ("layers.1.attn.wq_b.weight", 0)]:
+        assert torch.equal(torch.cat([files[0][name], files[1][name]], dim), whole[name]), name
+    for name in ("embed.weight", "head.weight", "layers.1.attn.wkv_b.weight", "layers.1.ffn.shared_experts.w2.scale"):
+        assert not torch.equal(files[0][name], files[1][name]), name  # cut, not copied
+    assert "layers.1.ffn.experts.0.w1.weight" in files[0] and "layers.1.ffn.experts.0.w1.weight" not in files[1]
+    assert torch.equal(files[0]["layers.1.attn.indexer.wq_b.weight"], files[1]["layers.1.attn.indexer.wq_b.weight"])
+
+
+def test_incomplete_or_mixed_model_parallel_files_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    partial = shutil.copytree(folders["v3-mp2"], tmp_path / "partial")
+    (partial / "model1-mp2.safetensors").unlink()
+    with pytest.raises(CorruptCheckpointError, match="lacks model1-mp2.safetensors"):
+        load_checkpoint(partial)
+    mixed = shutil.copytree(folders["v3-mp2"], tmp_path / "mixed")
+    shutil.copy2(folders["v3-native"] / "model0-mp1.safetensors", mixed)
+    with pytest.raises(CorruptCheckpointError, match="one convert.py run"):
+        load_checkpoint(mixed)
+
+
+def test_a_folder_without_config_says_where_to_get_one(folders: dict[str, Path], tmp_path: Path) -> None:
     bare = shutil.copytree(folders["v3-native"], tmp_path / "bare")
     (bare / "config.json").unlink()
     with pytest.raises(ModelNotFoundError, match="DeepSeek native checkpoint.*copy config.json"):

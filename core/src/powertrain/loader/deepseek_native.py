@@ -13,18 +13,20 @@ which adds the indexer's entries) turns an HF checkpoint into that form:
 
 Nothing is transposed, fused or split, so one process's file (``model0-mp1.safetensors``) holds
 the HF tensors under other names, minus the MTP layer (``without_dropped_mtp`` makes the config
-agree). With ``--model-parallel N > 1`` convert.py also cuts tensors
-into N files; those are refused here (convert again with ``--model-parallel 1``).
+agree). With ``--model-parallel N > 1`` convert.py writes N files, cutting the column- and
+row-parallel weights (``cut_dim``) and dealing out the routed experts; the loader glues them back
+(``model_parallel_files``).
 
 ``hf_names(names)`` is the one place this is undone: the HF loader calls it on every
-safetensors checkpoint, and model code only ever sees HF names (FP8 ``X.scale`` tensors become
-``X.weight_scale_inv`` and are dequantized like the HF release's).
+safetensors checkpoint of a DeepSeek architecture (``is_deepseek``), and model code only ever
+sees HF names (FP8 ``X.scale`` tensors become ``X.weight_scale_inv`` and are dequantized like
+the HF release's).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,8 @@ from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpoi
 
 log = structlog.get_logger(__name__)
 
+#: config.json architectures whose checkpoints DeepSeek's convert.py can have renamed.
+ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"})
 #: Native module name -> HF module name: convert.py's ``mapping`` read backwards.
 NATIVE_MODULES = {
     "embed": "embed_tokens",
@@ -58,8 +62,18 @@ NATIVE_MODULES = {
 INDEXER_MODULES = frozenset({"wq_b", "wk", "k_norm", "weights_proj"})
 #: Native tensors outside the decoder layers (everything else is ``layers.N. ...``).
 _NATIVE_TOP = frozenset({"embed.weight", "norm.weight", "head.weight"})
+#: What tells a native checkpoint: the embedding or any decoder layer.
+_NATIVE_MARK = re.compile(r"embed\.weight$|layers\.\d+\.")
+#: Native module -> the dimension convert.py's ``mapping`` cuts it along; absent: not cut.
+_CUT_DIM = {"embed": 0, "wq": 0, "wq_b": 0, "wkv_b": 0, "wo": 1, "w1": 0, "w2": 1, "w3": 0, "head": 0}
 #: convert.py's output files: ``model{rank}-mp{model_parallel}.safetensors``.
 _MP_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")
+
+
+def is_deepseek(config: Mapping[str, Any]) -> bool:
+    """Whether config.json names a DeepSeek architecture: only those may be stored in native names."""
+    architectures = config.get("architectures")
+    return isinstance(architectures, list) and any(name in ARCHITECTURES for name in architectures)
 
 
 def hf_names(names: Iterable[str], *, source: str = "") -> dict[str, str] | None:
@@ -71,9 +85,9 @@ def hf_names(names: Iterable[str], *, source: str = "") -> dict[str, str] | None
     """
     where = f"{source}: " if source else ""
     names = list(names)
-    native = [name for name in names if _looks_native(name)]
-    if not native:
+    if not any(_NATIVE_MARK.match(name) for name in names):
         return None
+    native = [name for name in names if name in _NATIVE_TOP or name.startswith("layers.")]
     hf = [name for name in names if name.startswith(("model.", "lm_head."))]
     if hf:
         raise CorruptCheckpointError(
@@ -84,13 +98,13 @@ def hf_names(names: Iterable[str], *, source: str = "") -> dict[str, str] | None
         )
     renamed = {name: _hf_name(name) for name in names}
     unknown = [name for name, hf_name in renamed.items() if hf_name is None]
-    if unknown:
-        raise UnsupportedCheckpointError(
-            f"{where}the checkpoint has DeepSeek's native tensor names, but {_examples(unknown)} "
-            f"({len(unknown)} in all) are none that DeepSeek's inference/convert.py writes, so they have no "
-            "Hugging Face name. Load the HF release instead, or convert it again with that script."
-        )
-    return renamed  # type: ignore[return-value]  # no None left
+    if not unknown:
+        return {name: hf_name for name, hf_name in renamed.items() if hf_name is not None}
+    raise UnsupportedCheckpointError(
+        f"{where}the checkpoint has DeepSeek's native tensor names, but {_examples(unknown)} "
+        f"({len(unknown)} in all) are none that DeepSeek's inference/convert.py writes, so they have no "
+        "Hugging Face name. Load the HF release instead, or convert it again with that script."
+    )
 
 
 def without_dropped_mtp(config: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
@@ -103,25 +117,41 @@ def without_dropped_mtp(config: dict[str, Any], names: Iterable[str]) -> dict[st
     return {**config, "num_nextn_predict_layers": 0}
 
 
-def check_native_layout(folder: Path) -> None:
-    """Refuse, saying what to do, convert.py's output for several processes (``--model-parallel`` > 1):
-    its tensors are cut over the files. (A folder without config.json, as convert.py leaves it, is
-    explained by ``resolve.py``.)"""
-    parallel = sorted(
-        file.name
-        for file in folder.glob("model*-mp*.safetensors")
-        if (match := _MP_FILE.fullmatch(file.name)) and int(match.group(2)) > 1
-    )
-    if parallel:
-        raise UnsupportedCheckpointError(
-            f"{folder}: {', '.join(parallel[:4])}{', ...' if len(parallel) > 4 else ''} hold a DeepSeek native "
-            "checkpoint split for model parallelism; powertrain reads the unsplit one. Run DeepSeek's "
-            "inference/convert.py again with --model-parallel 1 (or load the Hugging Face release)."
+def model_parallel_files(folder: Path) -> list[Path] | None:
+    """convert.py's files for ``--model-parallel N > 1``, in rank order; None when there are none.
+
+    Each file then holds a 1/N cut of some tensors (``cut_dim``), 1/N of the routed experts and
+    a copy of the rest. Incomplete or ambiguous sets are refused."""
+    found = {file: _MP_FILE.fullmatch(file.name) for file in sorted(folder.glob("*.safetensors"))}
+    sizes = {int(match.group(2)) for match in found.values() if match}
+    if sizes <= {1}:
+        return None
+    others = [file.name for file, match in found.items() if not match]
+    if len(sizes) > 1 or others:
+        raise CorruptCheckpointError(
+            f"{folder}: DeepSeek native files for model parallelism {sorted(sizes)} together with "
+            f"{others or 'each other'}; keep the files of one convert.py run only."
         )
+    (size,) = sizes
+    ranks = {int(match.group(1)): file for file, match in found.items() if match}
+    if sorted(ranks) != list(range(size)):
+        missing = [f"model{rank}-mp{size}.safetensors" for rank in range(size) if rank not in ranks]
+        raise CorruptCheckpointError(
+            f"{folder}: a DeepSeek native checkpoint split over {size} files lacks {', '.join(missing)}. "
+            "Copy all of convert.py's output."
+        )
+    return [ranks[rank] for rank in range(size)]
 
 
-def _looks_native(name: str) -> bool:
-    return name in _NATIVE_TOP or name.startswith("layers.")
+def cut_dim(name: str) -> int | None:
+    """The dimension convert.py cuts native tensor ``name`` along for ``--model-parallel N > 1``:
+    its ``mapping``'s second column, FP8 scales cut like their weight; None for tensors every file
+    holds whole (norms, the router, ``wq_a``, ``wkv_a``, the indexer) and for routed experts (each
+    in one file)."""
+    *path, module, _ = name.split(".")
+    if "experts" in path or (path and path[-1] == "indexer"):
+        return None
+    return _CUT_DIM.get(module)
 
 
 def _hf_name(name: str) -> str | None:
