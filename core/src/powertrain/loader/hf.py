@@ -6,6 +6,7 @@ a pickle runs whatever code it contains.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -17,6 +18,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from powertrain.loader.checkpoint import Checkpoint
+from powertrain.loader.deepseek_native import (
+    cut_dim,
+    hf_names,
+    is_deepseek,
+    model_parallel_files,
+    without_dropped_mtp,
+)
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from powertrain.loader.fp8 import SCALE_SUFFIX, fp8_block_from_config
 from powertrain.tokenizer import Tokenizer
@@ -33,19 +41,30 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     config = with_both_rope_spellings(_read_json(folder / "config.json", required=True))
     generation_config = _read_json(folder / "generation_config.json") or {}
     fp8_block = fp8_block_from_config(config, source=str(folder / "config.json"))
-    shards = _tensor_locations(folder)
+    deepseek = is_deepseek(config)  # only these may come in DeepSeek's native names
+    parallel = model_parallel_files(folder) if deepseek else None
+    if parallel is not None:  # DeepSeek native, cut over several files
+        read_tensors, tensor_names = _model_parallel_reader(folder, parallel)
+        shards: dict[Path, list[str]] = dict.fromkeys(parallel, tensor_names)
+        native = True
+    else:
+        shards = _tensor_locations(folder)
+        shards, stored = _with_hf_names(folder, shards) if deepseek else (shards, {})
+        native = bool(stored)
+
+        def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+            for shard, names in shards.items():
+                with _safe_open(shard) as file:
+                    for name in names:
+                        if wanted(name):
+                            yield name, file.get_tensor(stored.get(name, name))
+
+        tensor_names = [name for names in shards.values() for name in names]
+        if fp8_block is not None:
+            read_tensors, tensor_names = _fp8_reader(shards, stored)
+    if native:
+        config = without_dropped_mtp(config, tensor_names)
     tokenizer = _tokenizer(folder, config, generation_config)
-
-    def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        for shard, names in shards.items():
-            with _safe_open(shard) as file:
-                for name in names:
-                    if wanted(name):
-                        yield name, file.get_tensor(name)
-
-    tensor_names = [name for names in shards.values() for name in names]
-    if fp8_block is not None:
-        read_tensors, tensor_names = _fp8_reader(shards)
 
     log.debug("hf.opened", path=str(folder), shards=len(shards), fp8_block=fp8_block)
     return Checkpoint(
@@ -60,12 +79,72 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     )
 
 
+def _with_hf_names(folder: Path, shards: dict[Path, list[str]]) -> tuple[dict[Path, list[str]], Mapping[str, str]]:
+    """``shards`` with HF names, and HF name -> stored name for those stored under another name
+    (a checkpoint in DeepSeek's native names; empty for an HF one)."""
+    renamed = hf_names((name for names in shards.values() for name in names), source=str(folder))
+    if renamed is None:
+        return shards, {}
+    log.info("hf.native_names", path=str(folder), tensors=len(renamed))
+    return {shard: [renamed[name] for name in names] for shard, names in shards.items()}, {
+        hf: name for name, hf in renamed.items()
+    }
+
+
+def _model_parallel_reader(
+    folder: Path, files: list[Path]
+) -> tuple[Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]], list[str]]:
+    """A DeepSeek native checkpoint written by convert.py for several processes, read as one: the cut
+    tensors concatenated back along ``cut_dim``, the copies read once, each routed expert from the
+    file holding it; every ``X_scale_inv`` right after ``X``. Also returns the HF names of what it
+    yields (FP8 scales folded into their weights)."""
+    holders: dict[str, list[int]] = {}
+    for rank, file in enumerate(files):
+        for name in _header_names(file):
+            holders.setdefault(name, []).append(rank)
+    renamed = hf_names(holders, source=str(folder))
+    if renamed is None:
+        raise UnsupportedCheckpointError(
+            f"{folder}: model*-mp{len(files)}.safetensors are named as DeepSeek's inference/convert.py names its "
+            "output for model parallelism, but hold no DeepSeek native tensor names; powertrain cannot tell how "
+            "to join them."
+        )
+    uncut = [name for name, ranks in holders.items() if cut_dim(name) is not None and len(ranks) != len(files)]
+    if uncut:
+        raise CorruptCheckpointError(
+            f"{folder}: {uncut[0]!r} should be cut over all {len(files)} model*-mp{len(files)} files but is in "
+            f"{len(holders[uncut[0]])}. Run DeepSeek's inference/convert.py again."
+        )
+    native = {hf: name for name, hf in renamed.items()}
+    names = [name for name in native if not (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in native)]
+
+    def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(_safe_open(file)) for file in files]
+
+            def read(hf: str) -> torch.Tensor:
+                name = native[hf]
+                dim, ranks = cut_dim(name), holders[name]
+                if dim is None:
+                    return opened[ranks[0]].get_tensor(name)
+                return torch.cat([opened[rank].get_tensor(name) for rank in ranks], dim=dim)
+
+            for name in names:
+                if wanted(name):
+                    yield name, read(name)
+                    if name + SCALE_SUFFIX in native:
+                        yield name + SCALE_SUFFIX, read(name + SCALE_SUFFIX)
+
+    return read_tensors, names
+
+
 def _fp8_reader(
-    shards: Mapping[Path, list[str]],
+    shards: Mapping[Path, list[str]], stored: Mapping[str, str]
 ) -> tuple[Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]], list[str]]:
     """Read an FP8 checkpoint in stored order but with each ``X_scale_inv`` right after ``X``, even when
     another shard holds it, so the dequantizing stream never holds a weight back. Also returns the
-    names that stream yields (scales folded into their weights)."""
+    names that stream yields (scales folded into their weights). Names are HF names; ``stored``
+    gives the name in the file where it differs."""
     location = {name: shard for shard, names in shards.items() for name in names}
     plan = {
         shard: [
@@ -82,12 +161,13 @@ def _fp8_reader(
                 for name, scale_shard in entries:
                     if not wanted(name):
                         continue
-                    yield name, file.get_tensor(name)
+                    scale = name + SCALE_SUFFIX
+                    yield name, file.get_tensor(stored.get(name, name))
                     if scale_shard == shard:
-                        yield name + SCALE_SUFFIX, file.get_tensor(name + SCALE_SUFFIX)
+                        yield scale, file.get_tensor(stored.get(scale, scale))
                     elif scale_shard is not None:
                         with _safe_open(scale_shard) as other:
-                            yield name + SCALE_SUFFIX, other.get_tensor(name + SCALE_SUFFIX)
+                            yield scale, other.get_tensor(stored.get(scale, scale))
 
     return read_tensors, [name for entries in plan.values() for name, _ in entries]
 

@@ -129,6 +129,12 @@ def _folder_without_config(folder: Path) -> str:
     ggufs = sorted(folder.glob("*.gguf"))
     if ggufs:
         message += f" It holds GGUF files; pass one of them instead, e.g. {str(ggufs[0])!r}."
+    if any(folder.glob("model*-mp*.safetensors")):
+        message += (
+            " Its model*-mp*.safetensors look like a DeepSeek native checkpoint written by DeepSeek's "
+            "inference/convert.py, which copies only the tokenizer files: copy config.json from the Hugging Face "
+            "release it was converted from into the folder."
+        )
     return f"{message} {_ACCEPTED}"
 
 

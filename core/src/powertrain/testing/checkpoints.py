@@ -397,7 +397,9 @@ def fp8_quantized_in_deepseek_v3(name: str) -> bool:
 
     FP8: the weights of every attention projection (``q_proj``/``q_a_proj``/``q_b_proj``,
     ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``) and of every MLP (dense, shared and routed
-    experts), MTP layer included: the matrix multiplications that dominate time and memory.
+    experts), MTP layer included: the matrix multiplications that dominate time and memory. In
+    V3.2 also the Lightning Indexer's ``wq_b`` and ``wk`` (its ``weights_proj`` is BF16: DeepSeek's
+    ``inference/model.py`` builds it with ``dtype=torch.get_default_dtype()``, the others FP8).
     Kept in high precision: embeddings, ``lm_head`` and the MTP copies (``shared_head.head``,
     ``embed_tokens``), norms, the router (``mlp.gate.weight``) and ``e_score_correction_bias``
     (small, and routing decisions are sensitive to them) and the MTP ``eh_proj`` (BF16 in the
@@ -408,6 +410,7 @@ def fp8_quantized_in_deepseek_v3(name: str) -> bool:
 
 _FP8_WEIGHT = re.compile(
     r"\.(?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight"
+    r"|self_attn\.indexer\.(?:wq_b|wk)\.weight"
     r"|mlp\.(?:shared_experts\.|experts\.\d+\.)?(?:gate_proj|up_proj|down_proj)\.weight"
     r"|mlp\.experts\.(?:gate_up_proj|down_proj))$"
 )
