@@ -135,7 +135,7 @@ class ParallelEngine:
         attention = [self._ranks[r].info for r in self.layout.attention_ranks]
         block_size = attention[0].block_size
         blocks = min(info.num_blocks for info in attention)
-        self._cache_tokens = blocks * block_size
+        self._cache_tokens = min(info.cache_tokens for info in attention)
         self._balancer = PrefixBalancer(
             self.layout.attention_ranks, block_size, blocks, slack=self.config.scheduler.max_num_seqs
         )

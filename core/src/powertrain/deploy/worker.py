@@ -47,6 +47,8 @@ class WorkerInfo:
     holds_requests: bool
     num_blocks: int
     block_size: int
+    #: Most tokens one sequence's cache holds (``LLMEngine.cache_tokens``).
+    cache_tokens: int
     #: ``(first, count)`` of the routed experts this rank loaded; None: not a MoE model.
     experts: tuple[int, int] | None = None
 
@@ -135,6 +137,7 @@ def run_worker(
         holds_requests=placement.holds_requests,
         num_blocks=engine.block_manager.num_blocks,
         block_size=engine.block_manager.block_size,
+        cache_tokens=engine.cache_tokens,
         experts=_expert_slice(engine),
     )
     conn.send(("ready", info))
