@@ -9,21 +9,23 @@ Before timing, both must produce the same greedy tokens from a prompt shorter th
 ``index_topk``, where sparse attention reads every token.
 
 For each context length both engines prefill one request of that many random prompt tokens,
-then decode it greedily one token per engine step, the engines taking turns step by step (so
-a busy moment of a shared machine falls on both alike). Scheduling is synchronous, so a step's
-wall time is the whole engine path: schedule, forward, sample, detokenize. Printed per context:
-the median ms per decode step of each model after ``--warmup-steps``, dense/sparse, and the
-prefill seconds; with ``--repeats`` each cell is the median over repeats. Also the KV
-cache bytes per token summed over layers, as the engine's cache specs declare them: MLA's
-latent and rope (the backend's ``kv_cache_spec``), the indexer's keys (the model's
-``model_cache_spec``) and their total.
+then decode it greedily one token per engine step, the engines taking turns (``--rounds``
+blocks each, so that a busy spell of a shared machine falls on both alike). Scheduling is
+synchronous, so a step's wall time is the whole engine path: schedule, forward, sample,
+detokenize. Printed per context: the median ms per decode step of each model, dense/sparse of
+the medians and of the 10th percentiles (the steps a busy machine slowed least), and the
+prefill seconds; with ``--repeats`` each cell is the median over repeats. Also the KV cache
+bytes per token summed over layers, as the engine's cache specs declare them: MLA's latent and
+rope (the backend's ``kv_cache_spec``), the indexer's keys (the model's ``model_cache_spec``)
+and their total.
 
 Both engines use the same attention backend (``--attention``, default ``torch-reference``,
 today the only one serving sparse MLA), so the ratio compares the two attention paths, not
 two implementations. With a tiny model the fixed part of a step (MoE, lm_head, the engine
 loop) is large next to attention, and the tiny indexer (16 heads x 32) is about as costly
 per token as the tiny MLA it prunes (4 heads x 80): the ratio says how the reference code
-scales with context, not what DeepSeek-V3.2 gains with its kernels.
+scales with context, not what DeepSeek-V3.2 gains with its kernels. Prefill takes most of the
+run: the reference sparse MLA gathers ``index_topk`` latents for every prompt token.
 
     uv run python benchmarks/long_context_v32.py                        # 4k, 8k, 16k on CPU
     uv run python benchmarks/long_context_v32.py --contexts 1024 2048   # a quick check
@@ -178,7 +180,7 @@ def same_tokens(sparse: LLM, dense: LLM, index_topk: int) -> bool | str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384], help="prompt lengths")
-    parser.add_argument("--rounds", type=int, default=4, help="turns of decode steps per engine and run")
+    parser.add_argument("--rounds", type=int, default=8, help="turns of decode steps per engine and run")
     parser.add_argument("--steps", type=int, default=12, help="timed decode steps per turn")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps opening each turn")
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell, engines taking turns (median)")
@@ -245,12 +247,13 @@ def main() -> None:
 
     mla = sparse_bytes.get("latent", 0) + sparse_bytes.get("rope", 0)
     indexer = sum(value for key, value in sparse_bytes.items() if key not in ("latent", "rope"))
-    columns = ["context", "sparse ms/step", "dense ms/step", "dense/sparse", "prefill s sparse", "prefill s dense"]
-    columns += ["KV MiB sparse", "KV MiB dense"]
+    columns = ["context", "sparse ms/step", "dense ms/step", "dense/sparse", "dense/sparse p10"]
+    columns += ["prefill s sparse", "prefill s dense", "KV MiB sparse", "KV MiB dense"]
     print("  ".join(f"{c:>{max(8, len(c))}}" for c in columns))
     for context in args.contexts:
         sparse_ms, dense_ms = median(context, "sparse", "decode_ms"), median(context, "dense", "decode_ms")
         cells_shown = [str(context), f"{sparse_ms:.2f}", f"{dense_ms:.2f}", f"{dense_ms / sparse_ms:.2f}"]
+        cells_shown += [f"{median(context, 'dense', 'p10_ms') / median(context, 'sparse', 'p10_ms'):.2f}"]
         cells_shown += [f"{median(context, name, 'prefill_s'):.1f}" for name in ("sparse", "dense")]
         cells_shown += [f"{context * total / 2**20:.1f}" for total in (mla + indexer, sum(dense_bytes.values()))]
         print("  ".join(f"{v:>{max(8, len(c))}}" for v, c in zip(cells_shown, columns, strict=True)))
@@ -274,6 +277,9 @@ def main() -> None:
         results[f"{context} sparse ms/step"] = sparse_ms
         results[f"{context} dense ms/step"] = dense_ms
         results[f"{context} dense/sparse"] = dense_ms / sparse_ms
+        results[f"{context} p10 ms/step (sparse, dense)"] = (
+            f"{median(context, 'sparse', 'p10_ms'):.2f}, {median(context, 'dense', 'p10_ms'):.2f}"
+        )
         results[f"{context} prefill s (sparse, dense)"] = (
             f"{median(context, 'sparse', 'prefill_s'):.1f}, {median(context, 'dense', 'prefill_s'):.1f}"
         )
