@@ -15,9 +15,9 @@ synchronous, so a step's wall time is the whole engine path: schedule, forward, 
 detokenize. Printed per context: the median ms per decode step of each model, dense/sparse of
 the medians and of the 10th percentiles (the steps a busy machine slowed least), and the
 prefill seconds; with ``--repeats`` each cell is the median over repeats. Also the KV cache
-bytes per token summed over layers, as the engine's cache specs declare them: MLA's latent and
-rope (the backend's ``kv_cache_spec``), the indexer's keys (the model's ``model_cache_spec``)
-and their total.
+bytes per token summed over layers, per cache group, as the engine accounted them when it
+allocated the cache: MLA's latent and rope (the backend's group), the indexer's keys (the
+model's ``indexer`` group) and their total.
 
 Both engines use the same attention backend (``--attention``, default ``torch-reference``,
 today the only one serving sparse MLA), so the ratio compares the two attention paths, not
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import tempfile
 import time
@@ -95,24 +94,10 @@ def engine_of(llm: LLM) -> LLMEngine:
     return llm.engine
 
 
-def cache_bytes_per_token(llm: LLM) -> dict[str, int]:
-    """Bytes one token takes in the KV cache, summed over layers, by tensor, from the specs the
-    engine allocated from: the backend's ``kv_cache_spec`` and the model's ``model_cache_spec``."""
-    engine = engine_of(llm)
-    block_size = engine.block_manager.block_size
-    dtype = next(iter(engine.runner.kv_caches[0].values())).dtype
-    layers = [m for m in engine.runner.model.modules() if isinstance(m, MLAAttention)]
-    if len(layers) != len(engine.runner.kv_caches):
-        raise SystemExit(f"found {len(layers)} MLA layers but {len(engine.runner.kv_caches)} layer caches")
-    totals: dict[str, int] = {}
-    for layer in layers:
-        specs = [layer.backend.kv_cache_spec(layer.spec, block_size, dtype)]
-        specs += [own] if (own := layer.spec.model_cache_spec(block_size, dtype)) is not None else []
-        for spec in specs:
-            itemsize = torch.empty((), dtype=spec.dtype).element_size()
-            for tensor in spec.tensors:
-                totals[tensor.name] = totals.get(tensor.name, 0) + math.prod(tensor.shape) * itemsize
-    return totals
+def cache_bytes_per_token(llm: LLM) -> dict[str, float]:
+    """Bytes one token takes in the KV cache, summed over layers, per cache group, as the
+    engine accounted it when it allocated the cache (``LLMEngine.kv_cache``)."""
+    return {group["name"]: group["bytes_per_token"] for group in engine_of(llm).kv_cache["groups"]}
 
 
 def backend_name(llm: LLM) -> str:
@@ -245,8 +230,8 @@ def main() -> None:
     def median(context: int, name: str, key: str) -> float:
         return statistics.median(run[key] for run in cells[context][name])
 
-    mla = sparse_bytes.get("latent", 0) + sparse_bytes.get("rope", 0)
-    indexer = sum(value for key, value in sparse_bytes.items() if key not in ("latent", "rope"))
+    mla = sparse_bytes["attention"]  # the backend's latent + rope
+    indexer = sparse_bytes.get("indexer", 0)
     columns = ["context", "sparse ms/step", "dense ms/step", "dense/sparse", "dense/sparse p10"]
     columns += ["prefill s sparse", "prefill s dense", "KV MiB sparse", "KV MiB dense"]
     print("  ".join(f"{c:>{max(8, len(c))}}" for c in columns))

@@ -88,6 +88,7 @@ def build_engine(
         model_name=config.model.path,
         model_config=checkpoint.config,
         device_thread=device_thread,
+        kv_cache=loaded.layout.report(loaded.num_blocks),
     )
     log.info(
         "engine ready",

@@ -79,6 +79,7 @@ class LLMEngine:
         model_name: str = "",
         model_config: Mapping[str, Any] | None = None,
         device_thread: DeviceThread | None = None,
+        kv_cache: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -92,6 +93,9 @@ class LLMEngine:
         #: The checkpoint's config (config.json semantics): protocol adapters read the
         #: model family from it.
         self.model_config: Mapping[str, Any] = model_config or {}
+        #: The KV cache's accounting: its groups' bytes per token, the total, what a dense
+        #: uncompressed cache would take, the blocks per pool (``CacheLayout.report``).
+        self.kv_cache: Mapping[str, Any] = kv_cache or {}
         self._on_step = on_step
         self._on_shutdown = on_shutdown
         self._requests: dict[str, Request] = {}
