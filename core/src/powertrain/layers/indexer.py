@@ -113,8 +113,10 @@ class LightningIndexer(nn.Module):
         query_start_loc: Sequence[int],
         cached_keys: Sequence[torch.Tensor],
     ) -> torch.Tensor:
-        """int32 ``[n, topk]``: per query, the positions of its ``topk`` best visible tokens, best first,
-        -1 in the slots left when fewer than ``topk`` are visible.
+        """int32 ``[n, width]``: per query, the positions of its ``topk`` best visible tokens, best first,
+        -1 in the slots left when fewer than ``topk`` are visible. ``width`` is ``topk``, or the
+        longest sequence's length when that is shorter: no column would hold anything but -1, and
+        sparse attention gathers a row per column.
 
         Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i + 1]`` (host ints) and its
         keys are ``cached_keys[i]`` ``[seq_len, head_dim]``, row ``t`` the key of position ``t``, the
@@ -122,7 +124,8 @@ class LightningIndexer(nn.Module):
         """
         if len(query_start_loc) != len(cached_keys) + 1:
             raise ValueError(f"{len(cached_keys)} sequences of keys but query_start_loc {tuple(query_start_loc)}")
-        indices = torch.full((hidden.shape[0], self.topk), -1, dtype=torch.int32, device=hidden.device)
+        width = min(self.topk, max((keys.shape[0] for keys in cached_keys), default=1))
+        indices = torch.full((hidden.shape[0], max(width, 1)), -1, dtype=torch.int32, device=hidden.device)
         for seq, keys in enumerate(cached_keys):
             start, end = query_start_loc[seq], query_start_loc[seq + 1]
             if start == end or keys.shape[0] == 0:
