@@ -169,7 +169,7 @@ def test_greedy_outputs_equal_plain_decoding(
     path = checkpoints[checkpoint]
     speculated, stats = generate(engine_config(path, speculative, {"drafter": drafter, **dspark}, **settings), batch)
     assert speculated == plain[checkpoint]
-    if checkpoint == "random":  # the model follows no drafts but the quoted ones: most rejected
+    if checkpoint == "random":  # a random model follows few drafts (the quotes are the mimic's)
         assert stats.speculative_verified_tokens > stats.speculative_accepted_tokens
     else:
         assert_rolled_back(stats)
