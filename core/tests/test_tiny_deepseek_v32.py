@@ -85,3 +85,28 @@ def test_writes_are_deterministic_and_cached(tiny_v32: Path, tmp_path: Path, see
         load_file(other / "model.safetensors")["model.layers.0.self_attn.indexer.wk.weight"],
         load_file(tiny_v32 / "model.safetensors")["model.layers.0.self_attn.indexer.wk.weight"],
     )
+
+
+def test_mtp_layers_are_v32_blocks_beside_unchanged_main_weights(tiny_v32: Path, tmp_path: Path, seed: int) -> None:
+    """``num_nextn_predict_layers``: the MTP layer is stored past the decoder layers, its block a
+    MoE one with an indexer (as DeepSeek-V3.2 releases it); the main weights are those written
+    without it, and transformers loads the folder (skipping the MTP tensors) to the same logits."""
+    path = write_tiny_deepseek_v32(tmp_path / "mtp", seed=seed, num_nextn_predict_layers=1)
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert config["mlp_layer_types"] == ["dense", "sparse", "sparse"]  # the decoder layers only
+    stored = {name: t for shard in sorted(path.glob("*.safetensors")) for name, t in load_file(shard).items()}
+    plain = load_file(tiny_v32 / "model.safetensors")
+    for name, tensor in plain.items():
+        assert torch.equal(stored[name], tensor), name
+    mtp = {name.removeprefix(f"model.layers.{LAYERS}.") for name in stored.keys() - plain.keys()}
+    assert all(name.startswith(f"model.layers.{LAYERS}.") for name in stored.keys() - plain.keys())
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"} <= mtp
+    assert {f"self_attn.indexer.{name}" for name in INDEXER_TENSORS} <= mtp
+    assert {"mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight"} <= mtp
+    assert torch.equal(stored[f"model.layers.{LAYERS}.shared_head.head.weight"], plain["lm_head.weight"])
+    ids = torch.randint(0, config["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        with_mtp = transformers.DeepseekV32ForCausalLM.from_pretrained(path).eval()(ids).logits
+        without = transformers.DeepseekV32ForCausalLM.from_pretrained(tiny_v32).eval()(ids).logits
+    assert torch.equal(with_mtp, without)

@@ -18,6 +18,7 @@ Writing takes well under a second once transformers is imported (importing it ta
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -272,30 +273,7 @@ def write_tiny_deepseek(
     _write_tensors(saved, _expert_layout(load_file(saved), per_expert=per_expert_names))
 
     if num_nextn_predict_layers:
-        layer_class = type(model.model.layers[-1])
-        main = model.state_dict()
-        mtp = {}
-        for index in range(config.num_hidden_layers, config.num_hidden_layers + num_nextn_predict_layers):
-            # A separate generator: the main weights are the same with or without MTP layers.
-            mtp_generator = torch.Generator().manual_seed(seed + 1_000_003 * (index + 1))
-            block = _to_dtype(layer_class(config, layer_idx=index), dtype).state_dict(keep_vars=True)
-            layer = {
-                "enorm.weight": torch.empty(config.hidden_size),
-                "hnorm.weight": torch.empty(config.hidden_size),
-                "eh_proj.weight": torch.empty(config.hidden_size, 2 * config.hidden_size),
-                "shared_head.norm.weight": torch.empty(config.hidden_size),
-            }
-            _randomize(layer, mtp_generator)
-            _randomize(block, mtp_generator)
-            layer |= {name: tensor.detach() for name, tensor in block.items()}
-            layer |= {
-                "embed_tokens.weight": main["model.embed_tokens.weight"],
-                "shared_head.head.weight": main["lm_head.weight"],
-            }
-            for name, tensor in layer.items():
-                keep_float32 = name.endswith("e_score_correction_bias")
-                mtp[f"model.layers.{index}.{name}"] = tensor.to(torch.float32 if keep_float32 else dtype).clone()
-        _add_shard(folder, _expert_layout(mtp, per_expert=per_expert_names))
+        _add_mtp_layers(folder, model, config, num_nextn_predict_layers, seed, dtype, per_expert_names)
 
     _write_tokenizer(folder, tokenizer)
     files = sorted(file.name for file in folder.iterdir())
@@ -306,6 +284,7 @@ def write_tiny_deepseek(
 def write_tiny_deepseek_v32(
     path: str | Path,
     *,
+    num_nextn_predict_layers: int = 0,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     per_expert_names: bool = True,
@@ -318,12 +297,20 @@ def write_tiny_deepseek_v32(
     and sigmoid/group-limited MoE, plus a Lightning Indexer in every attention layer, stored as
     ``model.layers.{i}.self_attn.indexer.{wq_b,wk,weights_proj}.weight`` and
     ``...indexer.k_norm.{weight,bias}`` (a LayerNorm: its bias is random too, ~ 0.1 N(0, 1)).
-    Sizes: ``TINY_DEEPSEEK_V32_CONFIG``; any config key can be overridden by keyword. No MTP layer
-    is written (transformers' V3.2 class has none); the MLA rope stays interleaved, the indexer's is
-    not (transformers hard-codes both).
+    Sizes: ``TINY_DEEPSEEK_V32_CONFIG``; any config key can be overridden by keyword. The MLA rope
+    stays interleaved, the indexer's is not (transformers hard-codes both).
+
+    ``num_nextn_predict_layers`` MTP layers are stored as ``write_tiny_deepseek`` stores V3's, their
+    decoder blocks V3.2's (MoE, with an indexer), as DeepSeek-V3.2's release has them. transformers'
+    V3.2 class builds no MTP layer and skips these tensors; ``mlp_layer_types`` in config.json
+    still lists the decoder layers only.
     """
     folder = Path(path)
-    config_args = {**TINY_DEEPSEEK_V32_CONFIG, **overrides}
+    config_args = {
+        **TINY_DEEPSEEK_V32_CONFIG,
+        **({"num_nextn_predict_layers": num_nextn_predict_layers} if num_nextn_predict_layers else {}),
+        **overrides,
+    }
     recipe = _recipe("v3.2", seed, dtype, per_expert_names, config_args)
     if _reuse_or_clear(folder, recipe):
         return folder
@@ -339,10 +326,58 @@ def write_tiny_deepseek_v32(
     saved = folder / "model.safetensors"
     _write_tensors(saved, _expert_layout(load_file(saved), per_expert=per_expert_names))
 
+    if num_nextn_predict_layers:
+        # transformers picks a V3.2 layer's MLP by mlp_layer_types[layer_idx]: MTP blocks are MoE.
+        # (Set after construction: the config validates the list against num_hidden_layers.)
+        block_config = copy.deepcopy(config)
+        block_config.mlp_layer_types = [*config.mlp_layer_types, *["sparse"] * num_nextn_predict_layers]
+        _add_mtp_layers(
+            folder, model, config, num_nextn_predict_layers, seed, dtype, per_expert_names, block_config=block_config
+        )
+
     _write_tokenizer(folder, tokenizer)
     files = sorted(file.name for file in folder.iterdir())
     (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
     return folder
+
+
+def _add_mtp_layers(
+    folder: Path,
+    model: Any,
+    config: Any,
+    count: int,
+    seed: int,
+    dtype: torch.dtype,
+    per_expert_names: bool,
+    block_config: Any = None,
+) -> None:
+    """Add ``count`` MTP layers, as DeepSeek-V3 stores them, in a shard of their own (see
+    ``write_tiny_deepseek``): each a random decoder block of ``model``'s layer class (built
+    from ``block_config``, default ``config``) plus the MTP's norms and ``eh_proj``."""
+    layer_class = type(model.model.layers[-1])
+    main = model.state_dict()
+    mtp = {}
+    for index in range(config.num_hidden_layers, config.num_hidden_layers + count):
+        # A separate generator: the main weights are the same with or without MTP layers.
+        mtp_generator = torch.Generator().manual_seed(seed + 1_000_003 * (index + 1))
+        block = _to_dtype(layer_class(block_config or config, layer_idx=index), dtype).state_dict(keep_vars=True)
+        layer = {
+            "enorm.weight": torch.empty(config.hidden_size),
+            "hnorm.weight": torch.empty(config.hidden_size),
+            "eh_proj.weight": torch.empty(config.hidden_size, 2 * config.hidden_size),
+            "shared_head.norm.weight": torch.empty(config.hidden_size),
+        }
+        _randomize(layer, mtp_generator)
+        _randomize(block, mtp_generator)
+        layer |= {name: tensor.detach() for name, tensor in block.items()}
+        layer |= {
+            "embed_tokens.weight": main["model.embed_tokens.weight"],
+            "shared_head.head.weight": main["lm_head.weight"],
+        }
+        for name, tensor in layer.items():
+            keep_float32 = name.endswith("e_score_correction_bias")
+            mtp[f"model.layers.{index}.{name}"] = tensor.to(torch.float32 if keep_float32 else dtype).clone()
+    _add_shard(folder, _expert_layout(mtp, per_expert=per_expert_names))
 
 
 def random_hf_model(model_class: Any, config: Any) -> Any:
