@@ -247,6 +247,48 @@ def chi_square_p(counts: dict, law: dict, runs: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
 
 
+def count_outcomes(outputs: list) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for output in outputs:
+        outcome = tuple(output.outputs[0].token_ids)
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return counts
+
+
+def test_sampling_with_ngram_drafts_follows_the_exact_law(law_checkpoint: Path) -> None:
+    """The n-gram drafter's drafts are point masses (prompt lookup): fixed-k verifies what it
+    drafts for every request, the sampled token keeps or rejects them, and the output law
+    must still be the target's exactly. This checkpoint's next token depends mostly on the
+    last one, so the prompt first quotes, for each of the three tokens the sample can start
+    with, that token and the model's greedy continuation of it, then ends with the tail they
+    were drawn after: a sampled token has occurred before, and what followed it is a likely
+    draft, kept often and rejected often."""
+    tail = torch.randint(2, 500, (1, 12), generator=torch.Generator().manual_seed(LAW_PROMPT_SEED + 1))
+    model = transformers.DeepseekV32ForCausalLM.from_pretrained(str(law_checkpoint), dtype=torch.float32).eval()
+    quotes: list[int] = []
+    with torch.inference_mode():
+        for first in model(input_ids=tail).logits[0, -1].topk(3).indices.tolist():
+            grown = torch.cat([tail, torch.tensor([[first]])], dim=1)
+            quotes += model.generate(grown, max_new_tokens=3, min_new_tokens=3, do_sample=False)[0, -4:].tolist()
+    prompt = quotes + tail[0].tolist()
+    assert len(prompt) > INDEX_TOPK
+    params = SamplingParams(temperature=2.0, top_k=3, max_tokens=GENERATED, ignore_eos=True)
+    config = engine_config(law_checkpoint, "fixed-k", {"drafter": "ngram", "max_draft_tokens": 2}, max_num_seqs=32)
+    with LLM(config=config) as llm:
+        outputs = llm.generate([prompt] * RUNS, [attrs.evolve(params, seed=20_000 + i) for i in range(RUNS)])
+        stats = llm.engine.stats()
+    assert_rolled_back(stats)
+    counts = count_outcomes(outputs)
+    law = exact_law(law_checkpoint, prompt, params)
+    assert set(counts) <= set(law), "an outcome the target cannot produce"
+    p_value = chi_square_p(counts, law, RUNS)
+    assert p_value > SIGNIFICANCE, f"output law differs from the target's: chi-square p = {p_value:.2e}"
+    dense = exact_law(law_checkpoint, prompt, params, index_topk=4 * len(prompt))
+    p_control = chi_square_p(counts, dense, RUNS)
+    print(f"chi-square p = {p_value:.3g} against the sparse law, {p_control:.3g} against the dense one")
+    assert p_control < SIGNIFICANCE, f"the dense-attention law passed (p = {p_control:.2e}): the test has no power"
+
+
 def test_sampling_with_dspark_and_mtp_follows_the_exact_law(law_checkpoint: Path) -> None:
     """Seeded requests, top-k 3 so the law has 27 outcomes, temperature 2 so few of them
     are rare. The MTP drafter samples its drafts (q is its own distribution); DSpark
@@ -274,10 +316,7 @@ def test_sampling_with_dspark_and_mtp_follows_the_exact_law(law_checkpoint: Path
         outputs = llm.generate([prompt] * RUNS, [attrs.evolve(params, seed=10_000 + i) for i in range(RUNS)])
         stats = llm.engine.stats()
     assert_rolled_back(stats)
-    counts: dict[tuple[int, ...], int] = {}
-    for output in outputs:
-        outcome = tuple(output.outputs[0].token_ids)
-        counts[outcome] = counts.get(outcome, 0) + 1
+    counts = count_outcomes(outputs)
     law = exact_law(law_checkpoint, prompt, params)
     assert len(law) == 3**GENERATED and sum(law.values()) == pytest.approx(1.0)
     assert set(counts) <= set(law), "an outcome the target cannot produce"

@@ -45,10 +45,8 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def generate(path: Path, speculative: str, num_blocks: int) -> tuple[list[list[int]], object]:
-    config = apply_overrides(
-        EngineConfig(),
-        {"path": str(path), "dtype": "float32", "speculative": speculative, "block_size": BLOCK, "num_blocks": num_blocks},
-    )
+    settings = {"path": str(path), "dtype": "float32", "speculative": speculative}
+    config = apply_overrides(EngineConfig(), {**settings, "block_size": BLOCK, "num_blocks": num_blocks})
     if speculative != "none":
         config = attrs.evolve(config, sections={"dspark": {"max_draft_tokens": 3, "profile_sequences": [1, 4]}})
     generator = torch.Generator().manual_seed(4)
