@@ -34,15 +34,20 @@ from powertrain.loader.fp8 import SCALE_SUFFIX, quantize_blocks
 
 __all__ = [
     "DEEPSEEK_V3_QUANTIZATION_CONFIG",
+    "DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG",
     "TINY_DEEPSEEK_CONFIGS",
     "TINY_DEEPSEEK_V32_CONFIG",
+    "TINY_DEEPSEEK_V4_CONFIG",
+    "dequantize_fp4",
     "fp8_quantized_in_deepseek_v3",
     "quantize_checkpoint_fp8",
+    "quantize_fp4",
     "random_hf_model",
     "save_with_tiny_tokenizer",
     "tiny_tokenizer",
     "write_tiny_deepseek",
     "write_tiny_deepseek_v32",
+    "write_tiny_deepseek_v4",
 ]
 
 Variant = Literal["v3", "v2-lite"]
@@ -137,6 +142,79 @@ TINY_DEEPSEEK_V32_CONFIG: Mapping[str, Any] = {
     "index_n_heads": 16,
     "index_head_dim": 32,
     "index_topk": 8,
+}
+
+#: HF config arguments of the tiny DeepSeek-V4 (``DeepseekV4Config``), before ``**overrides``.
+#: Every attention type (layer 0 sliding window only, 1 and 3 CSA, 2 HCA), hash routing in layers
+#: 0-1 and learned routing in 2-3, 4 mHC streams (V4-Flash's count). Compression rates 4 (CSA, as
+#: released) and 8 (HCA; 128 released) with an 8-token sliding window (128 released): a 40-token
+#: prompt spans 10 CSA and 5 HCA windows and leaves the window. ``index_topk`` 4 so the indexer
+#: drops entries; 8 indexer heads (fewer make all-zero ReLU scores, hence top-k ties, likely).
+#: head_dim 32 with 8 rope dims (V4: 512 / 64); ``index_head_dim`` 16 holds those 8 and 8 more.
+#: ``swiglu_limit`` 1.5 (10 released) so the clamp bites on unit-scale activations. 64 hidden and
+#: 32 expert columns are multiples of 32, the FP4 scale group. YaRN on the "compress" rope only,
+#: as V4's config does (factor 4 = max_position_embeddings / original, so transformers is quiet).
+TINY_DEEPSEEK_V4_CONFIG: Mapping[str, Any] = {
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "layer_types": [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "partial_rotary_factor": 0.25,
+    "q_lora_rank": 48,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "sliding_window": 8,
+    "index_n_heads": 8,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 1.5,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    "max_position_embeddings": 512,
+    "num_nextn_predict_layers": 0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+#: What a DeepSeek-V4 config.json with FP4 experts says (transformers' ``FineGrainedFP8Config``):
+#: ``expert_dtype="fp4"`` makes routed experts e2m1 packed two per byte (int8, low nibble first)
+#: with one ue8m0 (power-of-two, ``float8_e8m0fnu``) scale per 32 columns of a row; ``.scale``
+#: tensors beside the weights. The block size is that of FP8 dense weights (none here).
+DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG: Mapping[str, Any] = {
+    "activation_scheme": "dynamic",
+    "expert_dtype": "fp4",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
 }
 
 #: What DeepSeek-V3's config.json says about its FP8 weights (the block shape is filled in).
@@ -339,6 +417,134 @@ def write_tiny_deepseek_v32(
     files = sorted(file.name for file in folder.iterdir())
     (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
     return folder
+
+
+def write_tiny_deepseek_v4(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    fp4_experts: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random DeepSeek-V4 checkpoint folder (``DeepseekV4ForCausalLM``) and return it.
+
+    As ``write_tiny_deepseek`` (weight recipe, tokenizer, recipe file so a second call with the same
+    arguments returns at once), with transformers' ``DeepseekV4Config``: sliding-window, CSA
+    (compressor + Lightning Indexer) and HCA attention layers, hash-routed and learned-routed MoE,
+    mHC residual streams. Sizes: ``TINY_DEEPSEEK_V4_CONFIG``; any config key can be overridden.
+
+    - Names: what ``save_pretrained`` writes, which is transformers' conversion mapping run
+      backwards: DeepSeek's native names under a ``model.`` prefix (``model.layers.{i}.attn.wq_a``,
+      ``.attn.attn_sink``, ``.attn.compressor.{wkv,wgate,ape,norm}``, ``.attn.indexer.{wq_b,
+      weights_proj}``, ``.attn.indexer.compressor.*``, ``.ffn.experts.{e}.w1/w2/w3``,
+      ``.ffn.gate.{weight,bias,tid2eid}``, ``.hc_attn_{fn,base,scale}``, ``head.weight``) except
+      ``model.embed_tokens.weight`` and ``model.hc_head.hc_{fn,base,scale}``, whose ``^``-anchored
+      patterns do not match under the prefix (DeepSeek's release: ``embed.weight``,
+      ``hc_head_fn``...). transformers loads the folder back either way.
+    - Weights: every parameter random (``_randomize``: norms 1 + 0.1 N, linears fan-in scaled),
+      the attention sinks, compressor ``ape``, mHC ``base``/``scale`` included (transformers
+      starts them at zero or one). ``tid2eid`` (int64 ``[vocab, top_k]``, zeros in transformers)
+      is a seeded random choice of ``top_k`` distinct experts per token. Modules transformers keeps
+      in float32 (mHC, sinks, ``ape``, norms, the correction bias) stay float32 for other ``dtype``.
+    - ``fp4_experts``: routed experts stored as DeepSeek-V4 releases them and transformers'
+      ``FP8Experts(expert_dtype="fp4")`` holds them: ``w1/w2/w3.weight`` int8 ``[rows, cols/2]``
+      (two e2m1 codes a byte, even column in the low nibble) and ``.scale`` ``float8_e8m0fnu``
+      ``[rows, cols/32]``, the scale the power of two ``2**ceil(log2(amax/6))`` of each 32-column
+      group; config.json gains ``DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG``. Everything else as without
+      it (same seed, same values); transformers dequantises the experts on load (on CPU it must).
+      ``dequantize_fp4`` gives the float weights the checkpoint stands for.
+
+    transformers' V4 builds no MTP layer (it ignores ``mtp.*``), so none is written.
+    """
+    folder = Path(path)
+    config_args = copy.deepcopy({**TINY_DEEPSEEK_V4_CONFIG, **overrides})
+    recipe = _recipe("v4-fp4" if fp4_experts else "v4", seed, dtype, True, config_args)
+    if _reuse_or_clear(folder, recipe):
+        return folder
+
+    tokenizer = _tokenizer_for(config_args)
+    model = _tiny_deepseek_v4_model(config_args, seed, dtype)
+    model.save_pretrained(folder)
+    if fp4_experts:
+        saved = folder / "model.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in load_file(saved).items():
+            if _V4_EXPERT_WEIGHT.fullmatch(name):
+                tensors[name], tensors[name.removesuffix("weight") + "scale"] = quantize_fp4(tensor)
+            else:
+                tensors[name] = tensor
+        _write_tensors(saved, tensors)
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config["quantization_config"] = dict(DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG)
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    _write_tokenizer(folder, tokenizer)
+    files = sorted(file.name for file in folder.iterdir())
+    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
+    return folder
+
+
+#: Routed-expert weights under the names ``save_pretrained`` writes for V4 (native ``w1/w2/w3``).
+_V4_EXPERT_WEIGHT = re.compile(r".+\.ffn\.experts\.\d+\.w[123]\.weight")
+#: The magnitudes of e2m1 codes 0..7; code | 8 is the negative.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_GROUP = 32
+
+
+def _tiny_deepseek_v4_model(config_args: Mapping[str, Any], seed: int, dtype: torch.dtype) -> Any:
+    """The random ``DeepseekV4ForCausalLM`` ``write_tiny_deepseek_v4`` saves (``config_args``
+    with the tokenizer's vocab_size), in eval mode."""
+    transformers = _import_transformers()
+    config_args = copy.deepcopy(dict(config_args))  # DeepseekV4Config edits nested dicts in place
+    if "vocab_size" not in config_args:
+        _tokenizer_for(config_args)
+    config = transformers.DeepseekV4Config(**config_args)
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
+        model = transformers.DeepseekV4ForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    state = model.state_dict(keep_vars=True)
+    _randomize({name: t for name, t in state.items() if t.is_floating_point()}, generator)
+    with torch.no_grad():
+        for name in sorted(state):
+            if name.endswith(".tid2eid"):  # top_k distinct experts per token id
+                table = state[name]
+                scores = torch.rand(table.shape[0], config.n_routed_experts, generator=generator)
+                table.copy_(scores.argsort(dim=-1)[:, : table.shape[1]])
+    keep = tuple(model._keep_in_fp32_modules_strict)
+    for module_name, module in model.named_modules():
+        for tensor_name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if not tensor.is_floating_point():
+                continue
+            full = f"{module_name}.{tensor_name}".split(".")
+            target = torch.float32 if any(part in keep for part in full) else dtype
+            tensor.data = tensor.data.to(target)
+    return model.eval()
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[..., cols]`` (cols a multiple of 32) as DeepSeek-V4's FP4 experts: int8 ``[..., cols/2]``
+    of e2m1 codes (even column in the low nibble) and ``float8_e8m0fnu`` ``[..., cols/32]`` scales,
+    each the power of two ``2**ceil(log2(amax/6))`` of its 32 columns, values rounded to nearest."""
+    if weight.shape[-1] % FP4_GROUP:
+        raise ValueError(f"FP4 groups are {FP4_GROUP} columns; the last dimension is {weight.shape[-1]}")
+    groups = weight.float().unflatten(-1, (-1, FP4_GROUP))
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
+    scaled = (groups / scale).flatten(-2)
+    grid = torch.tensor(_E2M1)
+    codes = torch.bucketize(scaled.abs(), (grid[1:] + grid[:-1]) / 2)
+    codes = codes | torch.where(scaled < 0, 8, 0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.squeeze(-1).to(torch.float8_e8m0fnu)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``quantize_fp4``'s ``(packed, scale)`` stands for."""
+    lut = torch.tensor(_E2M1 + tuple(-value for value in _E2M1))
+    codes = packed.view(torch.uint8).long()
+    values = torch.stack([lut[codes & 0xF], lut[codes >> 4]], dim=-1).flatten(-2)
+    return (values.unflatten(-1, (-1, FP4_GROUP)) * scale.float().unsqueeze(-1)).flatten(-2)
 
 
 def _add_mtp_layers(
