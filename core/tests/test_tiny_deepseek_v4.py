@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers  # the oracle; the locked dev group pins 5.24, which has DeepSeek-V4
 from safetensors.torch import load_file
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
 
 from powertrain.testing import fresh_seed
 from powertrain.testing.checkpoints import (
@@ -115,6 +116,81 @@ def test_a_second_call_reuses_the_folder(tiny_v4: Path, seed: int) -> None:
     stamps = {file.name: file.stat().st_mtime_ns for file in tiny_v4.iterdir()}
     assert write_tiny_deepseek_v4(tiny_v4, seed=seed) == tiny_v4
     assert {file.name: file.stat().st_mtime_ns for file in tiny_v4.iterdir()} == stamps
+
+
+def test_bfloat16_keeps_transformers_float32_modules(tmp_path: Path, seed: int, prompts: torch.Tensor) -> None:
+    path = write_tiny_deepseek_v4(tmp_path / "bf16", seed=seed, dtype=torch.bfloat16)
+    stored = load_file(path / "model.safetensors")
+    assert stored["model.layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
+    for name in ("hc_attn_fn", "attn.attn_sink", "attn.compressor.ape", "attn_norm.weight", "ffn.gate.bias"):
+        assert stored[f"model.layers.3.{name}"].dtype == torch.float32, name
+    loaded = transformers.DeepseekV4ForCausalLM.from_pretrained(path).eval()
+    logits = _logits(loaded, prompts)
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits, _logits(_tiny_deepseek_v4_model(TINY_DEEPSEEK_V4_CONFIG, seed, torch.bfloat16), prompts))
+
+
+def _entries_from_rows(compressor: torch.nn.Module, x: torch.Tensor, rate: int, overlap: bool) -> torch.Tensor:
+    """Compressed entries as docs/deepseek_v4_notes.md states them: per-token rows
+    ``[kv_proj(x_t) | gate_proj(x_t) + ape[t mod m]]``; entry w softmax-mixes (per channel) the rows
+    of window w (CSA: their second half, plus the first half of window w-1's rows), then the norm,
+    then RoPE ("compress" table) at position w*m. ``x``: ``[S, D]``, one sequence's attention input."""
+    kv, gate = compressor.kv_proj(x), compressor.gate_proj(x)
+    windows = x.shape[0] // rate
+    score = gate[: windows * rate] + compressor.position_bias.repeat(windows, 1)
+    half = kv.shape[-1] // 2
+    entries = []
+    for w in range(windows):
+        now = slice(w * rate, (w + 1) * rate)
+        if overlap:
+            before = slice(max(w - 1, 0) * rate, w * rate)  # empty for w = 0
+            rows = torch.cat([kv[before, :half], kv[now, half:]])
+            scores = torch.cat([score[before, :half], score[now, half:]])
+        else:
+            rows, scores = kv[now], score[now]
+        entries.append((rows * scores.softmax(dim=0)).sum(dim=0))
+    entries = compressor.kv_norm(torch.stack(entries))[None]
+    positions = torch.arange(windows)[None] * rate
+    cos, sin = compressor.rotary_emb(entries, position_ids=positions, layer_type="compress")
+    return apply_rotary_pos_emb(entries.unsqueeze(1), cos, sin)[0, 0]
+
+
+def test_compressed_entries_are_a_function_of_recent_token_rows(tiny_v4: Path, prompts: torch.Tensor) -> None:
+    """The compressor-state claim of docs/deepseek_v4_notes.md, against transformers: the entries
+    its cache holds after a chunked prefill and single-token decode steps are those computed from
+    per-token rows alone (CSA from the last 2m tokens' rows, HCA from the last m'), and the
+    chunked run's logits are the one-shot forward's."""
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_v4).eval()
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda _m, args, i=i: inputs.__setitem__(i, args[0][0]))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    ids = prompts[:1]
+    with torch.no_grad():
+        full = model(ids).logits
+        x = dict(inputs)
+        cache = transformers.DynamicCache(config=model.config)
+        pieces, start = [], 0
+        for stop in (13, 14, 15, 16, 23, *range(24, PROMPT + 1)):
+            pieces.append(model(ids[:, start:stop], cache=cache, use_cache=True).logits)
+            start = stop
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5 * full.abs().max().item())
+    rates = model.config.compress_rates
+    with torch.no_grad():
+        for i, layer_type in enumerate(model.config.layer_types):
+            if layer_type == "sliding_attention":
+                continue
+            compressor, state = model.model.layers[i].self_attn.compressor, cache.layers[i]
+            csa = layer_type == "compressed_sparse_attention"
+            expected = {"compressor": _entries_from_rows(compressor, x[i], rates[layer_type], csa)}
+            if csa:
+                expected["indexer"] = _entries_from_rows(compressor.indexer, x[i], rates[layer_type], True)
+            for name, entries in expected.items():
+                assert entries.shape[0] == PROMPT // rates[layer_type]
+                torch.testing.assert_close(state.compressed_kv[name][0].squeeze(0), entries, rtol=1e-5, atol=1e-5)
 
 
 def test_fp4_roundtrip_is_on_the_e2m1_grid() -> None:

@@ -511,14 +511,12 @@ def _tiny_deepseek_v4_model(config_args: Mapping[str, Any], seed: int, dtype: to
                 table = state[name]
                 scores = torch.rand(table.shape[0], config.n_routed_experts, generator=generator)
                 table.copy_(scores.argsort(dim=-1)[:, : table.shape[1]])
-    keep = tuple(model._keep_in_fp32_modules_strict)
-    for module_name, module in model.named_modules():
-        for tensor_name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if not tensor.is_floating_point():
-                continue
-            full = f"{module_name}.{tensor_name}".split(".")
-            target = torch.float32 if any(part in keep for part in full) else dtype
-            tensor.data = tensor.data.to(target)
+    # What transformers does on load: dtype, except modules it keeps in float32 and the rope
+    # tables (non-persistent float32 buffers).
+    keep = set(model._keep_in_fp32_modules_strict)
+    for name, tensor in state.items():
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
     return model.eval()
 
 
