@@ -204,6 +204,9 @@ def test_fp4_roundtrip_is_on_the_e2m1_grid() -> None:
     assert ((restored - weight).abs() <= groups).all()
     assert (restored.abs() <= 6 * groups).all() and ((weight.abs() / groups) > 3).any()
     assert torch.equal(dequantize_fp4(*quantize_fp4(restored)), restored)  # grid values are exact
+    # Ties round to the even code (as a float cast does): 0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4; scale 1.
+    ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0] + [6.0] * 24])
+    assert dequantize_fp4(*quantize_fp4(ties))[0, :8].tolist() == [0, 1, 1, 2, 2, 4, 4, -4]
 
 
 def test_fp4_experts_load_in_transformers_as_the_dequantised_model(

@@ -523,7 +523,8 @@ def _tiny_deepseek_v4_model(config_args: Mapping[str, Any], seed: int, dtype: to
 def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ``[..., cols]`` (cols a multiple of 32) as DeepSeek-V4's FP4 experts: int8 ``[..., cols/2]``
     of e2m1 codes (even column in the low nibble) and ``float8_e8m0fnu`` ``[..., cols/32]`` scales,
-    each the power of two ``2**ceil(log2(amax/6))`` of its 32 columns, values rounded to nearest."""
+    each the power of two ``2**ceil(log2(amax/6))`` of its 32 columns (as DeepSeek's ``fp4_act_quant``),
+    values rounded to nearest, ties to even."""
     if weight.shape[-1] % FP4_GROUP:
         raise ValueError(f"FP4 groups are {FP4_GROUP} columns; the last dimension is {weight.shape[-1]}")
     groups = weight.float().unflatten(-1, (-1, FP4_GROUP))
@@ -531,7 +532,11 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
     scaled = (groups / scale).flatten(-2)
     grid = torch.tensor(_E2M1)
-    codes = torch.bucketize(scaled.abs(), (grid[1:] + grid[:-1]) / 2)
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    magnitude = scaled.abs()
+    codes = torch.bucketize(magnitude, midpoints)  # a tie goes to the lower code...
+    tie = magnitude == midpoints[codes.clamp(max=len(midpoints) - 1)]
+    codes = codes + (tie & (codes % 2 == 1)).long()  # ...unless that one's mantissa bit is set: to even
     codes = codes | torch.where(scaled < 0, 8, 0)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
     return packed, scale.squeeze(-1).to(torch.float8_e8m0fnu)
