@@ -447,8 +447,9 @@ def write_tiny_deepseek_v4(
       starts them at zero or one). ``tid2eid`` (int64 ``[vocab, top_k]``, zeros in transformers)
       is a seeded random choice of ``top_k`` distinct experts per token. Modules transformers keeps
       in float32 (mHC, sinks, ``ape``, norms, the correction bias) stay float32 for other ``dtype``.
-    - ``fp4_experts``: routed experts stored as DeepSeek-V4 releases them and transformers'
-      ``FP8Experts(expert_dtype="fp4")`` holds them: ``w1/w2/w3.weight`` int8 ``[rows, cols/2]``
+    - ``fp4_experts``: routed experts in the layout of transformers' ``FP8Experts(expert_dtype="fp4")``
+      (DeepSeek's reference types the same bytes ``float4_e2m1fn_x2``, which transformers 5.24 cannot
+      load from safetensors): ``w1/w2/w3.weight`` int8 ``[rows, cols/2]``
       (two e2m1 codes a byte, even column in the low nibble) and ``.scale`` ``float8_e8m0fnu``
       ``[rows, cols/32]``, the scale the power of two ``2**ceil(log2(amax/6))`` of each 32-column
       group; config.json gains ``DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG``. Everything else as without
