@@ -26,7 +26,9 @@ DeepSeek model. ``write_tiny_deepseek(folder)`` writes a tiny random DeepSeek-V3
 (or ``variant="v2-lite"``) checkpoint with HF transformers, MTP layer and tokenizer
 included, in well under a second; ``quantize_checkpoint_fp8(folder, fp8_folder)``
 turns it into DeepSeek-V3's FP8 block-scaled layout; ``write_tiny_deepseek_v32(folder)``
-writes a tiny DeepSeek-V3.2 (Lightning Indexer in every attention layer). Both are deterministic per seed;
+writes a tiny DeepSeek-V3.2 (Lightning Indexer in every attention layer) and
+``write_tiny_deepseek_v4(folder)`` a tiny DeepSeek-V4 (every attention layer type, hash
+routing, mHC; FP4 experts optional). All are deterministic per seed;
 cache them with a session-scoped fixture over ``tmp_path_factory`` (see
 ``powertrain.testing.checkpoints``).
 """
@@ -38,7 +40,12 @@ import pytest
 from powertrain.plugins import PluginManager
 from powertrain.testing.attention import AttentionBackendSuite, check_sparse_mla, check_sparse_mla_refuses
 from powertrain.testing.base import ComponentSuite, fresh_seed
-from powertrain.testing.checkpoints import quantize_checkpoint_fp8, write_tiny_deepseek, write_tiny_deepseek_v32
+from powertrain.testing.checkpoints import (
+    quantize_checkpoint_fp8,
+    write_tiny_deepseek,
+    write_tiny_deepseek_v4,
+    write_tiny_deepseek_v32,
+)
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
 from powertrain.testing.moe import MoEBackendSuite
@@ -54,6 +61,7 @@ __all__ = [
     "fresh_seed",
     "quantize_checkpoint_fp8",
     "write_tiny_deepseek",
+    "write_tiny_deepseek_v4",
     "write_tiny_deepseek_v32",
 ]
 
