@@ -188,10 +188,7 @@ class CacheGroupSpec:
         """The group's tensors for ``num_blocks`` usable blocks (plus a zeroed null block
         when sliding, see ``AttentionLayerSpec.allocate_cache``)."""
         tensors = self.paged(block_size, dtype).allocate(pool_blocks(self.sliding_window, num_blocks), device)
-        if self.sliding_window is not None:
-            for tensor in tensors.values():
-                tensor[-1].zero_()
-        return tensors
+        return _with_null_block(tensors, self.sliding_window)
 
 
 #: One layer's cache, as allocated from its KVCacheSpec: tensor name -> tensor.
@@ -262,9 +259,7 @@ class AttentionLayerSpec:
         counts = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
         block_size = backend_spec.block_size
         cache = backend_spec.allocate(pool_blocks(self.sliding_window, counts[self.sliding_window]), device)
-        if self.sliding_window is not None:
-            for tensor in cache.values():
-                tensor[-1].zero_()
+        _with_null_block(cache, self.sliding_window)
         for group in self.cache_groups:
             tensors = group.allocate(block_size, backend_spec.dtype, counts[group.sliding_window], device)
             clash = sorted(cache.keys() & tensors.keys())
@@ -275,6 +270,14 @@ class AttentionLayerSpec:
                 )
             cache.update(tensors)
         return cache
+
+
+def _with_null_block(tensors: dict[str, torch.Tensor], window: int | None) -> dict[str, torch.Tensor]:
+    """Zero a sliding class's null block (its last) in each of ``tensors``."""
+    if window is not None:
+        for tensor in tensors.values():
+            tensor[-1].zero_()
+    return tensors
 
 
 def pool_blocks(window: int | None, usable: int) -> int:
