@@ -81,18 +81,8 @@ def describe_cache(
     """What the KV cache would be (groups, bytes per token, blocks per class), from the
     model built on the meta device: no weights are read and no memory is taken."""
     model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, None, device=torch.device("meta"))
-    config = plan.config
-    layout = model_cache_layout(model, attention, config.cache.block_size, dtype)
-    try:
-        counts = layout.num_blocks(
-            kv_budget_bytes(config, plan.platform, plan.device),
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            fixed=config.cache.num_blocks,
-        )
-    except ValueError as error:
-        raise AssemblyError([str(error)]) from error
-    return layout.report(counts)
+    layout = model_cache_layout(model, attention, plan.config.cache.block_size, dtype)
+    return layout.report(_block_counts(layout, plan))
 
 
 def _build_model(
@@ -162,22 +152,26 @@ def _allocate_kv_cache(
     config = plan.config
     layers = model.attention_layers
     layout = model_cache_layout(model, attention, config.cache.block_size, dtype)
-    if expert_only:  # an expert-only rank holds no requests; a few blocks serve its startup profiles
-        counts = dict.fromkeys(layout.windows, EXPERT_ONLY_BLOCKS)
-    else:
-        try:
-            counts = layout.num_blocks(
-                kv_budget_bytes(config, plan.platform, plan.device),
-                max_num_seqs=config.scheduler.max_num_seqs,
-                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                fixed=config.cache.num_blocks,
-            )
-        except ValueError as error:
-            raise AssemblyError([str(error)]) from error
+    # An expert-only rank holds no requests; a few blocks serve its startup profiles.
+    counts = dict.fromkeys(layout.windows, EXPERT_ONLY_BLOCKS) if expert_only else _block_counts(layout, plan)
     specs = [attention.kv_cache_spec(layer, config.cache.block_size, dtype) for layer in layers]
     kv_caches = [layer.allocate_cache(spec, counts, plan.device) for layer, spec in zip(layers, specs, strict=True)]
     log.info("kv cache", **layout.report(counts))
     return LoadedModel(model=model, kv_caches=kv_caches, num_blocks=counts, layout=layout)
+
+
+def _block_counts(layout: CacheLayout, plan: Plan) -> dict[int | None, int]:
+    """Usable blocks per retention class for the plan's budget and scheduler limits."""
+    config = plan.config
+    try:
+        return layout.num_blocks(
+            kv_budget_bytes(config, plan.platform, plan.device),
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            fixed=config.cache.num_blocks,
+        )
+    except ValueError as error:
+        raise AssemblyError([str(error)]) from error
 
 
 def model_cache_layout(model: interfaces.CausalLM, attention: Any, block_size: int, dtype: torch.dtype) -> CacheLayout:
