@@ -24,11 +24,15 @@ Prepared = TypeVar("Prepared")
 
 # --------------------------------------------------------------------------- routing
 
-Scoring = Literal["sigmoid", "softmax"]
-TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+#: ``sqrtsoftplus``: sqrt(softplus(logit)), DeepSeek-V4's.
+Scoring = Literal["sigmoid", "softmax", "sqrtsoftplus"]
+#: ``hash``: the experts are a fixed function of the token id (DeepSeek-V4's first layers,
+#: ``tid2eid[token_id]``), looked up by the layer and handed to ``route`` as ``expert_ids``;
+#: the router's scores only weight them.
+TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc", "hash"]
 
-SCORING_FUNCS = ("sigmoid", "softmax")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "hash")
 
 #: RoutingConfig field -> the config.json key it is read from (errors name both).
 CONFIG_KEYS = {
@@ -112,8 +116,10 @@ class RoutingConfig:
         factor = self.routed_scaling_factor
         if not (_is_int(factor) or isinstance(factor, float)) or not math.isfinite(factor) or factor <= 0:
             raise _problem("routed_scaling_factor", factor, "must be a positive number")
-        if self.topk_method != "greedy":
+        if self.topk_method not in ("greedy", "hash"):
             self._check_groups()
+        elif self.topk_method == "hash" and (self.n_group != 1 or self.topk_group != 1):
+            raise _problem("n_group", self.n_group, "must be 1 (with topk_group 1) for hash routing")
 
     def _check_groups(self) -> None:
         if self.num_experts % self.n_group:
@@ -141,7 +147,7 @@ class RoutingConfig:
     @property
     def limits_groups(self) -> bool:
         """Whether group selection can exclude anything (it cannot when every group is kept)."""
-        return self.topk_method != "greedy" and self.topk_group < self.n_group
+        return self.topk_method not in ("greedy", "hash") and self.topk_group < self.n_group
 
     @property
     def uses_correction_bias(self) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from powertrain.interfaces import ExpertWeights, MoEBackend, MoERouter, RoutingConfig
@@ -42,20 +43,32 @@ log = structlog.get_logger(__name__)
 
 
 def route(
-    router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None = None
+    router_logits: torch.Tensor,
+    config: RoutingConfig,
+    correction_bias: torch.Tensor | None = None,
+    expert_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's expert choice: float32 ``[T, E]`` logits -> (int32 ids, float32 weights), ``[T, top_k]`` each.
 
     The correction bias (noaux_tc) only steers which experts are chosen; the weights
-    are always the unbiased scores of the chosen experts.
+    are always the unbiased scores of the chosen experts. Hash routing chooses nothing:
+    ``expert_ids`` (``[T, top_k]``, the layer's ``tid2eid`` rows of the tokens) are the
+    experts, and the scores weight them.
     """
     if router_logits.dim() != 2 or router_logits.shape[1] != config.num_experts:
         raise ValueError(f"router_logits must be [num_tokens, {config.num_experts}], got {tuple(router_logits.shape)}")
     if config.uses_correction_bias != (correction_bias is not None):
         need = "needs" if config.uses_correction_bias else "takes no"
         raise ValueError(f"topk_method {config.topk_method!r} {need} e_score_correction_bias")
-    logits = router_logits.float()
-    scores = logits.sigmoid() if config.scoring == "sigmoid" else logits.softmax(dim=-1)
+    if (config.topk_method == "hash") != (expert_ids is not None):
+        need = "needs" if config.topk_method == "hash" else "takes no"
+        raise ValueError(f"topk_method {config.topk_method!r} {need} expert_ids (the token-id -> experts table's rows)")
+    scores = _scores(router_logits.float(), config)
+    if expert_ids is not None:
+        if tuple(expert_ids.shape) != (router_logits.shape[0], config.top_k):
+            raise ValueError(f"expert_ids must be [num_tokens, {config.top_k}], got {tuple(expert_ids.shape)}")
+        # The table's range is checked once, at load, not here: that would cost a device sync.
+        return expert_ids.to(torch.int32), _weights(scores, expert_ids.long(), config)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if config.limits_groups:
         grouped = choice.view(-1, config.n_group, config.experts_per_group)
@@ -67,11 +80,23 @@ def route(
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
         choice = choice.masked_fill(~keep.repeat_interleave(config.experts_per_group, dim=1), float("-inf"))
     topk_ids = choice.topk(config.top_k, dim=-1).indices
-    topk_weights = scores.gather(1, topk_ids)
+    return topk_ids.to(torch.int32), _weights(scores, topk_ids, config)
+
+
+def _scores(logits: torch.Tensor, config: RoutingConfig) -> torch.Tensor:
+    if config.scoring == "sigmoid":
+        return logits.sigmoid()
+    if config.scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.softmax(dim=-1)
+
+
+def _weights(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> torch.Tensor:
+    """The chosen experts' scores, renormalised if the config says so, times the scaling."""
+    weights = scores.gather(1, ids)
     if config.norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    topk_weights = topk_weights * config.routed_scaling_factor
-    return topk_ids.to(torch.int32), topk_weights
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor
 
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")

@@ -438,6 +438,15 @@ class MoEBackendSuite(ComponentSuite):
             num_experts=16, top_k=3, scoring="sigmoid", topk_method="greedy", norm_topk_prob=True,
             routed_scaling_factor=1.5,
         ),
+        "v4-sqrtsoftplus": RoutingConfig(
+            num_experts=16, top_k=4, scoring="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+        ),
+        # DeepSeek-V4's hash layers take their experts from the token id, which ``route`` of
+        # a fused gating op is not given: a backend must refuse it (the layer routes in the core).
+        "v4-hash": RoutingConfig(
+            num_experts=16, top_k=4, scoring="sqrtsoftplus", topk_method="hash", norm_topk_prob=True,
+        ),
     }  # fmt: skip
 
     def test_fused_routing(self, subject: Subject, seed: int) -> None:
@@ -452,6 +461,8 @@ class MoEBackendSuite(ComponentSuite):
         for name, config in self.routing_configs.items():
             support = backend.routing_support(config)
             assert isinstance(support, Availability), f"routing_support({name}) returned {support!r}"
+            if config.topk_method == "hash":
+                assert not support.available, f"routing_support accepted {name}, but route() gets no token ids"
             if not support.available:
                 assert support.reason, f"routing_support refused {name} without a reason"
                 continue

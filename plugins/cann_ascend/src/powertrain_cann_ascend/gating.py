@@ -135,6 +135,10 @@ def gating_args(config: RoutingConfig) -> GatingArgs:
 
 def _refusal(config: RoutingConfig, limits: GatingLimits) -> str | None:
     """Why the op cannot reproduce ``config``'s routing under ``limits``, or None."""
+    if config.scoring not in ("sigmoid", "softmax"):
+        return f"npu_moe_gating_top_k scores by sigmoid or softmax, not {config.scoring!r}"
+    if config.topk_method == "hash":
+        return "npu_moe_gating_top_k chooses experts by score; hash routing takes them from a token-id table"
     if config.scoring == "sigmoid" and not config.norm_topk_prob:
         return (
             "npu_moe_gating_top_k always renormalises sigmoid weights (norm_type=1), "

@@ -1,0 +1,92 @@
+"""DeepSeek-V4's routing in ``layers.moe.route``: sqrtsoftplus scores with the correction
+bias choosing the top-k, and hash routing (experts from the token id), against
+transformers' ``DeepseekV4TopKRouter`` / ``DeepseekV4HashRouter`` on fresh random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+from powertrain.interfaces import RoutingConfig
+from powertrain.layers.moe import route
+from powertrain.testing.base import fresh_seed
+from powertrain.testing.checkpoints import TINY_DEEPSEEK_V4_CONFIG
+
+VOCAB = 64
+
+
+@pytest.fixture
+def seed() -> int:
+    value = fresh_seed()
+    torch.manual_seed(value)
+    print(f"seed={value}")
+    return value
+
+
+def hf_config() -> DeepseekV4Config:
+    return DeepseekV4Config(**{**TINY_DEEPSEEK_V4_CONFIG, "vocab_size": VOCAB})
+
+
+def ours(cfg: DeepseekV4Config, method: str) -> RoutingConfig:
+    return RoutingConfig(
+        num_experts=cfg.num_local_experts,
+        top_k=cfg.num_experts_per_tok,
+        scoring="sqrtsoftplus",
+        topk_method=method,
+        norm_topk_prob=True,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+
+
+def test_learned_routing_equals_transformers(seed: int) -> None:
+    cfg = hf_config()
+    assert cfg.scoring_func == "sqrtsoftplus"
+    hf = hf_v4.DeepseekV4TopKRouter(cfg)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn_like(hf.weight))
+        hf.e_score_correction_bias.copy_(0.5 * torch.randn_like(hf.e_score_correction_bias))
+    hidden = torch.randn(9, cfg.hidden_size)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = hf(hidden)
+    ids, weights = route(logits, ours(cfg, "noaux_tc"), hf.e_score_correction_bias)
+    # transformers' top-k is unsorted: compare each token's (expert, weight) pairs as sets.
+    for row in range(hidden.shape[0]):
+        want = dict(zip(hf_ids[row].tolist(), hf_weights[row].tolist(), strict=True))
+        got = dict(zip(ids[row].tolist(), weights[row].tolist(), strict=True))
+        assert got.keys() == want.keys(), f"seed={seed} token {row}"
+        assert all(abs(got[e] - want[e]) < 1e-6 for e in want), f"seed={seed} token {row}"
+    # The bias steered the choice (else this would not test it): without it, other experts.
+    plain = F.softplus(logits).sqrt().topk(cfg.num_experts_per_tok, dim=-1).indices.sort(-1).values
+    assert not torch.equal(plain, ids.long().sort(-1).values), f"seed={seed}: the bias changed nothing"
+
+
+def test_hash_routing_equals_transformers(seed: int) -> None:
+    cfg = hf_config()
+    hf = hf_v4.DeepseekV4HashRouter(cfg)
+    table = torch.stack([torch.randperm(cfg.num_local_experts)[: cfg.num_experts_per_tok] for _ in range(VOCAB)])
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn_like(hf.weight))
+        hf.tid2eid.copy_(table)
+    tokens = torch.randint(0, VOCAB, (11,))
+    hidden = torch.randn(11, cfg.hidden_size)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = hf(hidden, tokens)
+    ids, weights = route(logits, ours(cfg, "hash"), expert_ids=table[tokens])
+    assert torch.equal(ids.long(), hf_ids) and ids.dtype == torch.int32
+    torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=1e-7, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_hash_routing_needs_its_table_and_only_it() -> None:
+    cfg = hf_config()
+    logits = torch.randn(3, cfg.num_local_experts)
+    with pytest.raises(ValueError, match="'hash' needs expert_ids"):
+        route(logits, ours(cfg, "hash"))
+    with pytest.raises(ValueError, match="'noaux_tc' takes no expert_ids"):
+        route(logits, ours(cfg, "noaux_tc"), torch.zeros(cfg.num_local_experts), expert_ids=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"expert_ids must be \[num_tokens, 2\]"):
+        route(logits, ours(cfg, "hash"), expert_ids=torch.zeros(3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="must be 1 .*for hash routing"):
+        RoutingConfig(num_experts=8, top_k=2, scoring="sqrtsoftplus", topk_method="hash", n_group=2)
