@@ -1,6 +1,7 @@
-"""DeepSeek-V4's routing in ``layers.moe.route``: sqrtsoftplus scores with the correction
-bias choosing the top-k, and hash routing (experts from the token id), against
-transformers' ``DeepseekV4TopKRouter`` / ``DeepseekV4HashRouter`` on fresh random weights."""
+"""DeepSeek-V4's routing in ``layers.moe``: sqrtsoftplus scores with the correction bias
+choosing the top-k, and hash routing (experts from the token id, the layer's ``tid2eid``),
+against transformers' ``DeepseekV4TopKRouter`` / ``DeepseekV4HashRouter`` /
+``DeepseekV4SparseMoeBlock`` on fresh random weights."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch.nn.functional as F
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
+from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.interfaces import RoutingConfig
-from powertrain.layers.moe import route
+from powertrain.layers.moe import MoE, route
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import TINY_DEEPSEEK_V4_CONFIG
 
@@ -90,3 +92,46 @@ def test_hash_routing_needs_its_table_and_only_it() -> None:
         route(logits, ours(cfg, "hash"), expert_ids=torch.zeros(3, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="must be 1 .*for hash routing"):
         RoutingConfig(num_experts=8, top_k=2, scoring="sqrtsoftplus", topk_method="hash", n_group=2)
+
+
+def test_a_hash_routed_moe_layer_equals_transformers(seed: int) -> None:
+    """The whole routed part of a V4 hash layer: ``layers.moe.MoE`` on the torch backend,
+    loaded from transformers' block, equals its output less the shared expert (with a
+    SwiGLU limit no activation reaches: the clamp is not built yet)."""
+    cfg = DeepseekV4Config(**{**TINY_DEEPSEEK_V4_CONFIG, "vocab_size": VOCAB, "swiglu_limit": 1e9})
+    hf = hf_v4.DeepseekV4SparseMoeBlock(cfg, layer_idx=0).eval()
+    assert hf.is_hash
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(0.3 * torch.randn_like(param))
+        hf.gate.tid2eid.copy_(
+            torch.stack([torch.randperm(cfg.num_local_experts)[: cfg.num_experts_per_tok] for _ in range(VOCAB)])
+        )
+    layer = MoE(ours(cfg, "hash"), cfg.hidden_size, cfg.moe_intermediate_size, TorchGroupedMoE(torch.float32),
+                torch.float32, "cpu", vocab_size=VOCAB)  # fmt: skip
+    for name, tensor in hf.state_dict().items():
+        if not name.startswith("shared_experts."):
+            assert layer.load_weight(name, tensor), name
+    layer.finish_loading()
+    tokens = torch.randint(0, VOCAB, (13,))
+    hidden = torch.randn(13, cfg.hidden_size)
+    with torch.no_grad():
+        want = hf(hidden[None], input_ids=tokens[None])[0] - hf.shared_experts(hidden)
+        got = layer(hidden, tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed}: {m}")
+    with pytest.raises(ValueError, match="needs one token id per row"):
+        layer(hidden)
+
+
+def test_a_damaged_hash_table_is_refused_at_load() -> None:
+    cfg = hf_config()
+    layer = MoE(ours(cfg, "hash"), cfg.hidden_size, cfg.moe_intermediate_size, TorchGroupedMoE(torch.float32),
+                torch.float32, "cpu", vocab_size=VOCAB)  # fmt: skip
+    bad = torch.full((VOCAB, cfg.num_experts_per_tok), cfg.num_local_experts)
+    with pytest.raises(ValueError, match="tid2eid names experts .* the checkpoint is damaged"):
+        layer.load_weight("gate.tid2eid", bad)
+    with pytest.raises(ValueError, match="needs integer"):
+        layer.load_weight("gate.tid2eid", torch.zeros(VOCAB, cfg.num_experts_per_tok))
+    assert "gate.tid2eid" in layer.missing_weights()
+    with pytest.raises(ValueError, match="'hash'-routed MoE layer needs vocab_size"):
+        MoE(ours(cfg, "hash"), cfg.hidden_size, 32, TorchGroupedMoE(torch.float32), torch.float32, "cpu")

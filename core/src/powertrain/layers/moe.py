@@ -134,8 +134,12 @@ class MoE(nn.Module):
         local_experts: int | None = None,
         fp8_block: tuple[int, int] | None = None,
         dispatcher: Any = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
+        if (routing.topk_method == "hash") != (vocab_size is not None):
+            need = "needs" if routing.topk_method == "hash" else "takes no"
+            raise ValueError(f"a {routing.topk_method!r}-routed MoE layer {need} vocab_size (its tid2eid table)")
         if fp8_block is not None and intermediate_size % fp8_block[0]:
             raise ValueError(
                 f"FP8 experts with {fp8_block[0]}-row blocks need an intermediate size that is a multiple of "
@@ -173,6 +177,9 @@ class MoE(nn.Module):
             else None
         )
         self.register_buffer("e_score_correction_bias", bias)
+        #: Hash routing: token id -> its top_k experts (checkpoint ``gate.tid2eid``).
+        table = None if vocab_size is None else torch.empty(vocab_size, routing.top_k, dtype=torch.long, device=device)
+        self.register_buffer("tid2eid", table)
         # Expert weights are plain tensors, not buffers: after ``finish_loading`` the
         # backend owns them (possibly re-laid out) and the layer lets go of its copy.
         shape13 = (local_experts, 2 * intermediate_size, hidden_size)
@@ -199,6 +206,12 @@ class MoE(nn.Module):
         E, H, I = self.routing.num_experts, self.hidden_size, self.intermediate_size  # noqa: E741
         if name == "gate.weight":
             self._copy(name, tensor, (E, H), self.gate_weight)
+            self._loaded_router.add(name)
+            return True
+        if name == "gate.tid2eid":
+            if self.tid2eid is None:
+                return False  # only hash routing has one; the model reports it as unexpected
+            self._load_expert_table(tensor)
             self._loaded_router.add(name)
             return True
         if name == "gate.e_score_correction_bias":
@@ -240,6 +253,22 @@ class MoE(nn.Module):
             self._copy(name, tensor, (H, I), w2[local])
         self._loaded_parts[local, _PROJECTIONS.index(projection)] = True
         return True
+
+    def _load_expert_table(self, tensor: torch.Tensor) -> None:
+        """Check the hash table once here, so routing never reads an expert that is not there."""
+        assert self.tid2eid is not None
+        if tuple(tensor.shape) != tuple(self.tid2eid.shape) or tensor.is_floating_point():
+            raise ValueError(
+                f"mlp.gate.tid2eid is {tensor.dtype} {tuple(tensor.shape)}, but this layer needs integer "
+                f"{tuple(self.tid2eid.shape)} (vocab_size x num_experts_per_tok)"
+            )
+        if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= self.routing.num_experts):
+            raise ValueError(
+                f"mlp.gate.tid2eid names experts {int(tensor.min())}..{int(tensor.max())}, but the layer has "
+                f"{self.routing.num_experts}: the checkpoint is damaged"
+            )
+        with torch.no_grad():
+            self.tid2eid.copy_(tensor)
 
     def _load_scale(self, name: str, tensor: torch.Tensor, local: int, projection: str) -> bool:
         assert self.fp8_block is not None and self._w13_scale is not None and self._w2_scale is not None
@@ -289,11 +318,12 @@ class MoE(nn.Module):
 
     def missing_weights(self) -> list[str]:
         """Checkpoint names (relative to ``mlp.``) not loaded yet."""
-        missing = [
-            name
-            for name in ("gate.weight", "gate.e_score_correction_bias")
-            if name not in self._loaded_router and (name == "gate.weight" or self.e_score_correction_bias is not None)
-        ]
+        has = {
+            "gate.weight": True,
+            "gate.e_score_correction_bias": self.e_score_correction_bias is not None,
+            "gate.tid2eid": self.tid2eid is not None,
+        }
+        missing = [name for name, needed in has.items() if needed and name not in self._loaded_router]
         for local, part in (~self._loaded_parts).nonzero().tolist():
             suffix = "weight" if part < len(_PROJECTIONS) else "weight_scale_inv"
             missing.append(f"experts.{self.first_expert + local}.{_PROJECTIONS[part % len(_PROJECTIONS)]}.{suffix}")
@@ -328,13 +358,20 @@ class MoE(nn.Module):
 
     # ----------------------------------------------------------------------- running
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` -> the routed experts' weighted sum, ``[T, H]`` in ``hidden``'s dtype."""
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, H]`` -> the routed experts' weighted sum, ``[T, H]`` in ``hidden``'s dtype.
+        Hash routing needs the tokens' ids (``[T]``); other layers ignore them."""
         if self.prepared is None:
             raise RuntimeError("MoE.forward before finish_loading(): the backend has no weights yet")
         router_logits = hidden.float() @ self.gate_weight.T
-        choose = self.backend.route if self.backend_routes else route
-        topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
+        if self.tid2eid is not None:
+            if token_ids is None or token_ids.shape != hidden.shape[:1]:
+                got = None if token_ids is None else tuple(token_ids.shape)
+                raise ValueError(f"a hash-routed MoE layer needs one token id per row of hidden, got {got}")
+            topk_ids, topk_weights = route(router_logits, self.routing, expert_ids=self.tid2eid[token_ids])
+        else:
+            choose = self.backend.route if self.backend_routes else route
+            topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
         if self.dispatcher is None:
             return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
         rows, tokens_per_expert, scales, handle = self.dispatcher.dispatch(
