@@ -346,6 +346,25 @@ def test_truncated_gguf_is_a_corrupt_checkpoint(tmp_path: Path, checkpoint: Chec
     assert str(path) in message and "truncated or corrupt" in message and "again" in message
 
 
+@pytest.mark.parametrize(
+    ("key", "where"),
+    [("general.architecture", "inside the key/value section"), ("tokenizer.ggml.merges", "inside a string array")],
+)
+def test_gguf_truncated_in_metadata_names_what_was_cut(
+    tmp_path: Path, checkpoint: Checkpoint, key: str, where: str
+) -> None:
+    data = checkpoint.path.read_bytes()
+    start = data.index(key.encode())
+    cut = start + len(key) + 16 if key.startswith("general") else start + len(key) + 20 + 1000
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[:cut])
+    with pytest.raises(CorruptCheckpointError) as error:
+        load_checkpoint(path)
+    message = str(error.value)
+    assert str(path) in message and "truncated or corrupt" in message and "again" in message, where
+    assert repr(key) in message and "past the end of the file" in message, where
+
+
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "noise.gguf"
     path.write_bytes(np.random.default_rng().integers(0, 256, 4096, dtype=np.uint8).tobytes())

@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Open the checkpoint ``path`` names: config and tokenizer now, tensors lazily via ``tensors()``.
 
-    Opening parses all metadata and builds the tokenizer (about 2 s for the embedded GGUF), so the
+    Opening parses all metadata and builds the tokenizer (about 0.2 s for the embedded GGUF), so the
     result is cached per process while the files are unchanged: a test session or a process that
     starts several engines on one model pays it once. ``tensors()`` reads the files on every call.
 

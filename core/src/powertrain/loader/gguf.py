@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 
 from powertrain.loader.checkpoint import Checkpoint
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.loader.gguf_reader import GGUFFile, GGUFFormatError, read_gguf
 from powertrain.loader.gguf_tokenizer import tokenizer_from_gguf
 
 log = structlog.get_logger(__name__)
@@ -48,8 +50,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
     """Read a GGUF file's metadata and tokenizer now; its tensors when ``tensors()`` is iterated."""
     source = source or str(path)
-    reader = _open(path, source)
-    metadata = _read_metadata(reader, source)
+    started = time.perf_counter()
+    gguf_file = _open(path, source)
+    metadata = gguf_file.metadata
+    read_s = time.perf_counter() - started
 
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -59,10 +63,12 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
             "folder (safetensors) instead."
         )
 
-    file_tensors = {tensor.name: tensor for tensor in reader.tensors}
+    file_tensors = {tensor.name: tensor for tensor in gguf_file.tensors}
     names = {name: hf_tensor_name(name, source) for name in file_tensors if name != _ROPE_FREQS}
     config = _llama_config(metadata, file_tensors, source)
+    started = time.perf_counter()
     tokenizer = tokenizer_from_gguf(metadata, source=source)
+    tokenizer_s = time.perf_counter() - started
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
     def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,7 +82,14 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
                 weights = _unpermute_rope_rows(weights, n_head_kv, gguf_name, source)
             yield hf_name, torch.from_numpy(weights)
 
-    log.debug("gguf.opened", path=str(path), architecture=architecture, tensors=len(names))
+    log.info(
+        "gguf.opened",
+        path=str(path),
+        architecture=architecture,
+        tensors=len(names),
+        metadata_seconds=round(read_s, 3),
+        tokenizer_seconds=round(tokenizer_s, 3),
+    )
     return Checkpoint(
         path=path,
         format="gguf",
@@ -105,10 +118,10 @@ def hf_tensor_name(gguf_name: str, source: str = "") -> str:
     )
 
 
-def _open(path: Path, source: str) -> gguf.GGUFReader:
+def _open(path: Path, source: str) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as error:
+        return read_gguf(path)
+    except GGUFFormatError as error:
         size = path.stat().st_size
         with path.open("rb") as file:
             magic = file.read(4)
@@ -116,19 +129,6 @@ def _open(path: Path, source: str) -> gguf.GGUFReader:
         raise CorruptCheckpointError(
             f"{source} {what} ({size} bytes; the reader failed with: {error}). Download or convert it again."
         ) from error
-
-
-def _read_metadata(reader: gguf.GGUFReader, source: str) -> dict[str, Any]:
-    metadata = {}
-    for key, field in reader.fields.items():
-        try:
-            metadata[key] = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as error:
-            raise CorruptCheckpointError(
-                f"{source}: metadata key {key!r} cannot be read ({error}); the file is damaged. Download or "
-                "convert it again."
-            ) from error
-    return metadata
 
 
 def _llama_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> dict[str, Any]:
