@@ -186,7 +186,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs, backend: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Given its weight, the embedding skips its random init: on the meta device that init
+        # imports torch._dynamo (measured 1.5-6 s of startup), and load_weights overwrites it.
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, backend) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope, args.max_position_embeddings)
