@@ -26,44 +26,18 @@ import attrs
 import pytest
 import torch
 import transformers  # the oracle for the sampling law; the locked dev group has DeepSeek-V3.2
-from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
 from powertrain.config import EngineConfig
 from powertrain.interfaces.sampling import target_probs
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
-from powertrain.testing.checkpoints import TINY_DEEPSEEK_V32_CONFIG, write_tiny_deepseek_v32
+from powertrain.testing.checkpoints import TINY_DEEPSEEK_V32_CONFIG, mimic_mtp_layers, write_tiny_deepseek_v32
 from powertrain_dspark.mtp import MTPDrafter
 
 PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests quick
 INDEX_TOPK = TINY_DEEPSEEK_V32_CONFIG["index_topk"]
 SIGNIFICANCE = 1e-3
-
-
-def make_mimic(path: Path, scale: float = 0.1, sharpen: float = 4.0) -> Path:
-    """Rewrite a tiny checkpoint so its MTP layer predicts much like the target (as in
-    ``test_mtp.py``): attention and MLP outputs scaled down, a sharper head, an MTP input
-    projection that passes the embedding through. The (sparse) attention still moves the
-    logits: the sampling test's control shows the law changes when it attends densely."""
-    shards = sorted(path.glob("*.safetensors"))
-    tensors = {shard: load_file(shard) for shard in shards}
-    final_norm = next(t["model.norm.weight"] for t in tensors.values() if "model.norm.weight" in t)
-    for shard, named in tensors.items():
-        for name, tensor in named.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                named[name] = tensor * scale
-            elif name.endswith(("lm_head.weight", "shared_head.head.weight")):
-                named[name] = tensor * sharpen
-            elif name.endswith("eh_proj.weight"):  # [embedding; hidden] -> embedding (+ a little hidden)
-                size = tensor.shape[0]
-                named[name] = torch.cat([torch.eye(size), tensor[:, size:] * scale], dim=1)
-            elif name.endswith("enorm.weight"):
-                named[name] = torch.ones_like(tensor)
-            elif name.endswith("shared_head.norm.weight"):
-                named[name] = final_norm.clone()
-        save_file(named, shard, metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +46,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     print(f"checkpoint seed={seed}")
     return {
         "random": write_tiny_deepseek_v32(tmp_path_factory.mktemp("v32"), seed=seed, num_nextn_predict_layers=1),
-        "mimic": make_mimic(
+        "mimic": mimic_mtp_layers(
             write_tiny_deepseek_v32(tmp_path_factory.mktemp("v32-mimic"), seed=seed, num_nextn_predict_layers=1)
         ),
     }
@@ -204,7 +178,7 @@ def law_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = write_tiny_deepseek_v32(
         tmp_path_factory.mktemp("v32-law"), seed=LAW_CHECKPOINT_SEED, num_nextn_predict_layers=1
     )
-    return make_mimic(path)
+    return mimic_mtp_layers(path)
 
 
 def exact_law(path: Path, prompt: list[int], params: SamplingParams, **config: Any) -> dict[tuple[int, ...], float]:

@@ -19,7 +19,7 @@ import attrs
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
@@ -27,7 +27,7 @@ from powertrain.config import EngineConfig
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
-from powertrain.testing.checkpoints import write_tiny_deepseek
+from powertrain.testing.checkpoints import mimic_mtp_layers, write_tiny_deepseek
 from powertrain.testing.paged import PagedRunner
 from powertrain_dspark.cli import main
 from powertrain_dspark.confidence_head import ConfidenceHead
@@ -39,35 +39,13 @@ PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests qu
 TIE = 1e-4
 
 
-def make_mimic(path: Path, scale: float = 0.1, sharpen: float = 4.0) -> Path:
-    """Rewrite a tiny checkpoint so its MTP layer predicts much like the target (module doc)."""
-    shards = sorted(path.glob("*.safetensors"))
-    tensors = {shard: load_file(shard) for shard in shards}
-    final_norm = next(t["model.norm.weight"] for t in tensors.values() if "model.norm.weight" in t)
-    for shard, named in tensors.items():
-        for name, tensor in named.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                named[name] = tensor * scale
-            elif name.endswith(("lm_head.weight", "shared_head.head.weight")):
-                named[name] = tensor * sharpen
-            elif name.endswith("eh_proj.weight"):  # [embedding; hidden] -> embedding (+ a little hidden)
-                size = tensor.shape[0]
-                named[name] = torch.cat([torch.eye(size), tensor[:, size:] * scale], dim=1)
-            elif name.endswith("enorm.weight"):
-                named[name] = torch.ones_like(tensor)
-            elif name.endswith("shared_head.norm.weight"):
-                named[name] = final_norm.clone()
-        save_file(named, shard, metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     seed = fresh_seed()
     print(f"checkpoint seed={seed}")
     return {
         "random": write_tiny_deepseek(tmp_path_factory.mktemp("random"), seed=seed),
-        "mimic": make_mimic(write_tiny_deepseek(tmp_path_factory.mktemp("mimic"), seed=seed)),
+        "mimic": mimic_mtp_layers(write_tiny_deepseek(tmp_path_factory.mktemp("mimic"), seed=seed)),
         "no-mtp": write_tiny_deepseek(tmp_path_factory.mktemp("no-mtp"), seed=seed, num_nextn_predict_layers=0),
     }
 

@@ -40,6 +40,7 @@ __all__ = [
     "TINY_DEEPSEEK_V4_CONFIG",
     "dequantize_fp4",
     "fp8_quantized_in_deepseek_v3",
+    "mimic_mtp_layers",
     "quantize_checkpoint_fp8",
     "quantize_fp4",
     "random_hf_model",
@@ -353,10 +354,7 @@ def write_tiny_deepseek(
     if num_nextn_predict_layers:
         _add_mtp_layers(folder, model, config, num_nextn_predict_layers, seed, dtype, per_expert_names)
 
-    _write_tokenizer(folder, tokenizer)
-    files = sorted(file.name for file in folder.iterdir())
-    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
-    return folder
+    return _finish(folder, tokenizer, recipe)
 
 
 def write_tiny_deepseek_v32(
@@ -413,10 +411,7 @@ def write_tiny_deepseek_v32(
             folder, model, config, num_nextn_predict_layers, seed, dtype, per_expert_names, block_config=block_config
         )
 
-    _write_tokenizer(folder, tokenizer)
-    files = sorted(file.name for file in folder.iterdir())
-    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
-    return folder
+    return _finish(folder, tokenizer, recipe)
 
 
 def write_tiny_deepseek_v4(
@@ -480,10 +475,7 @@ def write_tiny_deepseek_v4(
         config["quantization_config"] = dict(DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG)
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    _write_tokenizer(folder, tokenizer)
-    files = sorted(file.name for file in folder.iterdir())
-    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
-    return folder
+    return _finish(folder, tokenizer, recipe)
 
 
 #: Routed-expert weights under the names ``save_pretrained`` writes for V4 (native ``w1/w2/w3``).
@@ -588,6 +580,33 @@ def _add_mtp_layers(
             keep_float32 = name.endswith("e_score_correction_bias")
             mtp[f"model.layers.{index}.{name}"] = tensor.to(torch.float32 if keep_float32 else dtype).clone()
     _add_shard(folder, _expert_layout(mtp, per_expert=per_expert_names))
+
+
+def mimic_mtp_layers(path: str | Path, scale: float = 0.1, sharpen: float = 4.0) -> Path:
+    """Rewrite a tiny DeepSeek checkpoint in place so its MTP layer predicts much like the
+    target, for drafter tests that need drafts accepted often (and rejected often): every
+    block's attention and MLP outputs scaled down by ``scale``, the heads sharpened by
+    ``sharpen``, an MTP input projection that passes the embedding through (plus a little
+    of the hidden state), unit ``enorm`` and the final norm as the MTP head's norm."""
+    path = Path(path)
+    shards = sorted(path.glob("*.safetensors"))
+    tensors = {shard: load_file(shard) for shard in shards}
+    final_norm = next(t["model.norm.weight"] for t in tensors.values() if "model.norm.weight" in t)
+    for shard, named in tensors.items():
+        for name, tensor in named.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                named[name] = tensor * scale
+            elif name.endswith(("lm_head.weight", "shared_head.head.weight")):
+                named[name] = tensor * sharpen
+            elif name.endswith("eh_proj.weight"):  # [embedding; hidden] -> embedding (+ a little hidden)
+                size = tensor.shape[0]
+                named[name] = torch.cat([torch.eye(size), tensor[:, size:] * scale], dim=1)
+            elif name.endswith("enorm.weight"):
+                named[name] = torch.ones_like(tensor)
+            elif name.endswith("shared_head.norm.weight"):
+                named[name] = final_norm.clone()
+        save_file(named, shard, metadata={"format": "pt"})
+    return path
 
 
 def random_hf_model(model_class: Any, config: Any) -> Any:
@@ -822,6 +841,14 @@ def _write_tokenizer(folder: Path, tokenizer: Any) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     generation_config = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
     (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+
+
+def _finish(folder: Path, tokenizer: Any, recipe: Mapping[str, Any]) -> Path:
+    """Write the tokenizer, then the recipe listing every file: a folder with a recipe is whole."""
+    _write_tokenizer(folder, tokenizer)
+    files = sorted(file.name for file in folder.iterdir())
+    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
+    return folder
 
 
 def _recipe(
