@@ -109,6 +109,7 @@ def test_refuses_a_head_trained_for_another_model(checkpoints: dict[str, Path], 
         ("random", "fixed-k", {"max_draft_tokens": 4}),
     ],
 )
+@pytest.mark.usefixtures("steady_step_time")  # DSpark verifies the same drafts under any load
 def test_greedy_outputs_equal_plain_decoding(
     checkpoints: dict[str, Path], checkpoint: str, speculative: str, dspark: dict, seed: int
 ) -> None:
@@ -223,6 +224,7 @@ def test_drafts_equal_a_from_scratch_mtp_run(
 
 
 @pytest.mark.parametrize("speculative", ["dspark", "fixed-k"])
+@pytest.mark.usefixtures("steady_step_time")
 def test_sampling_runs_and_is_reproducible_with_seeds(
     checkpoints: dict[str, Path], speculative: str, seed: int
 ) -> None:
