@@ -171,7 +171,7 @@ def build_speculative(
         # The model's own cache groups (AttentionLayerSpec.cache_groups) come with the backend's.
         counts = {window: blocks + extra_blocks for window, blocks in num_blocks.items()}
         return [
-            layer.allocate_cache(attention.kv_cache_spec(layer, block_size, dtype), counts, plan.device)
+            layer.allocate_cache(layer.backend_cache_spec(attention, block_size, dtype), counts, plan.device)
             for layer in layers
         ]
 

@@ -154,7 +154,7 @@ def _allocate_kv_cache(
     layout = model_cache_layout(model, attention, config.cache.block_size, dtype)
     # An expert-only rank holds no requests; a few blocks serve its startup profiles.
     counts = dict.fromkeys(layout.windows, EXPERT_ONLY_BLOCKS) if expert_only else _block_counts(layout, plan)
-    specs = [attention.kv_cache_spec(layer, config.cache.block_size, dtype) for layer in layers]
+    specs = [layer.backend_cache_spec(attention, config.cache.block_size, dtype) for layer in layers]
     kv_caches = [layer.allocate_cache(spec, counts, plan.device) for layer, spec in zip(layers, specs, strict=True)]
     log.info("kv cache", **layout.report(counts))
     return LoadedModel(model=model, kv_caches=kv_caches, num_blocks=counts, layout=layout)
@@ -177,7 +177,7 @@ def _block_counts(layout: CacheLayout, plan: Plan) -> dict[int | None, int]:
 def model_cache_layout(model: interfaces.CausalLM, attention: Any, block_size: int, dtype: torch.dtype) -> CacheLayout:
     """The cache ``model`` needs with ``attention``'s cache specs (``engine.cache_layout``)."""
     layers = model.attention_layers
-    specs = [attention.kv_cache_spec(layer, block_size, dtype) for layer in layers]
+    specs = [layer.backend_cache_spec(attention, block_size, dtype) for layer in layers]
     naive = getattr(model, "naive_kv_bytes_per_token", None)
     try:
         return cache_layout(layers, specs, naive(dtype) if naive else None)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from powertrain.interfaces import ExpertWeights, dequantize_row_groups
+from powertrain.layers.activation import swiglu
 from powertrain.loader.fp8 import dequantize_blocks
 
 
@@ -29,14 +30,6 @@ def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> t
         dequantize_blocks(weights.w13[local], weights.w13_scale[local], weights.block_shape, dtype),
         dequantize_blocks(weights.w2[local], weights.w2_scale[local], weights.block_shape, dtype),
     )
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(gate) * up``, with DeepSeek-V4's clamp of both inputs when ``limit`` is set
-    (transformers' ``DeepseekV4Experts._apply_gate``)."""
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 def _run_experts(

@@ -15,6 +15,7 @@ from powertrain.components import ModelArchitectureRecord
 if TYPE_CHECKING:
     from powertrain.interfaces import ModelContext
     from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM
     from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
     from powertrain.models.llama import LlamaForCausalLM
 
@@ -64,6 +65,21 @@ def deepseek_v32_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
     return needs
 
 
+def build_deepseek_v4(context: ModelContext) -> DeepseekV4ForCausalLM:
+    from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM(context)
+
+
+def deepseek_v4_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
+    """A MoE backend with the clamped SwiGLU; the model computes its window + compressed
+    attention itself (``custom`` layers), so any attention backend will do."""
+    needs = {"moe": set()}
+    if config.get("swiglu_limit") is not None:
+        needs["moe"].add("swiglu-limit")
+    return {"attention": set(), **needs}
+
+
 @hookimpl
 def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
     return [
@@ -87,5 +103,12 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
             factory=build_deepseek_v32,
             requirements=deepseek_v32_requirements,
             description="DeepSeek-V3.2: V3 with DeepSeek Sparse Attention (lightning indexer, sparse MLA)",
+        ),
+        ModelArchitectureRecord(
+            name="deepseek-v4",
+            architectures={"DeepseekV4ForCausalLM"},
+            factory=build_deepseek_v4,
+            requirements=deepseek_v4_requirements,
+            description="DeepSeek-V4/V4.1 (Flash, Pro): sliding-window + compressed (CSA/HCA) attention, mHC, hash MoE",
         ),
     ]

@@ -55,6 +55,21 @@ class CacheLayout:
         """Per token of sequence, every group counted as if it kept every token."""
         return sum(group.bytes_per_token for group in self.groups)
 
+    @property
+    def growing_bytes_per_token(self) -> float:
+        """What each further token of a long sequence adds: the full-history groups only."""
+        return sum(group.bytes_per_token for group in self.groups if group.window is None)
+
+    @property
+    def sliding_bytes_per_sequence(self) -> float:
+        """What a long sequence's sliding groups hold at most, whatever its length: the
+        blocks of its window plus the one being written (``_sliding_bound``'s per-sequence part)."""
+        return sum(
+            group.bytes_per_token * self.block_size * (-(-(group.window - 1) // self.block_size) + 1)
+            for group in self.groups
+            if group.window is not None
+        )
+
     def num_blocks(
         self, budget_bytes: int, *, max_num_seqs: int, max_num_batched_tokens: int, fixed: int | None = None
     ) -> dict[Window, int]:
@@ -105,6 +120,9 @@ class CacheLayout:
             "bytes_per_token": round(self.bytes_per_token, 2),
             "dense_bytes_per_token": round(self.dense_bytes_per_token, 2),
         }
+        if any(group.window is not None for group in self.groups):
+            out["growing_bytes_per_token"] = round(self.growing_bytes_per_token, 2)
+            out["sliding_bytes_per_sequence"] = round(self.sliding_bytes_per_sequence, 2)
         if counts is not None:
             out["blocks"] = {"full" if w is None else f"sliding {w}": n for w, n in counts.items()}
             out["gib"] = round(self.bytes_for(counts) / 2**30, 3)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -202,7 +202,10 @@ LayerKVCache = Mapping[str, torch.Tensor]
 class AttentionLayerSpec:
     """Static shape of one attention layer, fixed at model construction."""
 
-    kind: Literal["gqa", "mla"]
+    #: "custom": the model computes this layer's attention itself, over its own
+    #: ``cache_groups`` (DeepSeek-V4's window + compressed attention, until a backend
+    #: serves it); the attention backend holds no cache for the layer and is not called.
+    kind: Literal["gqa", "mla", "custom"]
     num_heads: int
     #: GQA: key/value heads. MLA: 1 (the latent is shared by all heads).
     num_kv_heads: int
@@ -227,11 +230,21 @@ class AttentionLayerSpec:
     @property
     def windows(self) -> frozenset[int | None]:
         """The retention classes this layer's cache lives in (None: full history)."""
-        return frozenset({self.sliding_window, *(g.sliding_window for g in self.cache_groups)})
+        own = {g.sliding_window for g in self.cache_groups}
+        return frozenset(own if self.kind == "custom" else {self.sliding_window, *own})
+
+    def backend_cache_spec(self, backend: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """What ``backend`` caches for this layer: its ``kv_cache_spec``, or nothing for a
+        ``custom`` layer (the model's own groups are all of its cache)."""
+        if self.kind == "custom":
+            return KVCacheSpec(block_size=block_size, dtype=dtype, tensors=())
+        return backend.kv_cache_spec(self, block_size, dtype)
 
     def groups(self, backend_spec: KVCacheSpec) -> tuple[CacheGroupSpec, ...]:
         """Every cache group of this layer: the backend's KV (named ``attention``, one entry
         per token, retained as the layer's ``sliding_window`` says) and the model's own."""
+        if not backend_spec.tensors:
+            return self.cache_groups
         attention = CacheGroupSpec(
             name="attention", tensors=backend_spec.tensors, sliding_window=self.sliding_window, dtype=backend_spec.dtype
         )
@@ -258,8 +271,10 @@ class AttentionLayerSpec:
         """
         counts = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
         block_size = backend_spec.block_size
-        cache = backend_spec.allocate(pool_blocks(self.sliding_window, counts[self.sliding_window]), device)
-        _with_null_block(cache, self.sliding_window)
+        cache: dict[str, torch.Tensor] = {}
+        if backend_spec.tensors:
+            cache = backend_spec.allocate(pool_blocks(self.sliding_window, counts[self.sliding_window]), device)
+            _with_null_block(cache, self.sliding_window)
         for group in self.cache_groups:
             tensors = group.allocate(block_size, backend_spec.dtype, counts[group.sliding_window], device)
             clash = sorted(cache.keys() & tensors.keys())

@@ -35,7 +35,7 @@ class PagedRunner:
         self.free = torch.randperm(num_blocks).tolist()
         self.caches = []
         for layer in model.attention_layers if layers is None else layers:
-            cache = layer.allocate_cache(backend.kv_cache_spec(layer, block_size, dtype), num_blocks, "cpu")
+            cache = layer.allocate_cache(layer.backend_cache_spec(backend, block_size, dtype), num_blocks, "cpu")
             for tensor in cache.values():
                 tensor.fill_(float("nan"))
             self.caches.append(cache)

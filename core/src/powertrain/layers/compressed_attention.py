@@ -1,0 +1,194 @@
+"""DeepSeek-V4's attention parts, for a flat batch of tokens: interleaved partial RoPE, the
+KV compressors (CSA's overlapping windows, HCA's plain ones), the compressed Lightning
+Indexer, and attention with per-head sinks over a window of raw keys plus compressed ones.
+
+The split follows what a paged engine needs (docs/deepseek_v4_notes.md §3): a compressor
+turns each token into a *row* (its projections and gate logits) that is cached per token,
+and an *entry* is computed from the rows of its window once the window's last token
+arrives; entries are cached one per ``rate`` tokens. Nothing depends on how a prompt was
+chunked, so prefix caching, preemption and rollback need no state of their own.
+
+Followed from transformers 5.24 ``modeling_deepseek_v4`` (the oracle; parameter names are
+DeepSeek's native ones, as its checkpoints store them): where DeepSeek's own inference code
+differs (an FP8/FP4 quantise-dequantise simulation of the entries and indexer keys, a
+Hadamard rotation of the indexer's q and k), transformers is followed, as the notes say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from powertrain.layers.linear import Linear
+
+
+def rotate_trailing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """V4's RoPE: rotate the trailing ``2 * cos.shape[-1]`` dims of ``x`` as adjacent pairs
+    ``(x[2i], x[2i+1])``, in float32, leaving the leading dims as they are. ``cos``/``sin``
+    broadcast against ``x[..., 0::2]`` of the rope part (e.g. ``[n, 1, r/2]`` for heads);
+    ``-sin`` undoes the rotation (V4 de-rotates its attention output)."""
+    width = 2 * cos.shape[-1]
+    nope, rope = x[..., :-width], x[..., -width:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    cos, sin = cos.float(), sin.float()
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+class V4RMSNorm(nn.Module):
+    """DeepSeek-V4's RMSNorm: the weight stays float32 and multiplies before the cast back
+    (transformers' ``DeepseekV4RMSNorm``), unlike Llama's, which casts first."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """One entry per ``rate`` tokens, of width ``head_dim``.
+
+    ``overlap`` (CSA and its indexer): each token projects to two halves; entry ``w``
+    softmax-mixes, per channel, the first halves of window ``w - 1``'s rows with the second
+    halves of window ``w``'s (2·rate slots). Without (HCA): the rows of window ``w`` alone.
+    Then the norm, then RoPE at position ``w * rate`` (the caller's "compress" table).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = Linear(hidden_size, width, bias=False)
+        self.wgate = Linear(hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.empty(rate, width, dtype=torch.float32), requires_grad=False)
+        self.norm = V4RMSNorm(head_dim, eps)
+
+    @property
+    def row_width(self) -> int:
+        """Floats a token's row takes: its projections, then its gate logits."""
+        return 2 * self.wkv.out_features
+
+    @property
+    def window_tokens(self) -> int:
+        """The rows an entry reads: its own window's, and with overlap the one before."""
+        return (2 if self.overlap else 1) * self.rate
+
+    def rows(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, row_width]``: ``[wkv(x) | wgate(x) + ape[position mod rate]]``."""
+        gate = self.wgate(hidden).float() + self.ape[positions % self.rate]
+        return torch.cat((self.wkv(hidden).float(), gate), dim=-1)
+
+    def entries(self, rows: torch.Tensor, first: int, dtype: torch.dtype) -> torch.Tensor:
+        """Entries ``first, first + 1, ...`` (before RoPE), ``[windows, head_dim]`` in ``dtype``,
+        from the rows of their windows in position order: positions from ``first * rate``
+        (with overlap, from the window before, when there is one) to the last window's end."""
+        kv, gate = rows.float().split(self.wkv.out_features, dim=-1)
+        if self.overlap and first == 0:  # window 0 has no earlier window: slots of weight 0
+            kv = torch.cat((kv.new_zeros(self.rate, kv.shape[1]), kv))
+            gate = torch.cat((gate.new_full((self.rate, gate.shape[1]), float("-inf")), gate))
+        if kv.shape[0] % self.rate:
+            raise ValueError(f"compressed entries need whole windows of {self.rate} rows, got {rows.shape[0]}")
+        kv, gate = kv.view(-1, self.rate, kv.shape[1]), gate.view(-1, self.rate, gate.shape[1])
+        if self.overlap:  # first halves of the window before, second halves of the window's own
+            d = self.head_dim
+            kv = torch.cat((kv[:-1, :, :d], kv[1:, :, d:]), dim=1)
+            gate = torch.cat((gate[:-1, :, :d], gate[1:, :, d:]), dim=1)
+        weights = gate.softmax(dim=1).to(dtype)
+        return self.norm((kv.to(dtype) * weights).sum(dim=1))
+
+
+class CompressedIndexer(nn.Module):
+    """CSA's Lightning Indexer: picks, per query, the ``topk`` compressed entries its
+    attention reads. Keys come from its own overlapping compressor (``index_head_dim`` wide);
+    a query's score for entry ``s`` is ``sum_h w[h] * ReLU(q[h] . k[s]) * head_dim**-0.5``
+    with ``w = weights_proj(x) * n_heads**-0.5``, in float32."""
+
+    def __init__(
+        self, *, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rate: int, topk: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.compressor = Compressor(hidden_size, head_dim, rate, overlap=True, eps=eps)
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = Linear(hidden_size, n_heads, bias=False)
+
+    def select(
+        self,
+        hidden: torch.Tensor,  # [n, hidden]: this sequence's new tokens
+        q_resid: torch.Tensor,  # [n, q_lora_rank]
+        positions: torch.Tensor,  # [n]
+        cos: torch.Tensor,  # [n, r/2]: the "compress" table at the query positions
+        sin: torch.Tensor,
+        keys: torch.Tensor,  # [entries, head_dim]: the sequence's indexer keys so far
+    ) -> torch.Tensor:
+        """int64 ``[n, min(topk, entries)]``: each query's best visible entries (entry ``s``
+        is visible from position ``t`` once its window closed: ``s < (t + 1) // rate``),
+        -1 where fewer are visible."""
+        width = min(self.topk, keys.shape[0])
+        if width == 0:
+            return torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = rotate_trailing(q, cos.unsqueeze(1), sin.unsqueeze(1)).float()
+        per_head = torch.relu(torch.einsum("nhd,sd->nhs", q, keys.float())) * self.head_dim**-0.5
+        weights = self.weights_proj(hidden).float() * self.n_heads**-0.5
+        scores = torch.einsum("nh,nhs->ns", weights, per_head)
+        visible = (positions + 1) // self.compressor.rate
+        future = torch.arange(keys.shape[0], device=keys.device)[None, :] >= visible[:, None]
+        best, chosen = scores.masked_fill(future, float("-inf")).topk(width, dim=-1)
+        return chosen.masked_fill(best == float("-inf"), -1)
+
+
+def attend_with_sinks(
+    query: torch.Tensor,  # [n, heads, d], rotated
+    keys: torch.Tensor,  # [k, d]: one shared head, also the values
+    allowed: torch.Tensor,  # bool [n, k]
+    sinks: torch.Tensor,  # float32 [heads]
+    scale: float,
+) -> torch.Tensor:
+    """Shared-KV multi-query attention with one sink logit per head: softmax over the
+    allowed keys and the sink, the sink's share dropped (so rows may sum to less than 1).
+    ``[n, heads, d]`` in ``query``'s dtype."""
+    logits = torch.einsum("nhd,kd->nhk", query, keys) * scale
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    combined = torch.cat((logits, sink), dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+
+
+class GroupedLinear(nn.Module):
+    """The grouped low-rank output projection's first half: the input ``[n, heads * d]`` is
+    cut into ``groups`` equal slices and slice ``i`` goes through rows ``i*r:(i+1)*r`` of
+    ``weight`` ``[groups * r, heads * d / groups]`` (block-diagonal); ``[n, groups * r]``."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        grouped = x.view(n, self.groups, -1).transpose(0, 1)  # [g, n, in]
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1]).transpose(1, 2)  # [g, in, r]
+        return torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1)
+
+
+__all__: Sequence[str] = [
+    "CompressedIndexer",
+    "Compressor",
+    "GroupedLinear",
+    "V4RMSNorm",
+    "attend_with_sinks",
+    "rotate_trailing",
+    "unweighted_rms_norm",
+]

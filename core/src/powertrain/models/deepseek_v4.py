@@ -1,0 +1,632 @@
+"""DeepSeek-V4 (Flash, Pro, V4.1): hybrid sliding-window + compressed attention, mHC, hash MoE.
+
+Read docs/deepseek_v4_notes.md first; this follows transformers 5.24's
+``DeepseekV4ForCausalLM`` (the oracle), with DeepSeek's native parameter names.
+
+- **Attention, per layer type.** Every layer attends over a sliding window of raw keys: one
+  512-wide head used as key and value (shared-KV MQA), with per-head sinks, partial
+  interleaved RoPE on the trailing dims and the output de-rotated. ``compressed_sparse_attention``
+  (CSA) layers add one compressed entry per ``m`` tokens, of which the Lightning Indexer picks
+  ``index_topk`` per query; ``heavily_compressed_attention`` (HCA) layers one per ``m'`` tokens,
+  all read. Sliding layers rotate with the "main" RoPE table, CSA/HCA layers (compressors and
+  indexer included) with the "compress" one (YaRN).
+- **Caches are declarations** (``AttentionLayerSpec.cache_groups``, kind ``custom``): the raw
+  window (``kv``, sliding ``W``), each compressor's per-token rows (sliding over the rows an
+  entry reads: ``2m`` for CSA, ``m'`` for HCA; float32), and the compressed entries and
+  indexer keys (one per ``m`` tokens, full history). An entry is a function of its window's
+  rows only, so chunked prefill, prefix caching, preemption and speculative rollback move
+  block ids and lengths and nothing else (docs/deepseek_v4_notes.md §3).
+- **mHC**: ``hc_mult`` residual streams, collapsed before and expanded after each block
+  (``layers/hyper_connections.py``); the hyper head collapses them before the final norm.
+- **MoE** on every layer: sqrtsoftplus scores, learned (correction bias picks) or hash
+  (``tid2eid[token]``) routing, clamped SwiGLU experts (``swiglu_limit``) and a shared expert.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from powertrain.interfaces import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    CacheGroupSpec,
+    KVTensorSpec,
+    LayerKVCache,
+    ModelContext,
+)
+from powertrain.interfaces.moe import RoutingConfig
+from powertrain.layers.activation import swiglu
+from powertrain.layers.compressed_attention import (
+    CompressedIndexer,
+    Compressor,
+    GroupedLinear,
+    V4RMSNorm,
+    attend_with_sinks,
+    rotate_trailing,
+    unweighted_rms_norm,
+)
+from powertrain.layers.hyper_connections import HyperConnection, HyperHead
+from powertrain.layers.linear import Linear
+from powertrain.layers.moe import MoE
+from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
+from powertrain.models.weights import check_complete, copy_checked
+
+ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM"})
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+#: DeepSeek's per-layer ``compress_ratios`` (older configs) -> layer type.
+_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+@attrs.frozen(kw_only=True)
+class V4Args:
+    """The config.json fields this model reads (transformers' ``DeepseekV4Config`` meaning)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    compress_rates: Mapping[str, int]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    num_experts: int
+    top_k: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float | None
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    main_rope: RopeParameters
+    compress_rope: RopeParameters
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> V4Args:
+        def required(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"DeepSeek-V4 config lacks {key!r}")
+            return config[key]
+
+        layers = int(required("num_hidden_layers"))
+        head_dim = int(required("head_dim"))
+        partial = config.get("partial_rotary_factor")
+        if partial is None and config.get("qk_rope_head_dim") is not None:
+            partial = int(config["qk_rope_head_dim"]) / head_dim
+        if partial is None:
+            raise ValueError("DeepSeek-V4 config lacks partial_rotary_factor (or qk_rope_head_dim)")
+        rates = dict(required("compress_rates"))
+        layer_types = config.get("layer_types")
+        if layer_types is None and config.get("compress_ratios") is not None:
+            layer_types = [_RATIO_TYPES.get(int(r), f"compress_ratio={r}") for r in config["compress_ratios"]]
+        layer_types = tuple(required("layer_types") if layer_types is None else layer_types)[:layers]
+        mlp_types = config.get("mlp_layer_types")
+        if mlp_types is None:
+            hashed = int(config.get("num_hash_layers") or 0)
+            mlp_types = ["hash_moe"] * hashed + ["moe"] * (layers - hashed)
+        mlp_types = tuple(mlp_types)[:layers]
+        _check_kinds("layer_types", layer_types, (SLIDING, CSA, HCA), layers)
+        _check_kinds("mlp_layer_types", mlp_types, ("hash_moe", "moe"), layers)
+        for kind in {CSA, HCA} & set(layer_types):
+            if not isinstance(rates.get(kind), int) or rates[kind] < 1:
+                raise ValueError(f"DeepSeek-V4 config: compress_rates[{kind!r}] must be a positive int, got {rates}")
+        if config.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+            raise ValueError(f"DeepSeek-V4 routes with sqrtsoftplus scores, config says {config['scoring_func']!r}")
+        main, compress = _rope_tables(config, float(partial))
+        rope_dim = int(head_dim * float(partial))
+        limit = config.get("swiglu_limit")
+        return cls(
+            vocab_size=int(required("vocab_size")),
+            hidden_size=int(required("hidden_size")),
+            num_layers=layers,
+            num_heads=int(required("num_attention_heads")),
+            head_dim=head_dim,
+            rope_head_dim=rope_dim,
+            q_lora_rank=int(required("q_lora_rank")),
+            o_groups=int(required("o_groups")),
+            o_lora_rank=int(required("o_lora_rank")),
+            sliding_window=int(required("sliding_window")),
+            layer_types=layer_types,
+            mlp_layer_types=mlp_types,
+            compress_rates=rates,
+            index_n_heads=int(config.get("index_n_heads") or 0),
+            index_head_dim=int(config.get("index_head_dim") or 0),
+            index_topk=int(config.get("index_topk") or 0),
+            num_experts=int(required("n_routed_experts")),
+            top_k=int(required("num_experts_per_tok")),
+            n_shared_experts=int(config.get("n_shared_experts") or 0),
+            moe_intermediate_size=int(required("moe_intermediate_size")),
+            routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+            swiglu_limit=None if limit is None else float(limit),
+            hc_mult=int(required("hc_mult")),
+            hc_sinkhorn_iters=int(required("hc_sinkhorn_iters")),
+            hc_eps=float(required("hc_eps")),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+            main_rope=main,
+            compress_rope=compress,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def routing(self, layer: int) -> RoutingConfig:
+        return RoutingConfig(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            scoring="sqrtsoftplus",
+            topk_method="hash" if self.mlp_layer_types[layer] == "hash_moe" else "noaux_tc",
+            norm_topk_prob=True,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+
+def _check_kinds(key: str, kinds: Sequence[str], known: Sequence[str], layers: int) -> None:
+    if len(kinds) != layers or any(kind not in known for kind in kinds):
+        raise ValueError(f"DeepSeek-V4 config {key}={list(kinds)}: need {layers} entries, each one of {list(known)}")
+
+
+def _rope_tables(config: Mapping[str, Any], partial: float) -> tuple[RopeParameters, RopeParameters]:
+    """The "main" and "compress" RoPE tables: nested in ``rope_parameters`` (transformers 5),
+    or from ``rope_theta`` / ``compress_rope_theta`` plus a top-level YaRN dict, whose
+    ``attention_factor`` is forced to 1 as transformers and DeepSeek's reference do."""
+    nested = config.get("rope_parameters") or {}
+    if isinstance(nested.get("main"), Mapping) and isinstance(nested.get("compress"), Mapping):
+        main, compress = dict(nested["main"]), dict(nested["compress"])
+    else:
+        flat = {
+            k: v for k, v in {**(config.get("rope_scaling") or {}), **nested}.items() if k not in ("main", "compress")
+        }
+        main = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+        compress = {**flat, "rope_theta": config.get("compress_rope_theta", 160000.0)}
+        if compress.get("rope_type", compress.get("type")) == "yarn":
+            compress["attention_factor"] = 1.0
+    positions = config.get("max_position_embeddings")
+
+    def read(table: dict[str, Any]) -> RopeParameters:
+        table.setdefault("partial_rotary_factor", partial)
+        return RopeParameters.from_config({"rope_parameters": table, "max_position_embeddings": positions})
+
+    return read(main), read(compress)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _read(store: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Entries ``[start, end)`` of one sequence from a paged group tensor
+    ``[blocks, entries_per_block, *shape]`` through its block-table row ``table``."""
+    per_block = store.shape[1]
+    first, last = start // per_block, -(-end // per_block)
+    rows = store[table[first:last].long()].reshape(-1, *store.shape[2:])
+    return rows[start - first * per_block : end - first * per_block]
+
+
+def _write(store: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
+    """Entries ``first, first + 1, ...`` of one sequence into a paged group tensor."""
+    per_block = store.shape[1]
+    index = torch.arange(first, first + values.shape[0], device=table.device)
+    slots = table[index // per_block].long() * per_block + index % per_block
+    store.view(-1, *store.shape[2:]).index_copy_(0, slots.to(store.device), values.to(store.dtype))
+
+
+class V4Attention(nn.Module):
+    """One V4 attention layer (see the module docstring), over its own cache groups."""
+
+    def __init__(self, args: V4Args, layer: int) -> None:
+        super().__init__()
+        self.args, self.kind = args, args.layer_types[layer]
+        h, heads, d = args.hidden_size, args.num_heads, args.head_dim
+        self.wq_a = Linear(h, args.q_lora_rank, bias=False)
+        self.q_norm = V4RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, heads * d, bias=False)
+        self.wkv = Linear(h, d, bias=False)
+        self.norm = V4RMSNorm(d, args.rms_norm_eps)
+        self.wo_a = GroupedLinear(heads * d // args.o_groups, args.o_groups * args.o_lora_rank, args.o_groups)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, h, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        self.rope = "main" if self.kind == SLIDING else "compress"
+        self.compressor: Compressor | None = None
+        self.indexer: CompressedIndexer | None = None
+        groups = [
+            CacheGroupSpec(
+                name="window", tensors=(KVTensorSpec(name="kv", shape=(d,)),), sliding_window=args.sliding_window
+            )
+        ]
+        if self.kind != SLIDING:
+            rate = args.compress_rates[self.kind]
+            self.compressor = Compressor(h, d, rate, overlap=self.kind == CSA, eps=args.rms_norm_eps)
+            groups += self._compressor_groups("compressor", self.compressor, "compressed")
+        if self.kind == CSA:
+            self.indexer = CompressedIndexer(
+                hidden_size=h,
+                q_lora_rank=args.q_lora_rank,
+                n_heads=args.index_n_heads,
+                head_dim=args.index_head_dim,
+                rate=args.compress_rates[CSA],
+                topk=args.index_topk,
+                eps=args.rms_norm_eps,
+            )
+            groups += self._compressor_groups("indexer", self.indexer.compressor, "index_keys")
+        self.spec = AttentionLayerSpec(
+            kind="custom", num_heads=heads, num_kv_heads=1, head_size=d, scale=d**-0.5, cache_groups=groups
+        )
+
+    @staticmethod
+    def _compressor_groups(name: str, compressor: Compressor, entries: str) -> list[CacheGroupSpec]:
+        rows = KVTensorSpec(name=f"{name}_rows", shape=(compressor.row_width,))
+        return [
+            CacheGroupSpec(
+                name=f"{name}_rows", tensors=(rows,), sliding_window=compressor.window_tokens, dtype=torch.float32
+            ),
+            CacheGroupSpec(
+                name=entries,
+                tensors=(KVTensorSpec(name=entries, shape=(compressor.head_dim,)),),
+                tokens_per_entry=compressor.rate,
+            ),
+        ]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [n, hidden]: the normed, collapsed streams
+        positions: torch.Tensor,  # [n]
+        rope: Mapping[str, RotaryEmbedding],
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        a = self.args
+        table = rope[self.rope]
+        cos, sin = table(positions, metadata.max_seq_len, hidden.dtype)
+        q_resid = self.q_norm(self.wq_a(hidden))
+        q = unweighted_rms_norm(self.wq_b(q_resid).view(-1, a.num_heads, a.head_dim), a.rms_norm_eps)
+        q = rotate_trailing(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = rotate_trailing(self.norm(self.wkv(hidden)), cos, sin)
+        metadata.for_window(a.sliding_window).store(kv_cache["kv"], kv)
+        if self.compressor is not None:
+            self._compress(self.compressor, "compressor", "compressed", hidden, positions, table, kv_cache, metadata)
+        if self.indexer is not None:
+            self._compress(
+                self.indexer.compressor, "indexer", "index_keys", hidden, positions, table, kv_cache, metadata
+            )
+        out = torch.empty_like(q)
+        for seq in range(metadata.batch_size):
+            start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
+            if start < end:
+                out[start:end] = self._attend(
+                    seq, q[start:end], hidden, q_resid, positions, cos, sin, kv_cache, metadata
+                )
+        out = rotate_trailing(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        return self.wo_b(self.wo_a(out.flatten(1)))
+
+    def _compress(
+        self,
+        compressor: Compressor,
+        name: str,
+        entries: str,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        table: RotaryEmbedding,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Store this step's rows, then compute and store the entries of the windows that
+        closed in it (from the rows of their windows, this step's or cached)."""
+        rows_view = metadata.for_window(compressor.window_tokens)
+        rows_view.store(kv_cache[f"{name}_rows"], compressor.rows(hidden, positions))
+        full = metadata.for_window(None)
+        rate = compressor.rate
+        for seq, (context, seq_len) in enumerate(zip(metadata.context_lens_host, metadata.seq_lens_host, strict=True)):
+            first, last = context // rate, seq_len // rate  # windows closing in this step: [first, last)
+            if first >= last:
+                continue
+            start = max(first - 1, 0) * rate if compressor.overlap else first * rate
+            rows = _read(kv_cache[f"{name}_rows"], rows_view.block_tables[seq], start, last * rate)
+            made = compressor.entries(rows, first, hidden.dtype)
+            window_starts = torch.arange(first, last, device=hidden.device) * rate
+            cos, sin = table(window_starts, metadata.max_seq_len, hidden.dtype)
+            _write(kv_cache[entries], full.block_tables[seq], first, rotate_trailing(made, cos, sin))
+
+    def _attend(
+        self,
+        seq: int,
+        q: torch.Tensor,
+        hidden: torch.Tensor,
+        q_resid: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One sequence's queries over its raw window and its compressed entries."""
+        a = self.args
+        start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
+        seq_len = metadata.seq_lens_host[seq]
+        query_positions = positions[start:end]
+        lo = max(0, seq_len - (end - start) - a.sliding_window + 1)
+        window = metadata.for_window(a.sliding_window)
+        keys = _read(kv_cache["kv"], window.block_tables[seq], lo, seq_len)
+        key_positions = torch.arange(lo, seq_len, device=q.device)
+        allowed = (key_positions[None, :] <= query_positions[:, None]) & (
+            key_positions[None, :] > query_positions[:, None] - a.sliding_window
+        )
+        if self.compressor is not None:
+            full = metadata.for_window(None)
+            count = seq_len // self.compressor.rate
+            entries = _read(kv_cache["compressed"], full.block_tables[seq], 0, count)
+            visible = (query_positions + 1) // self.compressor.rate
+            if self.indexer is None:  # HCA: every closed window
+                chosen = torch.arange(count, device=q.device)[None, :] < visible[:, None]
+            else:  # CSA: the indexer's picks
+                index_keys = _read(kv_cache["index_keys"], full.block_tables[seq], 0, count)
+                picks = self.indexer.select(
+                    hidden[start:end], q_resid[start:end], query_positions, cos[start:end], sin[start:end], index_keys
+                )
+                chosen = torch.zeros(end - start, count + 1, dtype=torch.bool, device=q.device)
+                chosen.scatter_(1, picks.masked_fill(picks < 0, count), True)
+                chosen = chosen[:, :count]
+            keys = torch.cat((keys, entries))
+            allowed = torch.cat((allowed, chosen), dim=1)
+        return attend_with_sinks(q, keys, allowed, self.attn_sink, self.spec.scale)
+
+
+# --------------------------------------------------------------------------- MoE and blocks
+
+
+class ClampedSwiGLU(nn.Module):
+    """The shared expert: ``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float | None) -> None:
+        super().__init__()
+        self.w1 = Linear(hidden_size, intermediate_size, bias=False)
+        self.w3 = Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class V4MoE(nn.Module):
+    """Routed experts (learned or hash routing, through the MoE backend) plus the shared expert."""
+
+    def __init__(self, args: V4Args, layer: int, ctx: ModelContext) -> None:
+        super().__init__()
+        routing = args.routing(layer)
+        first, count = (0, args.num_experts) if ctx.expert_parallel_size == 1 else ctx.local_experts(args.num_experts)
+        self.experts = MoE(
+            routing,
+            args.hidden_size,
+            args.moe_intermediate_size,
+            ctx.moe,
+            ctx.dtype,
+            ctx.device,
+            first_expert=first,
+            local_experts=count,
+            dispatcher=ctx.expert_dispatcher,
+            vocab_size=args.vocab_size if routing.topk_method == "hash" else None,
+            swiglu_limit=args.swiglu_limit,
+        )
+        self.shared_experts = (
+            ClampedSwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, args.swiglu_limit)
+            if args.n_shared_experts
+            else None
+        )
+
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, token_ids)
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)
+
+
+class V4Block(nn.Module):
+    """Attention then MoE, each between an mHC collapse and expand of the streams."""
+
+    def __init__(self, args: V4Args, layer: int, ctx: ModelContext) -> None:
+        super().__init__()
+        hc = (args.hidden_size, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
+        self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
+        self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = V4Attention(args, layer)
+        self.ffn = V4MoE(args, layer, ctx)
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # [n, hc_mult, hidden]
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Mapping[str, RotaryEmbedding],
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        collapsed, post, comb = self.attn_hc.collapse(streams)
+        out = self.attn(self.attn_norm(collapsed), positions, rope, kv_cache, metadata)
+        streams = HyperConnection.expand(streams, out, post, comb)
+        collapsed, post, comb = self.ffn_hc.collapse(streams)
+        out = self.ffn(self.ffn_norm(collapsed), input_ids)
+        return HyperConnection.expand(streams, out, post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """Implements ``interfaces.CausalLM`` for DeepSeek-V4 (parameters under native names)."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        self.args = args = V4Args.from_config(ctx.config)
+        if ctx.moe is None:
+            raise ValueError("DeepSeek-V4 needs a MoE backend (ModelContext.moe)")
+        self._expert_slice = None if ctx.expert_parallel_size == 1 else ctx.local_experts(args.num_experts)
+        with torch.device(ctx.device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(ctx.dtype)
+            try:
+                self.embed = nn.Embedding(
+                    args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+                )
+                self.layers = nn.ModuleList(V4Block(args, i, ctx) for i in range(args.num_layers))
+                self.hc_head = HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps)
+                self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+                self.head = Linear(args.hidden_size, args.vocab_size, bias=False)
+                if args.tie_word_embeddings:
+                    self.head.weight = self.embed.weight
+            finally:
+                torch.set_default_dtype(previous)
+        self.rope = {
+            "main": RotaryEmbedding(args.head_dim, args.main_rope, args.max_position_embeddings),
+            "compress": RotaryEmbedding(args.head_dim, args.compress_rope, args.max_position_embeddings),
+        }
+        self.requires_grad_(False)
+        self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(layer.attn.spec for layer in self.layers)
+        self.mtp = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[num_tokens, hidden]`` of the flat batch."""
+        hidden = self.embed(input_ids)
+        streams = hidden.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            streams = layer(streams, input_ids, positions, self.rope, kv_cache, metadata)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def naive_kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """A dense cache of every layer's shared 512-wide key (= value) per token: what
+        full attention without a window or compression would keep."""
+        a = self.args
+        return a.head_dim * a.num_layers * torch.empty((), dtype=dtype).element_size()
+
+    # ----------------------------------------------------------------------- loading
+
+    def routed_expert_layers(self) -> list[MoE]:
+        return [layer.ffn.experts for layer in self.layers]
+
+    def wants_weight(self, name: str) -> bool:
+        """False for another expert-parallel rank's routed experts: they are not read."""
+        match = _EXPERT_INDEX.search(name)
+        if match is None or self._expert_slice is None:
+            return True
+        first, count = self._expert_slice
+        return first <= int(match.group(1)) < first + count
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors in under DeepSeek's native names (bare or ``model.``-prefixed, as
+        transformers' ``save_pretrained`` writes them) or transformers' own; routed experts
+        and routers go through their MoE layer. Raises ValueError naming unexpected and
+        missing tensors."""
+        targets = {name: param.data for name, param in self.named_parameters() if ".ffn.experts." not in name}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for stored, tensor in weights:
+                name = native_name(stored)
+                if name in targets:
+                    copy_checked(stored, targets[name], tensor)
+                    loaded.add(name)
+                elif not self._load_routed(name, tensor):
+                    unexpected.append(stored)
+            for moe in self.routed_expert_layers():
+                moe.finish_loading()
+        missing = sorted(targets.keys() - loaded)
+        if self.args.tie_word_embeddings:
+            missing = [m for m in missing if m != "head.weight"]
+        check_complete(type(self).__name__, unexpected, missing)
+
+    def _load_routed(self, name: str, tensor: torch.Tensor) -> bool:
+        match = _ROUTED.match(name)
+        if match is None or int(match.group(1)) >= len(self.layers):
+            return False
+        rest = match.group(2)
+        rest = _MOE_NAMES.get(rest, rest)
+        expert = _NATIVE_EXPERT.match(rest)
+        if expert is not None:
+            rest = f"experts.{expert.group(1)}.{_EXPERT_PROJECTIONS[expert.group(2)]}.{expert.group(3)}"
+        return self.layers[int(match.group(1))].ffn.experts.load_weight(rest, tensor)
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+_ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
+_NATIVE_EXPERT = re.compile(r"^experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
+_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_MOE_NAMES = {"gate.bias": "gate.e_score_correction_bias"}
+#: transformers' in-memory names -> native ones (its conversion_mapping's "deepseek_v4" read
+#: forwards), applied to name parts; the ``model.`` prefix is dropped first.
+_HF_PARTS = {
+    "self_attn": "attn",
+    "mlp": "ffn",
+    "q_a_proj": "wq_a",
+    "q_a_norm": "q_norm",
+    "q_b_proj": "wq_b",
+    "kv_proj": "wkv",
+    "kv_norm": "norm",
+    "o_a_proj": "wo_a",
+    "o_b_proj": "wo_b",
+    "sinks": "attn_sink",
+    "gate_proj": "wgate",
+    "position_bias": "ape",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "embed_tokens": "embed",
+    "lm_head": "head",
+}
+_HF_SHARED = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def native_name(name: str) -> str:
+    """The native (bare) name of a stored V4 tensor, whichever of the three forms it is in,
+    mapped onto this module's parameter names (mHC and the hyper head live in submodules)."""
+    name = name.removeprefix("model.")
+    if name.startswith("hc_head."):  # save_pretrained's spelling of the hyper head
+        name = name.replace("hc_head.hc_", "hc_head_")
+    parts = name.split(".")
+    if "shared_experts" in parts:
+        parts = [_HF_SHARED.get(part, part) for part in parts]
+    parts = [_HF_PARTS.get(part, part) for part in parts]
+    if "scorer" in parts:  # transformers: compressor.indexer.scorer.weights_proj
+        parts.remove("scorer")
+    if parts[-3:-1] == ["compressor", "indexer"] or "indexer" in parts and "compressor" in parts:
+        parts = _indexer_parts(parts)
+    name = ".".join(parts)
+    for which in ("attn", "ffn"):  # hc_attn_fn -> attn_hc.fn
+        name = re.sub(rf"^(layers\.\d+\.)(?:hc_{which}_|{which}_hc\.)(fn|base|scale)$", rf"\g<1>{which}_hc.\2", name)
+    name = re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", name)
+    return name
+
+
+def _indexer_parts(parts: list[str]) -> list[str]:
+    """transformers nests the indexer in the compressor (``attn.compressor.indexer.X``),
+    DeepSeek beside it (``attn.indexer.compressor.X`` for its compressor's tensors,
+    ``attn.indexer.X`` for its queries and weights)."""
+    text = ".".join(parts)
+    match = re.match(r"^(layers\.\d+\.attn\.)compressor\.indexer\.(.*)$", text)
+    if match is None:
+        return parts
+    prefix, rest = match.groups()
+    leaf_module = rest.split(".")[0]
+    if leaf_module in ("wq_b", "weights_proj"):
+        return f"{prefix}indexer.{rest}".split(".")
+    return f"{prefix}indexer.compressor.{rest}".split(".")
+
+
+__all__: Sequence[str] = ["ARCHITECTURES", "DeepseekV4ForCausalLM", "V4Args", "native_name"]

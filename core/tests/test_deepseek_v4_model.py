@@ -1,0 +1,273 @@
+"""DeepSeek-V4 (``models/deepseek_v4.py``) against HF transformers' ``DeepseekV4ForCausalLM``.
+
+Tiny random float32 checkpoints (``write_tiny_deepseek_v4``: a sliding, two CSA and an HCA
+layer, hash and learned routing, four mHC streams, a window of 8 tokens, CSA entries per 4
+tokens, HCA per 8, ``index_topk`` 4): prompts of 20-45 tokens span several windows of each
+kind, so the window drops keys, the indexer drops entries and HCA reads several. Logits
+over a paged cache with shuffled block ids beside a concurrently decoding neighbour, then
+the whole engine, greedy, with prefix caching, small prefill chunks and preemption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the oracle; the locked dev group pins 5.24, which has DeepSeek-V4
+
+from powertrain import LLM, SamplingParams
+from powertrain.assemble import build_engine
+from powertrain.builtin.grouped_moe import TorchGroupedMoE
+from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.config import CacheConfig, EngineConfig, ModelConfig
+from powertrain.interfaces import ModelContext
+from powertrain.loader import load_checkpoint
+from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM, native_name
+from powertrain.testing.base import fresh_seed
+from powertrain.testing.checkpoints import write_tiny_deepseek_v4
+from powertrain.testing.paged import PagedRunner
+
+#: Relative to the largest reference logit: float32 rounding through a few layers is ~1e-6.
+RELATIVE_TOLERANCE = 1e-4
+DECODE_STEPS = 32
+#: The largest compression rate of the tiny config (HCA): block sizes must be multiples of it.
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    value = fresh_seed()
+    print(f"checkpoint seed={value}")
+    return write_tiny_deepseek_v4(tmp_path_factory.mktemp("v4"), seed=value)
+
+
+@pytest.fixture(scope="module")
+def hf(path: Path) -> Any:
+    return transformers.DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def seed() -> int:
+    value = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(value)
+    print(f"seed={value}")
+    return value
+
+
+def context_of(path: Path, **changes: Any) -> ModelContext:
+    return ModelContext(
+        config={**load_checkpoint(str(path)).config, **changes},
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=TorchReferenceAttention(),
+        moe=TorchGroupedMoE(),
+    )
+
+
+def load_ours(path: Path) -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(context_of(path))
+    model.load_weights(load_checkpoint(str(path)).tensors())
+    return model
+
+
+def config_of(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def hf_logits(hf: Any, tokens: Sequence[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(input_ids=torch.tensor([list(tokens)])).logits[0].float()
+
+
+def hf_greedy(hf: Any, prompt: Sequence[int], steps: int) -> list[int]:
+    """HF's argmax continuation, one full forward per token (its stateless path: the
+    compressor caches of its incremental one cannot be rewound, docs/deepseek_v4_notes.md §11)."""
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+def random_tokens(path: Path, n: int) -> list[int]:
+    return torch.randint(0, config_of(path)["vocab_size"], (n,)).tolist()
+
+
+# --------------------------------------------------------------------------- model against HF
+
+
+def test_prefill_logits_match_hf(path: Path, hf: Any, seed: int) -> None:
+    ours = load_ours(path)
+    prompts = [random_tokens(path, n) for n in (random.randint(30, 45), random.randint(9, 30))]
+    runner = PagedRunner(ours, TorchReferenceAttention(), block_size=BLOCK, num_blocks=32)
+    logits = runner.step([("a", prompts[0]), ("b", prompts[1])])
+    for prompt, got in zip(prompts, logits, strict=True):
+        error = relative_error(got, hf_logits(hf, prompt))
+        print(f"prefill of {len(prompt)} tokens: max |diff| / max |logit| = {error:.2e}")
+        assert error <= RELATIVE_TOLERANCE, f"prefill logits off by {error:.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_prefill_and_decode_beside_a_neighbour_match_hf(path: Path, hf: Any, prefix_caching: bool, seed: int) -> None:
+    """With the prefix cache, the shared prefix (21 tokens) ends inside an open CSA window
+    (20-23) and an open HCA window (16-23): the hit is cut to the block boundary at 16 and
+    the rest, rows of the open windows included, is computed again."""
+    ours = load_ours(path)
+    prompt = random_tokens(path, random.randint(30, 45))
+    neighbour = random_tokens(path, 11)
+    runner = PagedRunner(ours, TorchReferenceAttention(), block_size=BLOCK, num_blocks=64)
+    skip = 0
+    if prefix_caching:
+        runner.step([("earlier", prompt[:21] + neighbour)])
+        skip = runner.share_prefix("s", "earlier", 21)
+        assert skip == 16
+    first, _ = runner.step([("s", prompt[skip:]), ("n", neighbour)])
+    rows = [first]
+    generated = [int(first[-1].argmax())]
+    next_neighbour = random_tokens(path, DECODE_STEPS)
+    for step in range(DECODE_STEPS - 1):
+        logits, _ = runner.step([("s", [generated[-1]]), ("n", [next_neighbour[step]])])
+        rows.append(logits)
+        generated.append(int(logits[-1].argmax()))
+    reference = hf_logits(hf, prompt + generated[:-1])[skip:]
+    error = relative_error(torch.cat(rows), reference)
+    print(f"prefill {len(prompt)} + {DECODE_STEPS} decodes: max |diff| / max |logit| = {error:.2e}")
+    assert error <= RELATIVE_TOLERANCE, f"logits off by {error:.2e} (seed={seed})"
+    assert generated == hf_greedy(hf, prompt, DECODE_STEPS), f"greedy continuation differs (seed={seed})"
+
+
+def test_every_stored_name_form_loads(path: Path) -> None:
+    """Native names as save_pretrained writes them (``model.`` prefix), bare native names
+    (DeepSeek's release) and transformers' in-memory names all reach the same parameters."""
+    ours = load_ours(path)
+    own = {name for name, _ in ours.named_parameters()}
+    stored = set(load_checkpoint(str(path)).tensor_names)
+    hf_names = {name for name, _ in transformers.DeepseekV4ForCausalLM.from_pretrained(str(path)).named_parameters()}
+    for names in (stored, {n.removeprefix("model.") for n in stored}, hf_names):
+        mapped = {native_name(n) for n in names}
+        dense = {n for n in mapped if ".ffn.experts." not in n and ".ffn.gate." not in n}
+        assert dense == {n for n in own if ".ffn.experts." not in n}, sorted(dense ^ own)[:6]
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def engine_greedy(path: Path, prompts: Sequence[Sequence[int]], **settings: Any) -> tuple[list[list[int]], Any]:
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    with LLM(str(path), dtype="float32", **settings) as llm:
+        outputs = llm.generate([list(p) for p in prompts], params)
+        return [list(o.outputs[0].token_ids) for o in outputs], llm.engine.scheduler
+
+
+def test_engine_greedy_equals_hf_beside_a_neighbour(path: Path, hf: Any, seed: int) -> None:
+    prompts = [random_tokens(path, random.randint(20, 40)), random_tokens(path, random.randint(9, 20))]
+    got, _ = engine_greedy(path, prompts, block_size=BLOCK, num_blocks=64, prefix_caching=False)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, prompt, DECODE_STEPS), f"seed={seed}"
+
+
+def test_engine_prefix_cache_chunks_and_preemption_change_nothing(path: Path, seed: int) -> None:
+    shared = random_tokens(path, 27)  # ends inside open CSA and HCA windows
+    prompts = [shared + random_tokens(path, n) for n in (5, 9, 3, 12)]
+    plain, _ = engine_greedy(
+        path, prompts, block_size=BLOCK, num_blocks=64, prefix_caching=False, chunked_prefill=False
+    )
+    with LLM(str(path), dtype="float32", block_size=BLOCK, num_blocks=64, prefix_caching=True) as llm:
+        params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+        first = llm.generate([prompts[0]], params)
+        rest = llm.generate(prompts[1:], params)
+    assert all(o.num_cached_tokens == 24 for o in rest), [o.num_cached_tokens for o in rest]
+    assert [list(o.outputs[0].token_ids) for o in first + rest] == plain, f"prefix caching (seed={seed})"
+    chunked, _ = engine_greedy(
+        path, prompts, block_size=BLOCK, num_blocks=64, prefix_caching=False, max_num_batched_tokens=8
+    )
+    assert chunked == plain, f"chunked prefill of 8 tokens a step (seed={seed})"
+    # 10 full-history blocks of 8 tokens: one request (<= 71 tokens = 9 blocks) fits, four at once do not.
+    tight, scheduler = engine_greedy(path, prompts, block_size=BLOCK, num_blocks=10, prefix_caching=False)
+    assert scheduler.num_preemptions > 0
+    assert tight == plain, f"under memory pressure (seed={seed})"
+
+
+def test_engine_allocates_each_cache_group(path: Path) -> None:
+    """KV bytes per token per group, from the allocated tensors."""
+    config = config_of(path)
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(path=str(path), dtype="float32"), cache=CacheConfig(num_blocks=16, block_size=BLOCK)
+        )
+    )
+    try:
+        caches = engine.runner.kv_caches
+        d, rates = config["head_dim"], config["compress_rates"]
+        csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+        index = config["index_head_dim"]
+        expected = {  # name -> bytes per token of sequence, per layer
+            "sliding_attention": {"kv": 4 * d},
+            "compressed_sparse_attention": {
+                "kv": 4 * d,
+                "compressor_rows": 4 * 4 * d,
+                "compressed": 4 * d / csa,
+                "indexer_rows": 4 * 4 * index,
+                "index_keys": 4 * index / csa,
+            },
+            "heavily_compressed_attention": {"kv": 4 * d, "compressor_rows": 4 * 2 * d, "compressed": 4 * d / hca},
+        }
+        for kind, cache in zip(config["layer_types"], caches, strict=True):
+            assert set(cache) == set(expected[kind]), kind
+            for name, tensor in cache.items():
+                per_token = tensor[0].nbytes / BLOCK
+                assert per_token == expected[kind][name], (kind, name, per_token)
+    finally:
+        engine.shutdown()
+
+
+def test_startup_log_accounts_each_cache_group(path: Path) -> None:
+    script = Path(sys.executable).with_name("powertrain")
+    proc = subprocess.run(
+        [str(script), "--log-level", "info", "generate", "--model", str(path), "--max-tokens", "4", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    kv = next(e for e in events if e["event"] == "kv cache")
+    print(json.dumps(kv, indent=1))
+    config = config_of(path)
+    groups = {g["name"]: g for g in kv["groups"]}
+    assert set(groups) == {"window", "compressor_rows", "compressed", "indexer_rows", "index_keys"}
+    assert groups["window"]["retention"] != "full" and groups["compressed"]["retention"] == "full"
+    layers, kinds, d = config["num_hidden_layers"], config["layer_types"], config["head_dim"]
+    assert kv["dense_bytes_per_token"] == d * layers * 4
+    rates, index = config["compress_rates"], config["index_head_dim"]
+    csa, hca = kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")
+    growing = csa * 4 * (d + index) / rates["compressed_sparse_attention"]
+    growing += hca * 4 * d / rates["heavily_compressed_attention"]
+    assert kv["growing_bytes_per_token"] == growing < kv["dense_bytes_per_token"]  # what compression saves
+    assert kv["sliding_bytes_per_sequence"] > 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"scoring_func": "sigmoid"}, "sqrtsoftplus"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types=.*need 4 entries"),
+        ({"mlp_layer_types": ["moe", "dense", "moe", "moe"]}, "mlp_layer_types=.*one of"),
+        ({"compress_rates": {"compressed_sparse_attention": 0, "heavily_compressed_attention": 8}}, "compress_rates"),
+    ],
+)
+def test_configs_it_does_not_follow_are_refused(path: Path, changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DeepseekV4ForCausalLM(context_of(path, **changes))
