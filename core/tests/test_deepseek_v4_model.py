@@ -271,3 +271,37 @@ def test_startup_log_accounts_each_cache_group(path: Path) -> None:
 def test_configs_it_does_not_follow_are_refused(path: Path, changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DeepseekV4ForCausalLM(context_of(path, **changes))
+
+
+def test_data_and_expert_parallel_give_the_same_greedy_tokens(path: Path, seed: int) -> None:
+    """(DP, EP) = (2, 2) over spawned processes: hash and learned layers route across ranks,
+    each rank loads half the experts, and the tokens are the one-process engine's."""
+    prompts = [random_tokens(path, n) for n in (5, 23, 40, 17)]
+    one, _ = engine_greedy(path, prompts, block_size=BLOCK, memory_gib=0.05)
+    with LLM(str(path), dtype="float32", block_size=BLOCK, memory_gib=0.05, data_parallel=2, expert_parallel=2) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True))
+        experts = [w.experts for w in llm.engine.workers]
+    experts_total = config_of(path)["n_routed_experts"]
+    assert experts == [(0, experts_total // 2), (experts_total // 2, experts_total // 2)]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == one, f"seed={seed}"
+
+
+def test_ngram_speculation_is_greedy_identical(path: Path, seed: int) -> None:
+    """DSpark's n-gram drafter on V4 (fixed-k verifies every draft): rejected drafts leave
+    window keys, compressor rows and entries behind, which later steps must overwrite before
+    anything reads them. A prompt quoting the model's own continuation of a prompt, then that
+    prompt again, gets drafts the model follows for a while; a repeated motif gets drafts it
+    does not."""
+    quoted = [random_tokens(path, n) for n in (9, 12, 15, 20)]
+    continuations, _ = engine_greedy(path, quoted, block_size=BLOCK)
+    prompts = [q + c + q for q, c in zip(quoted, continuations, strict=True)]
+    prompts.append(random_tokens(path, 30) + random_tokens(path, 6) * 3)
+    plain, _ = engine_greedy(path, prompts, block_size=BLOCK)
+    with LLM(str(path), dtype="float32", speculative="fixed-k", block_size=BLOCK) as llm:
+        params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+        speculated = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    accepted, verified = stats.speculative_accepted_tokens, stats.speculative_verified_tokens
+    print(f"drafts: {accepted} of {verified} accepted")
+    assert 0 < accepted < verified, "drafts must be both accepted and rejected for this to test rollback"
+    assert speculated == plain, f"seed={seed}"
