@@ -566,3 +566,54 @@ def test_torch_grouped_refuses_inconsistent_weights() -> None:
     prepared = backend.prepare(ExpertWeights(w13=w13, w2=w2, num_experts=4))
     with pytest.raises(ValueError, match="one count per local expert"):
         backend.forward_grouped(torch.randn(5, HIDDEN), torch.tensor([2, 2, 0, 0]), prepared)
+
+
+def test_torch_grouped_clamped_swiglu_matches_transformers_v4_experts(seed: int) -> None:
+    """DeepSeek-V4's clamped SwiGLU against transformers' DeepseekV4Experts, on hidden states
+    large enough that the clamp changes many gate/up values."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    limit = 2.0 + 8.0 * float(torch.rand(1, generator=gen))
+    config = DeepseekV4Config(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=INTERMEDIATE,
+        n_routed_experts=8, num_local_experts=8, num_experts_per_tok=3, swiglu_limit=limit,
+    )  # fmt: skip
+    experts = DeepseekV4Experts(config)
+    assert (experts.limit, experts.gate_up_proj.shape[1]) == (limit, 2 * INTERMEDIATE)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(8, 2 * INTERMEDIATE, HIDDEN, generator=gen) / HIDDEN**0.5)
+        experts.down_proj.copy_(torch.randn(8, HIDDEN, INTERMEDIATE, generator=gen) / INTERMEDIATE**0.5)
+    hidden = 1.5 * limit * torch.randn(37, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(37)])
+    weights = 0.1 + torch.rand(37, 3, generator=gen)
+    with torch.no_grad():
+        want = experts(hidden, ids, weights)
+        w13, w2 = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    backend = TorchGroupedMoE(torch.float32)
+    clamped = backend.prepare(ExpertWeights(w13=w13, w2=w2, num_experts=8, swiglu_limit=limit))
+    plain = backend.prepare(ExpertWeights(w13=w13, w2=w2, num_experts=8))
+    got = backend.forward(hidden, ids.to(torch.int32), weights, clamped)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert (backend.forward(hidden, ids.to(torch.int32), weights, plain) - want).abs().max() > 0.1 * want.abs().max()
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, float("inf"), float("nan"), "10", True])
+def test_a_swiglu_limit_must_be_a_positive_number(limit: object) -> None:
+    w13, w2 = torch.randn(2, 2 * INTERMEDIATE, HIDDEN), torch.randn(2, HIDDEN, INTERMEDIATE)
+    with pytest.raises(ValueError, match="swiglu_limit must be a positive number"):
+        ExpertWeights(w13=w13, w2=w2, num_experts=2, swiglu_limit=limit).check()  # type: ignore[arg-type]
+
+
+def test_the_layer_hands_its_swiglu_limit_to_the_backend(seed: int) -> None:
+    config = _v3_config()
+    router, experts = _hf_moe(config, seed)
+    routing = RoutingConfig.from_config(config.to_dict())
+    layer = MoE(routing, HIDDEN, INTERMEDIATE, TorchGroupedMoE(torch.float32), torch.float32, "cpu", swiglu_limit=0.5)
+    _loaded(layer, _fused_names(router, experts))
+    assert layer.prepared.swiglu_limit == 0.5 and "swiglu_limit=0.5" in repr(layer)
+    plain = _loaded(_layer(config), _fused_names(router, experts))
+    hidden = 4 * torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    assert not torch.allclose(layer(hidden), plain(hidden), atol=1e-3)

@@ -62,8 +62,15 @@ ATTENTION_CAPABILITIES = frozenset(
 
 #: Capability tags a MoE backend may declare.
 MOE_CAPABILITIES = frozenset(
-    # fused-routing: the backend also picks experts with a fused gating op (interfaces.MoERouter)
-    {"bf16", "fp16", "fp32", "fp8-block", "batch-invariant", "fused-routing"}
+    {
+        "bf16",
+        "fp16",
+        "fp32",
+        "fp8-block",
+        "batch-invariant",
+        "fused-routing",  # the backend also picks experts with a fused gating op (interfaces.MoERouter)
+        "swiglu-limit",  # clamped SwiGLU, ExpertWeights.swiglu_limit (DeepSeek-V4)
+    }
 )
 
 

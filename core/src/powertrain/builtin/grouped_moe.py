@@ -31,6 +31,14 @@ def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> t
     )
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(gate) * up``, with DeepSeek-V4's clamp of both inputs when ``limit`` is set
+    (transformers' ``DeepseekV4Experts._apply_gate``)."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def _run_experts(
     rows: torch.Tensor,
     counts: list[int],
@@ -50,7 +58,7 @@ def _run_experts(
         end = start + count
         w13, w2 = expert_matrices(weights, local, rows.dtype)
         gate, up = F.linear(rows[start:end], w13).float().chunk(2, dim=-1)
-        result = F.linear((F.silu(gate) * up).to(rows.dtype), w2)
+        result = F.linear(swiglu(gate, up, weights.swiglu_limit).to(rows.dtype), w2)
         if destinations is None:
             out[start:end] = result
         else:
@@ -59,7 +67,8 @@ def _run_experts(
 
 
 class TorchGroupedMoE:
-    """``interfaces.MoEBackend`` in plain torch: any device torch runs on, float or FP8 experts.
+    """``interfaces.MoEBackend`` in plain torch: any device torch runs on, float or FP8 experts,
+    plain or clamped (``swiglu_limit``) SwiGLU.
 
     Float32 inputs are computed in float32. Half-precision inputs run their matmuls
     in their dtype (whose kernels accumulate in float32) with the activation and the

@@ -203,6 +203,10 @@ class ExpertWeights:
     weights and float32 block scales (``block_shape`` e.g. (128, 128)). Under expert
     parallelism this rank holds global experts ``first_expert ...
     first_expert + local_experts - 1`` of ``num_experts``.
+
+    ``swiglu_limit`` (DeepSeek-V4's, 10) clamps the activation's inputs:
+    ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; None is plain SwiGLU. Only a
+    backend whose record declares ``swiglu-limit`` applies it; the others refuse it in ``prepare``.
     """
 
     w13: torch.Tensor
@@ -212,10 +216,21 @@ class ExpertWeights:
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     block_shape: tuple[int, int] | None = None
+    swiglu_limit: float | None = None
 
     @property
     def local_experts(self) -> int:
         return self.w13.shape[0]
+
+    def refuse_swiglu_limit(self, backend: str) -> None:
+        """For the ``prepare`` of a backend that does not declare ``swiglu-limit``: plain SwiGLU in
+        place of a clamped one would run, silently, a different model."""
+        if self.swiglu_limit is not None:
+            raise ValueError(
+                f"{backend} MoE computes plain SwiGLU, but these experts clamp it at swiglu_limit = "
+                f"{self.swiglu_limit} (DeepSeek-V4); choose a MoE backend that declares 'swiglu-limit' "
+                '(e.g. components.moe = "torch-grouped")'
+            )
 
     def check(self) -> None:
         """Raise ValueError unless these are consistent (FP8 block-scaled or float) experts;
@@ -237,6 +252,11 @@ class ExpertWeights:
                 f"ExpertWeights: experts {self.first_expert}..{self.first_expert + local - 1} "
                 f"are not a slice of the {self.num_experts} experts"
             )
+        limit = self.swiglu_limit
+        if limit is not None and (
+            not (_is_int(limit) or isinstance(limit, float)) or not math.isfinite(limit) or limit <= 0
+        ):
+            raise ValueError(f"ExpertWeights: swiglu_limit must be a positive number (or None), got {limit!r}")
         fp8 = torch.float8_e4m3fn
         scales = (self.w13_scale, self.w2_scale, self.block_shape)
         if all(s is None for s in scales):

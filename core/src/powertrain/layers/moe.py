@@ -119,6 +119,9 @@ class MoE(nn.Module):
     weights plus their ``weight_scale_inv`` block scales (per-expert names only), for
     a backend that declares ``fp8-block``. Gate and up stack into one w13 whose scale
     rows stack the same way, which needs the intermediate size to be whole blocks.
+
+    ``swiglu_limit`` (DeepSeek-V4) clamps the experts' SwiGLU (``ExpertWeights.swiglu_limit``);
+    the backend must declare ``swiglu-limit``, or its ``prepare`` refuses the experts.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class MoE(nn.Module):
         fp8_block: tuple[int, int] | None = None,
         dispatcher: Any = None,
         vocab_size: int | None = None,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         if (routing.topk_method == "hash") != (vocab_size is not None):
@@ -146,6 +150,7 @@ class MoE(nn.Module):
                 f"{fp8_block[0]}, got {intermediate_size}; load them dequantized instead"
             )
         self.fp8_block = fp8_block
+        self.swiglu_limit = swiglu_limit
         local_experts = routing.num_experts - first_expert if local_experts is None else local_experts
         if first_expert < 0 or local_experts < 1 or first_expert + local_experts > routing.num_experts:
             raise ValueError(
@@ -352,6 +357,7 @@ class MoE(nn.Module):
             w13_scale=self._w13_scale,
             w2_scale=self._w2_scale,
             block_shape=self.fp8_block,
+            swiglu_limit=self.swiglu_limit,
         )
         self.prepared = self.backend.prepare(weights)
         self._w13 = self._w2 = self._w13_scale = self._w2_scale = None
@@ -386,6 +392,8 @@ class MoE(nn.Module):
             f"backend={self.backend.name}, experts={r.num_experts}, top_k={r.top_k}, "
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, {r.scoring}/{r.topk_method}"
         )
+        if self.swiglu_limit is not None:
+            text += f", swiglu_limit={self.swiglu_limit}"
         if self.local_experts != r.num_experts:
             text += f", local experts {self.first_expert}..{self.first_expert + self.local_experts - 1}"
         return text

@@ -14,7 +14,7 @@ is random but shaped like the cases kernels get wrong: experts no token picks, o
 expert taking most pairs, an expert reached from every top-k slot, a single token,
 ragged token counts, no tokens, and expert-parallel slices whose foreign ids must
 contribute nothing. Declared dtypes (``fp32``, ``bf16``, ``fp16``) decide which
-dtypes run.
+dtypes run; ``swiglu-limit`` adds DeepSeek-V4's clamped SwiGLU on inputs that cross the limit.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ DTYPE_CAPABILITIES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float
 # --------------------------------------------------------------------------- the oracle
 
 
-def _expert64(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _expert64(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
     gate, up = (w13 @ x).chunk(2)
+    if swiglu_limit is not None:  # transformers' DeepseekV4Experts._apply_gate
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
     return w2 @ (torch.nn.functional.silu(gate) * up)
 
 
@@ -53,11 +55,13 @@ def reference_moe(
     w13: torch.Tensor,
     w2: torch.Tensor,
     first_expert: int = 0,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """``sum_k weight[t,k] * expert_{id[t,k]}(hidden[t])`` in float64, one token and slot at a time.
 
     ``w13``/``w2`` hold the local experts (already dequantized); ids outside
-    ``first_expert ... first_expert + len(w13) - 1`` contribute nothing.
+    ``first_expert ... first_expert + len(w13) - 1`` contribute nothing. ``swiglu_limit``
+    clamps the SwiGLU as ``ExpertWeights.swiglu_limit`` says.
     """
     hidden, w13, w2 = hidden.double().cpu(), w13.double().cpu(), w2.double().cpu()
     out = torch.zeros(hidden.shape, dtype=torch.float64)
@@ -66,7 +70,7 @@ def reference_moe(
             local = int(topk_ids[token, slot]) - first_expert
             if 0 <= local < w13.shape[0]:
                 weight = float(topk_weights[token, slot])
-                out[token] += weight * _expert64(w13[local], w2[local], hidden[token])
+                out[token] += weight * _expert64(w13[local], w2[local], hidden[token], swiglu_limit)
     return out
 
 
@@ -78,15 +82,25 @@ def row_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).norm(dim=-1) / torch.where(norms > 0, norms, typical)
 
 
-def _reference_grouped(hidden: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def _reference_grouped(
+    hidden: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, swiglu_limit: float | None = None
+) -> torch.Tensor:
     hidden, w13, w2 = hidden.double().cpu(), w13.double().cpu(), w2.double().cpu()
     out = torch.zeros(hidden.shape, dtype=torch.float64)
     row = 0
     for local, count in enumerate(counts):
         for _ in range(count):
-            out[row] = _expert64(w13[local], w2[local], hidden[row])
+            out[row] = _expert64(w13[local], w2[local], hidden[row], swiglu_limit)
             row += 1
     return out
+
+
+def _clamped_share(hidden: torch.Tensor, expert_of_row: torch.Tensor, w13: torch.Tensor, limit: float) -> float:
+    """The share of SwiGLU inputs (gate above ``limit``, up outside +-``limit``) that the clamp
+    changes, over rows ``hidden`` each sent to local expert ``expert_of_row``."""
+    pre = torch.einsum("rnh,rh->rn", w13.double()[expert_of_row], hidden.double())
+    gate, up = pre.chunk(2, dim=-1)
+    return float(((gate > limit).sum() + (up.abs() > limit).sum()) / pre.numel())
 
 
 # --------------------------------------------------------------------------- random inputs
@@ -213,14 +227,15 @@ class MoEBackendSuite(ComponentSuite):
         w2: torch.Tensor,
         num_experts: int,
         first_expert: int = 0,
-        **fp8: Any,
+        **fields: Any,
     ) -> Any:
+        """``backend.prepare`` of these experts on ``device``; ``fields``: further ExpertWeights fields."""
         weights = ExpertWeights(
             w13=w13.to(device),
             w2=w2.to(device),
             num_experts=num_experts,
             first_expert=first_expert,
-            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fp8.items()},
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()},
         )
         return backend.prepare(weights)
 
@@ -420,6 +435,46 @@ class MoEBackendSuite(ComponentSuite):
         got = backend.forward_grouped(rows.to(device), counts.to(device), prepared)
         want = _reference_grouped(rows, counts.tolist(), real13, real2)
         self._compare(got, want, dtype, f"forward_grouped, {where}", fp8=True)
+
+    #: DeepSeek-V4's swiglu_limit; the swiglu-limit test draws hidden states large enough to cross it.
+    swiglu_limit: ClassVar[float] = 10.0
+
+    def test_swiglu_limit(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
+        """Clamped SwiGLU (DeepSeek-V4), through forward and forward_grouped, on hidden states
+        scaled so that the clamp changes a good share of the gate/up values (asserted, so a
+        backend computing plain SwiGLU fails)."""
+        self.require(subject.provided, "swiglu-limit")
+        backend, device = self._build(subject, dtype)
+        gen = generator(seed)
+        limit = self.swiglu_limit
+        w13, w2 = self._float_experts(gen, self.num_experts, dtype, self.hidden_size, self.intermediate_size)
+        prepared = self._prepare(backend, device, w13, w2, self.num_experts, swiglu_limit=limit)
+
+        # Gate/up values are ~N(0, scale**2): at 1.3 * limit about 30% of them are clamped.
+        scale = limit * (1.0 + 0.6 * float(torch.rand(1, generator=gen)))
+        num_tokens, top_k = 23, 4
+        hidden = (scale * torch.randn(num_tokens, self.hidden_size, generator=gen)).to(dtype)
+        topk_ids = _distinct_ids(gen, num_tokens, top_k, torch.arange(self.num_experts))
+        topk_weights = _routing_weights(gen, num_tokens, top_k)
+        where = f"swiglu_limit {limit}, hidden x{scale:.3g}, {num_tokens} tokens, {_dtype_id(dtype)} (seed={seed})"
+        share = _clamped_share(hidden.repeat_interleave(top_k, dim=0), topk_ids.reshape(-1).long(), w13, limit)
+        assert share > 0.15, f"the clamp changes only {share:.1%} of the SwiGLU inputs, too few to test it: {where}"
+        want = reference_moe(hidden, topk_ids, topk_weights, w13, w2, swiglu_limit=limit)
+        plain = reference_moe(hidden, topk_ids, topk_weights, w13, w2)
+        assert float(row_errors(plain, want).min()) > 10 * self.tolerances[dtype], (
+            f"plain SwiGLU would pass this test: {where}"
+        )
+        self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, want, where)
+
+        counts = torch.randint(0, 6, (self.num_experts,), generator=gen)
+        rows = (scale * torch.randn(int(counts.sum()), self.hidden_size, generator=gen)).to(dtype)
+        got = backend.forward_grouped(rows.to(device), counts.to(device), prepared)
+        want = _reference_grouped(rows, counts.tolist(), w13, w2, limit)
+        self._compare(got, want, dtype, f"forward_grouped, {where}")
+
+        # Without a limit the same backend computes plain SwiGLU again.
+        prepared = self._prepare(backend, device, w13, w2, self.num_experts)
+        self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, plain, f"no limit, {where}")
 
     # ----------------------------------------------------------------------- routing
 

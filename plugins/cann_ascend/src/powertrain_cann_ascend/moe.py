@@ -127,6 +127,8 @@ class AscendMoE:
     def prepare(self, weights: ExpertWeights) -> AscendExperts:
         """Check the experts and lay them out as ``[E, K, N]`` for npu_grouped_matmul."""
         weights.check()
+        # npu_swiglu has no clamp: DeepSeek-V4's clamped SwiGLU would silently become plain SwiGLU.
+        weights.refuse_swiglu_limit("ascend-cann")
         if weights.block_shape is not None:
             raise ValueError(
                 "ascend-cann multiplies bf16/fp16 experts; FP8 block-scaled experts are not supported "

@@ -11,6 +11,9 @@ writing straight into the output.
 FP8 experts (e4m3, 128x128 float32 block scales) stay FP8: activations are
 quantised per token and 128 columns before the gate/up GEMM, and the gate/up
 epilogue quantises its own output the same way for the down GEMM.
+
+DeepSeek-V4's clamped SwiGLU (``ExpertWeights.swiglu_limit``) is applied in the gate/up
+epilogue, before the activation.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class PreparedExperts:
     w2_scale: torch.Tensor | None
     num_experts: int
     first_expert: int
+    swiglu_limit: float | None = None
 
     @property
     def fp8(self) -> bool:
@@ -74,7 +78,7 @@ class TritonMoE:
             raise ValueError("triton-sm100 MoE: ExpertWeights holds no experts")
         if weights.block_shape is None:
             w13, w2 = weights.w13.to(self.dtype).contiguous(), weights.w2.to(self.dtype).contiguous()
-            return PreparedExperts(w13, w2, None, None, weights.num_experts, weights.first_expert)
+            return PreparedExperts(w13, w2, None, None, weights.num_experts, weights.first_expert, weights.swiglu_limit)
         if tuple(weights.block_shape) != FP8_BLOCK:
             raise ValueError(
                 f"triton-sm100 MoE supports FP8 experts with {FP8_BLOCK[0]}x{FP8_BLOCK[1]} block scales "
@@ -89,6 +93,7 @@ class TritonMoE:
             weights.w2_scale.float().contiguous(),
             weights.num_experts,
             weights.first_expert,
+            weights.swiglu_limit,
         )
 
     # ----------------------------------------------------------------------- forward
@@ -189,9 +194,19 @@ class TritonMoE:
             if activation_scale is None:
                 hidden, activation_scale = quantize_per_token_group(hidden)
             act, act_scale = moe_gemm.gate_up_silu(
-                hidden, activation_scale, weights.w13, weights.w13_scale, align, top_k, configs.gate_up, FP8_DTYPE
+                hidden,
+                activation_scale,
+                weights.w13,
+                weights.w13_scale,
+                align,
+                top_k,
+                configs.gate_up,
+                FP8_DTYPE,
+                weights.swiglu_limit,
             )
             moe_gemm.down(act, act_scale, weights.w2, weights.w2_scale, align, topk_weights, out, configs.down)
         else:
-            act, _ = moe_gemm.gate_up_silu(hidden, None, weights.w13, None, align, top_k, configs.gate_up, hidden.dtype)
+            act, _ = moe_gemm.gate_up_silu(
+                hidden, None, weights.w13, None, align, top_k, configs.gate_up, hidden.dtype, weights.swiglu_limit
+            )
             moe_gemm.down(act, None, weights.w2, None, align, topk_weights, out, configs.down)

@@ -72,7 +72,7 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
         MoEBackendRecord(
             name=NAME,
             platforms={"cuda"},
-            capabilities={"bf16", "fp16", "fp8-block"},
+            capabilities={"bf16", "fp16", "fp8-block", "swiglu-limit"},
             priority=50,
             check=availability,
             factory=build_moe,

@@ -87,6 +87,7 @@ def gate_up_silu_kernel(
     FP8: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr = None,  # DeepSeek-V4's clamp of gate and up; None: plain SwiGLU
 ):
     pid_m, pid_n = _tile_order(tl.program_id(0), tl.load(num_padded_ptr), N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m < 0:
@@ -133,6 +134,9 @@ def gate_up_silu_kernel(
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
 
+    if SWIGLU_LIMIT is not None:
+        gate = tl.minimum(gate, SWIGLU_LIMIT)
+        up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up, in float32
     rows = offs_m.to(tl.int64)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
@@ -288,8 +292,10 @@ def gate_up_silu(
     top_k: int,
     config: GemmConfig,
     out_dtype: torch.dtype,
+    swiglu_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``silu(a @ gate.T) * (a @ up.T)`` per sorted row, ``[capacity, I]`` in ``out_dtype``.
+    """``silu(a @ gate.T) * (a @ up.T)`` per sorted row, ``[capacity, I]`` in ``out_dtype``;
+    with ``swiglu_limit``, gate is clamped above and up on both sides first (DeepSeek-V4).
 
     Rows gather token ``pair // top_k`` of ``a``. With ``out_dtype`` e4m3 the result is
     quantised per row and 128 columns, and its float32 scales come back too.
@@ -318,6 +324,7 @@ def gate_up_silu(
         out.stride(0), out_scale_t.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         FP8=fp8_in, QUANT_OUT=quant_out, DOT_F32=interpreting(),
+        SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, out_scale
@@ -413,6 +420,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
                         "FP8": fp8,
                         "QUANT_OUT": fp8,
                         "DOT_F32": False,
+                        "SWIGLU_LIMIT": None,
                     },
                     g,
                 )  # fmt: skip
