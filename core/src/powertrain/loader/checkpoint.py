@@ -75,9 +75,9 @@ class Checkpoint:
         ``*_scale_inv`` tensors dropped, unless ``keep_fp8(name)`` asks for the stored FP8 weight
         and its scale (for kernels that multiply FP8 directly); and FP4 experts (``fp4_experts``):
         those are dequantized to ``fp8_dtype`` too, under their weight names, their ``.scale``
-        tensors dropped. Tensors ``wanted(name)`` refuses
-        are not read at all (another expert-parallel rank's experts). Each call reads the
-        checkpoint again, so a caller keeps only what it copies into its model.
+        tensors dropped. Tensors ``wanted(name)`` refuses are not read at all (another
+        expert-parallel rank's experts). Each call reads the checkpoint again, so a caller keeps
+        only what it copies into its model.
         """
         stream = self._read_tensors(wanted or _everything)
         if self.fp4_experts:

@@ -34,6 +34,7 @@ from powertrain.layers.moe import route
 from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
 from powertrain.testing.base import ComponentSuite, Subject, generator
+from powertrain.testing.checkpoints import quantize_fp4
 
 __all__ = ["MoEBackendSuite", "reference_moe", "row_errors"]
 
@@ -487,8 +488,6 @@ class MoEBackendSuite(ComponentSuite):
         """Packed FP4 experts (e2m1, ue8m0 per 32 columns), through forward and forward_grouped,
         against the float64 oracle on their dequantized weights."""
         self.require(subject.provided, "fp4")
-        from powertrain.testing.checkpoints import quantize_fp4
-
         backend, device = self._build(subject, dtype)
         gen = generator(seed)
         w13, w2 = self._float_experts(gen, self.num_experts, torch.float32, self.hidden_size, self.intermediate_size)
@@ -520,9 +519,11 @@ class MoEBackendSuite(ComponentSuite):
         declare ``swiglu-limit`` / ``fp4``: ``prepare`` raises ValueError naming the backend,
         never computes something else."""
         declared = subject.provided.record.capabilities
-        dtype = next((d for d in self.dtypes if DTYPE_CAPABILITIES[d] in declared), None)
-        if dtype is None or {"swiglu-limit", "fp4"} <= declared:
+        if {"swiglu-limit", "fp4"} <= declared:
             pytest.skip(f"{subject.provided.record.name} declares both swiglu-limit and fp4")
+        dtype = next((d for d in self.dtypes if DTYPE_CAPABILITIES[d] in declared), None)
+        if dtype is None:
+            pytest.skip(f"{subject.provided.record.name} declares none of the dtypes {self.dtypes}")
         backend, device = self._build(subject, dtype)
         gen = generator(seed)
         w13, w2 = self._float_experts(gen, 2, dtype, self.hidden_size, self.intermediate_size)
@@ -530,8 +531,6 @@ class MoEBackendSuite(ComponentSuite):
         if "swiglu-limit" not in declared:
             cases["swiglu-limit"] = dict(w13=w13, w2=w2, swiglu_limit=self.swiglu_limit)
         if "fp4" not in declared:
-            from powertrain.testing.checkpoints import quantize_fp4
-
             (q13, s13), (q2, s2) = quantize_fp4(w13), quantize_fp4(w2)
             cases["fp4"] = dict(
                 w13=q13.view(torch.uint8), w2=q2.view(torch.uint8), w13_scale=s13, w2_scale=s2, fp4=True
