@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import attrs
 import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
@@ -18,8 +19,10 @@ from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.interfaces import ExpertWeights
 from powertrain.interfaces.moe import RoutingConfig
 from powertrain.layers.moe import MoE, route
+from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
 from powertrain.testing import MoEBackendSuite, fresh_seed
+from powertrain.testing.checkpoints import quantize_fp4
 from powertrain.testing.moe import reference_moe, row_errors
 
 
@@ -38,6 +41,8 @@ class TestTorchGrouped(MoEBackendSuite):
     # weights to half precision): hold it to the float limits, far below the kit's
     # FP8 default, which allows FP8 activations.
     fp8_tolerances: ClassVar = MoEBackendSuite.tolerances
+    # FP4 weights dequantize exactly (e2m1 times a power of two): the float limits again.
+    fp4_tolerances: ClassVar = MoEBackendSuite.tolerances
 
 
 def same_routing(
@@ -617,3 +622,51 @@ def test_the_layer_hands_its_swiglu_limit_to_the_backend(seed: int) -> None:
     plain = _loaded(_layer(config), _fused_names(router, experts))
     hidden = 4 * torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(seed))
     assert not torch.allclose(layer(hidden), plain(hidden), atol=1e-3)
+
+
+def _fp4_experts(gen: torch.Generator, local: int, **fields: Any) -> ExpertWeights:
+    w13, w2 = _random_experts(gen, local)
+    (q13, s13), (q2, s2) = quantize_fp4(w13), quantize_fp4(w2)
+    packed = dict(w13=q13.view(torch.uint8), w2=q2.view(torch.uint8), w13_scale=s13, w2_scale=s2, fp4=True)
+    return ExpertWeights(num_experts=local, **{**packed, **fields})
+
+
+def test_torch_grouped_keeps_fp4_experts_packed(seed: int) -> None:
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    weights = _fp4_experts(gen, 3, swiglu_limit=1.0)
+    assert weights.required_capabilities == {"fp4", "swiglu-limit"}
+    assert (weights.hidden_size, weights.intermediate_size) == (HIDDEN, INTERMEDIATE)
+    prepared = TorchGroupedMoE(torch.float32).prepare(weights)
+    assert prepared.w13.dtype == torch.uint8 and prepared.w13.shape == (3, 2 * INTERMEDIATE, HIDDEN // 2)
+    hidden = 3 * torch.randn(4, HIDDEN, generator=gen)
+    ids, routing_weights = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]], dtype=torch.int32), torch.rand(4, 2)
+    got = TorchGroupedMoE(torch.float32).forward(hidden, ids, routing_weights, prepared)
+    real13 = dequantize_fp4(weights.w13, weights.w13_scale)
+    real2 = dequantize_fp4(weights.w2, weights.w2_scale)
+    want = reference_moe(hidden, ids, routing_weights, real13, real2, swiglu_limit=1.0)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp4_experts_that_do_not_fit_are_refused(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    good = _fp4_experts(gen, 2)
+    good.check()
+    with pytest.raises(ValueError, match=r"packed FP4 w13 .* implies w2 of shape \(2, 64, 16\), got \(2, 64, 32\)"):
+        attrs.evolve(good, w2=torch.zeros(2, HIDDEN, INTERMEDIATE, dtype=torch.uint8)).check()
+    with pytest.raises(ValueError, match=r"w2_scale float8_e8m0fnu \(2, 64, 1\) .*got None"):
+        attrs.evolve(good, w2_scale=None).check()
+    with pytest.raises(ValueError, match=r"w13 must be uint8 packed codes, got torch.int8"):
+        attrs.evolve(good, w13=good.w13.view(torch.int8)).check()
+    with pytest.raises(ValueError, match="FP4 experts take no block_shape"):
+        attrs.evolve(good, block_shape=(32, 32)).check()
+
+
+def test_refusal_names_the_backend_what_is_missing_and_what_to_do(seed: int) -> None:
+    weights = _fp4_experts(torch.Generator().manual_seed(seed), 2, swiglu_limit=7.0)
+    weights.refuse_unsupported("x", {"fp4", "swiglu-limit"})
+    with pytest.raises(ValueError) as refused:
+        weights.refuse_unsupported("some-moe", {"bf16"})
+    message = str(refused.value)
+    assert message.startswith("some-moe MoE cannot run these experts: they have packed FP4 weights; a SwiGLU")
+    assert "swiglu_limit = 7.0" in message and "declares 'fp4', 'swiglu-limit'" in message

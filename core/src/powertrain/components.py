@@ -67,6 +67,7 @@ MOE_CAPABILITIES = frozenset(
         "fp16",
         "fp32",
         "fp8-block",
+        "fp4",  # packed FP4 (e2m1, ue8m0 per 32 columns) experts, ExpertWeights.fp4 (DeepSeek-V4)
         "batch-invariant",
         "fused-routing",  # the backend also picks experts with a fused gating op (interfaces.MoERouter)
         "swiglu-limit",  # clamped SwiGLU, ExpertWeights.swiglu_limit (DeepSeek-V4)

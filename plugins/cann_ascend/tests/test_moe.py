@@ -80,7 +80,9 @@ def test_prepare_refuses_a_swiglu_limit(standin_ops) -> None:
     """DeepSeek-V4's clamped SwiGLU is not what npu_swiglu computes: refused, never ignored."""
     w13, w2 = _experts(generator(fresh_seed()), 2, 32, 16)
     weights = ExpertWeights(w13=w13, w2=w2, num_experts=2, swiglu_limit=10.0)
-    with pytest.raises(ValueError, match=r"ascend-cann MoE computes plain SwiGLU.*10\.0.*'swiglu-limit'"):
+    with pytest.raises(
+        ValueError, match=r"ascend-cann MoE cannot run these experts: .*swiglu_limit = 10\.0.*'swiglu-limit'"
+    ):
         _backend(standin_ops).prepare(weights)
 
 

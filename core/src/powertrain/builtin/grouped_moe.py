@@ -7,8 +7,9 @@ are written back per pair and summed over the top-k slots in float32, in a fixed
 order, so the output does not depend on atomics (``index_add_`` on CUDA adds in
 whatever order threads arrive).
 
-FP8 block-scaled experts stay FP8 in memory; an expert's weights are dequantized
-(``loader.fp8.dequantize_blocks``) only in a step that routes tokens to it.
+FP8 block-scaled and packed FP4 experts stay so in memory; an expert's weights are
+dequantized (``loader.fp8.dequantize_blocks``, ``loader.fp4.dequantize_fp4``) only in a
+step that routes tokens to it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ import torch.nn.functional as F
 
 from powertrain.interfaces import ExpertWeights, dequantize_row_groups
 from powertrain.layers.activation import swiglu
+from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import dequantize_blocks
 
 
 def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local expert ``local``'s (w13, w2) in ``dtype``, dequantized if FP8."""
+    """Local expert ``local``'s (w13, w2) in ``dtype``, dequantized if FP8 or FP4."""
+    if weights.fp4:
+        assert weights.w13_scale is not None and weights.w2_scale is not None
+        return (
+            dequantize_fp4(weights.w13[local], weights.w13_scale[local], dtype),
+            dequantize_fp4(weights.w2[local], weights.w2_scale[local], dtype),
+        )
     if weights.block_shape is None:
         return weights.w13[local].to(dtype), weights.w2[local].to(dtype)
     assert weights.w13_scale is not None and weights.w2_scale is not None
@@ -60,8 +68,8 @@ def _run_experts(
 
 
 class TorchGroupedMoE:
-    """``interfaces.MoEBackend`` in plain torch: any device torch runs on, float or FP8 experts,
-    plain or clamped (``swiglu_limit``) SwiGLU.
+    """``interfaces.MoEBackend`` in plain torch: any device torch runs on, float, FP8 or FP4
+    experts, plain or clamped (``swiglu_limit``) SwiGLU.
 
     Float32 inputs are computed in float32. Half-precision inputs run their matmuls
     in their dtype (whose kernels accumulate in float32) with the activation and the
@@ -76,7 +84,7 @@ class TorchGroupedMoE:
 
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
         # The loader's layout is already what this backend multiplies with: keep it
-        # (FP8 included), only check it.
+        # (FP8 and FP4 included), only check it.
         weights.check()
         return weights
 

@@ -32,9 +32,11 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
         MoEBackendRecord(
             name="torch-grouped",
             platforms={"cpu", "cuda"},
-            capabilities={"fp32", "bf16", "fp16", "fp8-block", "swiglu-limit"},
+            capabilities={"fp32", "bf16", "fp16", "fp8-block", "fp4", "swiglu-limit"},
             priority=0,
             factory=build_grouped,
-            description="plain-torch MoE: one matmul per active expert over its grouped tokens; FP8 dequantized on use",
+            description=(
+                "plain-torch MoE: one matmul per active expert over its grouped tokens; FP8/FP4 dequantized on use"
+            ),
         )
     ]

@@ -9,7 +9,7 @@ kernel pack can only change how fast the experts run, never which ones.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -204,9 +204,17 @@ class ExpertWeights:
     parallelism this rank holds global experts ``first_expert ...
     first_expert + local_experts - 1`` of ``num_experts``.
 
+    With ``fp4`` (DeepSeek-V4's FP4 experts) the weights stay packed: ``w13`` uint8
+    ``[local_experts, 2 * intermediate, hidden / 2]`` and ``w2`` uint8 ``[local_experts, hidden,
+    intermediate / 2]``, two e2m1 codes a byte (even column in the low nibble), with
+    ``float8_e8m0fnu`` scales ``w13_scale`` / ``w2_scale`` ``[local_experts, rows, cols / 32]``
+    (``powertrain.loader.fp4``).
+
     ``swiglu_limit`` (DeepSeek-V4's, 10) clamps the activation's inputs:
-    ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; None is plain SwiGLU. Only a
-    backend whose record declares ``swiglu-limit`` applies it; the others refuse it in ``prepare``.
+    ``silu(min(gate, limit)) * clamp(up, -limit, limit)``; None is plain SwiGLU.
+
+    A backend runs only the formats its record declares (``required_capabilities``); its
+    ``prepare`` refuses the rest (``refuse_unsupported``) rather than compute something else.
     """
 
     w13: torch.Tensor
@@ -217,23 +225,48 @@ class ExpertWeights:
     w2_scale: torch.Tensor | None = None
     block_shape: tuple[int, int] | None = None
     swiglu_limit: float | None = None
+    fp4: bool = False
 
     @property
     def local_experts(self) -> int:
         return self.w13.shape[0]
 
-    def refuse_swiglu_limit(self, backend: str) -> None:
-        """For the ``prepare`` of a backend that does not declare ``swiglu-limit``: plain SwiGLU in
-        place of a clamped one would run, silently, a different model."""
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2] * (2 if self.fp4 else 1)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def required_capabilities(self) -> frozenset[str]:
+        """The MoE capability tags a backend must declare to run these experts."""
+        needs = {"fp8-block"} if self.block_shape is not None else set()
+        if self.fp4:
+            needs.add("fp4")
         if self.swiglu_limit is not None:
+            needs.add("swiglu-limit")
+        return frozenset(needs)
+
+    def refuse_unsupported(self, backend: str, capabilities: Collection[str]) -> None:
+        """For a backend's ``prepare``: raise ValueError if these experts need a capability the
+        backend lacks (running them anyway would silently compute a different model)."""
+        missing = sorted(self.required_capabilities - set(capabilities))
+        if missing:
+            what = {
+                "fp8-block": f"FP8 weights with {self.block_shape} block scales",
+                "fp4": "packed FP4 weights",
+                "swiglu-limit": f"a SwiGLU clamped at swiglu_limit = {self.swiglu_limit} (DeepSeek-V4)",
+            }
             raise ValueError(
-                f"{backend} MoE computes plain SwiGLU, but these experts clamp it at swiglu_limit = "
-                f"{self.swiglu_limit} (DeepSeek-V4); choose a MoE backend that declares 'swiglu-limit' "
+                f"{backend} MoE cannot run these experts: they have {'; '.join(what[tag] for tag in missing)}. "
+                f"Choose a MoE backend that declares {', '.join(repr(tag) for tag in missing)} "
                 '(e.g. components.moe = "torch-grouped")'
             )
 
     def check(self) -> None:
-        """Raise ValueError unless these are consistent (FP8 block-scaled or float) experts;
+        """Raise ValueError unless these are consistent (float, FP8 block-scaled or FP4) experts;
         every MoE backend's ``prepare`` calls it."""
         w13, w2 = self.w13, self.w2
         if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
@@ -242,10 +275,11 @@ class ExpertWeights:
                 f"intermediate], got {tuple(w13.shape)} and {tuple(w2.shape)}"
             )
         local, hidden, intermediate = w13.shape[0], w13.shape[2], w13.shape[1] // 2
-        if tuple(w2.shape) != (local, hidden, intermediate):
+        want2 = (local, 2 * hidden, intermediate // 2) if self.fp4 else (local, hidden, intermediate)
+        if tuple(w2.shape) != want2:
+            packed = "packed FP4 " if self.fp4 else ""
             raise ValueError(
-                f"ExpertWeights: w13 {tuple(w13.shape)} implies w2 of shape {(local, hidden, intermediate)}, "
-                f"got {tuple(w2.shape)}"
+                f"ExpertWeights: {packed}w13 {tuple(w13.shape)} implies w2 of shape {want2}, got {tuple(w2.shape)}"
             )
         if self.first_expert < 0 or self.first_expert + local > self.num_experts:
             raise ValueError(
@@ -257,6 +291,9 @@ class ExpertWeights:
             not (_is_int(limit) or isinstance(limit, float)) or not math.isfinite(limit) or limit <= 0
         ):
             raise ValueError(f"ExpertWeights: swiglu_limit must be a positive number (or None), got {limit!r}")
+        if self.fp4:
+            self._check_fp4()
+            return
         fp8 = torch.float8_e4m3fn
         scales = (self.w13_scale, self.w2_scale, self.block_shape)
         if all(s is None for s in scales):
@@ -276,6 +313,21 @@ class ExpertWeights:
                 raise ValueError(
                     f"ExpertWeights: {label} {tuple(weight.shape)} in {rows_per_block}x{cols_per_block} blocks "
                     f"needs {label}_scale of shape {want}, got {tuple(scale.shape)}"
+                )
+
+    def _check_fp4(self) -> None:
+        if self.block_shape is not None:
+            raise ValueError("ExpertWeights: FP4 experts take no block_shape (their scales are per 32 columns)")
+        for label, weight, scale in (("w13", self.w13, self.w13_scale), ("w2", self.w2, self.w2_scale)):
+            if weight.dtype != torch.uint8:
+                raise ValueError(f"ExpertWeights: FP4 {label} must be uint8 packed codes, got {weight.dtype}")
+            columns = 2 * weight.shape[2]
+            want = (*weight.shape[:2], columns // 32)
+            if scale is None or columns % 32 or tuple(scale.shape) != want or scale.dtype != torch.float8_e8m0fnu:
+                got = None if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+                raise ValueError(
+                    f"ExpertWeights: FP4 {label} {tuple(weight.shape)} holds {columns} columns and needs "
+                    f"{label}_scale float8_e8m0fnu {want} (one per 32 columns), got {got}"
                 )
 
 

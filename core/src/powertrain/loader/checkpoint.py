@@ -12,6 +12,7 @@ import attrs
 import structlog
 import torch
 
+from powertrain.loader.fp4 import dequantize_fp4_stream
 from powertrain.loader.fp8 import dequantize_stream
 from powertrain.loader.progress import with_progress
 from powertrain.tokenizer import Tokenizer
@@ -40,7 +41,7 @@ class Checkpoint:
     format: Literal["gguf", "safetensors"]
     #: HF config.json keys (for GGUF, rebuilt from the file's metadata).
     config: Mapping[str, Any] = attrs.field(converter=_read_only)
-    #: HF names of the tensors ``tensors()`` yields, in that order (FP8 scales folded into their weights).
+    #: HF names of the tensors ``tensors()`` yields, in that order (FP8 and FP4 scales folded into their weights).
     tensor_names: tuple[str, ...] = attrs.field(repr=False)
     tokenizer: Tokenizer
     #: generation_config.json, or {} when the checkpoint has none.
@@ -52,6 +53,9 @@ class Checkpoint:
     #: ``(rows, cols)`` of the FP8 weight blocks (DeepSeek-V3's quantization_config), or None when the
     #: stored weights are not FP8. ``_read_tensors`` then yields each FP8 weight and its scale together.
     fp8_block: tuple[int, int] | None = None
+    #: Routed experts stored as packed FP4 with ue8m0 scales (config.json's ``expert_dtype: fp4``,
+    #: DeepSeek-V4). ``_read_tensors`` then yields each such weight and its ``.scale`` together.
+    fp4_experts: bool = False
 
     @property
     def num_tensors(self) -> int:
@@ -69,11 +73,15 @@ class Checkpoint:
         GGUF tensors are dequantized to float32; safetensors keep their stored dtype, except FP8
         block-scaled weights (``fp8_block`` is set): those are dequantized to ``fp8_dtype`` and their
         ``*_scale_inv`` tensors dropped, unless ``keep_fp8(name)`` asks for the stored FP8 weight
-        and its scale (for kernels that multiply FP8 directly). Tensors ``wanted(name)`` refuses
-        are not read at all (another expert-parallel rank's experts). Each call reads the
-        checkpoint again, so a caller keeps only what it copies into its model.
+        and its scale (for kernels that multiply FP8 directly); and FP4 experts (``fp4_experts``):
+        those are dequantized to ``fp8_dtype`` too, under their weight names, their ``.scale``
+        tensors dropped. Tensors ``wanted(name)`` refuses are not read at all (another
+        expert-parallel rank's experts). Each call reads the checkpoint again, so a caller keeps
+        only what it copies into its model.
         """
         stream = self._read_tensors(wanted or _everything)
+        if self.fp4_experts:
+            stream = dequantize_fp4_stream(stream, fp8_dtype)
         if self.fp8_block is not None:
             stream = dequantize_stream(stream, self.fp8_block, fp8_dtype, keep=keep_fp8 or (lambda name: False))
         started = time.perf_counter()
@@ -86,6 +94,7 @@ class Checkpoint:
             path=str(self.path),
             format=self.format,
             fp8_block=self.fp8_block,
+            fp4_experts=self.fp4_experts,
             tensors=count,
             seconds=round(time.perf_counter() - started, 2),
         )

@@ -107,8 +107,9 @@ def fp8_block_from_config(config: Mapping[str, Any], *, source: str = "") -> tup
 
 
 def is_fp8(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds 8-bit floats (any float8 variant)."""
-    return tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
+    """Whether ``tensor`` holds 8-bit float weights (any float8 variant but e8m0, which only scales:
+    DeepSeek-V4's FP4 experts' ``.scale`` tensors)."""
+    return tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and tensor.dtype != torch.float8_e8m0fnu
 
 
 def dequantize_stream(

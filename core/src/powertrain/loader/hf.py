@@ -26,6 +26,7 @@ from powertrain.loader.deepseek_native import (
     without_dropped_mtp,
 )
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.loader.fp4 import PACKED_STORAGE, fp4_experts_from_config, scale_name
 from powertrain.loader.fp8 import SCALE_SUFFIX, fp8_block_from_config
 from powertrain.tokenizer import Tokenizer
 
@@ -41,6 +42,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
     config = with_both_rope_spellings(_read_json(folder / "config.json", required=True))
     generation_config = _read_json(folder / "generation_config.json") or {}
     fp8_block = fp8_block_from_config(config, source=str(folder / "config.json"))
+    fp4_experts = fp4_experts_from_config(config, source=str(folder / "config.json"))
     deepseek = is_deepseek(config)  # only these may come in DeepSeek's native names
     parallel = model_parallel_files(folder) if deepseek else None
     if parallel is not None:  # DeepSeek native, cut over several files
@@ -60,13 +62,16 @@ def load_hf_folder(folder: Path) -> Checkpoint:
                             yield name, file.get_tensor(stored.get(name, name))
 
         tensor_names = [name for names in shards.values() for name in names]
-        if fp8_block is not None:
-            read_tensors, tensor_names = _fp8_reader(shards, stored)
+        if fp8_block is not None or fp4_experts:
+            scale_of = _fp8_scales(shards) if fp8_block is not None else {}
+            if fp4_experts:
+                scale_of |= _fp4_scales(shards, stored)
+            read_tensors, tensor_names = _paired_reader(shards, stored, scale_of)
     if native:
         config = without_dropped_mtp(config, tensor_names)
     tokenizer = _tokenizer(folder, config, generation_config)
 
-    log.debug("hf.opened", path=str(folder), shards=len(shards), fp8_block=fp8_block)
+    log.debug("hf.opened", path=str(folder), shards=len(shards), fp8_block=fp8_block, fp4_experts=fp4_experts)
     return Checkpoint(
         path=folder,
         format="safetensors",
@@ -76,6 +81,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         generation_config=generation_config,
         read_tensors=read_tensors,
         fp8_block=fp8_block,
+        fp4_experts=fp4_experts,
     )
 
 
@@ -138,20 +144,40 @@ def _model_parallel_reader(
     return read_tensors, names
 
 
-def _fp8_reader(
-    shards: Mapping[Path, list[str]], stored: Mapping[str, str]
+def _fp8_scales(shards: Mapping[Path, list[str]]) -> dict[str, str]:
+    """FP8 weight -> its ``X_scale_inv`` (HF names), for every pair the checkpoint holds."""
+    names = {name for names in shards.values() for name in names}
+    return {name: name + SCALE_SUFFIX for name in names if name + SCALE_SUFFIX in names}
+
+
+def _fp4_scales(shards: Mapping[Path, list[str]], stored: Mapping[str, str]) -> dict[str, str]:
+    """Packed FP4 weight ``X.weight`` -> its ``X.scale``: the weights the headers type as bytes
+    (I8, U8, F4) that have a ``.scale`` sibling. Shapes are checked when the pair is dequantized."""
+    names = {name for names in shards.values() for name in names}
+    pairs = {}
+    for shard, shard_names in shards.items():
+        candidates = [name for name in shard_names if scale_name(name) in names]
+        if not candidates:
+            continue
+        with _safe_open(shard) as file:
+            for name in candidates:
+                if file.get_slice(stored.get(name, name)).get_dtype() in PACKED_STORAGE:
+                    pairs[name] = scale_name(name)
+    return pairs
+
+
+def _paired_reader(
+    shards: Mapping[Path, list[str]], stored: Mapping[str, str], scale_of: Mapping[str, str]
 ) -> tuple[Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]], list[str]]:
-    """Read an FP8 checkpoint in stored order but with each ``X_scale_inv`` right after ``X``, even when
-    another shard holds it, so the dequantizing stream never holds a weight back. Also returns the
-    names that stream yields (scales folded into their weights). Names are HF names; ``stored``
-    gives the name in the file where it differs."""
+    """Read a quantized checkpoint in stored order but with each weight's scale (``scale_of``: FP8
+    ``X_scale_inv``, FP4 ``X.scale``) right after it, even when another shard holds it, so the
+    dequantizing streams never hold a weight back. Also returns the names those streams yield
+    (scales folded into their weights). Names are HF names; ``stored`` gives the name in the file
+    where it differs."""
     location = {name: shard for shard, names in shards.items() for name in names}
+    scales = set(scale_of.values())
     plan = {
-        shard: [
-            (name, location.get(name + SCALE_SUFFIX))
-            for name in names
-            if not (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in location)
-        ]
+        shard: [(name, location.get(scale_of.get(name, ""))) for name in names if name not in scales]
         for shard, names in shards.items()
     }
 
@@ -161,11 +187,13 @@ def _fp8_reader(
                 for name, scale_shard in entries:
                     if not wanted(name):
                         continue
-                    scale = name + SCALE_SUFFIX
                     yield name, file.get_tensor(stored.get(name, name))
+                    if scale_shard is None:
+                        continue
+                    scale = scale_of[name]
                     if scale_shard == shard:
                         yield scale, file.get_tensor(stored.get(scale, scale))
-                    elif scale_shard is not None:
+                    else:
                         with _safe_open(scale_shard) as other:
                             yield scale, other.get_tensor(stored.get(scale, scale))
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from powertrain.loader.fp4 import E2M1_VALUES, FP4_GROUP, dequantize_fp4
 from powertrain.loader.fp8 import SCALE_SUFFIX, quantize_blocks
 
 __all__ = [
@@ -480,9 +481,6 @@ def write_tiny_deepseek_v4(
 
 #: Routed-expert weights under the names ``save_pretrained`` writes for V4 (native ``w1/w2/w3``).
 _V4_EXPERT_WEIGHT = re.compile(r".+\.ffn\.experts\.\d+\.w[123]\.weight")
-#: The magnitudes of e2m1 codes 0..7; code | 8 is the negative.
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_GROUP = 32
 
 
 def _tiny_deepseek_v4_model(config_args: Mapping[str, Any], seed: int, dtype: torch.dtype) -> Any:
@@ -524,7 +522,7 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
     scaled = (groups / scale).flatten(-2)
-    grid = torch.tensor(_E2M1)
+    grid = torch.tensor(E2M1_VALUES[:8])  # the magnitudes; code | 8 is the negative
     midpoints = (grid[1:] + grid[:-1]) / 2
     magnitude = scaled.abs()
     codes = torch.bucketize(magnitude, midpoints)  # a tie goes to the lower code...
@@ -533,14 +531,6 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = codes | torch.where(scaled < 0, 8, 0)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
     return packed, scale.squeeze(-1).to(torch.float8_e8m0fnu)
-
-
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float32 weight ``quantize_fp4``'s ``(packed, scale)`` stands for."""
-    lut = torch.tensor(_E2M1 + tuple(-value for value in _E2M1))
-    codes = packed.view(torch.uint8).long()
-    values = torch.stack([lut[codes & 0xF], lut[codes >> 4]], dim=-1).flatten(-2)
-    return (values.unflatten(-1, (-1, FP4_GROUP)) * scale.float().unsqueeze(-1)).flatten(-2)
 
 
 def _add_mtp_layers(

@@ -14,7 +14,9 @@ is random but shaped like the cases kernels get wrong: experts no token picks, o
 expert taking most pairs, an expert reached from every top-k slot, a single token,
 ragged token counts, no tokens, and expert-parallel slices whose foreign ids must
 contribute nothing. Declared dtypes (``fp32``, ``bf16``, ``fp16``) decide which
-dtypes run; ``swiglu-limit`` adds DeepSeek-V4's clamped SwiGLU on inputs that cross the limit.
+dtypes run; ``swiglu-limit`` adds DeepSeek-V4's clamped SwiGLU on inputs that cross the limit,
+``fp4`` its packed FP4 experts. A backend must refuse, in ``prepare``, experts that need a
+capability it does not declare.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from powertrain.components import Availability
 from powertrain.interfaces import ExpertWeights, MoEBackend, MoEBackendContext, MoERouter
 from powertrain.interfaces.moe import RoutingConfig
 from powertrain.layers.moe import route
+from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
 from powertrain.testing.base import ComponentSuite, Subject, generator
+from powertrain.testing.checkpoints import quantize_fp4
 
 __all__ = ["MoEBackendSuite", "reference_moe", "row_errors"]
 
@@ -192,6 +196,9 @@ class MoEBackendSuite(ComponentSuite):
         torch.float16: 0.1,
         torch.bfloat16: 0.1,
     }
+    # The FP4 oracle multiplies the dequantized FP4 weights (exact in float32) with unquantized
+    # activations; FP4 GEMMs (DeepSeek's fp4_gemm) quantize activations to FP8 as above.
+    fp4_tolerances: ClassVar[Mapping[torch.dtype, float]] = fp8_tolerances
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         # Parametrised here rather than with marks so a subclass's ClassVars take effect.
@@ -251,16 +258,17 @@ class MoEBackendSuite(ComponentSuite):
         topk_weights: torch.Tensor,
         want: torch.Tensor,
         where: str,
-        fp8: bool = False,
+        quantized: str = "",
     ) -> None:
         inputs = (hidden.to(device), topk_ids.to(device), topk_weights.to(device))
         untouched = tuple(t.clone() for t in inputs)
         got = backend.forward(*inputs, prepared)
         for name, before, after in zip(("hidden", "topk_ids", "topk_weights"), untouched, inputs, strict=True):
             assert torch.equal(before, after), f"forward modified its {name} argument: {where}"
-        self._compare(got, want, hidden.dtype, where, fp8)
+        self._compare(got, want, hidden.dtype, where, quantized)
 
-    def _compare(self, got: Any, want: torch.Tensor, dtype: torch.dtype, where: str, fp8: bool = False) -> None:
+    def _compare(self, got: Any, want: torch.Tensor, dtype: torch.dtype, where: str, quantized: str = "") -> None:
+        """``quantized``: "" (float experts), "FP8" or "FP4", which picks the tolerances."""
         assert isinstance(got, torch.Tensor), f"returned {type(got).__name__}, not a tensor: {where}"
         assert tuple(got.shape) == tuple(want.shape), (
             f"output shape {tuple(got.shape)}, expected {tuple(want.shape)}: {where}"
@@ -268,13 +276,13 @@ class MoEBackendSuite(ComponentSuite):
         assert got.dtype == dtype, f"output dtype {got.dtype}, expected the input's {dtype}: {where}"
         got64 = got.detach().cpu().double()
         assert torch.isfinite(got64).all(), f"output has non-finite values: {where}"
-        limit = (self.fp8_tolerances if fp8 else self.tolerances)[dtype]
+        limit = {"": self.tolerances, "FP8": self.fp8_tolerances, "FP4": self.fp4_tolerances}[quantized][dtype]
         error = row_errors(got64, want)
         if error.numel() and float(error.max()) > limit:
             worst = int(error.argmax())
             pytest.fail(
                 f"token {worst}'s output row is off by {float(error[worst]):.3g} relative to the float64 oracle "
-                f"(limit {limit} for {_dtype_id(dtype)}{' with FP8 experts' if fp8 else ''}; "
+                f"(limit {limit} for {_dtype_id(dtype)}{f' with {quantized} experts' if quantized else ''}; "
                 f"{int((error > limit).sum())} of {error.numel()} rows over it): {where}"
             )
 
@@ -428,13 +436,13 @@ class MoEBackendSuite(ComponentSuite):
         topk_weights = _routing_weights(gen, num_tokens, top_k)
         want = reference_moe(hidden, topk_ids, topk_weights, real13, real2)
         where = f"FP8 {block[0]}x{block[1]} blocks, {num_tokens} tokens, {_dtype_id(dtype)} (seed={seed})"
-        self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, want, where, fp8=True)
+        self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, want, where, "FP8")
 
         counts = torch.randint(0, 5, (self.num_experts,), generator=gen)
         rows = torch.randn(int(counts.sum()), hidden_size, generator=gen).to(dtype)
         got = backend.forward_grouped(rows.to(device), counts.to(device), prepared)
         want = _reference_grouped(rows, counts.tolist(), real13, real2)
-        self._compare(got, want, dtype, f"forward_grouped, {where}", fp8=True)
+        self._compare(got, want, dtype, f"forward_grouped, {where}", "FP8")
 
     #: DeepSeek-V4's swiglu_limit; the swiglu-limit test draws hidden states large enough to cross it.
     swiglu_limit: ClassVar[float] = 10.0
@@ -475,6 +483,64 @@ class MoEBackendSuite(ComponentSuite):
         # Without a limit the same backend computes plain SwiGLU again.
         prepared = self._prepare(backend, device, w13, w2, self.num_experts)
         self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, plain, f"no limit, {where}")
+
+    def test_fp4_experts(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
+        """Packed FP4 experts (e2m1, ue8m0 per 32 columns), through forward and forward_grouped,
+        against the float64 oracle on their dequantized weights."""
+        self.require(subject.provided, "fp4")
+        backend, device = self._build(subject, dtype)
+        gen = generator(seed)
+        w13, w2 = self._float_experts(gen, self.num_experts, torch.float32, self.hidden_size, self.intermediate_size)
+        # Groups of 32 columns of very different magnitude, so a scale applied to the wrong group shows.
+        w13 = w13 * _block_magnitudes(gen, tuple(w13.shape), (1, 32))
+        w2 = w2 * _block_magnitudes(gen, tuple(w2.shape), (1, 32))
+        (q13, s13), (q2, s2) = quantize_fp4(w13), quantize_fp4(w2)
+        q13, q2 = q13.view(torch.uint8), q2.view(torch.uint8)
+        prepared = self._prepare(backend, device, q13, q2, self.num_experts, w13_scale=s13, w2_scale=s2, fp4=True)
+        real13, real2 = dequantize_fp4(q13, s13), dequantize_fp4(q2, s2)
+        assert not torch.equal(real13, w13), "FP4 rounding changed nothing: the test would not see a missed scale"
+
+        num_tokens, top_k = 27, 4
+        hidden = torch.randn(num_tokens, self.hidden_size, generator=gen).to(dtype)
+        topk_ids = _distinct_ids(gen, num_tokens, top_k, torch.arange(self.num_experts))
+        topk_weights = _routing_weights(gen, num_tokens, top_k)
+        want = reference_moe(hidden, topk_ids, topk_weights, real13, real2)
+        where = f"FP4 experts, {num_tokens} tokens, {_dtype_id(dtype)} (seed={seed})"
+        self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, want, where, "FP4")
+
+        counts = torch.randint(0, 5, (self.num_experts,), generator=gen)
+        rows = torch.randn(int(counts.sum()), self.hidden_size, generator=gen).to(dtype)
+        got = backend.forward_grouped(rows.to(device), counts.to(device), prepared)
+        want = _reference_grouped(rows, counts.tolist(), real13, real2)
+        self._compare(got, want, dtype, f"forward_grouped, {where}", "FP4")
+
+    def test_refuses_experts_needing_what_it_does_not_declare(self, subject: Subject, seed: int) -> None:
+        """Experts with a clamped SwiGLU or packed FP4 weights, given to a backend that does not
+        declare ``swiglu-limit`` / ``fp4``: ``prepare`` raises ValueError naming the backend,
+        never computes something else."""
+        declared = subject.provided.record.capabilities
+        if {"swiglu-limit", "fp4"} <= declared:
+            pytest.skip(f"{subject.provided.record.name} declares both swiglu-limit and fp4")
+        dtype = next((d for d in self.dtypes if DTYPE_CAPABILITIES[d] in declared), None)
+        if dtype is None:
+            pytest.skip(f"{subject.provided.record.name} declares none of the dtypes {self.dtypes}")
+        backend, device = self._build(subject, dtype)
+        gen = generator(seed)
+        w13, w2 = self._float_experts(gen, 2, dtype, self.hidden_size, self.intermediate_size)
+        cases = {}
+        if "swiglu-limit" not in declared:
+            cases["swiglu-limit"] = dict(w13=w13, w2=w2, swiglu_limit=self.swiglu_limit)
+        if "fp4" not in declared:
+            (q13, s13), (q2, s2) = quantize_fp4(w13), quantize_fp4(w2)
+            cases["fp4"] = dict(
+                w13=q13.view(torch.uint8), w2=q2.view(torch.uint8), w13_scale=s13, w2_scale=s2, fp4=True
+            )
+        name = subject.provided.record.name
+        for tag, fields in cases.items():
+            experts = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+            with pytest.raises(ValueError) as refused:
+                backend.prepare(ExpertWeights(num_experts=2, **experts))
+            assert name in str(refused.value), f"the refusal of {tag} experts does not name {name}: {refused.value}"
 
     # ----------------------------------------------------------------------- routing
 

@@ -42,6 +42,7 @@ import torch
 from powertrain.components import Availability
 from powertrain.interfaces import ExpertWeights, MoEBackendContext, RoutingConfig, dequantize_row_groups
 from powertrain_cann_ascend import gating
+from powertrain_cann_ascend.plugin import MOE_CAPABILITIES
 
 #: Expert dtypes npu_grouped_matmul multiplies without quantisation (float32 only
 #: for single tensors; the record declares bf16 and fp16).
@@ -134,6 +135,8 @@ class AscendMoE:
                 "ascend-cann multiplies bf16/fp16 experts; FP8 block-scaled experts are not supported "
                 "(the record does not declare fp8-block): load the checkpoint dequantized"
             )
+        # e.g. npu_swiglu has no clamp: DeepSeek-V4's clamped SwiGLU would silently become plain SwiGLU.
+        weights.refuse_unsupported("ascend-cann", MOE_CAPABILITIES)
         if weights.w13.dtype not in EXPERT_DTYPES or weights.w2.dtype != weights.w13.dtype:
             raise ValueError(
                 f"ascend-cann multiplies bf16 or fp16 experts, got w13 {weights.w13.dtype} and w2 {weights.w2.dtype}"

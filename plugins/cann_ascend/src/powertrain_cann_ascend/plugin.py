@@ -14,6 +14,9 @@ from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord, CommunicatorRecord, MoEBackendRecord, PlatformRecord
 from powertrain_cann_ascend.support import detect_npu
 
+#: What ascend-cann's MoE runs; its ``prepare`` refuses experts that need anything else.
+MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fused-routing"})
+
 if TYPE_CHECKING:
     from powertrain.interfaces import AttentionBackendContext, CommunicatorContext, MoEBackendContext
 
@@ -83,7 +86,7 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
         MoEBackendRecord(
             name=NAME,
             platforms={"npu"},
-            capabilities={"bf16", "fp16", "fused-routing"},
+            capabilities=MOE_CAPABILITIES,
             priority=50,
             factory=build_moe,
             description="npu_moe_gating_top_k routing, npu_grouped_matmul experts",

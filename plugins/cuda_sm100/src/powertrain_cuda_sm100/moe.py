@@ -26,6 +26,7 @@ from powertrain_cuda_sm100.kernels import moe_gemm
 from powertrain_cuda_sm100.kernels.fp8_quant import FP8_DTYPE, GROUP, quantize_per_token_group
 from powertrain_cuda_sm100.kernels.moe_align import Alignment, align_by_expert
 from powertrain_cuda_sm100.kernels.moe_combine import combine
+from powertrain_cuda_sm100.plugin import MOE_CAPABILITIES
 
 #: The only FP8 block shape the kernels handle: a K block must be one activation scale group.
 FP8_BLOCK = (GROUP, GROUP)
@@ -74,6 +75,7 @@ class TritonMoE:
 
     def prepare(self, weights: ExpertWeights) -> PreparedExperts:
         weights.check()
+        weights.refuse_unsupported(self.name, MOE_CAPABILITIES)
         if weights.local_experts == 0:
             raise ValueError("triton-sm100 MoE: ExpertWeights holds no experts")
         if weights.block_shape is None:

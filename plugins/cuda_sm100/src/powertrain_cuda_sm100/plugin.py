@@ -14,6 +14,9 @@ from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord, MoEBackendRecord
 from powertrain_cuda_sm100.support import availability
 
+#: What triton-sm100's MoE runs; its ``prepare`` refuses experts that need anything else.
+MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fp8-block", "swiglu-limit"})
+
 if TYPE_CHECKING:
     from powertrain.interfaces import AttentionBackendContext, MoEBackendContext
     from powertrain_cuda_sm100.attention import TritonAttention
@@ -72,7 +75,7 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
         MoEBackendRecord(
             name=NAME,
             platforms={"cuda"},
-            capabilities={"bf16", "fp16", "fp8-block", "swiglu-limit"},
+            capabilities=MOE_CAPABILITIES,
             priority=50,
             check=availability,
             factory=build_moe,
