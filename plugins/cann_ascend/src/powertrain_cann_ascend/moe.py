@@ -42,7 +42,7 @@ import torch
 from powertrain.components import Availability
 from powertrain.interfaces import ExpertWeights, MoEBackendContext, RoutingConfig, dequantize_row_groups
 from powertrain_cann_ascend import gating
-from powertrain_cann_ascend.plugin import MOE_CAPABILITIES
+from powertrain_cann_ascend.capabilities import MOE_CAPABILITIES
 
 #: Expert dtypes npu_grouped_matmul multiplies without quantisation (float32 only
 #: for single tensors; the record declares bf16 and fp16).
@@ -128,8 +128,6 @@ class AscendMoE:
     def prepare(self, weights: ExpertWeights) -> AscendExperts:
         """Check the experts and lay them out as ``[E, K, N]`` for npu_grouped_matmul."""
         weights.check()
-        # npu_swiglu has no clamp: DeepSeek-V4's clamped SwiGLU would silently become plain SwiGLU.
-        weights.refuse_swiglu_limit("ascend-cann")
         if weights.block_shape is not None:
             raise ValueError(
                 "ascend-cann multiplies bf16/fp16 experts; FP8 block-scaled experts are not supported "

@@ -12,10 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord, CommunicatorRecord, MoEBackendRecord, PlatformRecord
+from powertrain_cann_ascend.capabilities import MOE_CAPABILITIES
 from powertrain_cann_ascend.support import detect_npu
-
-#: What ascend-cann's MoE runs; its ``prepare`` refuses experts that need anything else.
-MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fused-routing"})
 
 if TYPE_CHECKING:
     from powertrain.interfaces import AttentionBackendContext, CommunicatorContext, MoEBackendContext

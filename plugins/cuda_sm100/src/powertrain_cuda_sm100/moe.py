@@ -22,11 +22,11 @@ import attrs
 import torch
 
 from powertrain.interfaces import ExpertWeights, MoEBackendContext, dequantize_row_groups
+from powertrain_cuda_sm100.capabilities import MOE_CAPABILITIES
 from powertrain_cuda_sm100.kernels import moe_gemm
 from powertrain_cuda_sm100.kernels.fp8_quant import FP8_DTYPE, GROUP, quantize_per_token_group
 from powertrain_cuda_sm100.kernels.moe_align import Alignment, align_by_expert
 from powertrain_cuda_sm100.kernels.moe_combine import combine
-from powertrain_cuda_sm100.plugin import MOE_CAPABILITIES
 
 #: The only FP8 block shape the kernels handle: a K block must be one activation scale group.
 FP8_BLOCK = (GROUP, GROUP)

@@ -12,10 +12,8 @@ from typing import TYPE_CHECKING
 
 from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord, MoEBackendRecord
+from powertrain_cuda_sm100.capabilities import MOE_CAPABILITIES
 from powertrain_cuda_sm100.support import availability
-
-#: What triton-sm100's MoE runs; its ``prepare`` refuses experts that need anything else.
-MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fp8-block", "swiglu-limit"})
 
 if TYPE_CHECKING:
     from powertrain.interfaces import AttentionBackendContext, MoEBackendContext

@@ -1,0 +1,4 @@
+"""What ascend-cann's MoE backend runs: its record declares it and its ``prepare`` refuses
+experts that need anything else (one module both import, so neither imports the other)."""
+
+MOE_CAPABILITIES = frozenset({"bf16", "fp16", "fused-routing"})
