@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import transformers  # the oracle; the locked dev group pins 5.24, which has DeepSeek-V4
@@ -305,3 +306,39 @@ def test_ngram_speculation_is_greedy_identical(path: Path, seed: int) -> None:
     print(f"drafts: {accepted} of {verified} accepted")
     assert 0 < accepted < verified, "drafts must be both accepted and rejected for this to test rollback"
     assert speculated == plain, f"seed={seed}"
+
+
+def test_fp4_experts_equal_transformers_dequantised_forward(tmp_path: Path, seed: int) -> None:
+    """Routed experts stored as e2m1 codes with ue8m0 scales per 32 columns (as V4 ships
+    them): the loader dequantises them for the torch backends, and the logits equal
+    transformers' (which dequantises too) within 1e-4 of the largest."""
+    fp4 = write_tiny_deepseek_v4(tmp_path / "fp4", seed=seed, fp4_experts=True)
+    assert config_of(fp4)["quantization_config"]["expert_dtype"] == "fp4"
+    hf_fp4 = transformers.DeepseekV4ForCausalLM.from_pretrained(str(fp4), dtype=torch.float32).eval()
+    runner = PagedRunner(load_ours(fp4), TorchReferenceAttention(), block_size=BLOCK, num_blocks=16)
+    prompt = random_tokens(fp4, 37)
+    (got,) = runner.step([("a", prompt)])
+    error = relative_error(got, hf_logits(hf_fp4, prompt))
+    print(f"FP4 experts, prefill of {len(prompt)}: max |diff| / max |logit| = {error:.2e}")
+    assert error <= RELATIVE_TOLERANCE
+
+
+def test_fp4_experts_stay_packed_for_a_backend_that_multiplies_them(tmp_path: Path, seed: int) -> None:
+    """With ``fp4_experts`` (a MoE backend declaring ``fp4``), the routed experts reach the
+    backend as the checkpoint's packed bytes and ue8m0 scales, four times smaller than
+    float32 (plus the scales), and the logits are the dequantised model's."""
+    fp4 = write_tiny_deepseek_v4(tmp_path / "fp4", seed=seed, fp4_experts=True)
+    checkpoint = load_checkpoint(str(fp4))
+    context = context_of(fp4)
+    packed = DeepseekV4ForCausalLM(attrs.evolve(context, fp4_experts=True))
+    packed.load_weights(checkpoint.tensors(keep_fp4=packed.keep_fp4))
+    for moe in packed.routed_expert_layers():
+        weights = moe.prepared
+        assert weights.fp4 and weights.w13.dtype == torch.uint8 and weights.w13_scale.dtype == torch.float8_e8m0fnu
+        assert weights.w13.shape[-1] * 2 == config_of(fp4)["hidden_size"]
+    prompt = random_tokens(fp4, 29)
+    (kept,) = PagedRunner(packed, TorchReferenceAttention(), block_size=BLOCK, num_blocks=16).step([("a", prompt)])
+    (dequantised,) = PagedRunner(load_ours(fp4), TorchReferenceAttention(), block_size=BLOCK, num_blocks=16).step(
+        [("a", prompt)]
+    )
+    assert relative_error(kept, dequantised) <= 1e-6

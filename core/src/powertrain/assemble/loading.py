@@ -99,9 +99,10 @@ def _build_model(
     moe = build_moe(plan, dtype) if needs_moe else None
     # FP8 experts stay FP8 only where the MoE backend multiplies them itself and the
     # platform keeps FP8 weights; elsewhere (a CPU) everything is dequantized at load.
-    keeps_fp8 = (
-        moe is not None and plan.platform.keeps_fp8_weights and "fp8-block" in plan.chosen("moe").record.capabilities
-    )
+    capabilities = plan.chosen("moe").record.capabilities if moe is not None else frozenset()
+    keeps_fp8 = plan.platform.keeps_fp8_weights and "fp8-block" in capabilities
+    # Packed FP4 experts likewise (same platform fact: quantised weights pay off there).
+    keeps_fp4 = checkpoint.fp4_experts and plan.platform.keeps_fp8_weights and "fp4" in capabilities
     context = interfaces.ModelContext(
         config=checkpoint.config,
         dtype=dtype,
@@ -109,6 +110,7 @@ def _build_model(
         attention=attention,
         moe=moe,
         fp8_block=checkpoint.fp8_block if keeps_fp8 else None,
+        fp4_experts=keeps_fp4,
         **(experts.model_context_fields() if experts else {}),
     )
     model = architecture.record.factory(context)
@@ -118,7 +120,10 @@ def _build_model(
         return model
     model.load_weights(
         checkpoint.tensors(
-            fp8_dtype=dtype, keep_fp8=getattr(model, "keep_fp8", None), wanted=getattr(model, "wants_weight", None)
+            fp8_dtype=dtype,
+            keep_fp8=getattr(model, "keep_fp8", None),
+            keep_fp4=getattr(model, "keep_fp4", None),
+            wanted=getattr(model, "wants_weight", None),
         )
     )
     return model

@@ -35,6 +35,10 @@ class ModelContext:
     #: the model then keeps routed experts FP8 (and says which tensors through ``keep_fp8``).
     #: None: every weight reaches the model dequantized.
     fp8_block: tuple[int, int] | None = None
+    #: The checkpoint's routed experts are packed FP4 and the MoE backend multiplies them
+    #: itself (capability ``fp4``): the model keeps them packed (and says which tensors
+    #: through ``keep_fp4``). False: they reach the model dequantized.
+    fp4_experts: bool = False
     #: For expert parallelism.
     communicator: Communicator | None = None
     #: Expert parallelism: this rank among ``expert_parallel_size``. The model loads and

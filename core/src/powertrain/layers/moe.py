@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from powertrain.interfaces import ExpertWeights, MoEBackend, MoERouter, RoutingConfig
+from powertrain.loader.fp4 import FP4_GROUP, PACKED_DTYPES, SCALE_DTYPES
 from powertrain.loader.fp8 import FP8_DTYPE
 
 log = structlog.get_logger(__name__)
@@ -99,7 +100,7 @@ def _weights(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> 
     return weights * config.routed_scaling_factor
 
 
-_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|scale)$")
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -120,6 +121,10 @@ class MoE(nn.Module):
     a backend that declares ``fp8-block``. Gate and up stack into one w13 whose scale
     rows stack the same way, which needs the intermediate size to be whole blocks.
 
+    With ``fp4`` the experts stay packed as DeepSeek-V4 stores them: two e2m1 codes per byte
+    (uint8 ``[rows, cols / 2]``) plus ue8m0 ``.scale`` tensors (one per 32 columns), for a
+    backend that declares ``fp4``.
+
     ``swiglu_limit`` (DeepSeek-V4) clamps the experts' SwiGLU (``ExpertWeights.swiglu_limit``);
     the backend must declare ``swiglu-limit``, or its ``prepare`` refuses the experts.
     """
@@ -139,8 +144,15 @@ class MoE(nn.Module):
         dispatcher: Any = None,
         vocab_size: int | None = None,
         swiglu_limit: float | None = None,
+        fp4: bool = False,
     ) -> None:
         super().__init__()
+        if fp4 and (fp8_block is not None or hidden_size % FP4_GROUP or intermediate_size % FP4_GROUP):
+            raise ValueError(
+                f"packed FP4 experts need no fp8_block and hidden/intermediate sizes that are multiples of "
+                f"{FP4_GROUP}, got fp8_block={fp8_block}, {hidden_size}/{intermediate_size}; load them dequantized"
+            )
+        self.fp4 = fp4
         if (routing.topk_method == "hash") != (vocab_size is not None):
             need = "needs" if routing.topk_method == "hash" else "takes no"
             raise ValueError(f"a {routing.topk_method!r}-routed MoE layer {need} vocab_size (its tid2eid table)")
@@ -187,19 +199,27 @@ class MoE(nn.Module):
         self.register_buffer("tid2eid", table)
         # Expert weights are plain tensors, not buffers: after ``finish_loading`` the
         # backend owns them (possibly re-laid out) and the layer lets go of its copy.
-        shape13 = (local_experts, 2 * intermediate_size, hidden_size)
-        shape2 = (local_experts, hidden_size, intermediate_size)
-        weight_dtype = dtype if fp8_block is None else FP8_DTYPE
+        packing = 2 if fp4 else 1  # e2m1 codes per stored element
+        shape13 = (local_experts, 2 * intermediate_size, hidden_size // packing)
+        shape2 = (local_experts, hidden_size, intermediate_size // packing)
+        weight_dtype = FP8_DTYPE if fp8_block is not None else torch.uint8 if fp4 else dtype
         self._w13: torch.Tensor | None = torch.empty(shape13, dtype=weight_dtype, device=device)
         self._w2: torch.Tensor | None = torch.empty(shape2, dtype=weight_dtype, device=device)
         self._w13_scale = self._w2_scale = None
         if fp8_block is not None:
             self._w13_scale = torch.empty(_scale_shape(shape13, fp8_block), dtype=torch.float32, device=device)
             self._w2_scale = torch.empty(_scale_shape(shape2, fp8_block), dtype=torch.float32, device=device)
+        if fp4:
+            scale13 = (local_experts, 2 * intermediate_size, hidden_size // FP4_GROUP)
+            scale2 = (local_experts, hidden_size, intermediate_size // FP4_GROUP)
+            self._w13_scale = torch.empty(scale13, dtype=torch.float8_e8m0fnu, device=device)
+            self._w2_scale = torch.empty(scale2, dtype=torch.float8_e8m0fnu, device=device)
+        #: The checkpoint name of a kept-quantised expert's scale (relative to its projection).
+        self._scale_leaf = "weight_scale_inv" if fp8_block is not None else "scale" if fp4 else None
         #: [local expert, projection] -> loaded? (projections in _PROJECTIONS order; scales
-        #: in the second half when the experts stay FP8)
+        #: in the second half when the experts stay quantised)
         self._loaded_parts = torch.zeros(
-            local_experts, len(_PROJECTIONS) * (1 if fp8_block is None else 2), dtype=torch.bool
+            local_experts, len(_PROJECTIONS) * (1 if self._scale_leaf is None else 2), dtype=torch.bool
         )
         self._loaded_router: set[str] = set()
         self.prepared: Any = None
@@ -225,8 +245,8 @@ class MoE(nn.Module):
             self._copy(name, tensor, (E,), self.e_score_correction_bias)
             self._loaded_router.add(name)
             return True
-        if name in ("experts.gate_up_proj", "experts.down_proj") and self.fp8_block is not None:
-            raise ValueError(f"mlp.{name}: FP8 experts are read from per-expert tensors only")
+        if name in ("experts.gate_up_proj", "experts.down_proj") and self._scale_leaf is not None:
+            raise ValueError(f"mlp.{name}: quantised experts are read from per-expert tensors only")
         if name == "experts.gate_up_proj":
             self._copy(name, tensor, (E, 2 * I, H), self._experts(name)[0], rows=self._local_slice())
             self._loaded_parts[:, :2] = True
@@ -238,24 +258,28 @@ class MoE(nn.Module):
         match = _PER_EXPERT.match(name)
         if match is None:
             return False
-        expert, projection, is_scale = int(match.group(1)), match.group(2), match.group(3) is not None
+        expert, projection, leaf = int(match.group(1)), match.group(2), match.group(3)
         if expert >= E:
             raise ValueError(f"mlp.{name}: expert {expert} does not exist; the config has {E} routed experts")
-        if is_scale and self.fp8_block is None:
-            return False  # the loader folds scales into their weights unless the experts stay FP8
+        if leaf != "weight" and leaf != self._scale_leaf:
+            return False  # the loader folds scales into their weights unless the experts stay quantised
         local = expert - self.first_expert
-        if is_scale:
+        if leaf != "weight":
             return self._load_scale(name, tensor, local, projection)
+        if self.fp4:
+            tensor = _packed_bytes(name, tensor)
+        packed = (H, I // 2) if self.fp4 else (H, I)
+        want = packed if projection == "down_proj" else ((I, H // 2) if self.fp4 else (I, H))
         if not 0 <= local < self.local_experts:
-            self._check(name, tensor, (H, I) if projection == "down_proj" else (I, H))
+            self._check(name, tensor, want)
             return True  # another expert-parallel rank's expert
         w13, w2 = self._experts(name)
         if projection == "gate_proj":
-            self._copy(name, tensor, (I, H), w13[local, :I])
+            self._copy(name, tensor, want, w13[local, :I])
         elif projection == "up_proj":
-            self._copy(name, tensor, (I, H), w13[local, I:])
+            self._copy(name, tensor, want, w13[local, I:])
         else:
-            self._copy(name, tensor, (H, I), w2[local])
+            self._copy(name, tensor, want, w2[local])
         self._loaded_parts[local, _PROJECTIONS.index(projection)] = True
         return True
 
@@ -276,9 +300,15 @@ class MoE(nn.Module):
             self.tid2eid.copy_(tensor)
 
     def _load_scale(self, name: str, tensor: torch.Tensor, local: int, projection: str) -> bool:
-        assert self.fp8_block is not None and self._w13_scale is not None and self._w2_scale is not None
+        assert self._w13_scale is not None and self._w2_scale is not None
         H, I = self.hidden_size, self.intermediate_size  # noqa: E741
-        shape = _scale_shape((H, I) if projection == "down_proj" else (I, H), self.fp8_block)
+        weight = (H, I) if projection == "down_proj" else (I, H)
+        if self.fp4:
+            shape = (weight[0], weight[1] // FP4_GROUP)
+            tensor = _e8m0(name, tensor)
+        else:
+            assert self.fp8_block is not None
+            shape = _scale_shape(weight, self.fp8_block)
         if tuple(tensor.shape) != shape:
             raise ValueError(f"mlp.{name} has shape {tuple(tensor.shape)}, but this layer's config needs {shape}")
         if not 0 <= local < self.local_experts:
@@ -306,6 +336,8 @@ class MoE(nn.Module):
     def _check(self, name: str, tensor: torch.Tensor, want: tuple[int, ...]) -> None:
         if tuple(tensor.shape) != want:
             raise ValueError(f"mlp.{name} has shape {tuple(tensor.shape)}, but this layer's config needs {want}")
+        if self.fp4 and name.startswith("experts.") and tensor.dtype != torch.uint8:
+            raise ValueError(f"mlp.{name} is {tensor.dtype}, but this layer keeps its experts as packed FP4 bytes")
         if self.fp8_block is not None and name.startswith("experts.") and tensor.dtype != FP8_DTYPE:
             raise ValueError(f"mlp.{name} is {tensor.dtype}, but this layer keeps its experts in {FP8_DTYPE}")
         if self.fp8_block is None and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -330,7 +362,7 @@ class MoE(nn.Module):
         }
         missing = [name for name, needed in has.items() if needed and name not in self._loaded_router]
         for local, part in (~self._loaded_parts).nonzero().tolist():
-            suffix = "weight" if part < len(_PROJECTIONS) else "weight_scale_inv"
+            suffix = "weight" if part < len(_PROJECTIONS) else self._scale_leaf
             missing.append(f"experts.{self.first_expert + local}.{_PROJECTIONS[part % len(_PROJECTIONS)]}.{suffix}")
         return missing
 
@@ -358,6 +390,7 @@ class MoE(nn.Module):
             w2_scale=self._w2_scale,
             block_shape=self.fp8_block,
             swiglu_limit=self.swiglu_limit,
+            fp4=self.fp4,
         )
         self.prepared = self.backend.prepare(weights)
         self._w13 = self._w2 = self._w13_scale = self._w2_scale = None
@@ -397,6 +430,22 @@ class MoE(nn.Module):
         if self.local_experts != r.num_experts:
             text += f", local experts {self.first_expert}..{self.first_expert + self.local_experts - 1}"
         return text
+
+
+def _packed_bytes(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A packed FP4 weight as the uint8 bytes it is (int8 and ``float4_e2m1fn_x2`` hold the same)."""
+    if tensor.dtype not in PACKED_DTYPES:
+        raise ValueError(
+            f"mlp.{name} is {tensor.dtype}, but packed FP4 experts come as int8, uint8 or float4_e2m1fn_x2"
+        )
+    return tensor.view(torch.uint8)
+
+
+def _e8m0(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An FP4 scale as ``float8_e8m0fnu`` (a uint8 exponent byte is the same bit pattern)."""
+    if tensor.dtype not in SCALE_DTYPES:
+        raise ValueError(f"mlp.{name} is {tensor.dtype}, but FP4 scales are ue8m0 (float8_e8m0fnu or uint8 bytes)")
+    return tensor.view(torch.float8_e8m0fnu)
 
 
 def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:

@@ -66,6 +66,7 @@ class Checkpoint:
         *,
         fp8_dtype: torch.dtype = torch.float32,
         keep_fp8: Callable[[str], bool] | None = None,
+        keep_fp4: Callable[[str], bool] | None = None,
         wanted: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF name, tensor)`` one at a time, read on demand, with a progress bar on a terminal.
@@ -75,13 +76,14 @@ class Checkpoint:
         ``*_scale_inv`` tensors dropped, unless ``keep_fp8(name)`` asks for the stored FP8 weight
         and its scale (for kernels that multiply FP8 directly); and FP4 experts (``fp4_experts``):
         those are dequantized to ``fp8_dtype`` too, under their weight names, their ``.scale``
-        tensors dropped. Tensors ``wanted(name)`` refuses are not read at all (another
+        tensors dropped, unless ``keep_fp4(name)`` asks for the packed weight and its scale.
+        Tensors ``wanted(name)`` refuses are not read at all (another
         expert-parallel rank's experts). Each call reads the checkpoint again, so a caller keeps
         only what it copies into its model.
         """
         stream = self._read_tensors(wanted or _everything)
         if self.fp4_experts:
-            stream = dequantize_fp4_stream(stream, fp8_dtype)
+            stream = dequantize_fp4_stream(stream, fp8_dtype, keep=keep_fp4)
         if self.fp8_block is not None:
             stream = dequantize_stream(stream, self.fp8_block, fp8_dtype, keep=keep_fp8 or (lambda name: False))
         started = time.perf_counter()

@@ -15,7 +15,7 @@ names only say which tensors are siblings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -103,10 +103,14 @@ def is_packed_fp4(tensor: torch.Tensor) -> bool:
 
 
 def dequantize_fp4_stream(
-    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's ``(name, tensor)`` stream with each FP4 weight ``X.weight`` and its ``X.scale``
-    replaced by the dequantized ``X.weight`` in ``dtype``; other tensors pass through.
+    replaced by the dequantized ``X.weight`` in ``dtype``; other tensors pass through, and so do
+    both halves of a weight ``keep("X.weight")`` asks for as stored (for a MoE backend that
+    multiplies packed FP4 itself).
 
     The halves may come in either order (the reader yields a scale right after its weight where it
     can); only unpaired ones are held. A ``.scale`` whose ``.weight`` is not byte-typed is no FP4
@@ -118,6 +122,10 @@ def dequantize_fp4_stream(
     not_fp4: set[str] = set()  # scale names of weights that passed on unpacked
     for name, tensor in tensors:
         sibling = scale_name(name)
+        weight_name = name if sibling is not None else name.removesuffix(SCALE_LEAF) + WEIGHT_LEAF
+        if keep is not None and keep(weight_name):
+            yield name, tensor
+            continue
         if sibling is not None and is_packed_fp4(tensor):
             if sibling in waiting_scales:
                 yield name, _dequantize(name, tensor, waiting_scales.pop(sibling), dtype)

@@ -421,6 +421,7 @@ class V4MoE(nn.Module):
             dispatcher=ctx.expert_dispatcher,
             vocab_size=args.vocab_size if routing.topk_method == "hash" else None,
             swiglu_limit=args.swiglu_limit,
+            fp4=ctx.fp4_experts,
         )
         self.shared_experts = (
             ClampedSwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, args.swiglu_limit)
@@ -471,6 +472,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if ctx.moe is None:
             raise ValueError("DeepSeek-V4 needs a MoE backend (ModelContext.moe)")
         self._expert_slice = None if ctx.expert_parallel_size == 1 else ctx.local_experts(args.num_experts)
+        self._fp4_experts = ctx.fp4_experts
         with torch.device(ctx.device):
             previous = torch.get_default_dtype()
             torch.set_default_dtype(ctx.dtype)
@@ -521,6 +523,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def routed_expert_layers(self) -> list[MoE]:
         return [layer.ffn.experts for layer in self.layers]
+
+    def keep_fp4(self, name: str) -> bool:
+        """Which FP4 checkpoint tensors to receive packed (with their scales): routed experts,
+        when the MoE backend multiplies FP4 itself (``ModelContext.fp4_experts``)."""
+        return self._fp4_experts and _EXPERT_INDEX.search(name) is not None
 
     def wants_weight(self, name: str) -> bool:
         """False for another expert-parallel rank's routed experts: they are not read."""
