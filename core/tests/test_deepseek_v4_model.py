@@ -342,3 +342,21 @@ def test_fp4_experts_stay_packed_for_a_backend_that_multiplies_them(tmp_path: Pa
         [("a", prompt)]
     )
     assert relative_error(kept, dequantised) <= 1e-6
+
+
+def test_the_release_layout_fp8_dense_and_fp4_experts_equals_transformers(tmp_path: Path, seed: int) -> None:
+    """DeepSeek-V4's own layout: dense projections float8_e4m3 with ue8m0 ``X.scale`` per
+    128x128 block (the V3 form names them ``X.weight_scale_inv``), routed experts FP4. Both
+    are dequantised at load here; transformers (which dequantises too) is the oracle."""
+    path = write_tiny_deepseek_v4(tmp_path / "release", seed=seed, fp8_dense=True, fp4_experts=True)
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.fp8_block == (128, 128) and checkpoint.fp4_experts
+    assert not any(name.endswith(".scale") for name in checkpoint.tensor_names)  # each folded into its weight
+    hf_release = transformers.DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt = random_tokens(path, 33)
+    (got,) = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=BLOCK, num_blocks=16).step(
+        [("a", prompt)]
+    )
+    error = relative_error(got, hf_logits(hf_release, prompt))
+    print(f"FP8 dense + FP4 experts, prefill of {len(prompt)}: max |diff| / max |logit| = {error:.2e}")
+    assert error <= RELATIVE_TOLERANCE

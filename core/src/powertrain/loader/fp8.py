@@ -23,7 +23,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 
 
-def _expand(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
     """Per-block factors repeated over each block's elements, cut to ``rows x cols``."""
     br, bc = block
     return scale.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
@@ -45,7 +45,7 @@ def dequantize_blocks(
     """``weight * scale_inv`` blockwise, in ``dtype`` (computed in float32)."""
     _check(weight, scale_inv, block)
     rows, cols = weight.shape[-2:]
-    return (weight.float() * _expand(scale_inv.float(), rows, cols, block)).to(dtype)
+    return (weight.float() * expand_blocks(scale_inv.float(), rows, cols, block)).to(dtype)
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +57,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     tiles = padded.unflatten(-1, (-1, bc)).unflatten(-3, (-1, br))  # [..., R, br, C, bc]
     amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-12)  # [..., R, C]
     scale_inv = amax / FP8_MAX
-    scaled = weight.float() / _expand(scale_inv, rows, cols, block)
+    scaled = weight.float() / expand_blocks(scale_inv, rows, cols, block)
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale_inv
 
 

@@ -61,6 +61,8 @@ def load_hf_folder(folder: Path) -> Checkpoint:
                         if wanted(name):
                             yield name, file.get_tensor(stored.get(name, name))
 
+        if fp8_block is not None:
+            shards, stored = _with_fp8_scale_names(shards, stored)
         tensor_names = [name for names in shards.values() for name in names]
         if fp8_block is not None or fp4_experts:
             scale_of = _fp8_scales(shards) if fp8_block is not None else {}
@@ -148,6 +150,33 @@ def _fp8_scales(shards: Mapping[Path, list[str]]) -> dict[str, str]:
     """FP8 weight -> its ``X_scale_inv`` (HF names), for every pair the checkpoint holds."""
     names = {name for names in shards.values() for name in names}
     return {name: name + SCALE_SUFFIX for name in names if name + SCALE_SUFFIX in names}
+
+
+def _with_fp8_scale_names(
+    shards: dict[Path, list[str]], stored: Mapping[str, str]
+) -> tuple[dict[Path, list[str]], dict[str, str]]:
+    """DeepSeek-V4's release names an FP8 weight's block scales ``X.scale`` (ue8m0) where the HF
+    form says ``X.weight_scale_inv``: give those the HF name (``stored`` keeps where they are).
+    A ``.scale`` counts only beside a weight the header types as float8 e4m3 (FP4 experts'
+    ``.scale`` sit beside bytes)."""
+    renamed: dict[str, str] = {}
+    for shard, names in shards.items():
+        present = set(names)
+        candidates = [name for name in names if name.endswith(".scale") and name[: -len("scale")] + "weight" in present]
+        if not candidates:
+            continue
+        with _safe_open(shard) as file:
+            for name in candidates:
+                weight = name[: -len("scale")] + "weight"
+                if file.get_slice(stored.get(weight, weight)).get_dtype() == "F8_E4M3":
+                    renamed[name] = weight + SCALE_SUFFIX
+    if not renamed:
+        return shards, dict(stored)
+    log.info("hf.fp8_scale_names", tensors=len(renamed))
+    return (
+        {shard: [renamed.get(name, name) for name in names] for shard, names in shards.items()},
+        {**stored, **{hf: stored.get(name, name) for name, hf in renamed.items()}},
+    )
 
 
 def _fp4_scales(shards: Mapping[Path, list[str]], stored: Mapping[str, str]) -> dict[str, str]:

@@ -421,6 +421,7 @@ def write_tiny_deepseek_v4(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     fp4_experts: bool = False,
+    fp8_dense: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random DeepSeek-V4 checkpoint folder (``DeepseekV4ForCausalLM``) and return it.
@@ -451,29 +452,40 @@ def write_tiny_deepseek_v4(
       group; config.json gains ``DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG``. Everything else as without
       it (same seed, same values); transformers dequantises the experts on load (on CPU it must).
       ``dequantize_fp4`` gives the float weights the checkpoint stands for.
+    - ``fp8_dense``: the dense projections DeepSeek ships in FP8 (attention ``wq_a``, ``wq_b``,
+      ``wkv``, ``wo_a``, ``wo_b``, the indexer's ``wq_b``, the shared experts) as float8_e4m3fn
+      ``X.weight`` with ``X.scale`` ``float8_e8m0fnu`` per 128x128 block (power-of-two scales,
+      ``scale_fmt: ue8m0``); compressors, routers, norms and the rest stay as they are.
 
     transformers' V4 builds no MTP layer (it ignores ``mtp.*``), so none is written.
     """
     folder = Path(path)
     config_args = copy.deepcopy({**TINY_DEEPSEEK_V4_CONFIG, **overrides})
-    recipe = _recipe("v4-fp4" if fp4_experts else "v4", seed, dtype, True, config_args)
+    variant = "v4" + ("-fp4" if fp4_experts else "") + ("-fp8" if fp8_dense else "")
+    recipe = _recipe(variant, seed, dtype, True, config_args)
     if _reuse_or_clear(folder, recipe):
         return folder
 
     tokenizer = _tokenizer_for(config_args)
     model = _tiny_deepseek_v4_model(config_args, seed, dtype)
     model.save_pretrained(folder)
-    if fp4_experts:
+    if fp4_experts or fp8_dense:
         saved = folder / "model.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in load_file(saved).items():
-            if _V4_EXPERT_WEIGHT.fullmatch(name):
-                tensors[name], tensors[name.removesuffix("weight") + "scale"] = quantize_fp4(tensor)
+            scale = name.removesuffix("weight") + "scale"
+            if fp4_experts and _V4_EXPERT_WEIGHT.fullmatch(name):
+                tensors[name], tensors[scale] = quantize_fp4(tensor)
+            elif fp8_dense and _V4_FP8_WEIGHT.fullmatch(name):
+                tensors[name], tensors[scale] = quantize_fp8_ue8m0(tensor)
             else:
                 tensors[name] = tensor
         _write_tensors(saved, tensors)
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        config["quantization_config"] = dict(DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG)
+        quantization = dict(DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG)
+        if not fp4_experts:
+            del quantization["expert_dtype"]
+        config["quantization_config"] = quantization
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     return _finish(folder, tokenizer, recipe)
@@ -481,6 +493,24 @@ def write_tiny_deepseek_v4(
 
 #: Routed-expert weights under the names ``save_pretrained`` writes for V4 (native ``w1/w2/w3``).
 _V4_EXPERT_WEIGHT = re.compile(r".+\.ffn\.experts\.\d+\.w[123]\.weight")
+#: The dense V4 weights ``fp8_dense`` stores FP8 (see ``write_tiny_deepseek_v4``).
+_V4_FP8_WEIGHT = re.compile(
+    r".+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight"
+)
+
+
+def quantize_fp8_ue8m0(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 with power-of-two block scales, as DeepSeek-V4 stores its dense weights: each block's
+    scale is ``2**ceil(log2(amax / 448))`` (so the block fits e4m3), as ``float8_e8m0fnu``."""
+    from powertrain.loader.fp8 import FP8_DTYPE, FP8_MAX, expand_blocks
+
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % block[1], 0, -rows % block[0]))
+    tiles = padded.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))
+    amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    scaled = weight.float() / expand_blocks(scale, rows, cols, block)
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.to(torch.float8_e8m0fnu)
 
 
 def _tiny_deepseek_v4_model(config_args: Mapping[str, Any], seed: int, dtype: torch.dtype) -> Any:
