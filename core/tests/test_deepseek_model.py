@@ -10,11 +10,7 @@ float64 computation built from HF's decoder layer. Each session draws fresh weig
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +30,7 @@ from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import quantize_checkpoint_fp8, write_tiny_deepseek
+from powertrain.testing.oracle import hf_greedy, hf_logits, startup_event
 from powertrain.testing.paged import PagedRunner
 
 VARIANTS = {
@@ -92,19 +89,6 @@ def load_hf(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def hf_logits(hf: Any, tokens: Sequence[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(input_ids=torch.tensor([list(tokens)])).logits[0].float()
-
-
-def hf_greedy(hf: Any, prompt: Sequence[int], steps: int) -> list[int]:
-    """HF's argmax continuation, EOS ignored (as ``ignore_eos`` does on our side)."""
-    tokens = list(prompt)
-    for _ in range(steps):
-        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
-    return tokens[len(prompt) :]
 
 
 def assert_close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
@@ -194,17 +178,7 @@ def test_kv_cache_holds_only_latent_and_rope(checkpoints: dict[str, Path]) -> No
 
 def test_generate_startup_log_states_both_cache_sizes(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["v3"]
-    script = Path(sys.executable).with_name("powertrain")
-    proc = subprocess.run(
-        [str(script), "--log-level", "info", "generate", "--model", str(path), "--max-tokens", "4", "hello"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
-    kv = next(e for e in events if e["event"] == "kv cache")
+    kv = startup_event(path, "kv cache")
     config = json.loads((path / "config.json").read_text())
     latent_and_rope = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     assert kv["bytes_per_token"] == latent_and_rope * config["num_hidden_layers"] * 4

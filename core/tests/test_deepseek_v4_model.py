@@ -11,10 +11,7 @@ the whole engine, greedy, with prefix caching, small prefill chunks and preempti
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM, native_name
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek_v4
+from powertrain.testing.oracle import hf_greedy, hf_logits, relative_error, startup_event
 from powertrain.testing.paged import PagedRunner
 
 #: Relative to the largest reference logit: float32 rounding through a few layers is ~1e-6.
@@ -81,24 +79,6 @@ def load_ours(path: Path) -> DeepseekV4ForCausalLM:
 
 def config_of(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
-
-
-def hf_logits(hf: Any, tokens: Sequence[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(input_ids=torch.tensor([list(tokens)])).logits[0].float()
-
-
-def hf_greedy(hf: Any, prompt: Sequence[int], steps: int) -> list[int]:
-    """HF's argmax continuation, one full forward per token (its stateless path: the
-    compressor caches of its incremental one cannot be rewound, docs/deepseek_v4_notes.md §11)."""
-    tokens = list(prompt)
-    for _ in range(steps):
-        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
-    return tokens[len(prompt) :]
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
 def random_tokens(path: Path, n: int) -> list[int]:
@@ -234,17 +214,7 @@ def test_engine_allocates_each_cache_group(path: Path) -> None:
 
 
 def test_startup_log_accounts_each_cache_group(path: Path) -> None:
-    script = Path(sys.executable).with_name("powertrain")
-    proc = subprocess.run(
-        [str(script), "--log-level", "info", "generate", "--model", str(path), "--max-tokens", "4", "hello"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
-    kv = next(e for e in events if e["event"] == "kv cache")
+    kv = startup_event(path, "kv cache")
     print(json.dumps(kv, indent=1))
     config = config_of(path)
     groups = {g["name"]: g for g in kv["groups"]}

@@ -42,6 +42,7 @@ from powertrain.layers.linear import Linear
 from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary, yarn_mscale
+from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import check_complete, copy_checked
 
 log = structlog.get_logger(__name__)
@@ -100,10 +101,7 @@ class DeepseekArgs:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DeepseekArgs:
-        def required(key: str) -> Any:
-            if config.get(key) is None:
-                raise ValueError(f"model config lacks {key!r}, which a DeepSeek model needs")
-            return config[key]
+        required = required_reader(config, "DeepSeek")
 
         activation = config.get("hidden_act", "silu")
         if activation not in ("silu", "swish"):

@@ -55,6 +55,7 @@ from powertrain.layers.hyper_connections import HyperConnection, HyperHead
 from powertrain.layers.linear import Linear
 from powertrain.layers.moe import MoE
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
+from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import check_complete, copy_checked
 
 ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM"})
@@ -100,10 +101,7 @@ class V4Args:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> V4Args:
-        def required(key: str) -> Any:
-            if config.get(key) is None:
-                raise ValueError(f"DeepSeek-V4 config lacks {key!r}")
-            return config[key]
+        required = required_reader(config, "DeepSeek-V4")
 
         layers = int(required("num_hidden_layers"))
         head_dim = int(required("head_dim"))

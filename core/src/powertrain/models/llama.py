@@ -26,6 +26,7 @@ from powertrain.layers.attention import Attention
 from powertrain.layers.linear import Linear
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
+from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import check_complete, copy_checked
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
@@ -55,10 +56,7 @@ class LlamaArgs:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LlamaArgs:
-        def required(key: str) -> Any:
-            if config.get(key) is None:
-                raise ValueError(f"model config lacks {key!r}, which a Llama-family model needs")
-            return config[key]
+        required = required_reader(config, "Llama-family")
 
         activation = config.get("hidden_act", "silu")
         if activation not in ("silu", "swish"):

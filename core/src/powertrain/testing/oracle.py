@@ -1,0 +1,54 @@
+"""Comparing a powertrain model with HF transformers, the oracle of every model test.
+
+The reference is HF's own full forward over the whole token list, one per generated
+token (its stateless path: no KV cache of its own whose rounding or statefulness could
+differ), and differences are measured relative to the largest reference logit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def hf_logits(hf: Any, tokens: Sequence[int]) -> torch.Tensor:
+    """float32 ``[len(tokens), vocab]`` logits of an HF causal LM over ``tokens``."""
+    with torch.inference_mode():
+        return hf(input_ids=torch.tensor([list(tokens)])).logits[0].float()
+
+
+def hf_greedy(hf: Any, prompt: Sequence[int], steps: int) -> list[int]:
+    """HF's argmax continuation, one full forward per token, EOS ignored (as ``ignore_eos``)."""
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """``max |ours - reference| / max |reference|``."""
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+def startup_event(model: str | Path, event: str, timeout: float = 300) -> dict[str, Any]:
+    """The JSON log ``event`` (e.g. "kv cache") that ``powertrain generate`` prints at
+    startup for ``model``, run as a user would (the console script, plugins not autoloaded)."""
+    script = Path(sys.executable).with_name("powertrain")
+    proc = subprocess.run(
+        [str(script), "--log-level", "info", "generate", "--model", str(model), "--max-tokens", "4", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"powertrain generate failed:\n{proc.stderr}")
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    return next(e for e in events if e["event"] == event)
