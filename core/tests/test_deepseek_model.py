@@ -119,15 +119,10 @@ def test_logits_match_hf_over_prefill_and_decode(
         runner.step([("earlier", prompt[:18] + neighbour)])
         skip = runner.share_prefix("s", "earlier", 18)
         assert skip == 16
-    first, _ = runner.step([("s", prompt[skip:]), ("n", neighbour)])
-    rows = [first]
-    generated = [int(first[-1].argmax())]
     next_neighbour = int(torch.randint(0, vocab(path), ()).item())
-    for _ in range(DECODE_STEPS - 1):
-        logits, _ = runner.step([("s", [generated[-1]]), ("n", [next_neighbour])])
-        rows.append(logits)
-        generated.append(int(logits[-1].argmax()))
-    ours_logits = torch.cat(rows)
+    ours_logits, generated = runner.greedy_beside_a_neighbour(
+        prompt, neighbour, [next_neighbour] * (DECODE_STEPS - 1), skip=skip
+    )
     reference = hf_logits(hf, prompt + generated[:-1])[skip:]
     assert_close(ours_logits, reference, f"{variant} prefill + {DECODE_STEPS} decodes (seed={seed})")
     assert generated == hf_greedy(hf, prompt, DECODE_STEPS), f"{variant}: greedy continuation differs (seed={seed})"

@@ -134,16 +134,11 @@ def test_prefill_and_decode_beside_a_neighbour_match_hf(path: Path, hf: Any, pre
         runner.step([("earlier", prompt[:18] + neighbour)])
         skip = runner.share_prefix("s", "earlier", 18)
         assert skip == 16
-    first, _ = runner.step([("s", prompt[skip:]), ("n", neighbour)])
-    rows = [first]
-    generated = [int(first[-1].argmax())]
-    next_neighbour = random_tokens(path, DECODE_STEPS)
-    for step in range(DECODE_STEPS - 1):
-        logits, _ = runner.step([("s", [generated[-1]]), ("n", [next_neighbour[step]])])
-        rows.append(logits)
-        generated.append(int(logits[-1].argmax()))
+    logits, generated = runner.greedy_beside_a_neighbour(
+        prompt, neighbour, random_tokens(path, DECODE_STEPS - 1), skip=skip
+    )
     reference = hf_logits(hf, prompt + generated[:-1])[skip:]
-    error = relative_error(torch.cat(rows), reference)
+    error = relative_error(logits, reference)
     print(f"prefill {len(prompt)} + {DECODE_STEPS} decodes: max |diff| / max |logit| = {error:.2e}")
     assert error <= RELATIVE_TOLERANCE, f"logits off by {error:.2e} (seed={seed})"
     assert generated == hf_greedy(hf, prompt, DECODE_STEPS), f"greedy continuation differs (seed={seed})"

@@ -79,3 +79,24 @@ class PagedRunner:
             logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32 and logits.shape[0] == len(input_ids)
         return list(logits.split(metadata.query_lens_host))
+
+    def greedy_beside_a_neighbour(
+        self,
+        prompt: Sequence[int],
+        neighbour: Sequence[int],
+        neighbour_steps: Sequence[int],
+        *,
+        skip: int = 0,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Prefill ``prompt[skip:]`` (``skip`` tokens already cached, e.g. by ``share_prefix``)
+        as sequence "s" beside neighbour "n"'s prompt, then decode "s" greedily while "n"
+        decodes ``neighbour_steps``, one token each, in the same steps. Returns the logits
+        of every "s" token (``[len(prompt) - skip + len(neighbour_steps), vocab]``) and the
+        ``len(neighbour_steps) + 1`` tokens "s" generated."""
+        first, _ = self.step([("s", list(prompt[skip:])), ("n", list(neighbour))])
+        rows, generated = [first], [int(first[-1].argmax())]
+        for token in neighbour_steps:
+            logits, _ = self.step([("s", [generated[-1]]), ("n", [token])])
+            rows.append(logits)
+            generated.append(int(logits[-1].argmax()))
+        return torch.cat(rows), generated
