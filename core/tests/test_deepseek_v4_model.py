@@ -325,3 +325,11 @@ def test_the_release_layout_fp8_dense_and_fp4_experts_equals_transformers(tmp_pa
     error = relative_error(got, hf_logits(hf_release, prompt))
     print(f"FP8 dense + FP4 experts, prefill of {len(prompt)}: max |diff| / max |logit| = {error:.2e}")
     assert error <= RELATIVE_TOLERANCE
+
+
+def test_a_block_size_the_compression_rates_do_not_divide_is_refused(path: Path) -> None:
+    """Block-aligned prefix hits must fall on window boundaries: refused at startup, saying what to set."""
+    from powertrain.assemble import AssemblyError
+
+    with pytest.raises(AssemblyError, match=r"one entry per 8 tokens.*set \[cache\] block_size to a multiple of 8"):
+        LLM(str(path), dtype="float32", block_size=4)
