@@ -158,9 +158,11 @@ def attend_with_sinks(
     """Shared-KV multi-query attention with one sink logit per head: softmax over the
     allowed keys and the sink, the sink's share dropped (so rows may sum to less than 1).
     ``[n, heads, d]`` in ``query``'s dtype."""
-    logits = torch.einsum("nhd,kd->nhk", query, keys) * scale
+    # The scores in the activation dtype, the softmax with the float32 sinks in float32 (as
+    # transformers' eager attention promotes them when it appends the sink column).
+    logits = (torch.einsum("nhd,kd->nhk", query, keys) * scale).float()
     logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-    sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
     combined = torch.cat((logits, sink), dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
