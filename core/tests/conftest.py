@@ -5,10 +5,30 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest_plugins = ["powertrain.testing"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf() -> Any:
+    """The oracle for the embedded SmolLM2: HF transformers' own GGUF loader on the same file.
+
+    Session-scoped because the loader tests and the engine tests both compare against it
+    and loading dequantises every tensor in Python (~15-20 s); nothing here modifies it.
+    """
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from powertrain.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m").path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
 
 
 @pytest.fixture

