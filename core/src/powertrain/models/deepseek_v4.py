@@ -610,7 +610,7 @@ def native_name(name: str) -> str:
     parts = [_HF_PARTS.get(part, part) for part in parts]
     if "scorer" in parts:  # transformers: compressor.indexer.scorer.weights_proj
         parts.remove("scorer")
-    if parts[-3:-1] == ["compressor", "indexer"] or "indexer" in parts and "compressor" in parts:
+    if "indexer" in parts and "compressor" in parts:
         parts = _indexer_parts(parts)
     name = ".".join(parts)
     for which in ("attn", "ffn"):  # hc_attn_fn -> attn_hc.fn
