@@ -19,6 +19,8 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu": cpu_model() or platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
+        # the widest vector ISA torch's CPU kernels use here (AVX2, AVX512, ...)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
