@@ -135,3 +135,32 @@ def test_a_damaged_hash_table_is_refused_at_load() -> None:
     assert "gate.tid2eid" in layer.missing_weights()
     with pytest.raises(ValueError, match="'hash'-routed MoE layer needs vocab_size"):
         MoE(ours(cfg, "hash"), cfg.hidden_size, 32, TorchGroupedMoE(torch.float32), torch.float32, "cpu")
+
+
+class BusyPeer:
+    """Stands in for the other rank of a 2-rank expert-parallel group, which is busy: the
+    flag all-reduce reports one busy rank. (The real two-process run is
+    test_deepseek_v4_model.py's DP/EP test; whether its ranks ever idle depends on timing.)"""
+
+    world_size = 2
+
+    def all_reduce(self, flags: torch.Tensor) -> torch.Tensor:
+        return flags + torch.tensor([1, 0])
+
+
+def test_an_idle_rank_serves_its_peers_through_hash_routed_layers() -> None:
+    """A rank with no tokens replays every MoE layer with none, hash-routed ones included
+    (they take the tokens' ids: none)."""
+    from powertrain.parallel.lockstep import Lockstep
+
+    cfg = hf_config()
+    layer = MoE(ours(cfg, "hash"), cfg.hidden_size, cfg.moe_intermediate_size, TorchGroupedMoE(torch.float32),
+                torch.float32, "cpu", vocab_size=VOCAB)  # fmt: skip
+    experts, hidden, inner = cfg.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    layer.load_weight("gate.weight", torch.randn(experts, hidden))
+    layer.load_weight("gate.tid2eid", torch.stack([torch.randperm(experts)[:2] for _ in range(VOCAB)]))
+    layer.load_weight("experts.gate_up_proj", torch.randn(experts, 2 * inner, hidden))
+    layer.load_weight("experts.down_proj", torch.randn(experts, hidden, inner))
+    layer.finish_loading()
+    lockstep = Lockstep(BusyPeer(), [layer], hidden, torch.float32, "cpu")
+    assert lockstep.idle().anyone_busy

@@ -46,6 +46,7 @@ class Lockstep:
         self.communicator = communicator
         self.moe_layers = list(moe_layers)
         self._empty = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        self._no_token_ids = torch.empty(0, dtype=torch.long, device=device)  # what hash-routed layers read
         #: Rounds this rank opened, busy or not (diagnostics and tests).
         self.rounds = 0
         self.busy_rounds = 0
@@ -67,5 +68,5 @@ class Lockstep:
         result = self._open(False, stopping)
         if result.anyone_busy:
             for layer in self.moe_layers:
-                layer(self._empty)
+                layer(self._empty, self._no_token_ids)
         return result
