@@ -97,7 +97,7 @@ def test_hash_routing_needs_its_table_and_only_it() -> None:
 def test_a_hash_routed_moe_layer_equals_transformers(seed: int) -> None:
     """The whole routed part of a V4 hash layer: ``layers.moe.MoE`` on the torch backend,
     loaded from transformers' block, equals its output less the shared expert (with a
-    SwiGLU limit no activation reaches: the clamp is not built yet)."""
+    SwiGLU limit no activation reaches: the clamp has its own tests in test_moe.py)."""
     cfg = DeepseekV4Config(**{**TINY_DEEPSEEK_V4_CONFIG, "vocab_size": VOCAB, "swiglu_limit": 1e9})
     hf = hf_v4.DeepseekV4SparseMoeBlock(cfg, layer_idx=0).eval()
     assert hf.is_hash
