@@ -12,6 +12,20 @@ import pytest
 pytest_plugins = ["powertrain.testing"]
 
 
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test (never a fixed one), torch's global generator seeded with it,
+    and printed so a failure can be replayed. Module-scoped variants stay in their files."""
+    import torch
+
+    from powertrain.testing.base import fresh_seed
+
+    value = fresh_seed()
+    torch.manual_seed(value)
+    print(f"seed={value}")
+    return value
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf() -> Any:
     """The oracle for the embedded SmolLM2: HF transformers' own GGUF loader on the same file.

@@ -10,7 +10,6 @@ float64 computation built from HF's decoder layer. Each session draws fresh weig
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +55,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, weights_seed: int) -> 
         name: write_tiny_deepseek(tmp_path_factory.mktemp(name), seed=weights_seed, **kwargs)
         for name, kwargs in VARIANTS.items()
     }
-
-
-@pytest.fixture
-def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    print(f"seed={value}")
-    return value
 
 
 def cpu_context(checkpoint: Any, fp8_block: tuple[int, int] | None = None) -> ModelContext:

@@ -53,14 +53,6 @@ def hf(path: Path) -> Any:
     return model.eval()
 
 
-@pytest.fixture
-def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    print(f"seed={value}")
-    return value
-
-
 def load_ours(path: Path) -> DeepseekV32ForCausalLM:
     checkpoint = load_checkpoint(str(path))
     context = ModelContext(

@@ -53,14 +53,6 @@ def hf(path: Path) -> Any:
     return transformers.DeepseekV4ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-@pytest.fixture
-def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    print(f"seed={value}")
-    return value
-
-
 def context_of(path: Path, **changes: Any) -> ModelContext:
     return ModelContext(
         config={**load_checkpoint(str(path)).config, **changes},

@@ -9,16 +9,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
 from powertrain.layers.hyper_connections import HyperConnection, HyperHead
-from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import TINY_DEEPSEEK_V4_CONFIG
-
-
-@pytest.fixture
-def seed() -> int:
-    value = fresh_seed()
-    torch.manual_seed(value)
-    print(f"seed={value}")
-    return value
 
 
 def config() -> DeepseekV4Config:

@@ -14,18 +14,9 @@ from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4
 from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.interfaces import RoutingConfig
 from powertrain.layers.moe import MoE, route
-from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import TINY_DEEPSEEK_V4_CONFIG
 
 VOCAB = 64
-
-
-@pytest.fixture
-def seed() -> int:
-    value = fresh_seed()
-    torch.manual_seed(value)
-    print(f"seed={value}")
-    return value
 
 
 def hf_config() -> DeepseekV4Config:

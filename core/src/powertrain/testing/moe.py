@@ -519,10 +519,11 @@ class MoEBackendSuite(ComponentSuite):
         declare ``swiglu-limit`` / ``fp4``: ``prepare`` raises ValueError naming the backend,
         never computes something else."""
         declared = subject.provided.record.capabilities
+        # A backend running both has nothing to refuse (test_swiglu_limit / test_fp4_experts check it).
         if {"swiglu-limit", "fp4"} <= declared:
             pytest.skip(f"{subject.provided.record.name} declares both swiglu-limit and fp4")
         dtype = next((d for d in self.dtypes if DTYPE_CAPABILITIES[d] in declared), None)
-        if dtype is None:
+        if dtype is None:  # the suite's dtypes are none this backend runs: it cannot be built to ask
             pytest.skip(f"{subject.provided.record.name} declares none of the dtypes {self.dtypes}")
         backend, device = self._build(subject, dtype)
         gen = generator(seed)
