@@ -25,6 +25,7 @@ from cattrs.errors import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_MODES = ("auto", "keep", "dequantize")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,11 @@ class ModelConfig:
     #: "smollm2-135m" (the embedded default), a HF checkpoint folder or a GGUF file.
     path: str = "smollm2-135m"
     dtype: str = attrs.field(default="auto", validator=_one_of(*DTYPES))
+    #: What happens to a GGUF file's quantised weights: "keep" multiplies them as stored (a
+    #: quantised-linear kernel: a quarter of float32's bytes read per token), "dequantize"
+    #: expands them to ``dtype`` at load; "auto" keeps them where this platform has a native
+    #: quantised-linear kernel.
+    quantization: str = attrs.field(default="auto", validator=_one_of(*QUANTIZATION_MODES))
     #: Longest sequence (prompt + output); default: the model's own limit.
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive)
     #: Seed of the generator for requests that bring no seed of their own.
