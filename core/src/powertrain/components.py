@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # the contracts import this module (PlatformInfo, Availabilit
         MoEBackend,
         MoEBackendContext,
         ProtocolAdapter,
+        QuantizedLinearContext,
+        QuantizedLinearKernel,
         Scheduler,
         SchedulerContext,
         SpeculativeContext,
@@ -73,6 +75,9 @@ MOE_CAPABILITIES = frozenset(
         "swiglu-limit",  # clamped SwiGLU, ExpertWeights.swiglu_limit (DeepSeek-V4)
     }
 )
+
+#: Capability tags a quantised-linear backend may declare: the ``QuantizedWeight`` formats it multiplies.
+QUANTIZED_LINEAR_CAPABILITIES = frozenset({"q4", "q8"})
 
 
 def _valid_name(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -163,6 +168,8 @@ class PlatformInfo:
     #: What ``dtype = "auto"`` means here; None: the checkpoint's half precision
     #: (bfloat16 when it names none), right for accelerators.
     auto_dtype: torch.dtype | None = attrs.field(default=None, validator=_dtypes)
+    #: Why ``auto_dtype`` is this platform's choice (logged when ``dtype = "auto"`` picks it).
+    auto_dtype_note: str = ""
     #: Each local rank owns one device, ``torch.device(device_type, local_rank)``; False:
     #: all ranks share the one un-indexed device (the host).
     device_per_rank: bool = False
@@ -266,6 +273,21 @@ class MoEBackendRecord(_Implementation):
 
 
 @attrs.frozen(kw_only=True)
+class QuantizedLinearRecord(_Implementation):
+    """A weight-only quantised matmul (``interfaces.QuantizedLinearKernel``).
+    ``factory(QuantizedLinearContext)`` builds it; ``capabilities`` are the formats it multiplies."""
+
+    factory: Callable[[QuantizedLinearContext], QuantizedLinearKernel] = attrs.field(validator=_callable)
+    capabilities: frozenset[str] = attrs.field(
+        converter=frozenset, validator=_known_tags(QUANTIZED_LINEAR_CAPABILITIES)
+    )
+    #: True for an implementation that expands the weight to a dense copy on every call (the
+    #: reference): correct everywhere, but slower than dequantising once at load, so
+    #: ``quantization = "auto"`` keeps weights quantised only with a backend that does not.
+    expands_weights: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class CommunicatorRecord(_Implementation):
     """Collectives (and expert-parallel dispatch) for a platform.
 
@@ -360,6 +382,7 @@ COMPONENT_KINDS: dict[str, tuple[str, type, str | None]] = {
     "platform": ("powertrain_platforms", PlatformRecord, "platform"),
     "attention": ("powertrain_attention_backends", AttentionBackendRecord, "attention"),
     "moe": ("powertrain_moe_backends", MoEBackendRecord, "moe"),
+    "quantized_linear": ("powertrain_quantized_linear_backends", QuantizedLinearRecord, "quantized_linear"),
     "communication": ("powertrain_communicators", CommunicatorRecord, "communication"),
     "scheduler": ("powertrain_schedulers", SchedulerRecord, "scheduler"),
     "speculative": ("powertrain_speculative_policies", SpeculativePolicyRecord, "speculative"),

@@ -97,6 +97,8 @@ class ComponentsConfig:
     platform: str = "auto"
     attention: str = "auto"
     moe: str = "auto"
+    #: The kernel for weights kept quantised ([model] quantization).
+    quantized_linear: str = "auto"
     communication: str = "auto"
     scheduler: str = "fcfs"
     #: "none" disables speculative decoding.

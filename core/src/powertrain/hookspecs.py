@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         PlatformInfo,
         PlatformRecord,
         ProtocolAdapterRecord,
+        QuantizedLinearRecord,
         SchedulerRecord,
         SpeculativePolicyRecord,
     )
@@ -77,6 +78,16 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
     Called by the plugin manager once per plugin at registration; all results are
     collected (no first-result). The factory
     receives a MoEBackendContext and returns an ``interfaces.MoEBackend``.
+    """
+
+
+@hookspec
+def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
+    """Weight-only quantised matmuls for weights kept quantised (GGUF's Q4/Q8/k-quants).
+
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result). The factory receives a QuantizedLinearContext and
+    returns an ``interfaces.QuantizedLinearKernel``.
     """
 
 

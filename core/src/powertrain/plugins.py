@@ -44,6 +44,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-communicators": "powertrain.builtin.communicators",
     "builtin-attention": "powertrain.builtin.attention",
     "builtin-moe": "powertrain.builtin.moe",
+    "builtin-quantized-linear": "powertrain.builtin.quantized_linear",
     "builtin-scheduler": "powertrain.builtin.scheduler",
     "builtin-models": "powertrain.builtin.models",
 }

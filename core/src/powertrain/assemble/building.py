@@ -81,6 +81,11 @@ def build_moe(plan: Plan, dtype: torch.dtype, *, local_rank: int | None = None) 
     return _build(plan, "moe", context, (interfaces.MoEBackend,))
 
 
+def build_quantized_linear(plan: Plan, dtype: torch.dtype) -> interfaces.QuantizedLinearKernel:
+    context = interfaces.QuantizedLinearContext(platform=plan.platform, device=plan.device, dtype=dtype)
+    return _build(plan, "quantized_linear", context, (interfaces.QuantizedLinearKernel,))
+
+
 def build_communicator(
     plan: Plan,
     *,

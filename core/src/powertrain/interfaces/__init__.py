@@ -15,6 +15,7 @@ implementation. One module per concern:
 * ``sampling``: a request's sampling settings and the distribution they define;
 * ``outputs``: what the engine reports back for a request;
 * ``protocol``: protocol adapters and the parsed request they hand the server;
+* ``quantized``: weights kept as integer codes, and the kernels that multiply by them;
 * ``model``: what an architecture's factory is given, and the decoder it builds;
 * ``engine``: the engine the front ends (``LLM``, ``AsyncEngine``, the server) drive;
 * ``platform``, ``errors``: the platform records and the typed errors.
@@ -62,6 +63,12 @@ from powertrain.interfaces.protocol import (
     ResponseWriter,
     StreamParser,
     StructuredOutputsField,
+)
+from powertrain.interfaces.quantized import (
+    QUANT_FORMATS,
+    QuantizedLinearContext,
+    QuantizedLinearKernel,
+    QuantizedWeight,
 )
 from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, target_probs
 from powertrain.interfaces.scheduling import (
@@ -147,6 +154,11 @@ __all__ = [
     "ResponseWriter",
     "StreamParser",
     "StructuredOutputsField",
+    # quantized
+    "QUANT_FORMATS",
+    "QuantizedLinearContext",
+    "QuantizedLinearKernel",
+    "QuantizedWeight",
     # model
     "CausalLM",
     "ModelContext",

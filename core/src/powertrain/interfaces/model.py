@@ -18,6 +18,7 @@ from powertrain.interfaces.attention import (
 )
 from powertrain.interfaces.communication import Communicator, ExpertDispatcher
 from powertrain.interfaces.moe import MoEBackend
+from powertrain.interfaces.quantized import QuantizedLinearKernel
 
 
 @attrs.frozen(kw_only=True)
@@ -39,6 +40,10 @@ class ModelContext:
     #: itself (capability ``fp4``): the model keeps them packed (and says which tensors
     #: through ``keep_fp4``). False: they reach the model dequantized.
     fp4_experts: bool = False
+    #: The kernel that multiplies quantised weights kept as stored (``[model] quantization``):
+    #: the model then receives ``QuantizedWeight`` values for the tensors its ``keep_quantized``
+    #: accepts. None: every weight reaches the model dequantized.
+    quantized_linear: QuantizedLinearKernel | None = None
     #: For expert parallelism.
     communicator: Communicator | None = None
     #: Expert parallelism: this rank among ``expert_parallel_size``. The model loads and

@@ -25,6 +25,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import attrs
 import torch
 
+from powertrain.interfaces.platform import PlatformInfo
+
 QuantFormat = Literal["q4", "q8"]
 QUANT_FORMATS: tuple[QuantFormat, ...] = ("q4", "q8")
 #: Columns per group each format allows.
@@ -173,3 +175,13 @@ class QuantizedLinearKernel(Protocol):
         """``x [tokens, cols]`` (any float dtype) times the weight's transpose, plus ``bias``:
         ``[tokens, rows]`` in ``x``'s dtype."""
         ...
+
+
+@attrs.frozen(kw_only=True)
+class QuantizedLinearContext:
+    """What a quantised-linear backend's factory is given."""
+
+    platform: PlatformInfo
+    device: torch.device
+    #: The model's activation dtype (what ``linear`` receives and returns).
+    dtype: torch.dtype

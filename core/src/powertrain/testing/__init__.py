@@ -18,6 +18,9 @@ then subclass the suites that fit what your plugin provides::
     class TestMoE(MoEBackendSuite):
         component = "my-moe"
 
+    class TestQuantizedLinear(QuantizedLinearSuite):
+        component = "my-quantized-linear"
+
 Every suite compares your implementation with the builtin reference on fresh
 random inputs and skips, with your record's reason, what cannot run here.
 
@@ -49,6 +52,7 @@ from powertrain.testing.checkpoints import (
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
 from powertrain.testing.moe import MoEBackendSuite
+from powertrain.testing.quantized_linear import QuantizedLinearSuite
 
 __all__ = [
     "AttentionBackendSuite",
@@ -56,6 +60,7 @@ __all__ = [
     "ComponentSuite",
     "MoEBackendSuite",
     "PluginContract",
+    "QuantizedLinearSuite",
     "check_sparse_mla",
     "check_sparse_mla_refuses",
     "fresh_seed",

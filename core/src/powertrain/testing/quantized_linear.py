@@ -1,0 +1,186 @@
+"""Conformance suite for quantised-linear backends: a candidate against a float64 oracle.
+
+Subclass it in your plugin's tests::
+
+    class TestMyQuantizedLinear(QuantizedLinearSuite):
+        component = "my-quantized-linear"   # the record name
+
+The candidate is built through its record's factory and given random weights in every format
+it declares (``q4``; ``q8`` with 16- and 32-column groups; with and without offsets), on odd
+shapes (one row, row and column counts that are no power of two, one token, many tokens, no
+tokens) and with a bias or none. Each ``linear`` output is compared with the float64 product
+of the very same activations and the weight's own ``dequantize``. A backend must refuse, in
+``prepare``, a format it does not declare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import pytest
+import torch
+
+from powertrain.interfaces import QuantizedLinearContext, QuantizedLinearKernel, QuantizedWeight
+from powertrain.testing.base import ComponentSuite, Subject, generator
+
+__all__ = ["QuantizedLinearSuite", "random_quantized_weight"]
+
+#: (format, group, with offsets) cases; a backend runs those whose format it declares.
+WEIGHT_CASES = (("q4", 32, True), ("q4", 32, False), ("q8", 32, False), ("q8", 32, True), ("q8", 16, True))
+
+
+def random_quantized_weight(
+    gen: torch.Generator, rows: int, cols: int, format: str, group: int, offsets: bool
+) -> QuantizedWeight:
+    """A random weight: codes over the format's whole range, scales of both signs and mixed
+    magnitudes, offsets (when asked) of both signs."""
+    groups = cols // group
+    if format == "q4":
+        codes = torch.randint(0, 256, (rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    else:
+        codes = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int32).to(torch.int8)
+    magnitude = torch.exp(torch.randn(rows, groups, generator=gen)) * 1e-2
+    sign = torch.where(torch.rand(rows, groups, generator=gen) < 0.2, -1.0, 1.0)
+    return QuantizedWeight(
+        codes=codes,
+        scales=(magnitude * sign).float(),
+        offsets=(torch.randn(rows, groups, generator=gen) * 0.05).float() if offsets else None,
+        format=format,
+        group=group,
+        source=f"random {format} group {group}",
+    )
+
+
+def _case_id(case: tuple[str, int, bool]) -> str:
+    return f"{case[0]}-g{case[1]}-{'offsets' if case[2] else 'no-offsets'}"
+
+
+def _scaled_errors(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| over the sum of the products' magnitudes, |x| @ |W|^T, per output element.
+
+    That sum is what rounding scales with: a dot product whose terms cancel has a tiny result
+    but the rounding of its large terms, so a relative error of the result would flake on a
+    single-row weight, while this stays below a few units of the dtype's roundoff for any
+    correct kernel (and is of order 1 for a wrong scale, offset or nibble).
+    """
+    magnitude = x.abs() @ dense.abs().T
+    return (got - want).abs() / magnitude.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class QuantizedLinearSuite(ComponentSuite):
+    """Compares a quantised-linear backend with a float64 product over the dequantised weight.
+
+    Class attributes a subclass may set:
+
+    * ``dtypes``: activation dtypes to test;
+    * ``tolerances``: dtype -> the largest error of an output element, scaled by the sum of
+      its products' magnitudes (``_scaled_errors``). float32: only accumulation order differs
+      from the oracle (the weight values are exact in float32), 1e-5 admits any order over a
+      few thousand columns; bfloat16 rounds the output (unit roundoff 3.9e-3), and a kernel may
+      round partial sums, hence 2e-2. A wrong scale, offset, nibble order or group is of order 1.
+    """
+
+    kind: ClassVar[str] = "quantized_linear"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
+    tolerances: ClassVar[Mapping[torch.dtype, float]] = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+    def build(self, subject: Subject, dtype: torch.dtype) -> QuantizedLinearKernel:
+        context = QuantizedLinearContext(
+            platform=subject.platform, device=torch.device(subject.platform.device_type), dtype=dtype
+        )
+        kernel = subject.provided.record.factory(context)
+        assert isinstance(kernel, QuantizedLinearKernel), f"factory built {type(kernel).__name__}"
+        declared = subject.provided.record.capabilities
+        assert kernel.formats <= declared, (
+            f"the kernel multiplies {sorted(kernel.formats)}, declared {sorted(declared)}"
+        )
+        return kernel
+
+    def check(
+        self,
+        subject: Subject,
+        seed: int,
+        *,
+        case: tuple[str, int, bool],
+        rows: int,
+        cols: int,
+        tokens: int,
+        dtype: torch.dtype = torch.float32,
+        bias: bool = False,
+    ) -> None:
+        format, group, offsets = case
+        self.require(subject.provided, format)
+        gen = generator(seed)
+        weight = random_quantized_weight(gen, rows, cols, format, group, offsets)
+        x = torch.randn(tokens, cols, generator=gen).to(dtype)
+        bias_tensor = torch.randn(rows, generator=gen).to(dtype) if bias else None
+        device = torch.device(subject.platform.device_type)
+        kernel = self.build(subject, dtype)
+        before = (weight.codes.clone(), weight.scales.clone())
+        prepared = kernel.prepare(weight)
+        got = kernel.linear(x.to(device), prepared, None if bias_tensor is None else bias_tensor.to(device))
+        assert torch.equal(weight.codes, before[0]) and torch.equal(weight.scales, before[1]), (
+            "prepare changed its input"
+        )
+        assert got.shape == (tokens, rows) and got.dtype == dtype, f"got {got.dtype} {list(got.shape)}"
+        want = x.double() @ weight.dequantize(torch.float64).T
+        if bias_tensor is not None:
+            want = want + bias_tensor.double()
+        if tokens == 0:
+            return
+        dense = weight.dequantize(torch.float64)
+        worst = float(_scaled_errors(got.double().cpu(), x.double(), dense, want).max())
+        assert worst < self.tolerances[dtype], (
+            f"{format} group {group} offsets={offsets} [{tokens}x{cols}] x [{rows}x{cols}]^T in {dtype}: "
+            f"worst scaled error {worst:.2e} > {self.tolerances[dtype]:.0e} (seed {seed})"
+        )
+
+    @pytest.mark.parametrize(
+        "case", WEIGHT_CASES, ids=lambda case: f"{case[0]}-g{case[1]}-{'off' if case[2] else 'nooff'}"
+    )
+    @pytest.mark.parametrize(("rows", "cols"), [(1, 32), (37, 96), (257, 544)])
+    @pytest.mark.parametrize("tokens", [1, 3, 17, 64])
+    def test_random_weights(
+        self, subject: Subject, case: tuple[str, int, bool], rows: int, cols: int, tokens: int, seed: int
+    ) -> None:
+        self.check(subject, seed, case=case, rows=rows, cols=cols, tokens=tokens)
+
+    @pytest.mark.parametrize("case", WEIGHT_CASES[:1] + WEIGHT_CASES[-1:], ids=["q4", "q8-g16"])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+    @pytest.mark.parametrize("tokens", [1, 33])
+    def test_other_activation_dtypes(
+        self, subject: Subject, case: tuple[str, int, bool], dtype: torch.dtype, tokens: int, seed: int
+    ) -> None:
+        if dtype not in self.dtypes:
+            pytest.skip(f"{dtype} is not among this suite's dtypes")
+        self.check(subject, seed, case=case, rows=70, cols=160, tokens=tokens, dtype=dtype, bias=True)
+
+    @pytest.mark.parametrize("case", WEIGHT_CASES[:1] + WEIGHT_CASES[-1:], ids=["q4", "q8-g16"])
+    @pytest.mark.parametrize("tokens", [0, 5])
+    def test_bias_and_no_tokens(self, subject: Subject, case: tuple[str, int, bool], tokens: int, seed: int) -> None:
+        self.check(subject, seed, case=case, rows=45, cols=64, tokens=tokens, bias=True)
+
+    def test_prepared_weight_serves_many_calls(self, subject: Subject, seed: int) -> None:
+        """One ``prepare``, then calls of different sizes: each equals the oracle."""
+        format = sorted(subject.provided.record.capabilities)[0]
+        gen = generator(seed)
+        weight = random_quantized_weight(gen, 29, 64, format, 32, True)
+        kernel = self.build(subject, torch.float32)
+        prepared = kernel.prepare(weight)
+        device = torch.device(subject.platform.device_type)
+        dense = weight.dequantize(torch.float64)
+        for tokens in (7, 1, 40, 2):
+            x = torch.randn(tokens, 64, generator=gen)
+            got = kernel.linear(x.to(device), prepared, None).double().cpu()
+            errors = _scaled_errors(got, x.double(), dense, x.double() @ dense.T)
+            assert float(errors.max()) < self.tolerances[torch.float32], seed
+
+    def test_refuses_formats_it_does_not_declare(self, subject: Subject, seed: int) -> None:
+        undeclared = [case for case in WEIGHT_CASES if case[0] not in subject.provided.record.capabilities]
+        if not undeclared:
+            pytest.skip(f"{subject.provided.record.name} declares every format: nothing to refuse")
+        format, group, offsets = undeclared[0]
+        weight = random_quantized_weight(generator(seed), 8, 64, format, group, offsets)
+        with pytest.raises((ValueError, TypeError), match=format):
+            self.build(subject, torch.float32).prepare(weight)

@@ -1,0 +1,72 @@
+"""The builtin quantised-linear reference, the QuantizedWeight contract and the Linear /
+Embedding layers that hold weights kept quantised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powertrain.builtin.quantized_linear import DequantizingLinear
+from powertrain.interfaces import QuantizedWeight
+from powertrain.layers.embedding import Embedding
+from powertrain.layers.linear import Linear, pack_linears
+from powertrain.testing import QuantizedLinearSuite
+from powertrain.testing.base import generator
+from powertrain.testing.quantized_linear import random_quantized_weight
+
+
+class TestTorchDequantize(QuantizedLinearSuite):
+    component = "torch-dequantize"
+
+
+def test_widening_and_stacking_are_lossless(seed: int) -> None:
+    gen = generator(seed)
+    q4 = random_quantized_weight(gen, 5, 64, "q4", 32, True)
+    q8 = random_quantized_weight(gen, 3, 64, "q8", 16, False)
+    assert torch.equal(q4.widened(16).dequantize(), q4.dequantize())
+    stacked = QuantizedWeight.stack_rows([q4, q8, q4.select_rows(slice(1, 3))])
+    assert (stacked.format, stacked.group, stacked.shape) == ("q8", 16, (10, 64))
+    want = torch.cat([q4.dequantize(), q8.dequantize(), q4.dequantize()[1:3]])
+    assert torch.equal(stacked.dequantize(), want)
+
+
+def test_q4_nibble_order_is_ggml_s() -> None:
+    """Byte j of a 32-column group holds column j (low nibble) and column j + 16 (high)."""
+    codes = torch.zeros(1, 16, dtype=torch.uint8)
+    codes[0, 3] = 0x5A  # column 3 = 0xA, column 19 = 0x5
+    weight = QuantizedWeight(codes, torch.ones(1, 1), None, "q4", 32)
+    dense = weight.dequantize()[0]
+    assert dense[3] == 10 and dense[19] == 5 and dense.sum() == 15
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(group=16), "group 16"),
+        (dict(scales=torch.ones(2, 3)), "scales must be float32 \\[2, 2\\]"),
+        (dict(codes=torch.zeros(2, 32, dtype=torch.int8)), "codes must be 2-d torch.uint8"),
+    ],
+)
+def test_invalid_weights_are_refused(change: dict, message: str) -> None:
+    fields = dict(
+        codes=torch.zeros(2, 32, dtype=torch.uint8), scales=torch.ones(2, 2), offsets=None, format="q4", group=32
+    )
+    with pytest.raises(ValueError, match=message):
+        QuantizedWeight(**{**fields, **change}, source="Q4_0")
+
+
+def test_linear_and_embedding_layers_use_the_kept_weight(seed: int) -> None:
+    gen = generator(seed)
+    weight = random_quantized_weight(gen, 48, 64, "q8", 32, True)
+    linear = Linear(64, 48, bias=False)
+    linear.use_quantized(weight, DequantizingLinear())
+    assert linear.weight is None and pack_linears(torch.nn.Sequential(linear)) == 0  # never packed
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(linear(x), x @ weight.dequantize().T)
+
+    embedding = Embedding(48, 64)
+    embedding.use_quantized(weight, torch.float32)
+    ids = torch.tensor([[5, 0], [47, 5]])
+    assert torch.equal(embedding(ids), weight.dequantize()[ids])
+    with pytest.raises(ValueError, match="shape \\[48, 64\\] for a \\[64, 48\\]"):
+        Linear(48, 64).use_quantized(weight, DequantizingLinear())
