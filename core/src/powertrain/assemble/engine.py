@@ -8,11 +8,13 @@ backend's KVCacheSpec then sizes the cache from the memory budget.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import structlog
 
+from powertrain import startup
 from powertrain.assemble.building import (
     build_attention,
     build_scheduler,
@@ -47,17 +49,20 @@ def build_engine(
     ``placement`` is this process's rank when ``[parallel]`` asks for several
     (``powertrain.deploy`` launches them and passes it).
     """
+    started = time.perf_counter()
     config = config or EngineConfig()
-    plugins = plugins or PluginManager.load(config.plugins)
-    checkpoint = load_checkpoint(config.model.path)
-    architecture = find_architecture(plugins, checkpoint.config, str(checkpoint.path))
-    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
-    needs_moe = "moe" in requirements
-    chosen = plan(config, plugins, requirements=requirements)
-
-    dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
-    attention = build_attention(chosen, dtype)
-    check_expert_parallel_fits(placement, needs_moe, checkpoint, architecture.record.name)
+    with startup.phase("load plugins"):
+        plugins = plugins or PluginManager.load(config.plugins)
+    with startup.phase("open checkpoint", model=config.model.path):
+        checkpoint = load_checkpoint(config.model.path)
+    with startup.phase("plan components"):
+        architecture = find_architecture(plugins, checkpoint.config, str(checkpoint.path))
+        requirements = model_requirements(architecture, checkpoint, config)
+        needs_moe = "moe" in requirements
+        chosen = plan(config, plugins, requirements=requirements)
+        dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
+        attention = build_attention(chosen, dtype)
+        check_expert_parallel_fits(placement, needs_moe, checkpoint, architecture.record.name)
     experts = join_expert_parallel(chosen, placement)
     device_thread = DeviceThread()
     with _released_on_failure(device_thread, experts):
@@ -97,6 +102,8 @@ def build_engine(
         attention=chosen.resolutions["attention"].name,
         kv_blocks=loaded.num_blocks[next(iter(loaded.num_blocks))],
         kv_gib=round(loaded.layout.bytes_for(loaded.num_blocks) / 2**30, 3),
+        seconds=round(time.perf_counter() - started, 3),
+        since_process_start=startup.since_process_start(),
     )
     hooks.powertrain_engine_started(engine=engine)
     return engine
@@ -109,12 +116,21 @@ def describe_kv_cache(config: EngineConfig, plugins: PluginManager | None = None
     plugins = plugins or PluginManager.load(config.plugins)
     checkpoint = load_checkpoint(config.model.path)
     architecture = find_architecture(plugins, checkpoint.config, str(checkpoint.path))
-    requirements = architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {}
+    requirements = model_requirements(architecture, checkpoint, config)
     chosen = plan(config, plugins, requirements=requirements)
     dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
     attention = build_attention(chosen, dtype)
     report = describe_cache(chosen, architecture, checkpoint, attention, dtype, "moe" in requirements)
     return {"model": config.model.path, "architecture": architecture.record.name, "dtype": str(dtype), **report}
+
+
+def model_requirements(architecture: Any, checkpoint: Any, config: EngineConfig) -> dict[str, frozenset[str]]:
+    """Capabilities the model needs per component kind: its architecture's, and with
+    ``quantization = "keep"`` a quantised-linear backend for the checkpoint's formats."""
+    requirements = dict(architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {})
+    if checkpoint.quantized_formats and config.model.quantization == "keep":
+        requirements["quantized_linear"] = frozenset(checkpoint.quantized_formats)
+    return requirements
 
 
 def _model_runner(

@@ -13,8 +13,8 @@ import attrs
 import structlog
 import torch
 
-from powertrain import interfaces
-from powertrain.assemble.building import build_moe
+from powertrain import interfaces, startup
+from powertrain.assemble.building import build_moe, build_quantized_linear
 from powertrain.assemble.planning import AssemblyError, Plan
 from powertrain.components import PlatformInfo
 from powertrain.config import EngineConfig
@@ -47,9 +47,12 @@ def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Map
     if requested != "auto":
         return getattr(torch, requested)
     if platform.auto_dtype is not None:
+        log.info("dtype auto", dtype=str(platform.auto_dtype), platform=platform.name, why=platform.auto_dtype_note)
         return platform.auto_dtype
     stored = str(checkpoint_config.get("torch_dtype") or checkpoint_config.get("dtype") or "bfloat16")
-    return torch.float16 if stored.endswith("float16") and "b" not in stored else torch.bfloat16
+    dtype = torch.float16 if stored.endswith("float16") and "b" not in stored else torch.bfloat16
+    log.info("dtype auto", dtype=str(dtype), platform=platform.name, why=f"the checkpoint's half precision ({stored})")
+    return dtype
 
 
 def model_length(config: EngineConfig, checkpoint_config: Mapping[str, Any]) -> int:
@@ -68,11 +71,14 @@ def load_model(
     experts: ExpertParallel | None = None,
 ) -> LoadedModel:
     """Build the model, load its weights and allocate its KV cache (on the device thread)."""
-    model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, experts)
-    _prepare_for_platform(model, plan, attention, dtype)
-    return _allocate_kv_cache(
-        model, plan, attention, dtype, expert_only=experts is not None and not experts.placement.holds_requests
-    )
+    with startup.phase("build model and load weights", status=False):
+        model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, experts)
+    with startup.phase("prepare weights for the platform"):
+        _prepare_for_platform(model, plan, attention, dtype)
+    with startup.phase("allocate kv cache"):
+        return _allocate_kv_cache(
+            model, plan, attention, dtype, expert_only=experts is not None and not experts.placement.holds_requests
+        )
 
 
 def describe_cache(
@@ -103,6 +109,7 @@ def _build_model(
     keeps_fp8 = plan.platform.keeps_fp8_weights and "fp8-block" in capabilities
     # Packed FP4 experts likewise (same platform fact: quantised weights pay off there).
     keeps_fp4 = checkpoint.fp4_experts and plan.platform.keeps_fp8_weights and "fp4" in capabilities
+    quantized_linear = None if device is not None and device.type == "meta" else kept_quantized(plan, checkpoint, dtype)
     context = interfaces.ModelContext(
         config=checkpoint.config,
         dtype=dtype,
@@ -111,6 +118,7 @@ def _build_model(
         moe=moe,
         fp8_block=checkpoint.fp8_block if keeps_fp8 else None,
         fp4_experts=keeps_fp4,
+        quantized_linear=quantized_linear,
         **(experts.model_context_fields() if experts else {}),
     )
     model = architecture.record.factory(context)
@@ -124,9 +132,41 @@ def _build_model(
             keep_fp8=getattr(model, "keep_fp8", None),
             keep_fp4=getattr(model, "keep_fp4", None),
             wanted=getattr(model, "wants_weight", None),
+            keep_quantized=getattr(model, "keep_quantized", None) if quantized_linear is not None else None,
         )
     )
     return model
+
+
+def kept_quantized(plan: Plan, checkpoint: Any, dtype: torch.dtype) -> interfaces.QuantizedLinearKernel | None:
+    """The kernel that multiplies the checkpoint's quantised weights as stored, or None where
+    they are dequantized at load (``[model] quantization``; one info line says which and why)."""
+    formats = checkpoint.quantized_formats
+    mode = plan.config.model.quantization
+    if not formats or mode == "dequantize":
+        if formats:
+            log.info("quantised weights dequantized at load", dtype=str(dtype), why="[model] quantization = dequantize")
+        return None
+    resolution = plan.resolutions["quantized_linear"]
+    record = resolution.provided.record if resolution.provided else None
+    if mode == "auto" and (record is None or record.expands_weights or not formats <= record.capabilities):
+        why = (
+            f"no quantised-linear backend here ({resolution.reason})"
+            if record is None
+            else f"{record.name} expands weights on every call"
+            if record.expands_weights
+            else f"{record.name} multiplies {sorted(record.capabilities)}, not all of {sorted(formats)}"
+        )
+        log.info("quantised weights dequantized at load", dtype=str(dtype), why=why)
+        return None
+    kernel = build_quantized_linear(plan, dtype)
+    log.info(
+        "quantised weights kept as stored",
+        backend=plan.chosen("quantized_linear").record.name,
+        formats=sorted(formats),
+        activations=str(dtype),
+    )
+    return kernel
 
 
 def _prepare_for_platform(model: interfaces.CausalLM, plan: Plan, attention: Any, dtype: torch.dtype) -> None:

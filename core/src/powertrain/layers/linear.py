@@ -16,7 +16,7 @@ needs CPU features that many CPUs lack, and torch refuses it there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from powertrain.components import PlatformInfo
+    from powertrain.interfaces import QuantizedLinearKernel, QuantizedWeight
 
 log = structlog.get_logger(__name__)
 
@@ -38,22 +39,46 @@ def onednn_packing_ops() -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that ``pack`` can switch to a oneDNN-packed weight.
+    """``nn.Linear`` that ``pack`` can switch to a oneDNN-packed weight, and
+    ``use_quantized`` to a weight kept quantised.
 
     Models use it for projections that are only ever applied, never read as matrices
     (a layer whose weight is also read directly, like an absorbed MLA projection, stays
-    an ``nn.Linear``). After packing, ``weight`` is None: the packed copy has an opaque
-    layout, and keeping the dense one as well would double the model's memory (unless
-    another module shares it, e.g. a tied embedding).
+    an ``nn.Linear``). After packing or quantising, ``weight`` is None: the other copy has
+    an opaque layout, and keeping the dense one as well would defeat it (unless another
+    module shares it, e.g. a tied embedding).
     """
 
     packed: torch.Tensor | None = None
+    #: ``kernel.prepare(weight)`` of a weight kept quantised, and its kernel.
+    quantized: Any = None
+    kernel: QuantizedLinearKernel | None = None
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.weight = None
 
+    def use_quantized(self, weight: QuantizedWeight, kernel: QuantizedLinearKernel) -> None:
+        """Multiply by ``weight`` as stored, through ``kernel``, from now on."""
+        expected = (self.out_features, self.in_features)
+        if weight.shape != expected:
+            raise ValueError(f"a quantised weight of shape {list(weight.shape)} for a {list(expected)} linear")
+        if weight.format not in kernel.formats:
+            raise ValueError(
+                f"the quantised-linear kernel multiplies {sorted(kernel.formats)}, not {weight.format!r} "
+                f"(from {weight.source}); choose another [components] quantized_linear or dequantize"
+            )
+        self.quantized, self.kernel = kernel.prepare(weight), kernel
+        self.weight = None
+
+    @property
+    def dense(self) -> bool:
+        """Whether the weight is a plain matrix (neither packed nor quantised)."""
+        return self.packed is None and self.kernel is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.quantized, self.bias)
         if self.packed is None:
             return super().forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -62,7 +87,7 @@ class Linear(nn.Linear):
 def pack_linears(model: nn.Module) -> int:
     """Pack every ``Linear`` of ``model`` (call once its weights are loaded, on the CPU);
     returns how many were packed."""
-    layers = [module for module in model.modules() if isinstance(module, Linear) and module.packed is None]
+    layers = [module for module in model.modules() if isinstance(module, Linear) and module.dense]
     for layer in layers:
         layer.pack()
     return len(layers)
@@ -76,7 +101,8 @@ def pack_for_platform(model: nn.Module, platform: PlatformInfo, dtype: torch.dty
     """
     if dtype in platform.packed_linear_dtypes:
         packed = pack_linears(model)
-        log.info("packed linear weights for oneDNN", layers=packed, dtype=str(dtype))
+        if packed:
+            log.info("packed linear weights for oneDNN", layers=packed, dtype=str(dtype))
         return packed
     if platform.linear_packing_note:
         log.info(

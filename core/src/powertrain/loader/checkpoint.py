@@ -12,6 +12,7 @@ import attrs
 import structlog
 import torch
 
+from powertrain.interfaces import QuantizedWeight
 from powertrain.loader.fp4 import dequantize_fp4_stream
 from powertrain.loader.fp8 import dequantize_stream
 from powertrain.loader.progress import with_progress
@@ -56,6 +57,9 @@ class Checkpoint:
     #: Routed experts stored as packed FP4 with ue8m0 scales (config.json's ``expert_dtype: fp4``,
     #: DeepSeek-V4). ``_read_tensors`` then yields each such weight and its ``.scale`` together.
     fp4_experts: bool = False
+    #: ``QuantizedWeight`` formats of the tensors that could stay quantised (GGUF's block types):
+    #: ``_read_tensors(wanted, keep_quantized)`` yields those ``keep_quantized`` accepts as stored.
+    quantized_formats: frozenset[str] = frozenset()
 
     @property
     def num_tensors(self) -> int:
@@ -68,7 +72,8 @@ class Checkpoint:
         keep_fp8: Callable[[str], bool] | None = None,
         keep_fp4: Callable[[str], bool] | None = None,
         wanted: Callable[[str], bool] | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        keep_quantized: Callable[[str], bool] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yield ``(HF name, tensor)`` one at a time, read on demand, with a progress bar on a terminal.
 
         GGUF tensors are dequantized to float32; safetensors keep their stored dtype, except FP8
@@ -76,12 +81,18 @@ class Checkpoint:
         ``*_scale_inv`` tensors dropped, unless ``keep_fp8(name)`` asks for the stored FP8 weight
         and its scale (for kernels that multiply FP8 directly); and FP4 experts (``fp4_experts``):
         those are dequantized to ``fp8_dtype`` too, under their weight names, their ``.scale``
-        tensors dropped, unless ``keep_fp4(name)`` asks for the packed weight and its scale.
+        tensors dropped, unless ``keep_fp4(name)`` asks for the packed weight and its scale;
+        and GGUF's block-quantised tensors (``quantized_formats``): ``keep_quantized(name)``
+        asks for them as stored, a ``QuantizedWeight`` each.
         Tensors ``wanted(name)`` refuses are not read at all (another
         expert-parallel rank's experts). Each call reads the checkpoint again, so a caller keeps
         only what it copies into its model.
         """
-        stream = self._read_tensors(wanted or _everything)
+        wanted = wanted or _everything
+        if keep_quantized is not None and self.quantized_formats:
+            stream = self._read_tensors(wanted, keep_quantized)
+        else:
+            stream = self._read_tensors(wanted)
         if self.fp4_experts:
             stream = dequantize_fp4_stream(stream, fp8_dtype, keep=keep_fp4)
         if self.fp8_block is not None:

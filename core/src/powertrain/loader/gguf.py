@@ -1,7 +1,9 @@
 """GGUF checkpoints (llama.cpp's format): config, tensors and tokenizer from one file.
 
 Tensors are dequantized to float32 with the ``gguf`` package and renamed to HF names, so models
-see the same state dict whatever the file format. llama.cpp's converter permutes the rows of
+see the same state dict whatever the file format. Where the model asks (``keep_quantized``), a
+block-quantised tensor instead arrives as stored, converted losslessly to a ``QuantizedWeight``
+(``loader.gguf_quants``). llama.cpp's converter permutes the rows of
 q_proj/k_proj for its interleaved rope; we undo that (as HF transformers' GGUF loader does), since
 our models use HF's half-split rope.
 """
@@ -20,8 +22,10 @@ import numpy as np
 import structlog
 import torch
 
+from powertrain.interfaces import QuantizedWeight
 from powertrain.loader.checkpoint import Checkpoint
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.loader.gguf_quants import KEPT_FORMATS, to_quantized_weight
 from powertrain.loader.gguf_reader import GGUFFile, GGUFFormatError, read_gguf
 from powertrain.loader.gguf_tokenizer import tokenizer_from_gguf
 
@@ -71,11 +75,17 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
     tokenizer_s = time.perf_counter() - started
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
-    def read_tensors(wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    def read_tensors(
+        wanted: Callable[[str], bool], keep_quantized: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         for gguf_name, hf_name in names.items():
             if not wanted(hf_name):
                 continue
-            weights = _dequantize(file_tensors[gguf_name], source)
+            tensor = file_tensors[gguf_name]
+            if keep_quantized is not None and tensor.tensor_type in KEPT_FORMATS and keep_quantized(hf_name):
+                yield hf_name, _kept(tensor, n_head, n_head_kv, source)
+                continue
+            weights = _dequantize(tensor, source)
             if ".attn_q." in gguf_name:
                 weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)
             elif ".attn_k." in gguf_name:
@@ -98,6 +108,9 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
         tokenizer=tokenizer,
         generation_config={},
         read_tensors=read_tensors,
+        quantized_formats=frozenset(
+            KEPT_FORMATS[tensor.tensor_type] for tensor in gguf_file.tensors if tensor.tensor_type in KEPT_FORMATS
+        ),
     )
 
 
@@ -278,6 +291,17 @@ def _dequantize(tensor: Any, source: str) -> np.ndarray:
         )
     # A copy: the reader's arrays are read-only views of the memory-mapped file.
     return np.array(values.reshape(shape), dtype=np.float32, copy=True)
+
+
+def _kept(tensor: Any, n_head: int, n_head_kv: int, source: str) -> QuantizedWeight:
+    """``tensor`` as stored; q/k rows reordered as ``_unpermute_rope_rows`` reorders dense ones."""
+    rows, cols = (int(dim) for dim in reversed(tensor.shape))
+    weight = to_quantized_weight(tensor.data, tensor.tensor_type, (rows, cols), name=f"{source}: {tensor.name}")
+    heads = n_head if ".attn_q." in tensor.name else n_head_kv if ".attn_k." in tensor.name else None
+    if heads is None:
+        return weight
+    order = _unpermute_rope_rows(np.arange(rows), heads, tensor.name, source)
+    return weight.select_rows(torch.from_numpy(order))
 
 
 def _unpermute_rope_rows(weights: np.ndarray, n_head: int, name: str, source: str) -> np.ndarray:

@@ -154,6 +154,8 @@ _CONVERTERS: dict[GGMLQuantizationType, tuple[str, int, Callable[[np.ndarray], _
 }
 #: The stored types ``to_quantized_weight`` converts; others are dequantised to float.
 KEPT_TYPES: frozenset[GGMLQuantizationType] = frozenset(_CONVERTERS)
+#: Kept type -> the ``QuantizedWeight`` format it becomes.
+KEPT_FORMATS: dict[GGMLQuantizationType, str] = {kind: fmt for kind, (fmt, _, _) in _CONVERTERS.items()}
 
 
 def to_quantized_weight(

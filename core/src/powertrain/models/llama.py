@@ -20,14 +20,15 @@ import attrs
 import torch
 from torch import nn
 
-from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext, QuantizedWeight
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
+from powertrain.layers.embedding import Embedding
 from powertrain.layers.linear import Linear
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked
+from powertrain.models.weights import check_complete, copy_checked, materialize
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
 _IGNORED = re.compile(r"\.rotary_emb\.")
@@ -187,7 +188,7 @@ class LlamaModel(nn.Module):
         # Given its weight, the embedding skips its random init: on the meta device that init
         # imports torch._dynamo (measured 1.5-6 s of startup), and load_weights overwrites it.
         weight = torch.empty(args.vocab_size, args.hidden_size)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, backend) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope, args.max_position_embeddings)
@@ -215,13 +216,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         self.args = args = LlamaArgs.from_config(ctx.config)
+        self.dtype = ctx.dtype
+        self.quantized_linear = ctx.quantized_linear
         # Built on the meta device, then allocated uninitialised: initialising weights
         # that load_weights overwrites anyway costs seconds on large models.
         with torch.device("meta"):
             self.model = LlamaModel(args, ctx.attention)
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.to(dtype=ctx.dtype).to_empty(device=ctx.device)
-        if args.tie_word_embeddings:  # after to_empty, which would give each its own tensor
+        materialize(self, ctx.dtype, ctx.device)
+        if args.tie_word_embeddings:  # after materialize, which gives each its own tensor
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(
@@ -270,8 +273,16 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{parent}.{part}.{kind}"] = shard
         return targets
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (cast to the model's dtype and device).
+    def keep_quantized(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` may arrive as a ``QuantizedWeight`` (only with a
+        quantised-linear kernel): every projection, the embedding and the head, never a norm or bias."""
+        return self.quantized_linear is not None and (
+            name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Copy HF-named tensors in (cast to the model's dtype and device); quantised ones
+        (``keep_quantized``) go to their layers as stored, fused parts stacked by rows.
 
         Raises ValueError naming unexpected tensors and, once ``weights`` is consumed,
         missing ones; a shape mismatch raises at once.
@@ -279,7 +290,8 @@ class LlamaForCausalLM(nn.Module):
         targets = self.checkpoint_tensors()
         loaded: set[str] = set()
         unexpected: list[str] = []
-        tied_head: torch.Tensor | None = None
+        quantized: dict[str, QuantizedWeight] = {}
+        tied_head: torch.Tensor | QuantizedWeight | None = None
         with torch.no_grad():
             for name, tensor in weights:
                 if _IGNORED.search(name):
@@ -291,15 +303,76 @@ class LlamaForCausalLM(nn.Module):
                 if target is None:
                     unexpected.append(name)
                     continue
-                copy_checked(name, target, tensor)
+                if isinstance(tensor, QuantizedWeight):
+                    if tensor.shape != tuple(target.shape):
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
+                            f"but this model's config needs {list(target.shape)}"
+                        )
+                    quantized[name] = tensor
+                else:
+                    copy_checked(name, target, tensor)
                 loaded.add(name)
             if tied_head is not None:
-                self._load_tied_head(tied_head, loaded)
+                self._load_tied_head(tied_head, loaded, quantized)
         missing = sorted(targets.keys() - loaded)
         check_complete(type(self).__name__, unexpected, missing)
+        if quantized:
+            self._use_quantized(quantized, targets)
 
-    def _load_tied_head(self, head: torch.Tensor, loaded: set[str]) -> None:
+    def _use_quantized(self, quantized: dict[str, QuantizedWeight], targets: dict[str, torch.Tensor]) -> None:
+        """Hand every quantised weight to its layer, fused projections stacked in row order.
+        A fused layer whose parts arrived partly dense stays dense (its quantised parts are
+        dequantized into it)."""
+        kernel = self.quantized_linear
+        assert kernel is not None  # keep_quantized accepted nothing without one
+        for module_name, module in self.named_modules():
+            if isinstance(module, Embedding):
+                if (table := quantized.get(f"{module_name}.weight")) is not None:
+                    module.use_quantized(table, self.dtype)
+                    if self.args.tie_word_embeddings:
+                        self.lm_head.use_quantized(table, kernel)
+                continue
+            if not isinstance(module, Linear) or module.kernel is not None:
+                continue
+            parent, _, leaf = module_name.rpartition(".")
+            parts = (
+                [f"{parent}.{part}.weight" for part in self._fused[leaf][0]]
+                if leaf in self._fused
+                else [f"{module_name}.weight"]
+            )
+            found = [quantized[part] for part in parts if part in quantized]
+            if not found:
+                continue
+            if len(found) == len(parts):
+                module.use_quantized(QuantizedWeight.stack_rows(found), kernel)
+                continue
+            for part in parts:  # a part stored in a type that is not kept: the layer stays dense
+                if part in quantized:
+                    copy_checked(part, targets[part], quantized[part].dequantize(self.dtype))
+
+    def _load_tied_head(
+        self, head: torch.Tensor | QuantizedWeight, loaded: set[str], quantized: dict[str, QuantizedWeight]
+    ) -> None:
         """With tied embeddings an lm_head tensor is redundant; accept it if it agrees."""
+        name = "model.embed_tokens.weight"
+        if isinstance(head, QuantizedWeight) or name in quantized:
+            if name not in loaded:
+                if isinstance(head, QuantizedWeight):
+                    quantized[name] = head
+                else:
+                    self.model.embed_tokens.weight.copy_(head)
+                loaded.add(name)
+            elif not torch.equal(_dense(head), _dense(quantized.get(name, self.model.embed_tokens.weight))):
+                raise ValueError(
+                    "the config ties lm_head to the embedding (tie_word_embeddings), "
+                    "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight"
+                )
+            return
+        self._load_dense_tied_head(head, loaded)
+
+    def _load_dense_tied_head(self, head: torch.Tensor, loaded: set[str]) -> None:
+
         name = "model.embed_tokens.weight"
         embedding = self.model.embed_tokens.weight
         if head.shape != embedding.shape:
@@ -312,3 +385,7 @@ class LlamaForCausalLM(nn.Module):
                 "the config ties lm_head to the embedding (tie_word_embeddings), "
                 "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight"
             )
+
+
+def _dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.float()
