@@ -7,10 +7,11 @@ import sys
 from typing import Any
 
 import click
+import structlog
 from rich.console import Console
 from rich.table import Table
 
-from powertrain import __version__
+from powertrain import __version__, startup
 from powertrain.assemble import AssemblyError, describe_kv_cache, plan
 from powertrain.components import Availability
 from powertrain.config import ConfigError, load_config
@@ -33,6 +34,9 @@ EXIT_PROBLEM = 1
 def main(log_level: str) -> None:
     """powertrain: an open, pluggable LLM inference engine."""
     configure_logging(log_level)
+    structlog.get_logger(__name__).info(
+        "startup phase", phase="python and imports", seconds=startup.since_process_start()
+    )
 
 
 def _fail(lines: list[str] | str) -> None:

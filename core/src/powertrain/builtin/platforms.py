@@ -68,7 +68,16 @@ def detect_cpu() -> PlatformInfo:
         total_memory_bytes=memory,
         dist_backend="gloo",
         host=True,
-        auto_dtype=torch.float32,  # exact, and fast enough on a CPU
+        auto_dtype=torch.float32,
+        auto_dtype_note=(
+            "float32 is exact; bfloat16 rounds every activation (greedy outputs change) and "
+            + (
+                "halves dense weight bytes on this CPU's oneDNN bfloat16 kernels"
+                if torch.bfloat16 in packed
+                else "is slower here: this CPU has no oneDNN bfloat16 kernels"
+            )
+            + "; GGUF weights kept quantised read the same bytes in either"
+        ),
         shares_host_cores=True,
         packed_linear_dtypes=packed,
         linear_packing_note=note,
