@@ -83,14 +83,16 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
                 continue
             tensor = file_tensors[gguf_name]
             if keep_quantized is not None and tensor.tensor_type in KEPT_FORMATS and keep_quantized(hf_name):
-                yield hf_name, _kept(tensor, n_head, n_head_kv, source)
-                continue
-            weights = _dequantize(tensor, source)
-            if ".attn_q." in gguf_name:
-                weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)
-            elif ".attn_k." in gguf_name:
-                weights = _unpermute_rope_rows(weights, n_head_kv, gguf_name, source)
-            yield hf_name, torch.from_numpy(weights)
+                weight: torch.Tensor | QuantizedWeight = _kept(tensor, n_head, n_head_kv, source)
+            else:
+                weights = _dequantize(tensor, source)
+                if ".attn_q." in gguf_name:
+                    weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)
+                elif ".attn_k." in gguf_name:
+                    weights = _unpermute_rope_rows(weights, n_head_kv, gguf_name, source)
+                weight = torch.from_numpy(weights)
+            tensor.release_pages()  # copied out: the mapped file need not stay resident
+            yield hf_name, weight
 
     log.info(
         "gguf.opened",

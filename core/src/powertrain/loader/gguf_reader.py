@@ -93,6 +93,15 @@ class GGUFTensorInfo:
             numpy_shape = (*numpy_shape[:-1], numpy_shape[-1] // block_size * type_size)
         return np.frombuffer(self._buffer, dtype=dtype, count=count, offset=self.data_offset).reshape(numpy_shape)
 
+    def release_pages(self) -> None:
+        """Drop this tensor's pages from the process's resident memory once its data has been
+        copied out: the file stays mapped (a later read faults them back in from the page
+        cache), but a loaded model does not also count the file it came from."""
+        if not isinstance(self._buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = self.data_offset - self.data_offset % mmap.PAGESIZE
+        self._buffer.madvise(mmap.MADV_DONTNEED, start, self.data_offset + self.n_bytes - start)
+
 
 @attrs.frozen
 class GGUFFile:
