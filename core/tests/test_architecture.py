@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "core" / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("powertrain", "components", "config", "hookspecs", "interfaces", "log_setup", "selection"),
+    ("powertrain", "components", "config", "hookspecs", "interfaces", "log_setup", "selection", "startup"),
     ("distributed", "engine", "layers", "loader", "models", "parallel", "plugins", "tokenizer"),
     ("builtin",),
     ("assemble",),
