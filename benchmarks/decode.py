@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import report
+from common import quantised_tensors, report
 
 from powertrain.loader import resolve_model_path
 from powertrain.loader.gguf_reader import read_gguf
@@ -101,20 +101,6 @@ def rss_bytes(field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def quantised_tensors(model: torch.nn.Module) -> int:
-    """How many integer-coded weights ``model`` holds (as parameters, buffers or plain
-    attributes, including ``QuantizedWeight``): whether "keep" really kept anything."""
-    from powertrain.interfaces.quantized import QuantizedWeight
-
-    found = 0
-    for module in model.modules():
-        values = [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]
-        for value in values:
-            coded = isinstance(value, torch.Tensor) and value.dtype in (torch.uint8, torch.int8)
-            found += isinstance(value, QuantizedWeight) or coded
-    return found
 
 
 def run_powertrain(quantization: str, prompt: list[int], tokens: int) -> dict[str, Any]:
