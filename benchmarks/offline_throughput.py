@@ -5,8 +5,8 @@ through powertrain, once with the GGUF weights dequantised to ``--dtype`` and on
 quantised (``--quantization``; a row that fails prints why and the rest go on). HF
 ``generate`` with static batches (left padding), and HF's continuous-batching manager
 when the installed transformers has one, run on the same model, dtype and threads, but
-only on the first ``--hf-requests`` requests (16): on the project's 2-core dev box all 64
-took HF over 20 minutes. Each powertrain row is also timed on that same subset, and the
+only on the first ``--hf-requests`` requests (16): with all 64 the script took over 25
+minutes on the project's 2-core dev box, mostly in HF. Each powertrain row is also timed on that same subset, and the
 ratios compare those like-for-like runs; the output says what was capped. ``--dtype all``
 repeats everything in float32 and bfloat16. Each engine runs in a fresh process of its own:
 torch's OpenMP thread pools belong to the thread that started them, and a second pool
