@@ -36,3 +36,17 @@ def report(title: str, results: dict[str, Any]) -> None:
         shown = f"{value:.3f}" if isinstance(value, float) else value
         print(f"  {key:<{width}}  {shown}")
     print("json: " + json.dumps({"title": title, "machine": machine(), "results": results}))
+
+
+def quantised_tensors(model: torch.nn.Module) -> int:
+    """How many integer-coded weights ``model`` holds (as parameters, buffers or plain
+    attributes, including ``QuantizedWeight``): whether "keep" really kept anything."""
+    from powertrain.interfaces.quantized import QuantizedWeight
+
+    found = 0
+    for module in model.modules():
+        values = [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]
+        for value in values:
+            coded = isinstance(value, torch.Tensor) and value.dtype in (torch.uint8, torch.int8)
+            found += isinstance(value, QuantizedWeight) or coded
+    return found

@@ -1,9 +1,14 @@
 """Offline throughput: powertrain against HF transformers on the same requests.
 
 64 requests with prompt lengths 32-512 and max_tokens 16-256 (fixed seed) run
-through powertrain, through HF ``generate`` with static batches (left padding), and
-through HF's continuous-batching manager when the installed transformers has one,
-on the same model, dtype and threads. Each engine runs in a fresh process of its own:
+through powertrain, once with the GGUF weights dequantised to ``--dtype`` and once kept
+quantised (``--quantization``; a row that fails prints why and the rest go on). HF
+``generate`` with static batches (left padding), and HF's continuous-batching manager
+when the installed transformers has one, run on the same model, dtype and threads, but
+only on the first ``--hf-requests`` requests (16): with all 64 the script took over 25
+minutes on the project's 2-core dev box, mostly in HF. Each powertrain row is also timed on that same subset, and the
+ratios compare those like-for-like runs; the output says what was capped. ``--dtype all``
+repeats everything in float32 and bfloat16. Each engine runs in a fresh process of its own:
 torch's OpenMP thread pools belong to the thread that started them, and a second pool
 in one process slows every later parallel op, so whichever engine ran second would be
 handicapped. Output tokens/s counts only the tokens each request asked for (static
@@ -23,7 +28,7 @@ import sys
 import time
 
 import torch
-from common import report
+from common import quantised_tensors, report
 
 from powertrain import LLM, SamplingParams
 from powertrain.loader import resolve_model_path
@@ -37,16 +42,27 @@ def workload(count: int, seed: int, vocab: int, min_prompt: int, max_prompt: int
     return prompts, max_tokens
 
 
-def run_powertrain(model: str, prompts, max_tokens, dtype: str) -> float:
-    with LLM(model, dtype=dtype) as llm:
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm up
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+def run_powertrain(model: str, prompts, max_tokens, dtype: str, quantization: str, subset: int) -> dict:
+    """Output tok/s on all the requests and on the first ``subset`` (the HF engines' share)."""
+
+    def rate(llm: LLM, count: int) -> float:
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens[:count]]
         started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts[:count], params)
         elapsed = time.perf_counter() - started
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == sum(max_tokens), (produced, sum(max_tokens))
-    return produced / elapsed
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert produced == sum(max_tokens[:count]), (produced, sum(max_tokens[:count]))
+        return produced / elapsed
+
+    # Prefix caching off: the subset run repeats prompts of the first run and would find
+    # them cached (random prompts share no prefixes otherwise, so the first run loses nothing).
+    with LLM(model, dtype=dtype, quantization=quantization, prefix_caching=False) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm up
+        all_rate = rate(llm, len(prompts))
+        subset_rate = rate(llm, subset) if subset < len(prompts) else all_rate
+        model_module = getattr(getattr(llm.engine, "runner", None), "model", None)
+        kept = quantised_tensors(model_module) if isinstance(model_module, torch.nn.Module) else None
+    return {"all": all_rate, "subset": subset_rate, "quantised_tensors": kept}
 
 
 def load_hf(dtype: torch.dtype):
@@ -110,35 +126,50 @@ def run_hf_continuous(model, prompts, max_tokens) -> float | None:
 
 
 ENGINES = ("powertrain", "hf-static", "hf-continuous")
+DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("dequantize", "keep")
 
 
-def run_engine(engine: str, args: argparse.Namespace, prompts, max_tokens) -> float | None:
+def run_engine(engine: str, args: argparse.Namespace, prompts, max_tokens) -> dict:
+    subset = len(prompts) if args.skip_hf else min(args.hf_requests, len(prompts))
     if engine == "powertrain":
-        return run_powertrain(args.model, prompts, max_tokens, args.dtype)
+        return run_powertrain(args.model, prompts, max_tokens, args.dtype, args.quantization, subset)
     hf = load_hf(getattr(torch, args.dtype))
+    prompts, max_tokens = prompts[:subset], max_tokens[:subset]
     if engine == "hf-static":
-        return run_hf_static(hf, prompts, max_tokens, args.hf_batch_size, pad_id=2)
-    return run_hf_continuous(hf, prompts, max_tokens)
+        return {"subset": run_hf_static(hf, prompts, max_tokens, args.hf_batch_size, pad_id=2)}
+    return {"subset": run_hf_continuous(hf, prompts, max_tokens)}
 
 
-def in_subprocess(engine: str) -> float | None:
-    """This script with the same arguments, measuring only ``engine``: its last stdout line."""
-    proc = subprocess.run(
-        [sys.executable, *sys.argv, "--engine", engine], stdout=subprocess.PIPE, text=True, check=True
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def in_subprocess(engine: str, dtype: str, quantization: str = "dequantize") -> dict:
+    """This script with the same arguments, measuring only ``engine`` (its last stdout line),
+    with the seconds it took; ``{"error": why}`` when it failed."""
+    command = [sys.executable, *sys.argv, "--engine", engine, "--dtype", dtype, "--quantization", quantization]
+    print(f"running {engine} {dtype} {quantization if engine == 'powertrain' else ''}...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        why = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}, no output"]
+        return {"error": why[0]}
+    return {**json.loads(lines[-1]), "seconds": seconds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="HF baselines use the embedded model only")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--hf-requests", type=int, default=16, help="HF runs only the first N requests (its time)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 256))
     # The same concurrency as powertrain (max_num_seqs 64); smaller batches waste less per batch.
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=[*DTYPES, "all"])
+    parser.add_argument(
+        "--quantization", default="both", choices=[*QUANTIZATIONS, "both"], help="powertrain's GGUF weights"
+    )
     parser.add_argument("--skip-hf", action="store_true")
 
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in this process
@@ -146,26 +177,54 @@ def main() -> None:
 
     prompts, max_tokens = workload(args.requests, args.seed, 49152, *args.prompt_len, *args.max_tokens)
     if args.engine:
-        print(json.dumps(run_engine(args.engine, args, prompts, max_tokens)))
+        try:
+            result = run_engine(args.engine, args, prompts, max_tokens)
+        except Exception as error:  # the parent prints it as this row's result
+            result = {"error": f"{type(error).__name__}: {error}"}
+        print(json.dumps(result))
         return
+    subset = min(args.hf_requests, args.requests)
     results: dict[str, float | str] = {
         "requests": args.requests,
         "prompt tokens": sum(map(len, prompts)),
         "requested output tokens": sum(max_tokens),
     }
-    rates = {engine: in_subprocess(engine) for engine in ENGINES if engine == "powertrain" or not args.skip_hf}
-    ours = rates["powertrain"]
-    results["powertrain output tok/s"] = ours
     if not args.skip_hf:
-        static = rates["hf-static"]
-        results[f"hf static (batch {args.hf_batch_size}) output tok/s"] = static
-        results["ratio powertrain / hf static"] = ours / static
-        continuous = rates["hf-continuous"]
-        if continuous is None:
-            results["hf continuous batching"] = "not in this transformers"
-        else:
-            results["hf continuous output tok/s"] = continuous
-            results["ratio powertrain / hf continuous"] = ours / continuous
+        results["capped"] = (
+            f"HF ran the first {subset} requests ({sum(max_tokens[:subset])} output tokens); "
+            f"ratios compare powertrain on the same {subset}"
+        )
+    dtypes = DTYPES if args.dtype == "all" else (args.dtype,)
+    quantizations = QUANTIZATIONS if args.quantization == "both" else (args.quantization,)
+    for dtype in dtypes:
+        ours: dict[str, dict] = {}
+        for quantization in quantizations:
+            row = f"{dtype} powertrain ({quantization})"
+            rate = in_subprocess("powertrain", dtype, quantization)
+            if "error" in rate:
+                results[row] = f"failed: {rate['error']}"
+                continue
+            ours[quantization] = rate
+            results[f"{row} output tok/s"] = rate["all"]
+            results[f"{row} output tok/s, first {subset}"] = rate["subset"]
+            results[f"{row} seconds"] = rate["seconds"]
+            if quantization == "keep" and rate["quantised_tensors"] == 0:
+                results[f"{row} note"] = "the model holds no quantised weights: 'keep' was not in effect"
+        if args.skip_hf:
+            continue
+        for engine in ("hf-static", "hf-continuous"):
+            row = f"{dtype} {engine}" + (f" (batch {args.hf_batch_size})" if engine == "hf-static" else "")
+            theirs = in_subprocess(engine, dtype)
+            if "error" in theirs:
+                results[row] = f"failed: {theirs['error']}"
+                continue
+            if theirs["subset"] is None:
+                results[row] = "not in this transformers"
+                continue
+            results[f"{row} output tok/s, first {subset}"] = theirs["subset"]
+            results[f"{row} seconds"] = theirs["seconds"]
+            for quantization, rate in ours.items():
+                results[f"{dtype} ratio powertrain ({quantization}) / {engine}"] = rate["subset"] / theirs["subset"]
     report(f"offline throughput, {args.model}, {args.dtype}", results)
 
 
