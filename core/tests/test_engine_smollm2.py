@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
-from powertrain.interfaces import AttentionMetadata
 from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.testing.oracle import prefill_logits
 
 PROMPTS = [
     "The capital of France is",
@@ -31,35 +31,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    with LLM(dtype="float32") as engine:
+    # The dense float32 path (weights kept quantised are tested in powertrain-cpu-kernels).
+    with LLM(dtype="float32", quantization="dequantize") as engine:
         yield engine
-
-
-def prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """All prompts in one ragged flat batch through the engine's model: logits at every position."""
-    model = llm.engine.runner.model
-    block_size = llm.engine.block_manager.block_size
-    tables, next_block = [], 0
-    for prompt in prompts:
-        count = -(-len(prompt) // block_size)
-        tables.append(list(range(next_block, next_block + count)))
-        next_block += count
-    # Fresh caches shaped like the engine's (blocks first), just big enough for these prompts.
-    caches = [
-        {name: torch.empty((next_block, *t.shape[1:]), dtype=t.dtype) for name, t in layer.items()}
-        for layer in llm.engine.runner.kv_caches
-    ]
-    metadata = AttentionMetadata.build(
-        query_lens=[len(p) for p in prompts],
-        seq_lens=[len(p) for p in prompts],
-        block_tables=tables,
-        block_size=block_size,
-    )
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.tensor([i for p in prompts for i in range(len(p))])
-    with torch.inference_mode():
-        logits = model.compute_logits(model.forward(ids, positions, caches, metadata))
-    return list(logits.split([len(p) for p in prompts]))
 
 
 def test_logits_match_hf_transformers(llm: LLM, smollm2_hf) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from powertrain.interfaces import AttentionMetadata
+
 
 def hf_logits(hf: Any, tokens: Sequence[int]) -> torch.Tensor:
     """float32 ``[len(tokens), vocab]`` logits of an HF causal LM over ``tokens``."""
@@ -30,6 +32,34 @@ def hf_greedy(hf: Any, prompt: Sequence[int], steps: int) -> list[int]:
     for _ in range(steps):
         tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
     return tokens[len(prompt) :]
+
+
+def prefill_logits(llm: Any, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """All prompts in one ragged flat batch through an ``LLM``'s model (in this process): float32
+    logits at every position, from fresh caches shaped like the engine's."""
+    model = llm.engine.runner.model
+    block_size = llm.engine.block_manager.block_size
+    tables, next_block = [], 0
+    for prompt in prompts:
+        count = -(-len(prompt) // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    # Fresh caches shaped like the engine's (blocks first), just big enough for these prompts.
+    caches = [
+        {name: torch.empty((next_block, *t.shape[1:]), dtype=t.dtype) for name, t in layer.items()}
+        for layer in llm.engine.runner.kv_caches
+    ]
+    metadata = AttentionMetadata.build(
+        query_lens=[len(p) for p in prompts],
+        seq_lens=[len(p) for p in prompts],
+        block_tables=tables,
+        block_size=block_size,
+    )
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    with torch.inference_mode():
+        logits = model.compute_logits(model.forward(ids, positions, caches, metadata))
+    return list(logits.split([len(p) for p in prompts]))
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
