@@ -26,6 +26,7 @@ BF16_TOL = 2.0**-8
 
 NATIVE = NativeQuantizedLinear(gemv_max_rows=1 << 30)  # always the native kernel
 DENSE = NativeQuantizedLinear(gemv_max_rows=0)  # always native dequantise + F.linear
+BLOCKED = NativeQuantizedLinear(gemv_max_rows=0, dense_block=544 * 16)  # the same, 16 rows of 544 a block
 
 
 def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool) -> QuantizedWeight:
@@ -78,7 +79,8 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                 x = torch.randn(m, k).to(dtype)
                 bias = torch.randn(n) if with_bias else None
                 want, allowed = oracle(x, weight, bias)
-                for kernel, route in ((NATIVE, "native"), (DENSE, "dequantise+F.linear")):
+                routes = ((NATIVE, "native"), (DENSE, "dequantise+F.linear"), (BLOCKED, "blocked dequantise"))
+                for kernel, route in routes:
                     got = kernel.linear(x, kernel.prepare(weight), bias)
                     what = (
                         f"seed={seed} {fmt}/{group} {kernel_path} {route} m={m} n={n} k={k} "

@@ -17,9 +17,14 @@ from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
 from powertrain_cpu_kernels import _native
 
 #: Rows of ``x`` up to which ``linear`` runs the native kernel; above it, dequantise + F.linear.
-#: Measured on a 2-core AVX-512 Xeon VM for SmolLM2-135M's shapes (the native kernel wins up
-#: to 16 rows on every shape; at 64 rows F.linear wins by 1.5-3x).
+#: From ``benchmarks/quantized_linear.py`` on a 2-core AVX-512 Xeon VM (shared, noisy) with
+#: SmolLM2-135M's shapes: the native kernel was faster at every shape up to 16 rows; at 64
+#: rows dequantise + F.linear was faster on the larger shapes.
 GEMV_MAX_ROWS = 16
+#: Weight elements dequantised at a time on the dense route (4 MB of float32): a block is
+#: multiplied while it is still in cache, and a large weight (an LM head) never needs a
+#: dense copy of its own.
+DENSE_BLOCK = 1 << 20
 
 
 @attrs.frozen(eq=False)
@@ -52,12 +57,14 @@ def _sync_threads() -> None:
 class NativeQuantizedLinear:
     """Weight-only quantised linear on the CPU for ``q4`` (group 32) and ``q8`` (group 16
     or 32) weights. ``gemv_max_rows``: the most rows of ``x`` the native kernel takes; more
-    are multiplied by a temporary dense weight (0: always that; a large number: never)."""
+    are multiplied by the weight dequantised block by block (0: always that; a large number:
+    never). ``dense_block``: weight elements per block on that route."""
 
     formats = frozenset({"q4", "q8"})
 
-    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS) -> None:
+    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS, dense_block: int = DENSE_BLOCK) -> None:
         self.gemv_max_rows = gemv_max_rows
+        self.dense_block = dense_block
 
     def prepare(self, weight: QuantizedWeight) -> PreparedWeight:
         if not isinstance(weight, QuantizedWeight):
@@ -120,22 +127,40 @@ class NativeQuantizedLinear:
             if bias32 is not None:
                 out += bias32
         else:
-            out = F.linear(x2, self.dequantize(prepared), bias32)
+            out = self._dense_linear(x2, prepared, bias32)
         return out.view(*lead, rows).to(x.dtype)
 
     def dequantize(self, prepared: PreparedWeight) -> torch.Tensor:
         """The dense float32 ``[rows, cols]`` weight (bit-equal to ``QuantizedWeight.dequantize()``)."""
         _sync_threads()
         dense = torch.empty((prepared.rows, prepared.cols), dtype=torch.float32)
-        offsets = 0 if prepared.offsets is None else prepared.offsets.data_ptr()
-        codes, scales = prepared.codes.data_ptr(), prepared.scales.data_ptr()
-        if prepared.format == "q4":
-            _native.q4_dequantize(codes, scales, offsets, dense.data_ptr(), prepared.rows, prepared.cols)
-        else:
-            _native.q8_dequantize(
-                codes, scales, offsets, dense.data_ptr(), prepared.rows, prepared.cols, prepared.group
-            )
+        self._dequantize_rows(prepared, 0, prepared.rows, dense)
         return dense
+
+    def _dequantize_rows(self, prepared: PreparedWeight, start: int, stop: int, dense: torch.Tensor) -> None:
+        """Rows ``start:stop`` of the weight into the contiguous ``dense [stop - start, cols]``."""
+        codes, scales = prepared.codes[start:stop], prepared.scales[start:stop]
+        offsets = 0 if prepared.offsets is None else prepared.offsets[start:stop].data_ptr()
+        args = (codes.data_ptr(), scales.data_ptr(), offsets, dense.data_ptr(), stop - start, prepared.cols)
+        if prepared.format == "q4":
+            _native.q4_dequantize(*args)
+        else:
+            _native.q8_dequantize(*args, prepared.group)
+
+    def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        _sync_threads()
+        rows, cols = prepared.rows, prepared.cols
+        block_rows = max(1, self.dense_block // cols)
+        if block_rows >= rows:
+            return F.linear(x, self.dequantize(prepared), bias)
+        out = torch.empty((x.shape[0], rows), dtype=torch.float32)
+        buffer = torch.empty((block_rows, cols), dtype=torch.float32)
+        for start in range(0, rows, block_rows):
+            stop = min(start + block_rows, rows)
+            block = buffer[: stop - start]
+            self._dequantize_rows(prepared, start, stop, block)
+            out[:, start:stop] = F.linear(x, block, None if bias is None else bias[start:stop])
+        return out
 
     def _native_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
         _sync_threads()
