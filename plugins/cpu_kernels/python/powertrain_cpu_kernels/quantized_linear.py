@@ -17,10 +17,12 @@ from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
 from powertrain_cpu_kernels import _native
 
 #: Rows of ``x`` up to which ``linear`` runs the native kernel; above it, dequantise + F.linear.
-#: From ``benchmarks/quantized_linear.py`` on a 2-core AVX-512 Xeon VM (shared, noisy) with
-#: SmolLM2-135M's shapes: the native kernel was faster at every shape up to 16 rows; at 64
-#: rows dequantise + F.linear was faster on the larger shapes.
-GEMV_MAX_ROWS = 16
+#: From ``benchmarks/quantized_linear.py`` on a shared 2-core AVX-512 Xeon VM, SmolLM2-135M's
+#: shapes, one thread: native and dequantise + F.linear about even at 4 rows, dequantise +
+#: F.linear 1.3-1.5x faster at 16 and 2-3x at 64. (With two threads torch's OpenMP matmuls
+#: stalled for ~12 ms whenever another process held a core, which made native win at every
+#: row count; that says more about the machine than the kernels.) Re-measure on real hardware.
+GEMV_MAX_ROWS = 8
 #: Weight elements dequantised at a time on the dense route (4 MB of float32): a block is
 #: multiplied while it is still in cache, and a large weight (an LM head) never needs a
 #: dense copy of its own.
