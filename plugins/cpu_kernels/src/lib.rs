@@ -155,6 +155,28 @@ pub(crate) struct OutPtr(pub(crate) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+/// ``sum(a[i] * b[i])`` in eight independent lanes: a sequential float sum is a chain of
+/// dependent adds (its latency, not the arithmetic, bounds it), and the compiler may not
+/// reorder it itself. Used for the offsets' term, one per output element.
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (a_rest, b_rest) = (a8.remainder(), b8.remainder());
+    for (a, b) in a8.zip(b8) {
+        for i in 0..8 {
+            lanes[i] += a[i] * b[i];
+        }
+    }
+    let mut total = (lanes[0] + lanes[4])
+        + (lanes[1] + lanes[5])
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (a, b) in a_rest.iter().zip(b_rest) {
+        total += a * b;
+    }
+    total
+}
+
 /// Per-group sums of each row of ``x [m, k]``: ``[m, k / group]`` (for the offset term).
 fn group_sums(x: &[f32], m: usize, k: usize, group: usize) -> Vec<f32> {
     let groups = k / group;

@@ -24,7 +24,7 @@ impl Job<'_> {
                 let groups = self.k / 32;
                 let o = &offsets[r * groups..(r + 1) * groups];
                 let s = &sums[t * groups..(t + 1) * groups];
-                o.iter().zip(s).map(|(o, s)| o * s).sum()
+                crate::dot(o, s)
             }
             _ => 0.0,
         }

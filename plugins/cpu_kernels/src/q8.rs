@@ -25,7 +25,7 @@ impl Job<'_> {
                 let groups = self.k / self.group;
                 let o = &offsets[r * groups..(r + 1) * groups];
                 let s = &sums[t * groups..(t + 1) * groups];
-                o.iter().zip(s).map(|(o, s)| o * s).sum()
+                crate::dot(o, s)
             }
             _ => 0.0,
         }
