@@ -1,0 +1,168 @@
+"""Weight-only quantised linear on the CPU: powertrain-cpu-kernels' native q4/q8 kernel
+versus torch's float32 ``F.linear`` on the dense weight (and ``torch._weight_int8pack_mm``,
+torch's own int8 weight-only kernel, for q8 where this torch has it), on SmolLM2-135M's
+shapes.
+
+Each row: microseconds per call (median), the ratio dense/native (> 1: native is faster),
+and the effective bandwidth, weight bytes read per second. ``native`` always runs the native
+kernel; ``route`` is what ``NativeQuantizedLinear`` picks by default (native up to
+``GEMV_MAX_ROWS`` rows, native dequantise + ``F.linear`` above). Then the whole model per
+decode token (m=1), and whether the kernels' rayon threads and torch's OpenMP threads slow
+each other down when calls alternate.
+
+    uv run python benchmarks/quantized_linear.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from common import report
+
+from powertrain.interfaces.quantized import QuantizedWeight
+from powertrain_cpu_kernels import NativeQuantizedLinear, _native
+from powertrain_cpu_kernels.quantized_linear import GEMV_MAX_ROWS
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, 30 layers, 49152 tokens.
+LAYERS = 30
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+HEAD = (49152, 576)
+
+
+def timed(fn: Callable[[], object], budget: float) -> float:
+    """Median seconds per call over five samples of about ``budget / 5`` seconds each."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < budget / 20 or calls < 1:
+        fn()
+        calls += 1
+    per_sample = max(1, calls * 4)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(per_sample):
+            fn()
+        samples.append((time.perf_counter() - start) / per_sample)
+    return statistics.median(samples)
+
+
+def weight(fmt: str, n: int, k: int) -> QuantizedWeight:
+    """q4 with offsets (as Q4_K loads), q8 group 32 without (as Q8_0 loads)."""
+    group = 32
+    if fmt == "q4":
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        offsets = torch.randn(n, k // group) * 0.01
+    else:
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        offsets = None
+    scales = torch.rand(n, k // group) * 0.01
+    return QuantizedWeight(codes=codes, scales=scales, offsets=offsets, format=fmt, group=group, source=fmt)
+
+
+def int8pack(w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torch's int8 weight-only matmul (per-row scales: the same bytes, a coarser scale)."""
+    op = getattr(torch, "_weight_int8pack_mm", None)
+    if op is None or w.format != "q8":
+        return None
+    codes, scales = w.codes.contiguous(), w.scales[:, 0].contiguous()
+    try:
+        op(torch.randn(1, w.shape[1]), codes, scales)
+    except RuntimeError:
+        return None
+    return lambda x: op(x, codes, scales)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--budget", type=float, default=0.25, help="seconds of timing per measurement")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (the kernels' pool follows)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    native = NativeQuantizedLinear(gemv_max_rows=1 << 30)
+    routed = NativeQuantizedLinear()
+    results: dict[str, object] = {"kernel_path": _native.kernel_path(), "gemv_max_rows": GEMV_MAX_ROWS}
+    per_token: dict[str, float] = {}
+    cases = [(name, n, k, fmt) for name, (n, k) in SHAPES.items() for fmt in ("q4", "q8")]
+    cases.append(("head", *HEAD, "q8"))
+    with torch.inference_mode():
+        for name, n, k, fmt in cases:
+            w = weight(fmt, n, k)
+            prepared = native.prepare(w)
+            dense = w.dequantize()
+            int8_mm = int8pack(w) if name != "head" else None  # slow enough here to dominate the run
+            count = LAYERS if name != "head" else 1
+            for m in args.rows:
+                x = torch.randn(m, k)
+                t_native = timed(partial(native.linear, x, prepared, None), args.budget)
+                t_route = timed(partial(routed.linear, x, prepared, None), args.budget)
+                t_dense = timed(partial(F.linear, x, dense), args.budget)
+                row = (
+                    f"native {t_native * 1e6:8.1f} us  route {t_route * 1e6:8.1f} us  "
+                    f"F.linear f32 {t_dense * 1e6:8.1f} us  dense/native {t_dense / t_native:5.2f}x  "
+                    f"dense/route {t_dense / t_route:5.2f}x  {prepared.nbytes / t_native / 1e9:5.1f} GB/s"
+                )
+                if int8_mm is not None:
+                    t_int8 = timed(partial(int8_mm, x), args.budget)
+                    row += f"  int8pack_mm {t_int8 * 1e6:8.1f} us ({t_int8 / t_native:4.2f}x native)"
+                results[f"{name} {n}x{k} {fmt} m={m}"] = row
+                print(f"{name:8} {n:6}x{k:<5} {fmt} m={m:<3} {row}", flush=True)
+                if m == 1 and (name == "head" or fmt == "q4"):
+                    per_token["native"] = per_token.get("native", 0.0) + count * t_native
+                    per_token["dense"] = per_token.get("dense", 0.0) + count * t_dense
+                    per_token["bytes"] = per_token.get("bytes", 0.0) + count * prepared.nbytes
+        if 1 in args.rows:
+            results["per token (m=1): 30 layers q4 + head q8"] = (
+                f"native {per_token['native'] * 1e3:.2f} ms, F.linear f32 {per_token['dense'] * 1e3:.2f} ms, "
+                f"{per_token['bytes'] / 1e6:.1f} MB quantised, "
+                f"{per_token['bytes'] / per_token['native'] / 1e9:.1f} GB/s"
+            )
+        results.update(thread_interplay(args.budget))
+    report("weight-only quantised linear on the CPU: native q4/q8 vs torch float32 F.linear (SmolLM2-135M)", results)
+
+
+def thread_interplay(budget: float) -> dict[str, str]:
+    """One layer's four q4 linears at m=1, alone, and alternating with torch matmuls that
+    start torch's OpenMP threads (whose workers spin a while after each parallel region)."""
+    kernel = NativeQuantizedLinear(gemv_max_rows=1 << 30)
+    layer = [kernel.prepare(weight("q4", n, k)) for n, k in SHAPES.values()]
+    xs = [torch.randn(1, k) for _, k in SHAPES.values()]
+    dense = torch.randn(256, 576)
+    batch = torch.randn(64, 576)
+
+    def ours() -> None:
+        for x, w in zip(xs, layer, strict=True):
+            kernel.linear(x, w, None)
+
+    def theirs() -> None:
+        for _ in layer:
+            F.linear(batch, dense)
+
+    def alternating() -> None:
+        for x, w in zip(xs, layer, strict=True):
+            kernel.linear(x, w, None)
+            F.linear(batch, dense)
+
+    results = {}
+    threads = torch.get_num_threads()
+    for pool in sorted({1, threads}):
+        torch.set_num_threads(pool)  # the kernels' pool follows torch's count
+        t_ours, t_theirs, t_both = timed(ours, budget), timed(theirs, budget), timed(alternating, budget)
+        results[f"interplay, {pool} thread(s)"] = (
+            f"q4 layer {t_ours * 1e6:.1f} us + torch {t_theirs * 1e6:.1f} us alone; alternating "
+            f"{t_both * 1e6:.1f} us ({t_both / (t_ours + t_theirs):.2f}x the sum)"
+        )
+    torch.set_num_threads(threads)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""``NativeQuantizedLinear``: the ``QuantizedLinearKernel`` backed by the Rust kernels.
+
+Few rows (decode) run the native kernel, which reads each weight byte once and never
+builds the dense weight. Many rows (prefill) are compute-bound instead: there the weight is
+dequantised natively into a temporary float32 ``[rows, cols]`` and multiplied by torch's
+``F.linear`` (MKL/oneDNN), which beats a hand-written kernel once enough rows share the
+expansion (``benchmarks/quantized_linear.py`` measures the crossover).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
+from powertrain_cpu_kernels import _native
+
+#: Rows of ``x`` up to which ``linear`` runs the native kernel; above it, dequantise + F.linear.
+#: From ``benchmarks/quantized_linear.py`` on a 2-core AVX-512 Xeon VM, SmolLM2-135M's shapes,
+#: two threads, machine otherwise idle: at 16 rows the native kernel beat blockwise dequantise
+#: + F.linear on every shape (1.0-1.7x); at 64 rows dequantise + F.linear won (1.5-1.8x, the
+#: head about even). Re-measure on real hardware: the dequantise step is the slow part.
+GEMV_MAX_ROWS = 16
+#: Weight elements dequantised at a time on the dense route (4 MB of float32): a block is
+#: multiplied while it is still in cache, and a large weight (an LM head) never needs a
+#: dense copy of its own.
+DENSE_BLOCK = 1 << 20
+
+
+@attrs.frozen(eq=False)
+class PreparedWeight:
+    """A ``QuantizedWeight`` checked once for this kernel: CPU, contiguous tensors."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    format: str
+    group: int
+    rows: int
+    cols: int
+    source: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def _sync_threads() -> None:
+    # The pool follows torch's thread count, so one setting (torch.set_num_threads) governs
+    # both; the check is one call per linear.
+    threads = torch.get_num_threads()
+    if threads != _native.threads():
+        _native.set_threads(threads)
+
+
+class NativeQuantizedLinear:
+    """Weight-only quantised linear on the CPU for ``q4`` (group 32) and ``q8`` (group 16
+    or 32) weights. ``gemv_max_rows``: the most rows of ``x`` the native kernel takes; more
+    are multiplied by the weight dequantised block by block (0: always that; a large number:
+    never). ``dense_block``: weight elements per block on that route."""
+
+    formats = frozenset({"q4", "q8"})
+
+    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS, dense_block: int = DENSE_BLOCK) -> None:
+        self.gemv_max_rows = gemv_max_rows
+        self.dense_block = dense_block
+
+    def prepare(self, weight: QuantizedWeight) -> PreparedWeight:
+        if not isinstance(weight, QuantizedWeight):
+            raise TypeError(f"NativeQuantizedLinear.prepare takes a QuantizedWeight, got {type(weight).__name__}")
+        where = f"{weight.format} weight from {weight.source or 'unknown'}"
+        if weight.format not in self.formats or weight.group not in GROUPS[weight.format]:
+            raise ValueError(
+                f"NativeQuantizedLinear multiplies q4 (group 32) and q8 (group 16 or 32) weights, got {where} "
+                f"with group {weight.group}; dequantize it or pick another kernel"
+            )
+        tensors = [weight.codes, weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
+        devices = {str(tensor.device) for tensor in tensors}
+        if devices != {"cpu"}:
+            raise ValueError(f"NativeQuantizedLinear runs on the CPU; the {where} is on {', '.join(sorted(devices))}")
+        rows, cols = weight.shape
+        if rows == 0 or cols == 0:
+            raise ValueError(f"the {where} is empty ({rows} x {cols})")
+        # QuantizedWeight checked dtypes and shapes; here only the memory layout is made plain.
+        return PreparedWeight(
+            codes=weight.codes.contiguous(),
+            scales=weight.scales.contiguous(),
+            offsets=None if weight.offsets is None else weight.offsets.contiguous(),
+            format=weight.format,
+            group=weight.group,
+            rows=rows,
+            cols=cols,
+            source=weight.source,
+        )
+
+    def linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(prepared, PreparedWeight):
+            raise TypeError(
+                f"NativeQuantizedLinear.linear takes what its prepare() returned, got {type(prepared).__name__}; "
+                "call kernel.prepare(weight) once at load time"
+            )
+        rows, cols = prepared.rows, prepared.cols
+        if not x.is_floating_point() or x.device.type != "cpu":
+            raise ValueError(
+                f"NativeQuantizedLinear takes floating-point CPU activations, got {x.dtype} on {x.device} "
+                f"(weight {prepared.format} from {prepared.source or 'unknown'})"
+            )
+        if x.dim() == 0 or x.shape[-1] != cols:
+            raise ValueError(
+                f"activations of shape {list(x.shape)} do not fit a [{rows}, {cols}] weight "
+                f"({prepared.format} from {prepared.source or 'unknown'}): the last dimension must be {cols}"
+            )
+        if bias is not None and (tuple(bias.shape) != (rows,) or bias.device.type != "cpu"):
+            raise ValueError(
+                f"bias must be a CPU tensor of shape [{rows}], got {list(bias.shape)} on {bias.device} "
+                f"(weight {prepared.format} from {prepared.source or 'unknown'})"
+            )
+        # Each torch call costs a microsecond or more, against tens for a decode-sized
+        # product: a 2-d contiguous float32 x without bias skips all conversions.
+        plain = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+        x2 = x if plain else x.reshape(-1, cols).to(torch.float32).contiguous()
+        m = x2.shape[0]
+        bias32 = None if bias is None else bias.to(torch.float32)
+        if m == 0:
+            out = x2.new_empty((0, rows))
+        elif m <= self.gemv_max_rows:
+            out = self._native_linear(x2, prepared)
+            if bias32 is not None:
+                out += bias32
+        else:
+            out = self._dense_linear(x2, prepared, bias32)
+        return out if plain else out.view(*x.shape[:-1], rows).to(x.dtype)
+
+    def dequantize(self, prepared: PreparedWeight) -> torch.Tensor:
+        """The dense float32 ``[rows, cols]`` weight (bit-equal to ``QuantizedWeight.dequantize()``)."""
+        _sync_threads()
+        dense = torch.empty((prepared.rows, prepared.cols), dtype=torch.float32)
+        self._dequantize_rows(prepared, 0, prepared.rows, dense)
+        return dense
+
+    def _dequantize_rows(self, prepared: PreparedWeight, start: int, stop: int, dense: torch.Tensor) -> None:
+        """Rows ``start:stop`` of the weight into the contiguous ``dense [stop - start, cols]``."""
+        codes, scales = prepared.codes[start:stop], prepared.scales[start:stop]
+        offsets = 0 if prepared.offsets is None else prepared.offsets[start:stop].data_ptr()
+        args = (codes.data_ptr(), scales.data_ptr(), offsets, dense.data_ptr(), stop - start, prepared.cols)
+        if prepared.format == "q4":
+            _native.q4_dequantize(*args)
+        else:
+            _native.q8_dequantize(*args, prepared.group)
+
+    def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        _sync_threads()
+        rows, cols = prepared.rows, prepared.cols
+        block_rows = max(1, self.dense_block // cols)
+        if block_rows >= rows:
+            return F.linear(x, self.dequantize(prepared), bias)
+        out = torch.empty((x.shape[0], rows), dtype=torch.float32)
+        buffer = torch.empty((block_rows, cols), dtype=torch.float32)
+        for start in range(0, rows, block_rows):
+            stop = min(start + block_rows, rows)
+            block = buffer[: stop - start]
+            self._dequantize_rows(prepared, start, stop, block)
+            out[:, start:stop] = F.linear(x, block, None if bias is None else bias[start:stop])
+        return out
+
+    def _native_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
+        _sync_threads()
+        m = x.shape[0]
+        out = torch.empty((m, prepared.rows), dtype=torch.float32)
+        offsets = 0 if prepared.offsets is None else prepared.offsets.data_ptr()
+        args = (x.data_ptr(), prepared.codes.data_ptr(), prepared.scales.data_ptr(), offsets, out.data_ptr())
+        if prepared.format == "q4":
+            _native.q4_linear(*args, m, prepared.rows, prepared.cols)
+        else:
+            _native.q8_linear(*args, m, prepared.rows, prepared.cols, prepared.group)
+        return out

@@ -1,0 +1,319 @@
+//! powertrain's CPU weight-only quantised matmul: ``out = x @ W^T`` where ``W`` is kept as
+//! integer codes with float32 per-group scales (and offsets), the two layouts of
+//! ``powertrain.interfaces.quantized``:
+//!
+//! - ``q4``: u8 ``[n, k/2]``; per 32-column group 16 bytes, byte ``j`` holds column ``j`` in
+//!   its low nibble and column ``j + 16`` in its high nibble.
+//! - ``q8``: i8 ``[n, k]``, groups of 16 or 32 columns.
+//!
+//! ``W[r, c] = scales[r, c / group] * code[r, c] + offsets[r, c / group]``.
+//!
+//! The dot of one weight row with one activation row is computed per group as
+//! ``scale_g * sum(code_j * x_j) + offset_g * sum(x_j)``: the codes are widened to f32 and
+//! multiplied by ``x`` directly, the scale is applied once per group, and the per-group sums
+//! of ``x`` are computed once per call. Rows of ``x`` are processed in tiles so a group's
+//! codes are widened once and reused across the tile; the weight row stays in L1 while all
+//! tiles of ``x`` pass over it, so each weight byte is read from memory once per call.
+//!
+//! Two paths: AVX2+FMA intrinsics on x86_64 CPUs that have them (detected at run time), and
+//! a portable scalar path elsewhere (or when forced, for tests). Work is split over the
+//! output rows ``n`` with rayon, on a pool whose size the caller sets (torch's thread count).
+//!
+//! Every function here trusts its caller for the sizes: the slices must hold exactly the
+//! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+
+mod q4;
+mod q8;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+#[cfg(feature = "python")]
+mod python;
+
+/// Which implementation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelPath {
+    Avx2Fma,
+    Scalar,
+}
+
+impl KernelPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Avx2Fma => "avx2+fma",
+            KernelPath::Scalar => "scalar",
+        }
+    }
+}
+
+/// The environment variable that forces the scalar path (read once, at the first call).
+pub const FORCE_SCALAR_ENV: &str = "POWERTRAIN_CPU_KERNELS_SCALAR";
+
+static FORCE_SCALAR: AtomicBool = AtomicBool::new(false);
+
+fn detected() -> KernelPath {
+    static DETECTED: OnceLock<KernelPath> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        let forced = std::env::var(FORCE_SCALAR_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+        if forced {
+            FORCE_SCALAR.store(true, Ordering::Relaxed);
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return KernelPath::Avx2Fma;
+            }
+        }
+        KernelPath::Scalar
+    })
+}
+
+/// The path the next call takes: the best the CPU supports, unless the scalar path is forced.
+pub fn kernel_path() -> KernelPath {
+    let best = detected();
+    if FORCE_SCALAR.load(Ordering::Relaxed) {
+        KernelPath::Scalar
+    } else {
+        best
+    }
+}
+
+/// The best path this CPU supports, whatever is forced.
+pub fn best_kernel_path() -> KernelPath {
+    detected()
+}
+
+/// Force the portable scalar path (``true``) or go back to the best the CPU supports.
+pub fn force_scalar(on: bool) {
+    detected(); // read the environment first, so it cannot override this later
+    FORCE_SCALAR.store(on, Ordering::Relaxed);
+}
+
+// ---------------------------------------------------------------------------------------
+// Threads
+
+static POOL: RwLock<Option<(usize, Arc<rayon::ThreadPool>)>> = RwLock::new(None);
+
+/// Use ``threads`` worker threads from now on (1: run on the calling thread, no pool).
+pub fn set_threads(threads: usize) {
+    let threads = threads.max(1);
+    if threads_now() == threads {
+        return;
+    }
+    let pool = if threads > 1 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("powertrain-cpu-kernels-{i}"))
+            .build()
+            .ok()
+            .map(Arc::new)
+    } else {
+        None
+    };
+    let mut slot = POOL.write().unwrap_or_else(|e| e.into_inner());
+    *slot = pool.map(|p| (threads, p));
+}
+
+/// The worker threads calls use (1 until ``set_threads`` says otherwise).
+pub fn threads_now() -> usize {
+    POOL.read()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map_or(1, |(n, _)| *n)
+}
+
+/// Run ``work(r0, r1)`` over ``0..n`` split into chunks, on the pool when there is one.
+fn for_row_chunks(n: usize, min_rows: usize, work: impl Fn(usize, usize) + Sync) {
+    let pool = POOL
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map(|(_, p)| p.clone());
+    let Some(pool) = pool.filter(|_| n > min_rows) else {
+        work(0, n);
+        return;
+    };
+    // About four chunks per thread evens out uneven progress, without chunks so small
+    // that scheduling costs more than the rows.
+    let threads = pool.current_num_threads();
+    let chunk = n.div_ceil(threads * 4).max(min_rows);
+    let chunks = n.div_ceil(chunk);
+    pool.install(|| {
+        use rayon::prelude::*;
+        (0..chunks)
+            .into_par_iter()
+            .for_each(|i| work(i * chunk, ((i + 1) * chunk).min(n)));
+    });
+}
+
+/// A raw output pointer that chunks running on different threads write disjoint parts of.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// ``sum(a[i] * b[i])`` in eight independent lanes: a sequential float sum is a chain of
+/// dependent adds (its latency, not the arithmetic, bounds it), and the compiler may not
+/// reorder it itself. Used for the offsets' term, one per output element.
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (a_rest, b_rest) = (a8.remainder(), b8.remainder());
+    for (a, b) in a8.zip(b8) {
+        for i in 0..8 {
+            lanes[i] += a[i] * b[i];
+        }
+    }
+    let mut total = (lanes[0] + lanes[4])
+        + (lanes[1] + lanes[5])
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (a, b) in a_rest.iter().zip(b_rest) {
+        total += a * b;
+    }
+    total
+}
+
+/// Per-group sums of each row of ``x [m, k]``: ``[m, k / group]`` (for the offset term).
+fn group_sums(x: &[f32], m: usize, k: usize, group: usize) -> Vec<f32> {
+    let groups = k / group;
+    let mut sums = vec![0.0f32; m * groups];
+    for t in 0..m {
+        for g in 0..groups {
+            let xs = &x[t * k + g * group..t * k + (g + 1) * group];
+            sums[t * groups + g] = xs.iter().sum();
+        }
+    }
+    sums
+}
+
+/// Rows of ``x`` one tile holds (codes widened once per group are reused across them).
+pub(crate) const TILE: usize = 8;
+
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight (``codes [n, k/2]``, ``scales`` and
+/// ``offsets`` ``[n, k/32]``).
+#[allow(clippy::too_many_arguments)]
+pub fn q4_linear(
+    x: &[f32],
+    codes: &[u8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let sums = offsets.map(|_| group_sums(x, m, k, 32));
+    let path = kernel_path();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let job = q4::Job {
+        x,
+        sums: sums.as_deref(),
+        codes,
+        scales,
+        offsets,
+        m,
+        n,
+        k,
+    };
+    for_row_chunks(n, 16, |r0, r1| match path {
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2Fma => unsafe { x86::q4_rows(&job, out_ptr, r0, r1) },
+        _ => q4::rows_scalar(&job, out_ptr, r0, r1),
+    });
+}
+
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight (``codes [n, k]``, ``scales`` and
+/// ``offsets`` ``[n, k/group]``, ``group`` 16 or 32).
+#[allow(clippy::too_many_arguments)]
+pub fn q8_linear(
+    x: &[f32],
+    codes: &[i8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+) {
+    assert!(
+        group == 16 || group == 32,
+        "q8 group must be 16 or 32, got {group}"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let sums = offsets.map(|_| group_sums(x, m, k, group));
+    let path = kernel_path();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let job = q8::Job {
+        x,
+        sums: sums.as_deref(),
+        codes,
+        scales,
+        offsets,
+        m,
+        n,
+        k,
+        group,
+    };
+    for_row_chunks(n, 16, |r0, r1| match path {
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2Fma => unsafe { x86::q8_rows(&job, out_ptr, r0, r1) },
+        _ => q8::rows_scalar(&job, out_ptr, r0, r1),
+    });
+}
+
+/// The dense weight ``out [n, k]`` of a ``q4`` weight, bit-equal to
+/// ``QuantizedWeight.dequantize()`` (a multiply, then an add, each rounded; no FMA).
+pub fn q4_dequantize(
+    codes: &[u8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: &mut [f32],
+    n: usize,
+    k: usize,
+) {
+    let path = kernel_path();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    for_row_chunks(n, 16, |r0, r1| match path {
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2Fma => unsafe {
+            x86::q4_dequantize_rows(codes, scales, offsets, out_ptr, k, r0, r1)
+        },
+        _ => q4::dequantize_rows(codes, scales, offsets, out_ptr, k, r0, r1),
+    });
+}
+
+/// The dense weight ``out [n, k]`` of a ``q8`` weight, bit-equal to ``dequantize()``.
+#[allow(clippy::too_many_arguments)]
+pub fn q8_dequantize(
+    codes: &[i8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: &mut [f32],
+    n: usize,
+    k: usize,
+    group: usize,
+) {
+    assert!(
+        group == 16 || group == 32,
+        "q8 group must be 16 or 32, got {group}"
+    );
+    let path = kernel_path();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    for_row_chunks(n, 16, |r0, r1| match path {
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2Fma => unsafe {
+            x86::q8_dequantize_rows(codes, scales, offsets, out_ptr, k, group, r0, r1)
+        },
+        _ => q8::dequantize_rows(codes, scales, offsets, out_ptr, k, group, r0, r1),
+    });
+}

@@ -1,0 +1,193 @@
+//! The Python face of the crate (module ``powertrain_cpu_kernels._native``).
+//!
+//! Tensors cross as raw addresses (``tensor.data_ptr()``) plus their sizes; the Python layer
+//! (``quantized_linear.py``) checks every dtype, shape and contiguity first, because nothing
+//! here can. The GIL is released while a kernel runs.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// # Safety
+/// ``ptr`` must address ``len`` initialised ``T`` (the Python caller's checks).
+unsafe fn view<'a, T>(ptr: usize, len: usize) -> &'a [T] {
+    if len == 0 {
+        return &[];
+    }
+    std::slice::from_raw_parts(ptr as *const T, len)
+}
+
+unsafe fn view_mut<'a>(ptr: usize, len: usize) -> &'a mut [f32] {
+    if len == 0 {
+        return &mut [];
+    }
+    std::slice::from_raw_parts_mut(ptr as *mut f32, len)
+}
+
+fn check_group(group: usize) -> PyResult<()> {
+    if group == 16 || group == 32 {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err(format!(
+            "q8 group must be 16 or 32, got {group}"
+        )))
+    }
+}
+
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn q4_linear(
+    py: Python<'_>,
+    x: usize,
+    codes: usize,
+    scales: usize,
+    offsets: usize,
+    out: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    py.detach(|| unsafe {
+        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / 32)));
+        crate::q4_linear(
+            view(x, m * k),
+            view(codes, n * (k / 2)),
+            view(scales, n * (k / 32)),
+            offsets,
+            view_mut(out, m * n),
+            m,
+            n,
+            k,
+        )
+    })
+}
+
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight with ``group``-column groups.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn q8_linear(
+    py: Python<'_>,
+    x: usize,
+    codes: usize,
+    scales: usize,
+    offsets: usize,
+    out: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+) -> PyResult<()> {
+    check_group(group)?;
+    py.detach(|| unsafe {
+        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / group)));
+        crate::q8_linear(
+            view(x, m * k),
+            view::<i8>(codes, n * k),
+            view(scales, n * (k / group)),
+            offsets,
+            view_mut(out, m * n),
+            m,
+            n,
+            k,
+            group,
+        )
+    });
+    Ok(())
+}
+
+/// The dense ``q4`` weight into ``out [n, k]`` (bit-equal to ``QuantizedWeight.dequantize()``).
+#[pyfunction]
+fn q4_dequantize(
+    py: Python<'_>,
+    codes: usize,
+    scales: usize,
+    offsets: usize,
+    out: usize,
+    n: usize,
+    k: usize,
+) {
+    py.detach(|| unsafe {
+        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / 32)));
+        crate::q4_dequantize(
+            view(codes, n * (k / 2)),
+            view(scales, n * (k / 32)),
+            offsets,
+            view_mut(out, n * k),
+            n,
+            k,
+        )
+    })
+}
+
+/// The dense ``q8`` weight into ``out [n, k]``.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn q8_dequantize(
+    py: Python<'_>,
+    codes: usize,
+    scales: usize,
+    offsets: usize,
+    out: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+) -> PyResult<()> {
+    check_group(group)?;
+    py.detach(|| unsafe {
+        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / group)));
+        crate::q8_dequantize(
+            view::<i8>(codes, n * k),
+            view(scales, n * (k / group)),
+            offsets,
+            view_mut(out, n * k),
+            n,
+            k,
+            group,
+        )
+    });
+    Ok(())
+}
+
+/// The path calls take now: ``"avx2+fma"`` or ``"scalar"``.
+#[pyfunction]
+fn kernel_path() -> &'static str {
+    crate::kernel_path().name()
+}
+
+/// The best path this CPU supports (detected at run time), whatever is forced.
+#[pyfunction]
+fn best_kernel_path() -> &'static str {
+    crate::best_kernel_path().name()
+}
+
+/// Force the portable scalar path (``True``), or go back to the best this CPU supports.
+#[pyfunction]
+fn force_scalar(on: bool) {
+    crate::force_scalar(on)
+}
+
+/// Worker threads for the kernels from now on (1: the calling thread only).
+#[pyfunction]
+fn set_threads(py: Python<'_>, threads: usize) {
+    py.detach(|| crate::set_threads(threads))
+}
+
+/// The worker threads the kernels use now.
+#[pyfunction]
+fn threads() -> usize {
+    crate::threads_now()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(q4_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(q4_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_path, m)?)?;
+    m.add_function(wrap_pyfunction!(best_kernel_path, m)?)?;
+    m.add_function(wrap_pyfunction!(force_scalar, m)?)?;
+    m.add_function(wrap_pyfunction!(set_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(threads, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! ``q4``: the portable scalar path, and the parts the AVX2 path shares.
+
+use crate::OutPtr;
+
+/// One ``q4_linear`` call: ``x [m, k]``, ``sums [m, k/32]`` (when there are offsets),
+/// ``codes [n, k/2]``, ``scales`` / ``offsets`` ``[n, k/32]``.
+pub(crate) struct Job<'a> {
+    pub x: &'a [f32],
+    pub sums: Option<&'a [f32]>,
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub offsets: Option<&'a [f32]>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Job<'_> {
+    /// ``sum_g offsets[r, g] * sums[t, g]``: the offsets' part of ``out[t, r]``.
+    #[inline(always)]
+    pub fn offset_term(&self, r: usize, t: usize) -> f32 {
+        match (self.offsets, self.sums) {
+            (Some(offsets), Some(sums)) => {
+                let groups = self.k / 32;
+                let o = &offsets[r * groups..(r + 1) * groups];
+                let s = &sums[t * groups..(t + 1) * groups];
+                crate::dot(o, s)
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+/// Output rows ``r0..r1`` (columns of ``out``), every row of ``x``.
+pub(crate) fn rows_scalar(job: &Job, out: OutPtr, r0: usize, r1: usize) {
+    let (k, n) = (job.k, job.n);
+    let groups = k / 32;
+    for r in r0..r1 {
+        let codes = &job.codes[r * k / 2..(r + 1) * k / 2];
+        let scales = &job.scales[r * groups..(r + 1) * groups];
+        for t in 0..job.m {
+            let x = &job.x[t * k..(t + 1) * k];
+            let mut acc = 0.0f32;
+            for g in 0..groups {
+                let c = &codes[g * 16..g * 16 + 16];
+                let xg = &x[g * 32..g * 32 + 32];
+                let mut dot = 0.0f32;
+                for j in 0..16 {
+                    dot += f32::from(c[j] & 0x0F) * xg[j] + f32::from(c[j] >> 4) * xg[j + 16];
+                }
+                acc += dot * scales[g];
+            }
+            let value = acc + job.offset_term(r, t);
+            // SAFETY: t < m, r < n; this chunk alone writes column r.
+            unsafe { *out.0.add(t * n + r) = value };
+        }
+    }
+}
+
+/// Dense rows ``r0..r1`` of the weight into ``out [n, k]``: ``code * scale`` then ``+ offset``,
+/// each rounded, as ``QuantizedWeight.dequantize`` computes it.
+#[inline(always)]
+pub(crate) fn dequantize_rows(
+    codes: &[u8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: OutPtr,
+    k: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let groups = k / 32;
+    for r in r0..r1 {
+        // SAFETY: rows r0..r1 of out belong to this chunk alone.
+        let dense = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * k), k) };
+        for g in 0..groups {
+            let c = &codes[r * k / 2 + g * 16..r * k / 2 + g * 16 + 16];
+            let s = scales[r * groups + g];
+            let (low, high) = dense[g * 32..g * 32 + 32].split_at_mut(16);
+            match offsets {
+                Some(offsets) => {
+                    let o = offsets[r * groups + g];
+                    for j in 0..16 {
+                        low[j] = f32::from(c[j] & 0x0F) * s + o;
+                        high[j] = f32::from(c[j] >> 4) * s + o;
+                    }
+                }
+                None => {
+                    for j in 0..16 {
+                        low[j] = f32::from(c[j] & 0x0F) * s;
+                        high[j] = f32::from(c[j] >> 4) * s;
+                    }
+                }
+            }
+        }
+    }
+}

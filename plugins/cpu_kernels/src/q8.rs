@@ -1,0 +1,95 @@
+//! ``q8``: the portable scalar path, and the parts the AVX2 path shares.
+
+use crate::OutPtr;
+
+/// One ``q8_linear`` call: ``x [m, k]``, ``sums [m, k/group]`` (when there are offsets),
+/// ``codes [n, k]``, ``scales`` / ``offsets`` ``[n, k/group]``.
+pub(crate) struct Job<'a> {
+    pub x: &'a [f32],
+    pub sums: Option<&'a [f32]>,
+    pub codes: &'a [i8],
+    pub scales: &'a [f32],
+    pub offsets: Option<&'a [f32]>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub group: usize,
+}
+
+impl Job<'_> {
+    /// ``sum_g offsets[r, g] * sums[t, g]``: the offsets' part of ``out[t, r]``.
+    #[inline(always)]
+    pub fn offset_term(&self, r: usize, t: usize) -> f32 {
+        match (self.offsets, self.sums) {
+            (Some(offsets), Some(sums)) => {
+                let groups = self.k / self.group;
+                let o = &offsets[r * groups..(r + 1) * groups];
+                let s = &sums[t * groups..(t + 1) * groups];
+                crate::dot(o, s)
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+/// Output rows ``r0..r1`` (columns of ``out``), every row of ``x``.
+pub(crate) fn rows_scalar(job: &Job, out: OutPtr, r0: usize, r1: usize) {
+    let (k, n, group) = (job.k, job.n, job.group);
+    let groups = k / group;
+    for r in r0..r1 {
+        let codes = &job.codes[r * k..(r + 1) * k];
+        let scales = &job.scales[r * groups..(r + 1) * groups];
+        for t in 0..job.m {
+            let x = &job.x[t * k..(t + 1) * k];
+            let mut acc = 0.0f32;
+            for g in 0..groups {
+                let c = &codes[g * group..(g + 1) * group];
+                let xg = &x[g * group..(g + 1) * group];
+                let dot: f32 = c.iter().zip(xg).map(|(c, x)| f32::from(*c) * x).sum();
+                acc += dot * scales[g];
+            }
+            let value = acc + job.offset_term(r, t);
+            // SAFETY: t < m, r < n; this chunk alone writes column r.
+            unsafe { *out.0.add(t * n + r) = value };
+        }
+    }
+}
+
+/// Dense rows ``r0..r1`` of the weight into ``out [n, k]`` (``code * scale`` then ``+ offset``).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dequantize_rows(
+    codes: &[i8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: OutPtr,
+    k: usize,
+    group: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let groups = k / group;
+    for r in r0..r1 {
+        // SAFETY: rows r0..r1 of out belong to this chunk alone.
+        let dense = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * k), k) };
+        let codes = &codes[r * k..(r + 1) * k];
+        for g in 0..groups {
+            let c = &codes[g * group..(g + 1) * group];
+            let d = &mut dense[g * group..(g + 1) * group];
+            let s = scales[r * groups + g];
+            match offsets {
+                Some(offsets) => {
+                    let o = offsets[r * groups + g];
+                    for (d, c) in d.iter_mut().zip(c) {
+                        *d = f32::from(*c) * s + o;
+                    }
+                }
+                None => {
+                    for (d, c) in d.iter_mut().zip(c) {
+                        *d = f32::from(*c) * s;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! The AVX2+FMA path (x86_64 only; ``lib.rs`` calls it after run-time detection).
+//!
+//! Per weight row and per tile of up to ``TILE`` rows of ``x``: each 32-column group's codes
+//! are widened to four f32 vectors once, multiplied into every row of the tile (four FMAs per
+//! row), and the group's dot is added to the row's accumulator times the broadcast scale.
+
+use std::arch::x86_64::*;
+
+use crate::{q4, q8, OutPtr, TILE};
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Eight i8 codes at ``p`` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen_i8(p: *const i8) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+}
+
+/// ``dots[t] = sum_g scale_g * sum_j code_gj * x[t, 32g + j]`` for the ``T`` rows of ``x``
+/// starting at ``x`` (row stride ``k``), one ``q4`` weight row.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_tile<const T: usize>(
+    x: *const f32,
+    k: usize,
+    codes: *const u8,
+    scales: *const f32,
+    groups: usize,
+    dots: &mut [f32; TILE],
+) {
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for g in 0..groups {
+        let b = _mm_loadu_si128(codes.add(g * 16) as *const __m128i);
+        let lo = _mm_and_si128(b, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
+        let w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        let w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
+        let w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        let w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+        let s = _mm256_set1_ps(*scales.add(g));
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let xp = x.add(t * k + g * 32);
+            let mut d = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));
+            d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), d);
+            d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp.add(16)), d);
+            d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp.add(24)), d);
+            *acc = _mm256_fmadd_ps(d, s, *acc);
+        }
+    }
+    for t in 0..T {
+        dots[t] = hsum(acc[t]);
+    }
+}
+
+/// The same for a ``q8`` weight row with ``GROUP``-column groups (16 or 32).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8_tile<const T: usize, const GROUP: usize>(
+    x: *const f32,
+    k: usize,
+    codes: *const i8,
+    scales: *const f32,
+    groups: usize,
+    dots: &mut [f32; TILE],
+) {
+    let mut acc = [_mm256_setzero_ps(); T];
+    for g in 0..groups {
+        let c = codes.add(g * GROUP);
+        let s = _mm256_set1_ps(*scales.add(g));
+        let w0 = widen_i8(c);
+        let w1 = widen_i8(c.add(8));
+        if GROUP == 32 {
+            let w2 = widen_i8(c.add(16));
+            let w3 = widen_i8(c.add(24));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xp = x.add(t * k + g * 32);
+                let mut d = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));
+                d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), d);
+                d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp.add(16)), d);
+                d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp.add(24)), d);
+                *acc = _mm256_fmadd_ps(d, s, *acc);
+            }
+        } else {
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xp = x.add(t * k + g * 16);
+                let mut d = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));
+                d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), d);
+                *acc = _mm256_fmadd_ps(d, s, *acc);
+            }
+        }
+    }
+    for t in 0..T {
+        dots[t] = hsum(acc[t]);
+    }
+}
+
+/// Calls ``$tile::<rows, ...>`` for a tile of ``$rows`` rows (1..=TILE).
+macro_rules! by_rows {
+    ($rows:expr, $tile:ident $(, $c:literal)*; $($arg:expr),*) => {
+        match $rows {
+            8 => $tile::<8 $(, $c)*>($($arg),*),
+            7 => $tile::<7 $(, $c)*>($($arg),*),
+            6 => $tile::<6 $(, $c)*>($($arg),*),
+            5 => $tile::<5 $(, $c)*>($($arg),*),
+            4 => $tile::<4 $(, $c)*>($($arg),*),
+            3 => $tile::<3 $(, $c)*>($($arg),*),
+            2 => $tile::<2 $(, $c)*>($($arg),*),
+            _ => $tile::<1 $(, $c)*>($($arg),*),
+        }
+    };
+}
+
+/// Output rows ``r0..r1`` of a ``q4_linear`` call.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn q4_rows(job: &q4::Job, out: OutPtr, r0: usize, r1: usize) {
+    let (m, n, k) = (job.m, job.n, job.k);
+    let groups = k / 32;
+    let mut dots = [0.0f32; TILE];
+    for r in r0..r1 {
+        let codes = job.codes.as_ptr().add(r * k / 2);
+        let scales = job.scales.as_ptr().add(r * groups);
+        let mut t0 = 0;
+        while t0 < m {
+            let rows = (m - t0).min(TILE);
+            let x = job.x.as_ptr().add(t0 * k);
+            by_rows!(rows, q4_tile; x, k, codes, scales, groups, &mut dots);
+            for (t, dot) in dots.iter().enumerate().take(rows) {
+                *out.0.add((t0 + t) * n + r) = dot + job.offset_term(r, t0 + t);
+            }
+            t0 += rows;
+        }
+    }
+}
+
+/// Output rows ``r0..r1`` of a ``q8_linear`` call.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn q8_rows(job: &q8::Job, out: OutPtr, r0: usize, r1: usize) {
+    let (m, n, k, group) = (job.m, job.n, job.k, job.group);
+    let groups = k / group;
+    let mut dots = [0.0f32; TILE];
+    for r in r0..r1 {
+        let codes = job.codes.as_ptr().add(r * k);
+        let scales = job.scales.as_ptr().add(r * groups);
+        let mut t0 = 0;
+        while t0 < m {
+            let rows = (m - t0).min(TILE);
+            let x = job.x.as_ptr().add(t0 * k);
+            if group == 32 {
+                by_rows!(rows, q8_tile, 32; x, k, codes, scales, groups, &mut dots);
+            } else {
+                by_rows!(rows, q8_tile, 16; x, k, codes, scales, groups, &mut dots);
+            }
+            for (t, dot) in dots.iter().enumerate().take(rows) {
+                *out.0.add((t0 + t) * n + r) = dot + job.offset_term(r, t0 + t);
+            }
+            t0 += rows;
+        }
+    }
+}
+
+/// ``q4::dequantize_rows`` compiled for AVX2 (the compiler vectorises it; a multiply then
+/// an add, never contracted to an FMA, so the result stays bit-equal to torch's).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn q4_dequantize_rows(
+    codes: &[u8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: OutPtr,
+    k: usize,
+    r0: usize,
+    r1: usize,
+) {
+    q4::dequantize_rows(codes, scales, offsets, out, k, r0, r1)
+}
+
+/// ``q8::dequantize_rows`` compiled for AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn q8_dequantize_rows(
+    codes: &[i8],
+    scales: &[f32],
+    offsets: Option<&[f32]>,
+    out: OutPtr,
+    k: usize,
+    group: usize,
+    r0: usize,
+    r1: usize,
+) {
+    q8::dequantize_rows(codes, scales, offsets, out, k, group, r0, r1)
+}

@@ -1,0 +1,168 @@
+"""NativeQuantizedLinear against a float64 oracle: ``QuantizedWeight.dequantize(float64)``
+times the activations in float64.
+
+Tolerance: float32 results within ``1e-5 * (|x| @ |W|^T + |bias|)`` of the oracle, elementwise
+(the scale of the terms summed, so cancellation cannot make a correct result look wrong);
+bfloat16 results additionally within one bfloat16 rounding (``2**-8 * |oracle|``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from powertrain.interfaces.quantized import QuantizedLinearKernel, QuantizedWeight
+from powertrain_cpu_kernels import NativeQuantizedLinear, PreparedWeight, _native
+
+FORMATS = [("q4", 32), ("q8", 16), ("q8", 32)]
+ROWS = (1, 3, 37, 257)
+COLS = (32, 96, 544)
+F32_TOL = 1e-5
+BF16_TOL = 2.0**-8
+
+NATIVE = NativeQuantizedLinear(gemv_max_rows=1 << 30)  # always the native kernel
+DENSE = NativeQuantizedLinear(gemv_max_rows=0)  # always native dequantise + F.linear
+BLOCKED = NativeQuantizedLinear(gemv_max_rows=0, dense_block=544 * 16)  # the same, 16 rows of 544 a block
+
+
+def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool) -> QuantizedWeight:
+    """Codes over their full range, scales and offsets of both signs."""
+    if fmt == "q4":
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    else:
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scales = torch.randn(n, k // group) * 0.05
+    shifts = torch.randn(n, k // group) * 0.2 if offsets else None
+    return QuantizedWeight(codes=codes, scales=scales, offsets=shifts, format=fmt, group=group, source=f"test {fmt}")
+
+
+def oracle(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 result, and the error each element may have."""
+    dense = weight.dequantize(torch.float64)
+    x64 = x.to(torch.float64)
+    want = x64 @ dense.T
+    scale = x64.abs() @ dense.abs().T
+    if bias is not None:
+        want = want + bias.to(torch.float64)
+        scale = scale + bias.to(torch.float64).abs()
+    allowed = F32_TOL * scale + 1e-30
+    if x.dtype == torch.bfloat16:
+        allowed = allowed + BF16_TOL * want.abs()
+    return want, allowed
+
+
+def check(got: torch.Tensor, x: torch.Tensor, want: torch.Tensor, allowed: torch.Tensor, what: str) -> None:
+    assert got.dtype == x.dtype and got.shape == want.shape, f"{what}: {got.dtype} {list(got.shape)}"
+    if got.numel() == 0:
+        return
+    error = (got.to(torch.float64) - want).abs()
+    worst = (error / allowed).max().item()
+    assert worst <= 1.0, f"{what}: error {worst:.3g}x the tolerance (max abs error {error.max().item():.3g})"
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 17, 64])
+@pytest.mark.parametrize(("fmt", "group"), FORMATS)
+def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path: str, seed: int) -> None:
+    case = 0
+    for n in ROWS:
+        for k in COLS:
+            for offsets in (False, True):
+                weight = random_weight(fmt, group, n, k, offsets)
+                # bias and dtype alternate so every pairing occurs across n
+                with_bias = (case // 2) % 2 == 1
+                dtype = torch.bfloat16 if case % 2 else torch.float32
+                case += 1
+                x = torch.randn(m, k).to(dtype)
+                bias = torch.randn(n) if with_bias else None
+                want, allowed = oracle(x, weight, bias)
+                routes = ((NATIVE, "native"), (DENSE, "dequantise+F.linear"), (BLOCKED, "blocked dequantise"))
+                for kernel, route in routes:
+                    got = kernel.linear(x, kernel.prepare(weight), bias)
+                    what = (
+                        f"seed={seed} {fmt}/{group} {kernel_path} {route} m={m} n={n} k={k} "
+                        f"offsets={offsets} bias={with_bias} {dtype}"
+                    )
+                    check(got, x, want, allowed, what)
+
+
+@pytest.mark.parametrize(("fmt", "group"), FORMATS)
+def test_dequantize_is_bit_equal(fmt: str, group: int, kernel_path: str, seed: int) -> None:
+    for n, k in ((1, 32), (37, 544), (257, 96)):
+        for offsets in (False, True):
+            weight = random_weight(fmt, group, n, k, offsets)
+            got = NATIVE.dequantize(NATIVE.prepare(weight))
+            assert torch.equal(got, weight.dequantize()), (
+                f"seed={seed} {fmt}/{group} {kernel_path} n={n} k={k} offsets={offsets}"
+            )
+
+
+def test_default_kernel_batches_and_keeps_shape(kernel_path: str, seed: int) -> None:
+    """The default crossover, leading dimensions, and inference mode."""
+    kernel = NativeQuantizedLinear()
+    weight = random_weight("q4", 32, 37, 96, offsets=True)
+    prepared = kernel.prepare(weight)
+    assert isinstance(kernel, QuantizedLinearKernel)
+    for shape in ((96,), (2, 3, 96), (kernel.gemv_max_rows, 96), (kernel.gemv_max_rows + 1, 96), (0, 96)):
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            got = kernel.linear(x, prepared, None)
+        assert got.shape == (*shape[:-1], 37)
+        x2 = x.reshape(-1, 96)
+        check(got.reshape(-1, 37), x2, *oracle(x2, weight, None), f"seed={seed} {kernel_path} x {list(shape)}")
+    strided = torch.randn(96, 5).T  # not contiguous
+    check(kernel.linear(strided, prepared, None), strided, *oracle(strided, weight, None), f"seed={seed} strided x")
+
+
+def test_thread_count_does_not_change_results(seed: int) -> None:
+    """Rows are split among threads; each output is computed the same way whatever the split."""
+    weight = random_weight("q4", 32, 257, 544, offsets=True)
+    x = torch.randn(5, 544)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append(NATIVE.linear(x, NATIVE.prepare(weight), None))
+            assert _native.threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]), f"seed={seed}"
+
+
+def test_environment_variable_forces_scalar() -> None:
+    # The extension alone, without the package (whose import loads torch: seconds).
+    code = (
+        "import importlib.util, sys; "
+        "spec = importlib.util.spec_from_file_location('_native', sys.argv[1]); "
+        "native = importlib.util.module_from_spec(spec); spec.loader.exec_module(native); "
+        "print(native.kernel_path(), native.best_kernel_path())"
+    )
+    env = {**os.environ, "POWERTRAIN_CPU_KERNELS_SCALAR": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, _native.__file__], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    path, best = proc.stdout.split()
+    assert path == "scalar" and best == _native.best_kernel_path()
+
+
+def test_errors_say_what_and_what_to_do() -> None:
+    weight = random_weight("q8", 16, 4, 32, offsets=False)
+    prepared = NATIVE.prepare(weight)
+    with pytest.raises(ValueError, match=r"last dimension must be 32"):
+        NATIVE.linear(torch.randn(2, 64), prepared, None)
+    with pytest.raises(ValueError, match=r"floating-point CPU activations, got torch.int64"):
+        NATIVE.linear(torch.ones(2, 32, dtype=torch.int64), prepared, None)
+    with pytest.raises(ValueError, match=r"bias must be a CPU tensor of shape \[4\]"):
+        NATIVE.linear(torch.randn(2, 32), prepared, torch.randn(5))
+    with pytest.raises(TypeError, match=r"call kernel.prepare\(weight\) once"):
+        NATIVE.linear(torch.randn(2, 32), weight, None)
+    with pytest.raises(TypeError, match=r"takes a QuantizedWeight, got Tensor"):
+        NATIVE.prepare(torch.randn(4, 32))
+    assert isinstance(prepared, PreparedWeight) and prepared.nbytes == weight.nbytes
+    with pytest.raises(ValueError, match=r"q8 group must be 16 or 32, got 8"):
+        _native.q8_dequantize(0, 0, 0, 0, 0, 0, 8)
