@@ -61,6 +61,7 @@ PLUGIN_PACKAGES = {
     "powertrain_dspark": REPO / "plugins" / "dspark" / "src",
     "powertrain_recipe": REPO / "plugins" / "recipe_rust" / "python",
     "powertrain_sdpa_example": REPO / "examples" / "plugin-template" / "src",
+    "powertrain_cpu_kernels": REPO / "plugins" / "cpu_kernels" / "python",
 }
 
 

@@ -1,0 +1,51 @@
+"""Registers ``cpu-native``: the Rust weight-only quantised matmul, for GGUF weights kept
+quantised on a CPU (``[model] quantization``).
+
+Importing this module loads nothing heavy: the extension is imported by the availability
+check and the factory, when assembly (or the conformance kit) asks for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from powertrain import hookimpl
+from powertrain.components import Availability, PlatformInfo, QuantizedLinearRecord
+
+if TYPE_CHECKING:
+    from powertrain.interfaces import QuantizedLinearContext
+    from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
+
+POWERTRAIN_HOOK_API = 1
+
+
+def native_available(platform: PlatformInfo) -> Availability:
+    try:
+        from powertrain_cpu_kernels import _native
+    except ImportError as error:  # a broken or partial install
+        return Availability.no(f"the native extension does not load: {error}")
+    return Availability.yes(f"{_native.kernel_path()} kernels")
+
+
+def build_native(context: QuantizedLinearContext) -> NativeQuantizedLinear:
+    from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
+
+    return NativeQuantizedLinear()
+
+
+@hookimpl
+def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
+    return [
+        QuantizedLinearRecord(
+            name="cpu-native",
+            platforms={"cpu"},
+            capabilities={"q4", "q8"},
+            priority=10,
+            check=native_available,
+            factory=build_native,
+            description=(
+                "Rust q4/q8 x float matmul (AVX2+FMA where the CPU has it, else portable); "
+                "few rows read each quantised byte once, many rows dequantise blocks for F.linear"
+            ),
+        )
+    ]
