@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -50,3 +51,11 @@ def quantised_tensors(model: torch.nn.Module) -> int:
             coded = isinstance(value, torch.Tensor) and value.dtype in (torch.uint8, torch.int8)
             found += isinstance(value, QuantizedWeight) or coded
     return found
+
+
+def llama_cpp_python(given: str | None) -> str | None:
+    """The Python that runs the llama.cpp peer: ``given`` (``--llama-cpp-python``), else this
+    one if it has llama-cpp-python, else None (a benchmark-only peer, never a dependency)."""
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None

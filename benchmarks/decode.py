@@ -29,7 +29,6 @@ memory (VmRSS) before and after building the LLM and compares the growth to the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import quantised_tensors, report
+from common import llama_cpp_python, quantised_tensors, report
 
 from powertrain.loader import resolve_model_path
 from powertrain.loader.gguf_reader import read_gguf
@@ -190,12 +189,6 @@ def run_child(engine: str, args: argparse.Namespace, prompt: list[int]) -> dict[
         why = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}, no output"]
         return {"error": why[0]}
     return json.loads(lines[-1])
-
-
-def llama_cpp_python(given: str | None) -> str | None:
-    if given:
-        return given
-    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 def mib(count: float) -> str:

@@ -13,7 +13,6 @@ printed; without it that row says why it is missing.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import report
+from common import llama_cpp_python, report
 
 from powertrain.loader import resolve_model_path
 
@@ -35,9 +34,12 @@ LLAMA_CPP = """
 import sys
 from llama_cpp import Llama
 model = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), verbose=False)
-for chunk in model(sys.argv[3], max_tokens=int(sys.argv[4]), temperature=0, stream=True):
-    sys.stdout.write(chunk["choices"][0]["text"])
-    sys.stdout.flush()
+messages = [{"role": "user", "content": sys.argv[3]}]  # powertrain generate applies the chat template too
+for chunk in model.create_chat_completion(messages, max_tokens=int(sys.argv[4]), temperature=0, stream=True):
+    text = chunk["choices"][0]["delta"].get("content")
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 """
 
 
@@ -77,6 +79,7 @@ def median_seconds(command: list[str], runs: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed (default: this one)")
     args = parser.parse_args()
 
     powertrain = shutil.which("powertrain") or str(Path(sys.executable).with_name("powertrain"))
@@ -84,11 +87,12 @@ def main() -> None:
     results: dict[str, object] = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "runs": args.runs}
     results["powertrain_first_output_s"] = ours
     gguf = resolve_model_path("smollm2-135m").path
-    if importlib.util.find_spec("llama_cpp") is None:
-        results["llama_cpp"] = "not installed (pip install llama-cpp-python to compare)"
+    python = llama_cpp_python(args.llama_cpp_python)
+    if python is None:
+        results["llama_cpp"] = "not installed (pip install llama-cpp-python, or pass --llama-cpp-python PYTHON)"
     else:
         threads = str(torch.get_num_threads())
-        command = [sys.executable, "-c", LLAMA_CPP, str(gguf), threads, PROMPT, str(MAX_TOKENS)]
+        command = [python, "-c", LLAMA_CPP, str(gguf), threads, PROMPT, str(MAX_TOKENS)]
         theirs = median_seconds(command, args.runs)
         results["llama_cpp_first_output_s"] = theirs
         results["powertrain_over_llama_cpp"] = ours / theirs
