@@ -103,6 +103,61 @@ unsafe fn q8_tile<const T: usize, const GROUP: usize>(
     }
 }
 
+/// Weight rows at a time for a single row of ``x`` (decode): their dots are independent
+/// chains the CPU overlaps, and each group of ``x`` is loaded once for all of them.
+const ROWS: usize = 4;
+
+/// Four ``q4`` codes (one 32-column group) widened to f32 vectors.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen_q4(codes: *const u8, mask: __m128i) -> [__m256; 4] {
+    let b = _mm_loadu_si128(codes as *const __m128i);
+    let lo = _mm_and_si128(b, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
+    [
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))),
+    ]
+}
+
+/// ``dots[i] = sum_g scale_ig * sum_j code_igj * x[32g + j]`` for ``ROWS`` consecutive ``q4``
+/// weight rows and one row of ``x``; ``row_bytes`` and ``groups`` step between weight rows.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_rows_one_token(
+    x: *const f32,
+    codes: *const u8,
+    scales: *const f32,
+    groups: usize,
+) -> [f32; ROWS] {
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); ROWS];
+    for g in 0..groups {
+        let xp = x.add(g * 32);
+        let xs = [
+            _mm256_loadu_ps(xp),
+            _mm256_loadu_ps(xp.add(8)),
+            _mm256_loadu_ps(xp.add(16)),
+            _mm256_loadu_ps(xp.add(24)),
+        ];
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let w = widen_q4(codes.add((i * groups + g) * 16), mask);
+            let mut d = _mm256_mul_ps(w[0], xs[0]);
+            d = _mm256_fmadd_ps(w[1], xs[1], d);
+            d = _mm256_fmadd_ps(w[2], xs[2], d);
+            d = _mm256_fmadd_ps(w[3], xs[3], d);
+            *acc = _mm256_fmadd_ps(d, _mm256_set1_ps(*scales.add(i * groups + g)), *acc);
+        }
+    }
+    let mut dots = [0.0f32; ROWS];
+    for (dot, acc) in dots.iter_mut().zip(acc) {
+        *dot = hsum(acc);
+    }
+    dots
+}
+
 /// Calls ``$tile::<rows, ...>`` for a tile of ``$rows`` rows (1..=TILE).
 macro_rules! by_rows {
     ($rows:expr, $tile:ident $(, $c:literal)*; $($arg:expr),*) => {
@@ -125,7 +180,23 @@ pub(crate) unsafe fn q4_rows(job: &q4::Job, out: OutPtr, r0: usize, r1: usize) {
     let (m, n, k) = (job.m, job.n, job.k);
     let groups = k / 32;
     let mut dots = [0.0f32; TILE];
-    for r in r0..r1 {
+    let mut r = r0;
+    if m == 1 {
+        while r + ROWS <= r1 {
+            let codes = job.codes.as_ptr().add(r * k / 2);
+            let rows = q4_rows_one_token(
+                job.x.as_ptr(),
+                codes,
+                job.scales.as_ptr().add(r * groups),
+                groups,
+            );
+            for (i, dot) in rows.iter().enumerate() {
+                *out.0.add(r + i) = dot + job.offset_term(r + i, 0);
+            }
+            r += ROWS;
+        }
+    }
+    for r in r..r1 {
         let codes = job.codes.as_ptr().add(r * k / 2);
         let scales = job.scales.as_ptr().add(r * groups);
         let mut t0 = 0;
