@@ -21,7 +21,7 @@ POWERTRAIN_HOOK_API = 1
 
 def native_available(platform: PlatformInfo) -> Availability:
     try:
-        from powertrain_cpu_kernels import _native
+        import powertrain_cpu_kernels._native as _native
     except ImportError as error:  # a broken or partial install
         return Availability.no(f"the native extension does not load: {error}")
     return Availability.yes(f"{_native.kernel_path()} kernels")

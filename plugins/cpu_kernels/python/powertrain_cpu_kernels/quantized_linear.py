@@ -13,8 +13,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+import powertrain_cpu_kernels._native as _native
 from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
-from powertrain_cpu_kernels import _native
 
 #: Rows of ``x`` up to which ``linear`` runs the native kernel; above it, dequantise + F.linear.
 #: From ``benchmarks/quantized_linear.py`` on a 2-core AVX-512 Xeon VM, SmolLM2-135M's shapes,
