@@ -203,6 +203,7 @@ def test_auto_dtype_is_the_platforms_choice() -> None:
     board = attrs.evolve(cuda, name="board", auto_dtype=torch.bfloat16)
     assert resolve_dtype("auto", board, {"torch_dtype": "float16"}) == torch.bfloat16
     assert resolve_dtype("float16", cpu, {}) == torch.float16  # an explicit dtype always wins
+    assert "float32 is exact" in cpu.auto_dtype_note  # the startup log says why
 
 
 def test_the_kv_budget_comes_from_the_platforms_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:

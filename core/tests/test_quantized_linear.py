@@ -70,3 +70,28 @@ def test_linear_and_embedding_layers_use_the_kept_weight(seed: int) -> None:
     assert torch.equal(embedding(ids), weight.dequantize()[ids])
     with pytest.raises(ValueError, match="shape \\[48, 64\\] for a \\[64, 48\\]"):
         Linear(48, 64).use_quantized(weight, DequantizingLinear())
+
+
+class _Checkpoint:
+    """What ``kept_quantized`` reads of a checkpoint: the formats its tensors could keep."""
+
+    quantized_formats = frozenset({"q4", "q8"})
+
+
+@pytest.mark.parametrize(
+    ("mode", "kept"),
+    [("auto", False), ("keep", True), ("dequantize", False)],
+)
+def test_quantization_mode_decides_whether_weights_stay_quantised(mode: str, kept: bool) -> None:
+    """With only the builtins, ``auto`` dequantises: the reference expands weights per call,
+    which is slower than dequantising once. ``keep`` keeps them even so."""
+    from powertrain.assemble import plan
+    from powertrain.assemble.loading import kept_quantized
+    from powertrain.config import EngineConfig
+    from powertrain.llm import apply_overrides
+    from powertrain.plugins import PluginManager
+
+    config = apply_overrides(EngineConfig(), {"quantization": mode})
+    plugins = PluginManager.load(config.plugins, environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    kernel = kept_quantized(plan(config, plugins), _Checkpoint(), torch.float32)
+    assert isinstance(kernel, DequantizingLinear) if kept else kernel is None
