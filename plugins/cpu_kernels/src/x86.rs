@@ -17,6 +17,29 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// 32 floats at ``x`` as four vectors.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load32(x: *const f32) -> [__m256; 4] {
+    [
+        _mm256_loadu_ps(x),
+        _mm256_loadu_ps(x.add(8)),
+        _mm256_loadu_ps(x.add(16)),
+        _mm256_loadu_ps(x.add(24)),
+    ]
+}
+
+/// ``w[i] * x[i]`` summed over ``i``, lane by lane: one 32-column group's products, left in
+/// eight lanes for the caller to scale.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot32(w: &[__m256; 4], x: &[__m256; 4]) -> __m256 {
+    let d = _mm256_mul_ps(w[0], x[0]);
+    let d = _mm256_fmadd_ps(w[1], x[1], d);
+    let d = _mm256_fmadd_ps(w[2], x[2], d);
+    _mm256_fmadd_ps(w[3], x[3], d)
+}
+
 /// Eight i8 codes at ``p`` as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -39,21 +62,10 @@ unsafe fn q4_tile<const T: usize>(
     let mask = _mm_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); T];
     for g in 0..groups {
-        let b = _mm_loadu_si128(codes.add(g * 16) as *const __m128i);
-        let lo = _mm_and_si128(b, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
-        let w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        let w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-        let w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        let w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+        let w = widen_q4(codes.add(g * 16), mask);
         let s = _mm256_set1_ps(*scales.add(g));
         for (t, acc) in acc.iter_mut().enumerate() {
-            let xp = x.add(t * k + g * 32);
-            let mut d = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));
-            d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), d);
-            d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp.add(16)), d);
-            d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp.add(24)), d);
-            *acc = _mm256_fmadd_ps(d, s, *acc);
+            *acc = _mm256_fmadd_ps(dot32(&w, &load32(x.add(t * k + g * 32))), s, *acc);
         }
     }
     for t in 0..T {
@@ -79,15 +91,9 @@ unsafe fn q8_tile<const T: usize, const GROUP: usize>(
         let w0 = widen_i8(c);
         let w1 = widen_i8(c.add(8));
         if GROUP == 32 {
-            let w2 = widen_i8(c.add(16));
-            let w3 = widen_i8(c.add(24));
+            let w = [w0, w1, widen_i8(c.add(16)), widen_i8(c.add(24))];
             for (t, acc) in acc.iter_mut().enumerate() {
-                let xp = x.add(t * k + g * 32);
-                let mut d = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));
-                d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), d);
-                d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp.add(16)), d);
-                d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp.add(24)), d);
-                *acc = _mm256_fmadd_ps(d, s, *acc);
+                *acc = _mm256_fmadd_ps(dot32(&w, &load32(x.add(t * k + g * 32))), s, *acc);
             }
         } else {
             for (t, acc) in acc.iter_mut().enumerate() {
@@ -123,7 +129,7 @@ unsafe fn widen_q4(codes: *const u8, mask: __m128i) -> [__m256; 4] {
 }
 
 /// ``dots[i] = sum_g scale_ig * sum_j code_igj * x[32g + j]`` for ``ROWS`` consecutive ``q4``
-/// weight rows and one row of ``x``; ``row_bytes`` and ``groups`` step between weight rows.
+/// weight rows and one row of ``x``; ``groups`` (x 16 bytes of codes, x 1 scale) steps between weight rows.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn q4_rows_one_token(
@@ -135,20 +141,11 @@ unsafe fn q4_rows_one_token(
     let mask = _mm_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); ROWS];
     for g in 0..groups {
-        let xp = x.add(g * 32);
-        let xs = [
-            _mm256_loadu_ps(xp),
-            _mm256_loadu_ps(xp.add(8)),
-            _mm256_loadu_ps(xp.add(16)),
-            _mm256_loadu_ps(xp.add(24)),
-        ];
+        let xs = load32(x.add(g * 32)); // once for all ROWS weight rows
         for (i, acc) in acc.iter_mut().enumerate() {
             let w = widen_q4(codes.add((i * groups + g) * 16), mask);
-            let mut d = _mm256_mul_ps(w[0], xs[0]);
-            d = _mm256_fmadd_ps(w[1], xs[1], d);
-            d = _mm256_fmadd_ps(w[2], xs[2], d);
-            d = _mm256_fmadd_ps(w[3], xs[3], d);
-            *acc = _mm256_fmadd_ps(d, _mm256_set1_ps(*scales.add(i * groups + g)), *acc);
+            let s = _mm256_set1_ps(*scales.add(i * groups + g));
+            *acc = _mm256_fmadd_ps(dot32(&w, &xs), s, *acc);
         }
     }
     let mut dots = [0.0f32; ROWS];
