@@ -108,7 +108,7 @@ def main() -> None:
                 row = (
                     f"native {t_native * 1e6:8.1f} us  route {t_route * 1e6:8.1f} us  "
                     f"F.linear f32 {t_dense * 1e6:8.1f} us  dense/native {t_dense / t_native:5.2f}x  "
-                    f"dense/route {t_dense / t_route:5.2f}x  {prepared.nbytes / t_native / 1e9:5.1f} GB/s"
+                    f"dense/route {t_dense / t_route:5.2f}x  {prepared.weight.nbytes / t_native / 1e9:5.1f} GB/s"
                 )
                 if int8_mm is not None:
                     t_int8 = timed(partial(int8_mm, x), args.budget)
@@ -118,7 +118,7 @@ def main() -> None:
                 if m == 1 and (name == "head" or fmt == "q4"):
                     per_token["native"] = per_token.get("native", 0.0) + count * t_native
                     per_token["dense"] = per_token.get("dense", 0.0) + count * t_dense
-                    per_token["bytes"] = per_token.get("bytes", 0.0) + count * prepared.nbytes
+                    per_token["bytes"] = per_token.get("bytes", 0.0) + count * prepared.weight.nbytes
         if 1 in args.rows:
             results["per token (m=1): 30 layers q4 + head q8"] = (
                 f"native {per_token['native'] * 1e3:.2f} ms, F.linear f32 {per_token['dense'] * 1e3:.2f} ms, "

@@ -27,6 +27,7 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each test on the AVX2+FMA path (where this CPU has it) and on the forced scalar path."""
     path = request.param
     if path != "scalar" and _native.best_kernel_path() != path:
+        # Absent CPU features are detected, never assumed: that path cannot run here.
         pytest.skip(f"this CPU has no {path} (the kernels detected {_native.best_kernel_path()})")
     _native.force_scalar(path == "scalar")
     assert _native.kernel_path() == path

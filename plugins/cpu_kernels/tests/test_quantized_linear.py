@@ -163,6 +163,6 @@ def test_errors_say_what_and_what_to_do() -> None:
         NATIVE.linear(torch.randn(2, 32), weight, None)
     with pytest.raises(TypeError, match=r"takes a QuantizedWeight, got Tensor"):
         NATIVE.prepare(torch.randn(4, 32))
-    assert isinstance(prepared, PreparedWeight) and prepared.nbytes == weight.nbytes
+    assert isinstance(prepared, PreparedWeight) and prepared.weight.nbytes == weight.nbytes
     with pytest.raises(ValueError, match=r"q8 group must be 16 or 32, got 8"):
         _native.q8_dequantize(0, 0, 0, 0, 0, 0, 8)

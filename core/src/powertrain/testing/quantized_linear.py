@@ -152,7 +152,7 @@ class QuantizedLinearSuite(ComponentSuite):
     def test_other_activation_dtypes(
         self, subject: Subject, case: tuple[str, int, bool], dtype: torch.dtype, tokens: int, seed: int
     ) -> None:
-        if dtype not in self.dtypes:
+        if dtype not in self.dtypes:  # a subclass narrowed ``dtypes`` to what its kernel takes
             pytest.skip(f"{dtype} is not among this suite's dtypes")
         self.check(subject, seed, case=case, rows=70, cols=160, tokens=tokens, dtype=dtype, bias=True)
 
@@ -178,7 +178,7 @@ class QuantizedLinearSuite(ComponentSuite):
 
     def test_refuses_formats_it_does_not_declare(self, subject: Subject, seed: int) -> None:
         undeclared = [case for case in WEIGHT_CASES if case[0] not in subject.provided.record.capabilities]
-        if not undeclared:
+        if not undeclared:  # both formats declared: there is no format the kernel may refuse
             pytest.skip(f"{subject.provided.record.name} declares every format: nothing to refuse")
         format, group, offsets = undeclared[0]
         weight = random_quantized_weight(generator(seed), 8, 64, format, group, offsets)

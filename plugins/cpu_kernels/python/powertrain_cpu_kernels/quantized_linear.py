@@ -30,21 +30,19 @@ DENSE_BLOCK = 1 << 20
 
 @attrs.frozen(eq=False)
 class PreparedWeight:
-    """A ``QuantizedWeight`` checked once for this kernel: CPU, contiguous tensors."""
+    """A ``QuantizedWeight`` this kernel checked once: on the CPU, its tensors contiguous. Its
+    own type, because the Rust kernels trust the pointers they are given: ``linear`` takes
+    only what ``prepare`` returned."""
 
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-    format: str
-    group: int
-    rows: int
-    cols: int
-    source: str = ""
+    weight: QuantizedWeight
 
     @property
-    def nbytes(self) -> int:
-        tensors = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    def rows(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.weight.shape[1]
 
 
 def _sync_threads() -> None:
@@ -85,14 +83,12 @@ class NativeQuantizedLinear:
             raise ValueError(f"the {where} is empty ({rows} x {cols})")
         # QuantizedWeight checked dtypes and shapes; here only the memory layout is made plain.
         return PreparedWeight(
-            codes=weight.codes.contiguous(),
-            scales=weight.scales.contiguous(),
-            offsets=None if weight.offsets is None else weight.offsets.contiguous(),
-            format=weight.format,
-            group=weight.group,
-            rows=rows,
-            cols=cols,
-            source=weight.source,
+            attrs.evolve(
+                weight,
+                codes=weight.codes.contiguous(),
+                scales=weight.scales.contiguous(),
+                offsets=None if weight.offsets is None else weight.offsets.contiguous(),
+            )
         )
 
     def linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -102,20 +98,20 @@ class NativeQuantizedLinear:
                 "call kernel.prepare(weight) once at load time"
             )
         rows, cols = prepared.rows, prepared.cols
+        what = f"{prepared.weight.format} from {prepared.weight.source or 'unknown'}"
         if not x.is_floating_point() or x.device.type != "cpu":
             raise ValueError(
                 f"NativeQuantizedLinear takes floating-point CPU activations, got {x.dtype} on {x.device} "
-                f"(weight {prepared.format} from {prepared.source or 'unknown'})"
+                f"(weight {what})"
             )
         if x.dim() == 0 or x.shape[-1] != cols:
             raise ValueError(
                 f"activations of shape {list(x.shape)} do not fit a [{rows}, {cols}] weight "
-                f"({prepared.format} from {prepared.source or 'unknown'}): the last dimension must be {cols}"
+                f"({what}): the last dimension must be {cols}"
             )
         if bias is not None and (tuple(bias.shape) != (rows,) or bias.device.type != "cpu"):
             raise ValueError(
-                f"bias must be a CPU tensor of shape [{rows}], got {list(bias.shape)} on {bias.device} "
-                f"(weight {prepared.format} from {prepared.source or 'unknown'})"
+                f"bias must be a CPU tensor of shape [{rows}], got {list(bias.shape)} on {bias.device} (weight {what})"
             )
         # Each torch call costs a microsecond or more, against tens for a decode-sized
         # product: a 2-d contiguous float32 x without bias skips all conversions.
@@ -142,13 +138,13 @@ class NativeQuantizedLinear:
 
     def _dequantize_rows(self, prepared: PreparedWeight, start: int, stop: int, dense: torch.Tensor) -> None:
         """Rows ``start:stop`` of the weight into the contiguous ``dense [stop - start, cols]``."""
-        codes, scales = prepared.codes[start:stop], prepared.scales[start:stop]
-        offsets = 0 if prepared.offsets is None else prepared.offsets[start:stop].data_ptr()
+        codes, scales = prepared.weight.codes[start:stop], prepared.weight.scales[start:stop]
+        offsets = 0 if prepared.weight.offsets is None else prepared.weight.offsets[start:stop].data_ptr()
         args = (codes.data_ptr(), scales.data_ptr(), offsets, dense.data_ptr(), stop - start, prepared.cols)
-        if prepared.format == "q4":
+        if prepared.weight.format == "q4":
             _native.q4_dequantize(*args)
         else:
-            _native.q8_dequantize(*args, prepared.group)
+            _native.q8_dequantize(*args, prepared.weight.group)
 
     def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         _sync_threads()
@@ -169,10 +165,16 @@ class NativeQuantizedLinear:
         _sync_threads()
         m = x.shape[0]
         out = torch.empty((m, prepared.rows), dtype=torch.float32)
-        offsets = 0 if prepared.offsets is None else prepared.offsets.data_ptr()
-        args = (x.data_ptr(), prepared.codes.data_ptr(), prepared.scales.data_ptr(), offsets, out.data_ptr())
-        if prepared.format == "q4":
+        offsets = 0 if prepared.weight.offsets is None else prepared.weight.offsets.data_ptr()
+        args = (
+            x.data_ptr(),
+            prepared.weight.codes.data_ptr(),
+            prepared.weight.scales.data_ptr(),
+            offsets,
+            out.data_ptr(),
+        )
+        if prepared.weight.format == "q4":
             _native.q4_linear(*args, m, prepared.rows, prepared.cols)
         else:
-            _native.q8_linear(*args, m, prepared.rows, prepared.cols, prepared.group)
+            _native.q8_linear(*args, m, prepared.rows, prepared.cols, prepared.weight.group)
         return out
