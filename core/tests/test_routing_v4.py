@@ -40,8 +40,10 @@ def test_learned_routing_equals_transformers(seed: int) -> None:
     hf = hf_v4.DeepseekV4TopKRouter(cfg)
     with torch.no_grad():
         hf.weight.copy_(torch.randn_like(hf.weight))
-        hf.e_score_correction_bias.copy_(0.5 * torch.randn_like(hf.e_score_correction_bias))
-    hidden = torch.randn(9, cfg.hidden_size)
+        hf.e_score_correction_bias.copy_(torch.randn_like(hf.e_score_correction_bias))
+    # 64 tokens and a bias as large as the scores: with 9 tokens and half of it, seed 2393856961
+    # drew a bias that changed no token's experts, and the check below failed on its input.
+    hidden = torch.randn(64, cfg.hidden_size)
     with torch.no_grad():
         logits, hf_weights, hf_ids = hf(hidden)
     ids, weights = route(logits, ours(cfg, "noaux_tc"), hf.e_score_correction_bias)
