@@ -285,6 +285,11 @@ class QuantizedLinearRecord(_Implementation):
     #: reference): correct everywhere, but slower than dequantising once at load, so
     #: ``quantization = "auto"`` keeps weights quantised only with a backend that does not.
     expands_weights: bool = False
+    #: Calls of at most this many rows run on the backend's own CPU thread pool (0: none do).
+    #: In steps that small the engine runs torch's own ops on one thread, so that torch's
+    #: OpenMP workers do not take the cores the pool needs (decode steps, where torch's ops
+    #: are tiny and the quantised matmuls are most of the work).
+    own_pool_max_rows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen(kw_only=True)

@@ -17,7 +17,8 @@
 //!
 //! Two paths: AVX2+FMA intrinsics on x86_64 CPUs that have them (detected at run time), and
 //! a portable scalar path elsewhere (or when forced, for tests). Work is split over the
-//! output rows ``n`` with rayon, on a pool whose size the caller sets (torch's thread count).
+//! output rows ``n`` on a small pool (``pool.rs``) whose size the caller sets (torch's thread
+//! count); the calling thread is one of its threads.
 //!
 //! Every function here trusts its caller for the sizes: the slices must hold exactly the
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
@@ -25,6 +26,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
+use pool::Pool;
+
+mod pool;
 mod q4;
 mod q8;
 #[cfg(target_arch = "x86_64")]
@@ -95,58 +99,39 @@ pub fn force_scalar(on: bool) {
 // ---------------------------------------------------------------------------------------
 // Threads
 
-static POOL: RwLock<Option<(usize, Arc<rayon::ThreadPool>)>> = RwLock::new(None);
+static POOL: RwLock<Option<Arc<Pool>>> = RwLock::new(None);
 
-/// Use ``threads`` worker threads from now on (1: run on the calling thread, no pool).
+/// Use ``threads`` threads from now on, the calling one included (1: no pool).
 pub fn set_threads(threads: usize) {
     let threads = threads.max(1);
     if threads_now() == threads {
         return;
     }
-    let pool = if threads > 1 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("powertrain-cpu-kernels-{i}"))
-            .build()
-            .ok()
-            .map(Arc::new)
-    } else {
-        None
-    };
-    let mut slot = POOL.write().unwrap_or_else(|e| e.into_inner());
-    *slot = pool.map(|p| (threads, p));
+    let pool = (threads > 1).then(|| Arc::new(Pool::new(threads)));
+    let old = std::mem::replace(&mut *POOL.write().unwrap_or_else(|e| e.into_inner()), pool);
+    drop(old); // joins the old workers (a call still using it holds its own Arc)
 }
 
-/// The worker threads calls use (1 until ``set_threads`` says otherwise).
+/// The threads calls use (1 until ``set_threads`` says otherwise).
 pub fn threads_now() -> usize {
     POOL.read()
         .unwrap_or_else(|e| e.into_inner())
         .as_ref()
-        .map_or(1, |(n, _)| *n)
+        .map_or(1, |p| p.threads())
 }
 
 /// Run ``work(r0, r1)`` over ``0..n`` split into chunks, on the pool when there is one.
 fn for_row_chunks(n: usize, min_rows: usize, work: impl Fn(usize, usize) + Sync) {
-    let pool = POOL
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .map(|(_, p)| p.clone());
+    let pool = POOL.read().unwrap_or_else(|e| e.into_inner()).clone();
     let Some(pool) = pool.filter(|_| n > min_rows) else {
         work(0, n);
         return;
     };
     // About four chunks per thread evens out uneven progress, without chunks so small
     // that scheduling costs more than the rows.
-    let threads = pool.current_num_threads();
-    let chunk = n.div_ceil(threads * 4).max(min_rows);
+    let chunk = n.div_ceil(pool.threads() * 4).max(min_rows);
     let chunks = n.div_ceil(chunk);
-    pool.install(|| {
-        use rayon::prelude::*;
-        (0..chunks)
-            .into_par_iter()
-            .for_each(|i| work(i * chunk, ((i + 1) * chunk).min(n)));
-    });
+    pool.run(chunks, &|i| work(i * chunk, ((i + 1) * chunk).min(n)));
 }
 
 /// A raw output pointer that chunks running on different threads write disjoint parts of.

@@ -38,20 +38,56 @@ LOGIT_TOLERANCE = 1e-4
 def runs() -> dict[str, tuple[list[torch.Tensor], list[list[int]], dict]]:
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, min_tokens=GREEDY_TOKENS)
     results = {}
-    for mode in ("keep", "dequantize"):
-        with LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
-            prompts = [llm.tokenizer.encode(prompt) for prompt in PROMPTS]
-            logits = prefill_logits(llm, prompts)
-            tokens = [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, params)]
-            modules = llm.engine.runner.model.modules()
-            kernels = {type(module.kernel).__name__ for module in modules if isinstance(module, Linear)}
-            results[mode] = (logits, tokens, {"kernels": kernels})
+    before = torch.get_num_threads()
+    torch.set_num_threads(ENGINE_THREADS)  # the engine's device thread takes its creator's count
+    try:
+        for mode in ("keep", "dequantize"):
+            with LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
+                steps = _record_step_threads(llm.engine.runner.model)
+                prompts = [llm.tokenizer.encode(prompt) for prompt in PROMPTS]
+                logits = prefill_logits(llm, prompts)
+                tokens = [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, params)]
+                modules = llm.engine.runner.model.modules()
+                kernels = {type(module.kernel).__name__ for module in modules if isinstance(module, Linear)}
+                results[mode] = (logits, tokens, {"kernels": kernels, "steps": steps})
+    finally:
+        torch.set_num_threads(before)
     return results
+
+
+#: torch threads the engines are built with (two: enough to see a step run on one).
+ENGINE_THREADS = 2
+
+
+def _record_step_threads(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(tokens, torch threads) of every forward from now on."""
+    steps: list[tuple[int, int]] = []
+    forward = model.forward
+
+    def recording(input_ids: torch.Tensor, *args, **kwargs):
+        steps.append((input_ids.numel(), torch.get_num_threads()))
+        return forward(input_ids, *args, **kwargs)
+
+    model.forward = recording
+    return steps
 
 
 def test_the_kept_model_multiplies_through_the_native_kernel(runs) -> None:
     assert runs["keep"][2]["kernels"] == {"NativeQuantizedLinear"}
     assert runs["dequantize"][2]["kernels"] == {"NoneType"}
+
+
+def test_decode_steps_leave_the_cores_to_the_native_pool(runs) -> None:
+    """Steps of up to ``own_pool_max_rows`` tokens run torch's ops on one thread while the
+    native kernels use their own pool; larger steps (batched prefill) keep torch's threads,
+    and a dequantised engine always does."""
+    from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
+
+    kept, dense = runs["keep"][2]["steps"], runs["dequantize"][2]["steps"]
+    assert {tokens <= GEMV_MAX_ROWS for tokens, _ in kept} == {True, False}  # both kinds ran
+    for tokens, threads in kept:
+        assert threads == (1 if tokens <= GEMV_MAX_ROWS else ENGINE_THREADS), (tokens, threads)
+    assert {threads for _, threads in dense} == {ENGINE_THREADS}
 
 
 def test_logits_stay_within_tolerance_of_the_dequantized_model(runs) -> None:

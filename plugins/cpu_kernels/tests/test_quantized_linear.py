@@ -121,16 +121,12 @@ def test_thread_count_does_not_change_results(seed: int) -> None:
     """Rows are split among threads; each output is computed the same way whatever the split."""
     weight = random_weight("q4", 32, 257, 544, offsets=True)
     x = torch.randn(5, 544)
-    before = torch.get_num_threads()
     results = []
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            results.append(NATIVE.linear(x, NATIVE.prepare(weight), None))
-            assert _native.threads() == threads
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1]), f"seed={seed}"
+    for threads in (1, 3, 2):
+        kernel = NativeQuantizedLinear(threads=threads)
+        results.append(kernel.linear(x, kernel.prepare(weight), None))
+        assert _native.threads() == threads
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), f"seed={seed}"
 
 
 def test_environment_variable_forces_scalar() -> None:

@@ -146,6 +146,7 @@ def _model_runner(
         Sampler(chosen.config.model.seed),
         structured=StructuredOutputs(checkpoint.tokenizer),
         windows=tuple(loaded.num_blocks),
+        serial_torch_tokens=loaded.serial_torch_tokens,
     )
     if experts is not None:
         runner.lockstep = Lockstep(

@@ -39,6 +39,9 @@ class LoadedModel:
     #: Usable blocks per retention class (None: full history; else a sliding window).
     num_blocks: dict[int | None, int]
     layout: CacheLayout
+    #: Steps of at most this many tokens run torch's ops on one thread: the quantised-linear
+    #: backend parallelises them on its own pool (``QuantizedLinearRecord.own_pool_max_rows``).
+    serial_torch_tokens: int = 0
 
 
 def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Mapping[str, Any]) -> torch.dtype:
@@ -72,13 +75,17 @@ def load_model(
 ) -> LoadedModel:
     """Build the model, load its weights and allocate its KV cache (on the device thread)."""
     with startup.phase("build model and load weights", status=False):
-        model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, experts)
+        quantized_linear = kept_quantized(plan, checkpoint, dtype)
+        model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, experts, quantized_linear)
     with startup.phase("prepare weights for the platform"):
         _prepare_for_platform(model, plan, attention, dtype)
     with startup.phase("allocate kv cache"):
-        return _allocate_kv_cache(
+        loaded = _allocate_kv_cache(
             model, plan, attention, dtype, expert_only=experts is not None and not experts.placement.holds_requests
         )
+    if quantized_linear is None:
+        return loaded
+    return attrs.evolve(loaded, serial_torch_tokens=plan.chosen("quantized_linear").record.own_pool_max_rows)
 
 
 def describe_cache(
@@ -86,7 +93,9 @@ def describe_cache(
 ) -> dict[str, Any]:
     """What the KV cache would be (groups, bytes per token, blocks per class), from the
     model built on the meta device: no weights are read and no memory is taken."""
-    model = _build_model(plan, architecture, checkpoint, attention, dtype, needs_moe, None, device=torch.device("meta"))
+    model = _build_model(
+        plan, architecture, checkpoint, attention, dtype, needs_moe, None, None, device=torch.device("meta")
+    )
     layout = model_cache_layout(model, attention, plan.config.cache.block_size, dtype)
     return layout.report(_block_counts(layout, plan))
 
@@ -99,9 +108,11 @@ def _build_model(
     dtype: torch.dtype,
     needs_moe: bool,
     experts: ExpertParallel | None,
+    quantized_linear: interfaces.QuantizedLinearKernel | None,
     device: torch.device | None = None,
 ) -> interfaces.CausalLM:
-    """The model with its weights, or (``device`` meta) only its structure."""
+    """The model with its weights, or (``device`` meta) only its structure; its kept-quantised
+    weights multiplied by ``quantized_linear`` (None: every weight dense)."""
     moe = build_moe(plan, dtype) if needs_moe else None
     # FP8 experts stay FP8 only where the MoE backend multiplies them itself and the
     # platform keeps FP8 weights; elsewhere (a CPU) everything is dequantized at load.
@@ -109,7 +120,6 @@ def _build_model(
     keeps_fp8 = plan.platform.keeps_fp8_weights and "fp8-block" in capabilities
     # Packed FP4 experts likewise (same platform fact: quantised weights pay off there).
     keeps_fp4 = checkpoint.fp4_experts and plan.platform.keeps_fp8_weights and "fp4" in capabilities
-    quantized_linear = None if device is not None and device.type == "meta" else kept_quantized(plan, checkpoint, dtype)
     context = interfaces.ModelContext(
         config=checkpoint.config,
         dtype=dtype,

@@ -13,7 +13,8 @@ sampler waits for it (see ``structured.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -81,8 +82,12 @@ class ModelRunner:
         structured: StructuredOutputs | None = None,
         speculative: SpeculativePolicy | None = None,
         windows: Sequence[int | None] = (None,),
+        serial_torch_tokens: int = 0,
     ) -> None:
         self.model = model
+        #: Steps of at most this many tokens run torch's ops on one thread (the quantised
+        #: linears bring their own pool; ``QuantizedLinearRecord.own_pool_max_rows``).
+        self.serial_torch_tokens = serial_torch_tokens
         #: The block manager's retention classes, in its order (the first is the primary).
         self.windows = tuple(windows)
         self.kv_caches = kv_caches
@@ -158,8 +163,14 @@ class ModelRunner:
             speculation=speculation,
         )
 
-    @torch.inference_mode()
     def execute(self, step: PreparedStep) -> StepResult:
+        if step.input_ids.numel() > self.serial_torch_tokens:
+            return self._execute(step)
+        with torch_threads(1):
+            return self._execute(step)
+
+    @torch.inference_mode()
+    def _execute(self, step: PreparedStep) -> StepResult:
         input_ids = step.input_ids
         for row, seq_id in step.input_patches:
             input_ids[row] = self._previous_tokens[seq_id]
@@ -247,6 +258,20 @@ class ModelRunner:
                 num_drafts=spec.num_drafts if spec is not None else [],
             )
         )
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads on this thread set to ``count`` for the block, then restored."""
+    before = torch.get_num_threads()
+    if before == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _banned(stop_ids: tuple[int, ...], produced: int, min_tokens: int) -> tuple[int, ...]:

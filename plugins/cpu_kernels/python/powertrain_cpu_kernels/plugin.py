@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from powertrain import hookimpl
 from powertrain.components import Availability, PlatformInfo, QuantizedLinearRecord
+from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from powertrain.interfaces import QuantizedLinearContext
@@ -41,6 +42,8 @@ def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
             platforms={"cpu"},
             capabilities={"q4", "q8"},
             priority=10,
+            # Decode-sized calls run the native kernel on its own pool.
+            own_pool_max_rows=GEMV_MAX_ROWS,
             check=native_available,
             factory=build_native,
             description=(

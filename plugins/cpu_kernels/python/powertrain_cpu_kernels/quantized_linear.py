@@ -15,18 +15,7 @@ import torch.nn.functional as F
 
 import powertrain_cpu_kernels._native as _native
 from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
-
-#: Rows of ``x`` up to which ``linear`` runs the native kernel; above it, dequantise + F.linear.
-#: From ``benchmarks/quantized_linear.py`` on a 2-core AVX-512 Xeon VM, SmolLM2-135M's shapes,
-#: two threads, machine otherwise idle: at 16 rows the native kernel beat blockwise dequantise
-#: + F.linear on every shape (1.0-1.7x); at 64 rows dequantise + F.linear won (1.5-1.8x, the
-#: head about even). Re-measure on real hardware: the dequantise step is the slow part.
-GEMV_MAX_ROWS = 16
-#: Weight elements dequantised at a time on the dense route (4 MB of float32): a block is
-#: multiplied while it is still in cache, and a large weight (an LM head) never needs a
-#: dense copy of its own.
-DENSE_BLOCK = 1 << 20
-
+from powertrain_cpu_kernels.tuning import DENSE_BLOCK, GEMV_MAX_ROWS
 
 @attrs.frozen(eq=False)
 class PreparedWeight:
@@ -45,10 +34,9 @@ class PreparedWeight:
         return self.weight.shape[1]
 
 
-def _sync_threads() -> None:
-    # The pool follows torch's thread count, so one setting (torch.set_num_threads) governs
-    # both; the check is one call per linear.
-    threads = torch.get_num_threads()
+def _use_threads(threads: int) -> None:
+    # One pool per process; a call only rebuilds it when kernels with different thread counts
+    # alternate (never in an engine).
     if threads != _native.threads():
         _native.set_threads(threads)
 
@@ -57,13 +45,18 @@ class NativeQuantizedLinear:
     """Weight-only quantised linear on the CPU for ``q4`` (group 32) and ``q8`` (group 16
     or 32) weights. ``gemv_max_rows``: the most rows of ``x`` the native kernel takes; more
     are multiplied by the weight dequantised block by block (0: always that; a large number:
-    never). ``dense_block``: weight elements per block on that route."""
+    never). ``dense_block``: weight elements per block on that route. ``threads``: the native
+    kernels' threads, the calling one included (default: torch's thread count when built; the
+    engine then runs decode steps' torch ops on one thread, see ``own_pool_max_rows``)."""
 
     formats = frozenset({"q4", "q8"})
 
-    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS, dense_block: int = DENSE_BLOCK) -> None:
+    def __init__(
+        self, gemv_max_rows: int = GEMV_MAX_ROWS, dense_block: int = DENSE_BLOCK, threads: int | None = None
+    ) -> None:
         self.gemv_max_rows = gemv_max_rows
         self.dense_block = dense_block
+        self.threads = torch.get_num_threads() if threads is None else max(1, threads)
 
     def prepare(self, weight: QuantizedWeight) -> PreparedWeight:
         if not isinstance(weight, QuantizedWeight):
@@ -131,7 +124,7 @@ class NativeQuantizedLinear:
 
     def dequantize(self, prepared: PreparedWeight) -> torch.Tensor:
         """The dense float32 ``[rows, cols]`` weight (bit-equal to ``QuantizedWeight.dequantize()``)."""
-        _sync_threads()
+        _use_threads(self.threads)
         dense = torch.empty((prepared.rows, prepared.cols), dtype=torch.float32)
         self._dequantize_rows(prepared, 0, prepared.rows, dense)
         return dense
@@ -147,7 +140,7 @@ class NativeQuantizedLinear:
             _native.q8_dequantize(*args, prepared.weight.group)
 
     def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        _sync_threads()
+        _use_threads(self.threads)
         rows, cols = prepared.rows, prepared.cols
         block_rows = max(1, self.dense_block // cols)
         if block_rows >= rows:
@@ -162,7 +155,7 @@ class NativeQuantizedLinear:
         return out
 
     def _native_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
-        _sync_threads()
+        _use_threads(self.threads)
         m = x.shape[0]
         out = torch.empty((m, prepared.rows), dtype=torch.float32)
         offsets = 0 if prepared.weight.offsets is None else prepared.weight.offsets.data_ptr()
