@@ -104,9 +104,13 @@ def test_logs_go_to_stderr_as_json_when_not_a_terminal(tmp_path: Path) -> None:
 
 
 def test_generate_answers_on_the_embedded_model() -> None:
-    proc = run("generate", "What is the capital of France?")
+    """One prompt is printed as it is generated; the streamed text is the whole answer."""
+    proc = run("generate", "--max-tokens", "24", "What is the capital of France?")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+    whole = run("generate", "--max-tokens", "24", "--json", "What is the capital of France?")
+    assert whole.returncode == 0, whole.stderr
+    assert proc.stdout == json.loads(whole.stdout)["text"] + "\n"
 
 
 def test_generate_json_for_several_prompts_and_clear_errors(tmp_path: Path) -> None:

@@ -146,3 +146,21 @@ def test_abort_frees_blocks_at_once(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == free_before
+
+
+def test_stream_yields_growing_text_and_closing_it_aborts(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [whole] = llm.generate("The capital of France is", params)
+    outputs = list(llm.stream("The capital of France is", params))
+    texts = [output.outputs[0].text for output in outputs]
+    assert len(outputs) >= 12 and all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert outputs[-1].finished and not any(output.finished for output in outputs[:-1])
+    assert texts[-1] == whole.outputs[0].text and outputs[-1].outputs[0].token_ids == whole.outputs[0].token_ids
+    free_before = llm.engine.block_manager.num_free_blocks
+    stream = llm.stream("Tell me a long story about", SamplingParams(max_tokens=200, ignore_eos=True))
+    next(stream), next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == free_before
+    [out] = llm.generate("Still serving?", SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
 import structlog
@@ -18,6 +19,9 @@ from powertrain.config import ConfigError, load_config
 from powertrain.loader import LoadError
 from powertrain.log_setup import configure_logging
 from powertrain.plugins import PluginError, PluginInfo, PluginManager
+
+if TYPE_CHECKING:
+    from powertrain.interfaces.outputs import RequestOutput
 
 EXIT_PROBLEM = 1
 
@@ -333,12 +337,14 @@ def generate_command(
         config = _with_parallel(config, data_parallel, expert_parallel)
         params = SamplingParams(**sampling)
         with LLM(model, config=config) as llm:
-            if chat:
-                prefix = [{"role": "system", "content": system}] if system else []
-                conversations = [[*prefix, {"role": "user", "content": text}] for text in texts]
-                outputs = llm.chat(conversations, params)
-            else:
-                outputs = llm.generate(texts, params)
+            prefix = [{"role": "system", "content": system}] if system else []
+            conversations = [[*prefix, {"role": "user", "content": text}] for text in texts]
+            if len(texts) == 1 and not as_json:
+                # One answer: print it as it is generated, so the first words show at once.
+                prompt = llm.tokenizer.apply_chat_template(conversations[0]) if chat else texts[0]
+                _print_as_generated(llm.stream(prompt, params))
+                return
+            outputs = llm.chat(conversations, params) if chat else llm.generate(texts, params)
     except (
         ConfigError,
         PluginError,
@@ -360,10 +366,18 @@ def generate_command(
                 "output_tokens": len(completion.token_ids),
             }
             click.echo(json.dumps(record))
-        elif len(texts) == 1:
-            click.echo(completion.text)
         else:
             click.echo(f"--- [{index}] {text}\n{completion.text}\n")
+
+
+def _print_as_generated(outputs: Iterator[RequestOutput]) -> None:
+    """Each step's new text as it arrives (click.echo flushes), then a newline."""
+    printed = ""
+    for output in outputs:
+        text = output.outputs[0].text
+        click.echo(text[len(printed) :], nl=False)
+        printed = text
+    click.echo()
 
 
 @main.command("serve")

@@ -3,11 +3,12 @@
 llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
 llm.generate(["Hello"], SamplingParams(max_tokens=32))
 llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+for output in llm.stream("Hello"): ...       # one prompt, its state after every step
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,26 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+    def stream(
+        self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding its state after every step (``outputs[0].text``
+        only ever grows; the last one is finished): what a terminal prints as it goes.
+        Closing the iterator early aborts the request."""
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():  # let a step still in flight land
+                self.engine.step()
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         pending = set(request_ids)
