@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +27,21 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop("PYTHONDONTWRITEBYTECODE")
         os.environ["PYTHONPYCACHEPREFIX"] = cache
         config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+
+
+@pytest.fixture
+def cargo_test():
+    """``cargo_test(crate)``: run a Rust crate's own tests (``cargo test``) and fail with their
+    output unless they pass, so the one test command covers them and CI cannot skip them."""
+
+    def run(crate: Path, what: str) -> None:
+        cargo = shutil.which("cargo")
+        assert cargo, f"cargo is not on PATH: install Rust (rustup) to build and test {what}"
+        # A target folder of its own, so this run never waits on (or disturbs) the extension build.
+        env = {**os.environ, "CARGO_TARGET_DIR": str(crate / "target" / "cargo-test")}
+        command = [cargo, "test", "--quiet"]
+        proc = subprocess.run(command, cwd=crate, env=env, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+        assert "test result: ok" in proc.stdout
+
+    return run
