@@ -113,6 +113,34 @@ def test_banned_tokens_are_never_sampled() -> None:
     assert not ((out.tokens == 3) | (out.tokens == 5)).any()
 
 
+def test_logit_bias_moves_greedy_and_sampled_choices() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(fresh_seed()))
+    top, last = logits.argmax(-1), logits.argmin(-1)
+    banned = [SamplingParams(temperature=0, logit_bias={int(top[r]): -100}) for r in range(3)]
+    out = Sampler()(logits.clone(), inputs(banned))
+    # -100 on the greedy token: the next best is chosen.
+    assert torch.equal(out.tokens, logits.scatter(1, top[:, None], float("-inf")).argmax(-1))
+    # +100 forces even the least likely token, when sampling at temperature 1 too.
+    forced = [SamplingParams(logit_bias={int(last[r]): 100.0}) for r in range(3)] * 100
+    out = Sampler(fresh_seed())(logits.repeat(100, 1), inputs(forced))
+    assert torch.equal(out.tokens, last.repeat(100))
+    # A small bias shifts the distribution by exp(bias): token 0 at +1 vs the unbiased softmax.
+    seed = fresh_seed()
+    row = logits[0]
+    shifted = row.double().clone()
+    shifted[0] += 1.0
+    expected = torch.softmax(shifted, -1)
+    observed = frequencies(row, SamplingParams(logit_bias={0: 1.0}), 40000, seed)
+    stderr = (expected * (1 - expected) / 40000).sqrt()
+    assert ((observed - expected).abs() <= 5 * stderr + 1e-4).all(), (seed, observed, expected)
+
+
+def test_logit_bias_does_not_lift_a_ban() -> None:
+    logits = torch.zeros(1, VOCAB)
+    out = Sampler()(logits, inputs([SamplingParams(temperature=0, logit_bias={4: 100})], banned=[(4,)]))
+    assert int(out.tokens[0]) != 4
+
+
 def test_logprobs_are_the_models_log_softmax() -> None:
     logits = torch.randn(2, VOCAB)
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
@@ -137,6 +165,10 @@ def test_logprobs_are_the_models_log_softmax() -> None:
         ({"stop": [""]}, "stop must be non-empty strings"),
         ({"logprobs": 50}, "logprobs must be between 0 and 20"),
         ({"top_k": -1}, "top_k must be >= 0"),
+        ({"logit_bias": {3: 101}}, "logit_bias must map token ids >= 0 to biases in [-100, 100]"),
+        ({"logit_bias": {-1: 1}}, "logit_bias must map"),
+        ({"logit_bias": {"3": 1}}, "logit_bias must map"),
+        ({"logit_bias": 5}, "logit_bias must map"),
     ],
 )
 def test_invalid_parameters_are_refused_clearly(kwargs, message) -> None:

@@ -40,6 +40,13 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> tuple[
     return None, token_ids
 
 
+def check_logit_bias(params: SamplingParams, vocab: int) -> None:
+    """Biased token ids are in the vocabulary (the sampler indexes the logits with them)."""
+    outside = [token for token, _ in params.logit_bias if token >= vocab]
+    if outside:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {outside[:5]}")
+
+
 def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, cache_tokens: int) -> None:
     """The prompt fits the model, and prompt + output fit the whole KV cache."""
     if num_prompt_tokens >= max_model_len:
@@ -96,6 +103,7 @@ def admit(
     if request_id in in_use:
         raise InvalidRequestError(f"request id {request_id!r} is already in use")
     text, token_ids = tokenize_prompt(tokenizer, prompt)
+    check_logit_bias(params, tokenizer.vocab_size)
     check_length(len(token_ids), params, max_model_len, cache_tokens)
     grammars = start_grammars(structured(), params) if params.structured is not None else []
     return Admitted(request_id, params, text, token_ids, grammars)

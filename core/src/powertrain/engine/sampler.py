@@ -57,6 +57,7 @@ class Sampler:
         if masks is not None:
             masks.apply(logits)
         logits = apply_penalties(logits, inputs)
+        apply_logit_bias(logits, inputs.params)
         for row, banned in enumerate(inputs.banned):
             if banned:
                 logits[row, list(banned)] = float("-inf")
@@ -100,6 +101,15 @@ def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tenso
             counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[1]).float()
             logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """OpenAI's logit_bias, in place: after the penalties (as OpenAI describes it, a bias
+    on the final logits) and before the min_tokens bans, which it must not lift."""
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype)
 
 
 def _logprobs(

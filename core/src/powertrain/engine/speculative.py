@@ -24,6 +24,7 @@ def can_speculate(params: SamplingParams, num_output_tokens: int, constrained: b
         or params.repetition_penalty != 1
         or params.presence_penalty
         or params.frequency_penalty
+        or params.logit_bias
         or num_output_tokens < params.min_tokens
     )
 

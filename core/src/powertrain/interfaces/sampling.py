@@ -109,6 +109,15 @@ class StructuredOutput:
             raise InvalidRequestError(f"the JSON schema cannot be compiled: {error}") from None
 
 
+def _bias_pairs(value: Any) -> tuple:
+    """``{token id: bias}`` (or its pairs) as sorted pairs, so the frozen params hash."""
+    try:
+        pairs = value.items() if isinstance(value, Mapping) else (value or ())
+        return tuple(sorted((tuple(pair) for pair in pairs), key=repr))
+    except TypeError:  # not pairs at all: kept as it is for the check to report
+        return (value,)
+
+
 def _to_tuple(value: Any) -> tuple:
     if value is None:
         return ()
@@ -128,6 +137,8 @@ class SamplingParams:
     ``structured`` constrains the output to a JSON schema, any JSON object, a regex or a
     Lark grammar (see ``StructuredOutput``); the output then ends when the constraint is
     complete, with an EOS token even if ``ignore_eos`` is set.
+    ``logit_bias`` (OpenAI's: ``{token id: bias in [-100, 100]}``) is added to those tokens'
+    logits before sampling; -100 in effect bans a token, +100 in effect forces it.
     """
 
     n: int = 1
@@ -147,6 +158,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_pairs)
     structured: StructuredOutput | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -180,6 +192,18 @@ class SamplingParams:
         need(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}",
+        )
+        need(
+            all(
+                isinstance(p, tuple)
+                and len(p) == 2
+                and _is_int(p[0])
+                and p[0] >= 0
+                and _is_number(p[1])
+                and -100 <= p[1] <= 100
+                for p in self.logit_bias
+            ),
+            f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}",
         )
         need(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         need(
