@@ -215,6 +215,16 @@ pub struct SamplingSettings {
     pub top_logprobs: Option<u32>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    // vLLM's sampling extensions (Chat Completions only).
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub min_tokens: Option<u32>,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep the matched stop string in the output text instead of cutting it.
+    pub include_stop_str_in_output: bool,
+    /// OpenAI's ``logit_bias``: (token id, bias in [-100, 100]) pairs.
+    pub logit_bias: Vec<(u32, f64)>,
 }
 
 impl Default for SamplingSettings {
@@ -231,6 +241,13 @@ impl Default for SamplingSettings {
             top_logprobs: None,
             presence_penalty: None,
             frequency_penalty: None,
+            min_p: None,
+            repetition_penalty: None,
+            min_tokens: None,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            include_stop_str_in_output: false,
+            logit_bias: Vec::new(),
         }
     }
 }

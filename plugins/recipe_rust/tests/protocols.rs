@@ -508,6 +508,36 @@ fn chat_sampling_fields() {
     );
     assert!(r.stream && r.include_usage);
     assert_eq!((r.sampling.n, r.sampling.logprobs), (1, false));
+}
+
+#[test]
+fn chat_vllm_sampling_fields() {
+    let r = ok(
+        CHAT,
+        &chat_with(
+            json!({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "max_tokens": 9,
+        "min_tokens": 3, "ignore_eos": true, "stop_token_ids": [7, 8],
+        "include_stop_str_in_output": true}),
+        ),
+    );
+    let s = &r.sampling;
+    assert_eq!(
+        (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens),
+        (Some(5), Some(0.1), Some(1.2), Some(3))
+    );
+    assert!(s.ignore_eos && s.include_stop_str_in_output);
+    assert_eq!(s.stop_token_ids, vec![7, 8]);
+    let biased = ok(
+        CHAT,
+        &chat_with(json!({"logit_bias": {"50256": -100, "7": 2.5}})),
+    );
+    let mut pairs = biased.sampling.logit_bias.clone();
+    pairs.sort_by_key(|p| p.0);
+    assert_eq!(pairs, vec![(7, 2.5), (50256, -100.0)]);
+    let off = ok(CHAT, &chat_with(json!({"top_k": -1})));
+    assert_eq!(off.sampling.top_k, Some(0));
+    let absent = ok(CHAT, &chat_with(json!({})));
+    assert!(!absent.sampling.ignore_eos && absent.sampling.stop_token_ids.is_empty());
     let r = ok(
         CHAT,
         &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b"]}),
@@ -671,6 +701,46 @@ fn chat_errors() {
             ),
             (chat_with(json!({"top_logprobs": 2})), Inv, "top_logprobs"),
             (chat_with(json!({"stop": [1]})), Inv, "stop[0]"),
+            (chat_with(json!({"top_k": -2})), Inv, "top_k"),
+            (chat_with(json!({"logit_bias": []})), Inv, "logit_bias"),
+            (
+                chat_with(json!({"logit_bias": {"abc": 1}})),
+                Inv,
+                "logit_bias.abc",
+            ),
+            (
+                chat_with(json!({"logit_bias": {"5": 101}})),
+                Inv,
+                "logit_bias.5",
+            ),
+            (
+                chat_with(json!({"logit_bias": {"5": "1"}})),
+                Inv,
+                "logit_bias.5",
+            ),
+            (chat_with(json!({"top_k": "5"})), Inv, "top_k"),
+            (chat_with(json!({"min_p": 1.5})), Inv, "min_p"),
+            (
+                chat_with(json!({"repetition_penalty": 0})),
+                Inv,
+                "repetition_penalty",
+            ),
+            (
+                chat_with(json!({"max_tokens": 2, "min_tokens": 3})),
+                Inv,
+                "min_tokens",
+            ),
+            (chat_with(json!({"ignore_eos": "yes"})), Inv, "ignore_eos"),
+            (
+                chat_with(json!({"stop_token_ids": [1, -1]})),
+                Inv,
+                "stop_token_ids[1]",
+            ),
+            (
+                chat_with(json!({"include_stop_str_in_output": 1})),
+                Inv,
+                "include_stop_str_in_output",
+            ),
             (
                 chat_with(json!({"stream_options": {"include_usage": true}})),
                 Inv,
@@ -748,11 +818,6 @@ fn chat_errors() {
                 chat_with(json!({"web_search_options": {}})),
                 Uns,
                 "web_search_options",
-            ),
-            (
-                chat_with(json!({"logit_bias": {"50256": -100}})),
-                Uns,
-                "logit_bias",
             ),
             (chat_with(json!({"store": true})), Uns, "store"),
             (
@@ -1552,10 +1617,10 @@ fn bad_json_reports_line_and_column() {
 
 #[test]
 fn error_bodies_have_protocol_shapes() {
-    let body = chat_with(json!({"logit_bias": {"1": 2}}));
+    let body = chat_with(json!({"prediction": {"type": "content", "content": "x"}}));
     let e = parse_value(CHAT, &body).unwrap_err();
     let b = e.body(CHAT);
-    assert_eq!(b["error"]["param"], json!("logit_bias"));
+    assert_eq!(b["error"]["param"], json!("prediction"));
     assert_eq!(b["error"]["type"], json!("invalid_request_error"));
     assert_eq!(b["error"]["code"], json!("unsupported_parameter"));
     assert!(b["error"]["message"]

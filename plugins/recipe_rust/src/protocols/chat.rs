@@ -8,8 +8,12 @@
 //! ``stream``, ``stream_options.include_usage``, ``metadata``, ``user``,
 //! ``safety_identifier``, ``prompt_cache_key`` (both carried, affecting nothing),
 //! ``prompt_cache_retention`` ("in_memory" only), ``reasoning_effort``, ``store``
-//! (false only), ``modalities`` (["text"] only), ``logit_bias`` (empty only),
-//! ``service_tier`` ("auto"/"default" only).
+//! (false only), ``modalities`` (["text"] only), ``logit_bias`` (token id ->
+//! bias in [-100, 100]), ``service_tier`` ("auto"/"default" only).
+//!
+//! vLLM's sampling extensions: ``top_k`` (0 or -1 disables it), ``min_p``,
+//! ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+//! ``include_stop_str_in_output``.
 //!
 //! Streaming writes one choice and no log-probabilities (``output::sse``), so with
 //! ``stream: true`` an ``n`` above 1 and ``logprobs: true`` are refused as unsupported.
@@ -50,6 +54,7 @@ const TOP_LEVEL: &[&str] = &[
     "top_logprobs",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "stream",
     "stream_options",
     "metadata",
@@ -63,7 +68,6 @@ const TOP_LEVEL: &[&str] = &[
     // Known, accepted only in their harmless form or rejected as unsupported:
     "store",
     "modalities",
-    "logit_bias",
     "service_tier",
     "audio",
     "prediction",
@@ -71,6 +75,14 @@ const TOP_LEVEL: &[&str] = &[
     "functions",
     "function_call",
     "verbosity",
+    // vLLM's sampling extensions.
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
 ];
 
 pub fn parse(body: &Value) -> Result<EngineRequest> {
@@ -96,15 +108,6 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             if as_str(m, &path)? != "text" {
                 return Err(unsupported_field(&path, "modalities", "only text output"));
             }
-        }
-    }
-    if let Some(bias) = top.object("logit_bias")? {
-        if !bias.map.is_empty() {
-            return Err(unsupported_field(
-                &top.at("logit_bias"),
-                "logit_bias",
-                "logit bias",
-            ));
         }
     }
     check_openai_options(&top)?;
@@ -246,7 +249,67 @@ fn parse_sampling(top: &Fields) -> Result<SamplingSettings> {
     }
     s.presence_penalty = top.f64_in("presence_penalty", -2.0, 2.0, false)?;
     s.frequency_penalty = top.f64_in("frequency_penalty", -2.0, 2.0, false)?;
+    s.logit_bias = parse_logit_bias(top)?;
+    parse_vllm_sampling(top, &mut s)?;
     Ok(s)
+}
+
+/// ``{"token id": bias}``; whether an id is in the vocabulary is the engine's check.
+fn parse_logit_bias(top: &Fields) -> Result<Vec<(u32, f64)>> {
+    let Some(bias) = top.object("logit_bias")? else {
+        return Ok(Vec::new());
+    };
+    let mut pairs = Vec::with_capacity(bias.map.len());
+    for key in bias.map.keys() {
+        let token = key.parse::<u32>().map_err(|_| {
+            RecipeError::invalid(
+                bias.at(key),
+                format!("logit_bias keys must be token ids (decimal integers >= 0), got {key:?}"),
+            )
+        })?;
+        if let Some(value) = bias.f64_in(key, -100.0, 100.0, false)? {
+            pairs.push((token, value));
+        }
+    }
+    Ok(pairs)
+}
+
+/// vLLM's extensions, so clients written for vLLM work unchanged; the ranges are
+/// the engine's (``SamplingParams``), checked here so the error names the field.
+fn parse_vllm_sampling(top: &Fields, s: &mut SamplingSettings) -> Result<()> {
+    s.top_k = match top.get("top_k") {
+        Some(v) if v.as_i64() == Some(-1) => Some(0), // vLLM's older spelling of "off"
+        Some(v) => Some(as_u32(v, &top.at("top_k"))?),
+        None => None,
+    };
+    s.min_p = top.f64_in("min_p", 0.0, 1.0, false)?;
+    if let Some(x) = top.f64("repetition_penalty")? {
+        if !(x > 0.0 && x.is_finite()) {
+            return Err(RecipeError::invalid(
+                top.at("repetition_penalty"),
+                format!("must be > 0 (1 disables it), got {x}"),
+            ));
+        }
+        s.repetition_penalty = Some(x);
+    }
+    s.min_tokens = top.u32("min_tokens")?;
+    if let (Some(min), Some(max)) = (s.min_tokens, s.max_tokens) {
+        if min > max {
+            return Err(RecipeError::invalid(
+                top.at("min_tokens"),
+                format!("must be <= max_tokens ({max}), got {min}"),
+            ));
+        }
+    }
+    s.ignore_eos = top.bool("ignore_eos")?.unwrap_or(false);
+    if let Some(ids) = top.array("stop_token_ids")? {
+        for (i, v) in ids.iter().enumerate() {
+            s.stop_token_ids
+                .push(as_u32(v, &index(&top.at("stop_token_ids"), i))?);
+        }
+    }
+    s.include_stop_str_in_output = top.bool("include_stop_str_in_output")?.unwrap_or(false);
+    Ok(())
 }
 
 fn parse_thinking(top: &Fields) -> Result<Thinking> {
