@@ -425,18 +425,20 @@ def test_shutdown_ends_in_flight_streams_and_frees_their_blocks(engine_and_adapt
 
 
 def test_bench_serve_measures_this_server(base_url: str, tmp_path: Path) -> None:
-    """The serving benchmark as CI runs it, at a small size, against the real server."""
+    """The serving benchmark as CI runs it, at a small size, against the real server; with
+    --ignore-eos (vLLM's extension) every answer is exactly --output-len tokens."""
     output, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     command = [str(Path(sys.executable).parent / "powertrain"), "bench", "serve", "--base-url", base_url]
     command += ["--workload", "multi-turn", "--conversations", "2", "--turns", "3", "--concurrency", "1,2"]
-    command += ["--input-len", "40", "--output-len", "6", "--output", str(output), "--plot", str(plot)]
+    command += ["--input-len", "40", "--output-len", "6", "--ignore-eos", "--output", str(output), "--plot", str(plot)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     report = json.loads(output.read_text())
-    assert report["config"]["model"] == MODEL
+    assert report["config"]["model"] == MODEL and report["config"]["ignore_eos"] is True
     assert len(report["levels"]) == 2
     for level in report["levels"]:
         assert level["requests"]["completed"] == 6 and level["errors"]["count"] == 0
+        assert level["tokens"]["output"] == 6 * 6
         assert level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"]
         # Each turn resends the conversation so far: later turns hit the prefix cache.
         assert level["prefix_cache_hit_rate"] > 0.2
@@ -519,3 +521,169 @@ def test_responses_logprobs_come_back_on_the_output_text(oai: openai.OpenAI) -> 
     assert plain.output[0].content[0].logprobs == []
     with pytest.raises(openai.BadRequestError, match="log-probabilities are not supported with stream"):
         oai.responses.create(**kwargs, include=["message.output_text.logprobs"], stream=True)
+
+
+# --------------------------------------------------------------------------- vLLM's sampling extensions
+
+SHORT = [{"role": "user", "content": "Say hi."}]
+COUNT = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+
+
+def test_vllm_ignore_eos_and_min_tokens_set_the_length(oai: openai.OpenAI) -> None:
+    free = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=40, temperature=0)
+    assert free.choices[0].finish_reason == "stop", free  # the model ends this answer itself ...
+    ended = free.usage.completion_tokens
+    exact = oai.chat.completions.create(
+        model=MODEL, messages=SHORT, max_tokens=ended + 3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert exact.usage.completion_tokens == ended + 3 and exact.choices[0].finish_reason == "length"
+    longer = oai.chat.completions.create(
+        model=MODEL, messages=SHORT, max_tokens=40, temperature=0, extra_body={"min_tokens": ended + 2}
+    )
+    assert longer.usage.completion_tokens >= ended + 2
+    legacy = oai.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=5, temperature=0, extra_body={"ignore_eos": True, "min_tokens": 5}
+    )
+    assert legacy.usage.completion_tokens == 5
+
+
+def test_vllm_stop_token_ids_end_the_output(oai: openai.OpenAI, engine_and_adapter: tuple[AsyncEngine, Any]) -> None:
+    tokenizer = engine_and_adapter[0].engine.tokenizer
+    prompt = tokenizer.encode("The capital of France is")
+    free = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    ids = tokenizer.encode(free.choices[0].text)
+    stop = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    legacy = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"stop_token_ids": [ids[stop]]}
+    )
+    # The stop token counts as generated but its text is not in the output (as in vLLM).
+    assert legacy.choices[0].finish_reason == "stop" and legacy.usage.completion_tokens == stop + 1
+    assert legacy.choices[0].text == tokenizer.decode(ids[:stop])
+
+    chat = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=6, temperature=0)
+    ids = tokenizer.encode(chat.choices[0].message.content)
+    stopped = oai.chat.completions.create(
+        model=MODEL, messages=SHORT, max_tokens=6, temperature=0, extra_body={"stop_token_ids": [ids[1]]}
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 2
+
+
+def test_vllm_include_stop_str_in_output_keeps_the_stop_string(oai: openai.OpenAI) -> None:
+    kept = oai.chat.completions.create(
+        model=MODEL, messages=COUNT, max_tokens=40, temperature=0, stop=["4"],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].message.content.endswith("4") and kept.choices[0].finish_reason == "stop"
+    legacy = oai.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0, stop=["5"],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert legacy.choices[0].text.endswith("5") and legacy.choices[0].finish_reason == "stop"
+
+
+def test_vllm_top_k_1_and_min_p_1_are_greedy(oai: openai.OpenAI) -> None:
+    greedy = oai.chat.completions.create(model=MODEL, messages=COUNT, max_tokens=12, temperature=0)
+    for extension in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = oai.chat.completions.create(
+            model=MODEL, messages=COUNT, max_tokens=12, temperature=1.5, seed=3, extra_body=extension
+        )
+        assert sampled.choices[0].message.content == greedy.choices[0].message.content, extension
+    legacy_greedy = oai.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0)
+    legacy = oai.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=1.5, seed=3, extra_body={"top_k": 1}
+    )
+    assert legacy.choices[0].text == legacy_greedy.choices[0].text
+
+
+def test_vllm_repetition_penalty_changes_a_repetitive_answer(oai: openai.OpenAI) -> None:
+    def count(**extra: Any) -> str:
+        return (
+            oai.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0, extra_body=extra)
+            .choices[0]
+            .text
+        )
+
+    assert count(repetition_penalty=3.0) != count()
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=COUNT, max_tokens=12, temperature=0, extra_body={"repetition_penalty": 3.0}
+    )
+    greedy = oai.chat.completions.create(model=MODEL, messages=COUNT, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content != greedy.choices[0].message.content
+
+
+def test_vllm_skip_special_tokens_on_completions(
+    oai: openai.OpenAI, engine_and_adapter: tuple[AsyncEngine, Any]
+) -> None:
+    tokenizer = engine_and_adapter[0].engine.tokenizer
+    eos = min(tokenizer.eos_token_ids)
+    body = {"ignore_eos": True, "min_tokens": 3}
+    # A prompt that ends a document: the model's next token is EOS, then more text.
+    prompt = tokenizer.encode("The end.") + [eos]
+    kept = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body=body | {"skip_special_tokens": False}
+    )
+    skipped = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body=body)
+    assert "<|" in kept.choices[0].text and "<|" not in skipped.choices[0].text
+
+
+def test_openai_logit_bias_bans_and_forces_tokens(
+    oai: openai.OpenAI, engine_and_adapter: tuple[AsyncEngine, Any]
+) -> None:
+    tokenizer = engine_and_adapter[0].engine.tokenizer
+    prompt = tokenizer.encode("The capital of France is")
+    greedy = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    first = tokenizer.encode(greedy)[0]
+    banned = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"logit_bias": {str(first): -100}}
+    )
+    assert banned.choices[0].text != greedy
+    forced = tokenizer.encode("Hello")[0]
+    legacy = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=1, logit_bias={str(forced): 100}
+    )
+    assert legacy.choices[0].text == tokenizer.decode([forced, forced])
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=SHORT, max_tokens=2, temperature=1, logit_bias={str(forced): 100}
+    )
+    assert chat.choices[0].message.content == tokenizer.decode([forced, forced])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field", "value"),
+    [
+        ("chat", "top_k", "5"),
+        ("chat", "min_p", 1.5),
+        ("chat", "repetition_penalty", 0),
+        ("chat", "ignore_eos", "yes"),
+        ("chat", "stop_token_ids", [-1]),
+        ("chat", "min_tokens", 50),
+        ("chat", "logit_bias", {"abc": 1}),
+        ("chat", "logit_bias", {"5": 101}),
+        ("chat", "logit_bias", {"999999": 1}),
+        ("completions", "top_k", -3),
+        ("completions", "min_p", 1.5),
+        ("completions", "repetition_penalty", "high"),
+        ("completions", "ignore_eos", 1),
+        ("completions", "stop_token_ids", ["a"]),
+        ("completions", "min_tokens", 50),
+        ("completions", "skip_special_tokens", "no"),
+        ("completions", "include_stop_str_in_output", None),
+        ("completions", "logit_bias", [1]),
+        ("completions", "logit_bias", {"5": "1"}),
+        ("completions", "logit_bias", {"-5": 1}),
+        ("completions", "logit_bias", {"999999": 1}),
+    ],
+)
+def test_vllm_bad_values_get_400_naming_the_field(oai: openai.OpenAI, endpoint: str, field: str, value: Any) -> None:
+    extra = {field: value}
+    if value is None:  # null means absent: accepted
+        reply = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert reply.usage.completion_tokens == 2
+        return
+    with pytest.raises(openai.BadRequestError, match=field):
+        if endpoint == "chat":
+            oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=4, extra_body=extra)
+        else:
+            oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body=extra)
+    reply = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=2)  # still serving
+    assert reply.usage.completion_tokens == 2

@@ -44,6 +44,16 @@ class RequestSampling:
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    #: OpenAI's logit_bias as (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=tuple)
+    # vLLM's sampling extensions (Chat Completions).
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    #: Keep the matched stop string in the text instead of cutting it.
+    include_stop_str_in_output: bool = False
 
 
 @attrs.frozen(kw_only=True)

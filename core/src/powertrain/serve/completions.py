@@ -28,9 +28,21 @@ if TYPE_CHECKING:
 
 PROTOCOL = "openai.completions"
 _SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+#: vLLM's sampling extensions, so clients written for vLLM work unchanged: each is passed to
+#: SamplingParams as it is, after a type check here (SamplingParams checks the ranges).
+_VLLM = {
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+    "min_tokens": int,
+    "ignore_eos": bool,
+    "stop_token_ids": list,
+    "include_stop_str_in_output": bool,
+    "skip_special_tokens": bool,
+}
 #: Accepted only at the value that means "off".
-_OFF = {"n": (1,), "best_of": (1,), "logprobs": (None,), "echo": (False,), "suffix": (None, ""), "logit_bias": ({},)}
-_KNOWN = {"model", "prompt", "stream", "stream_options", "stop", "user", *_SAMPLING, *_OFF}
+_OFF = {"n": (1,), "best_of": (1,), "logprobs": (None,), "echo": (False,), "suffix": (None, "")}
+_KNOWN = {"model", "prompt", "stream", "stream_options", "stop", "user", *_SAMPLING, *_OFF, *_VLLM, "logit_bias"}
 
 
 class CompletionsEndpoint:
@@ -87,8 +99,9 @@ class CompletionsEndpoint:
         ):
             raise ApiError(400, "stop must be a string or a list of strings", "stop")
         values = {key: body[key] for key in _SAMPLING if body.get(key) is not None}
+        values |= _vllm_extensions(body)
         try:
-            return SamplingParams(**values, stop=stop)
+            return SamplingParams(**values, stop=stop, logit_bias=_logit_bias(body.get("logit_bias")))
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
 
@@ -125,6 +138,47 @@ class CompletionsEndpoint:
         if usage is not None:
             chunk["usage"] = usage
         return chunk
+
+
+def _logit_bias(value: Any) -> dict[int, Any]:
+    """OpenAI's ``{"token id": bias}`` with integer keys (SamplingParams checks the biases)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(
+            400, f"logit_bias must be an object mapping token ids to biases, got {json.dumps(value)}", "logit_bias"
+        )
+    bias = {}
+    for key, amount in value.items():
+        if not key.isdecimal():
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+        bias[int(key)] = amount
+    return bias
+
+
+def _vllm_extensions(body: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM fields present, type-checked so a wrong type is a 400 naming the field
+    (SamplingParams checks ranges, and its message names the field too)."""
+    values = {}
+    for field, kind in _VLLM.items():
+        value = body.get(field)
+        if value is None:
+            continue
+        if kind is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is list:
+            ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            what = {float: "a number", int: "an integer", bool: "true or false", list: "a list of token ids"}[kind]
+            raise ApiError(400, f"{field} must be {what}, got {json.dumps(value)}", field)
+        values[field] = value
+    if values.get("top_k") == -1:  # vLLM's older spelling of "off"
+        values["top_k"] = 0
+    return values
 
 
 def _object(body: bytes) -> dict[str, Any]:

@@ -41,6 +41,9 @@ def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_gramma
         "seed": sampling.seed,
         "presence_penalty": sampling.presence_penalty,
         "frequency_penalty": sampling.frequency_penalty,
+        "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty,
+        "min_tokens": sampling.min_tokens,
         "logprobs": logprobs,
     }
     return SamplingParams(
@@ -48,6 +51,9 @@ def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_gramma
         # The engine stops at a stop string but keeps it: the adapter's parser cuts the text
         # and reports which one matched (Anthropic's stop_sequence).
         stop=sampling.stop,
+        stop_token_ids=sampling.stop_token_ids,
+        ignore_eos=sampling.ignore_eos,
+        logit_bias=sampling.logit_bias,
         include_stop_str_in_output=True,
         skip_special_tokens=False,
         structured=structured_output(request, tool_call_grammar),

@@ -58,6 +58,13 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
             top_logprobs=sampling.get("top_logprobs"),
             presence_penalty=sampling.get("presence_penalty"),
             frequency_penalty=sampling.get("frequency_penalty"),
+            logit_bias=tuple((token, bias) for token, bias in sampling.get("logit_bias") or ()),
+            min_p=sampling.get("min_p"),
+            repetition_penalty=sampling.get("repetition_penalty"),
+            min_tokens=sampling.get("min_tokens"),
+            ignore_eos=bool(sampling.get("ignore_eos")),
+            stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
+            include_stop_str_in_output=bool(sampling.get("include_stop_str_in_output")),
         ),
         stream=bool(native.get("stream")),
         response_format=ResponseFormat(type=response_format["type"], schema=response_format.get("schema")),
@@ -118,10 +125,12 @@ class RecipeAdapter:
 
     def stream_parser(self, request: ParsedRequest, id_prefix: str | None = None) -> StreamParser:
         """A parser for this request's generated text (its stop sequences; reasoning first
-        when the prompt already opened a thinking block)."""
+        when the prompt already opened a thinking block). With include_stop_str_in_output
+        the parser is given no stop strings, so it leaves the matched one in the text."""
+        sampling = request.sampling
         return StreamParser(
             self.output_format,
-            list(request.sampling.stop),
+            [] if sampling.include_stop_str_in_output else list(sampling.stop),
             starts_in_reasoning=request.prompt.endswith("<think>"),
             id_prefix=id_prefix,
         )
