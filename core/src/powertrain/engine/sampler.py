@@ -109,7 +109,7 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     for row, p in enumerate(params):
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias, strict=True)
-            logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+            logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
 
 
 def _logprobs(
