@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pytest
 import uvicorn
 from click.testing import CliRunner
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from PIL import Image
 
 from powertrain.bench.client import StreamError, StreamReader
-from powertrain.bench.plot import DPI, FIGSIZE
+from powertrain.bench.plot import DPI, FIGSIZE, latency_vs_load_figure
 from powertrain.bench.sse import SSEParser
 from powertrain.bench.workloads import LengthRange, arrival_times
 from powertrain.cli import main
@@ -377,6 +378,28 @@ def test_rate_sweep_writes_consistent_json_and_a_png(url: str, fake: FakeOpenAIS
     image = Image.open(plot)
     assert image.format == "PNG"
     assert image.size == (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
+    check_figure(report)
+
+
+def check_figure(report: dict[str, Any]) -> None:
+    """The plot's three panels hold the report's numbers: TTFT and TPOT p50/p99, output tok/s."""
+    figure = latency_vs_load_figure(report)
+    try:
+        ttft, tpot, throughput = figure.axes
+        levels = sorted(report["levels"], key=lambda level: level["request_throughput"])
+        xs = [level["request_throughput"] for level in levels]
+        for ax, metric in ((ttft, "ttft_ms"), (tpot, "tpot_ms")):
+            assert [line.get_label() for line in ax.get_lines()] == ["p50", "p99"]
+            for line, percentile in zip(ax.get_lines(), ("p50", "p99"), strict=True):
+                assert list(line.get_xdata()) == pytest.approx(xs)
+                assert list(line.get_ydata()) == pytest.approx([level[metric][percentile] for level in levels])
+        [line] = throughput.get_lines()
+        assert throughput.get_ylabel() == "output tokens/s"
+        assert list(line.get_xdata()) == pytest.approx(xs)
+        assert list(line.get_ydata()) == pytest.approx([level["output_throughput"] for level in levels])
+        assert all(y > 0 for y in line.get_ydata())
+    finally:
+        plt.close(figure)
 
 
 def test_multi_turn_resends_the_growing_history(url: str, fake: FakeOpenAIServer, tmp_path: Path) -> None:
