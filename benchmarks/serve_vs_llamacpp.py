@@ -211,6 +211,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         outputs = llm.chat(chats, params)
         elapsed = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != expected(args):
+        raise RuntimeError(f"offline: {produced} output tokens instead of {expected(args)}")
     return {"tok/s": produced / elapsed, "tokens": produced, "seconds": elapsed}
 
 
@@ -278,6 +280,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help=f"output tokens per chat, EOS ignored [{FULL['max_tokens']}]")
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrencies [16 64]")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama-server -t")
+    parser.add_argument("--keep", help="a folder to keep the server logs and bench results (JSON, PNG) in")
     parser.add_argument("--quick", action="store_true", help=f"a small run: defaults {QUICK}")
     parser.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)  # the offline child
     args = parser.parse_args()
@@ -299,7 +302,8 @@ def main() -> None:
         "model": str(gguf or args.model),
     }
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         print("powertrain serve...", file=sys.stderr, flush=True)
         ours = measure_powertrain(args, work)
         theirs = None
