@@ -7,6 +7,7 @@ is the oracle.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -153,7 +154,7 @@ def test_stream_yields_growing_text_and_closing_it_aborts(llm: LLM) -> None:
     [whole] = llm.generate("The capital of France is", params)
     outputs = list(llm.stream("The capital of France is", params))
     texts = [output.outputs[0].text for output in outputs]
-    assert len(outputs) >= 12 and all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert len(outputs) >= 12 and all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert outputs[-1].finished and not any(output.finished for output in outputs[:-1])
     assert texts[-1] == whole.outputs[0].text and outputs[-1].outputs[0].token_ids == whole.outputs[0].token_ids
     free_before = llm.engine.block_manager.num_free_blocks

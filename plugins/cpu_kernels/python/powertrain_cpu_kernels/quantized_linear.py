@@ -17,6 +17,7 @@ import powertrain_cpu_kernels._native as _native
 from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
 from powertrain_cpu_kernels.tuning import DENSE_BLOCK, GEMV_MAX_ROWS
 
+
 @attrs.frozen(eq=False)
 class PreparedWeight:
     """A ``QuantizedWeight`` this kernel checked once: on the CPU, its tensors contiguous. Its
