@@ -205,6 +205,9 @@ class SamplingParams:
             ),
             f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}",
         )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            need(isinstance(value, bool), f"{name} must be true or false, got {value!r}")
         need(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         need(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),

@@ -28,18 +28,18 @@ if TYPE_CHECKING:
 
 PROTOCOL = "openai.completions"
 _SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
-#: vLLM's sampling extensions, so clients written for vLLM work unchanged: each is passed to
-#: SamplingParams as it is, after a type check here (SamplingParams checks the ranges).
-_VLLM = {
-    "top_k": int,
-    "min_p": float,
-    "repetition_penalty": float,
-    "min_tokens": int,
-    "ignore_eos": bool,
-    "stop_token_ids": list,
-    "include_stop_str_in_output": bool,
-    "skip_special_tokens": bool,
-}
+#: vLLM's sampling extensions, so clients written for vLLM work unchanged: passed to
+#: SamplingParams as they are, which checks each and names it in its error.
+_VLLM = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 #: Accepted only at the value that means "off".
 _OFF = {"n": (1,), "best_of": (1,), "logprobs": (None,), "echo": (False,), "suffix": (None, "")}
 _KNOWN = {"model", "prompt", "stream", "stream_options", "stop", "user", *_SAMPLING, *_OFF, *_VLLM, "logit_bias"}
@@ -157,26 +157,9 @@ def _logit_bias(value: Any) -> dict[int, Any]:
 
 
 def _vllm_extensions(body: dict[str, Any]) -> dict[str, Any]:
-    """The vLLM fields present, type-checked so a wrong type is a 400 naming the field
-    (SamplingParams checks ranges, and its message names the field too)."""
-    values = {}
-    for field, kind in _VLLM.items():
-        value = body.get(field)
-        if value is None:
-            continue
-        if kind is float:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif kind is list:
-            ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
-            what = {float: "a number", int: "an integer", bool: "true or false", list: "a list of token ids"}[kind]
-            raise ApiError(400, f"{field} must be {what}, got {json.dumps(value)}", field)
-        values[field] = value
-    if values.get("top_k") == -1:  # vLLM's older spelling of "off"
+    """The vLLM fields present (null means absent), with vLLM's older ``top_k: -1`` for off."""
+    values = {field: body[field] for field in _VLLM if body.get(field) is not None}
+    if values.get("top_k") == -1 and not isinstance(values["top_k"], bool):
         values["top_k"] = 0
     return values
 
