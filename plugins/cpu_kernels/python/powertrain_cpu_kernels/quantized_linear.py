@@ -34,6 +34,11 @@ class PreparedWeight:
     def cols(self) -> int:
         return self.weight.shape[1]
 
+    @property
+    def what(self) -> str:
+        """The weight as error messages name it (built only when one is raised)."""
+        return f"{self.weight.format} from {self.weight.source or 'unknown'}"
+
 
 def _use_threads(threads: int) -> None:
     # One pool per process; a call only rebuilds it when kernels with different thread counts
@@ -92,20 +97,20 @@ class NativeQuantizedLinear:
                 "call kernel.prepare(weight) once at load time"
             )
         rows, cols = prepared.rows, prepared.cols
-        what = f"{prepared.weight.format} from {prepared.weight.source or 'unknown'}"
         if not x.is_floating_point() or x.device.type != "cpu":
             raise ValueError(
                 f"NativeQuantizedLinear takes floating-point CPU activations, got {x.dtype} on {x.device} "
-                f"(weight {what})"
+                f"(weight {prepared.what})"
             )
         if x.dim() == 0 or x.shape[-1] != cols:
             raise ValueError(
                 f"activations of shape {list(x.shape)} do not fit a [{rows}, {cols}] weight "
-                f"({what}): the last dimension must be {cols}"
+                f"({prepared.what}): the last dimension must be {cols}"
             )
         if bias is not None and (tuple(bias.shape) != (rows,) or bias.device.type != "cpu"):
             raise ValueError(
-                f"bias must be a CPU tensor of shape [{rows}], got {list(bias.shape)} on {bias.device} (weight {what})"
+                f"bias must be a CPU tensor of shape [{rows}], got {list(bias.shape)} on {bias.device} "
+                f"(weight {prepared.what})"
             )
         # Each torch call costs a microsecond or more, against tens for a decode-sized
         # product: a 2-d contiguous float32 x without bias skips all conversions.
