@@ -223,6 +223,9 @@ pub struct SamplingSettings {
     pub stop_token_ids: Vec<u32>,
     /// Keep the matched stop string in the output text instead of cutting it.
     pub include_stop_str_in_output: bool,
+    /// Leave special tokens (e.g. an end-of-turn token generated under ``ignore_eos``)
+    /// out of the output text; vLLM's default is true.
+    pub skip_special_tokens: bool,
     /// OpenAI's ``logit_bias``: (token id, bias in [-100, 100]) pairs.
     pub logit_bias: Vec<(u32, f64)>,
 }
@@ -247,6 +250,7 @@ impl Default for SamplingSettings {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             include_stop_str_in_output: false,
+            skip_special_tokens: true,
             logit_bias: Vec::new(),
         }
     }

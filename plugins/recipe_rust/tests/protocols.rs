@@ -517,7 +517,7 @@ fn chat_vllm_sampling_fields() {
         &chat_with(
             json!({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "max_tokens": 9,
         "min_tokens": 3, "ignore_eos": true, "stop_token_ids": [7, 8],
-        "include_stop_str_in_output": true}),
+        "include_stop_str_in_output": true, "skip_special_tokens": false}),
         ),
     );
     let s = &r.sampling;
@@ -525,7 +525,7 @@ fn chat_vllm_sampling_fields() {
         (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens),
         (Some(5), Some(0.1), Some(1.2), Some(3))
     );
-    assert!(s.ignore_eos && s.include_stop_str_in_output);
+    assert!(s.ignore_eos && s.include_stop_str_in_output && !s.skip_special_tokens);
     assert_eq!(s.stop_token_ids, vec![7, 8]);
     let biased = ok(
         CHAT,
@@ -538,6 +538,7 @@ fn chat_vllm_sampling_fields() {
     assert_eq!(off.sampling.top_k, Some(0));
     let absent = ok(CHAT, &chat_with(json!({})));
     assert!(!absent.sampling.ignore_eos && absent.sampling.stop_token_ids.is_empty());
+    assert!(absent.sampling.skip_special_tokens); // vLLM's default
     let r = ok(
         CHAT,
         &json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b"]}),
@@ -740,6 +741,11 @@ fn chat_errors() {
                 chat_with(json!({"include_stop_str_in_output": 1})),
                 Inv,
                 "include_stop_str_in_output",
+            ),
+            (
+                chat_with(json!({"skip_special_tokens": "no"})),
+                Inv,
+                "skip_special_tokens",
             ),
             (
                 chat_with(json!({"stream_options": {"include_usage": true}})),

@@ -13,7 +13,7 @@
 //!
 //! vLLM's sampling extensions: ``top_k`` (0 or -1 disables it), ``min_p``,
 //! ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-//! ``include_stop_str_in_output``.
+//! ``include_stop_str_in_output``, ``skip_special_tokens``.
 //!
 //! Streaming writes one choice and no log-probabilities (``output::sse``), so with
 //! ``stream: true`` an ``n`` above 1 and ``logprobs: true`` are refused as unsupported.
@@ -83,6 +83,7 @@ const TOP_LEVEL: &[&str] = &[
     "ignore_eos",
     "stop_token_ids",
     "include_stop_str_in_output",
+    "skip_special_tokens",
 ];
 
 pub fn parse(body: &Value) -> Result<EngineRequest> {
@@ -309,6 +310,7 @@ fn parse_vllm_sampling(top: &Fields, s: &mut SamplingSettings) -> Result<()> {
         }
     }
     s.include_stop_str_in_output = top.bool("include_stop_str_in_output")?.unwrap_or(false);
+    s.skip_special_tokens = top.bool("skip_special_tokens")?.unwrap_or(true);
     Ok(())
 }
 
