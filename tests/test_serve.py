@@ -626,6 +626,35 @@ def test_vllm_skip_special_tokens_on_completions(
     assert "<|" in kept.choices[0].text and "<|" not in skipped.choices[0].text
 
 
+def test_vllm_skip_special_tokens_on_chat(oai: openai.OpenAI, engine_and_adapter: tuple[AsyncEngine, Any]) -> None:
+    tokenizer = engine_and_adapter[0].engine.tokenizer
+    specials = [t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special]
+    free = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=40, temperature=0)
+    assert free.choices[0].finish_reason == "stop", free  # the model ends this answer itself ...
+    answer, past_end = free.choices[0].message.content, free.usage.completion_tokens + 6
+    body = {"ignore_eos": True, "min_tokens": past_end}  # ... and is made to go on past its end token
+
+    def chat(stream: bool, **extra: Any) -> str:
+        kwargs = {"model": MODEL, "messages": SHORT, "max_tokens": past_end, "temperature": 0}
+        if not stream:
+            reply = oai.chat.completions.create(**kwargs, extra_body=body | extra)
+            assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == past_end
+            return reply.choices[0].message.content
+        chunks = oai.chat.completions.create(**kwargs, stream=True, extra_body=body | extra)
+        return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+
+    kept = chat(False, skip_special_tokens=False)
+    assert kept.startswith(answer + tokenizer.eos_token), kept  # the end token's text, then more
+    skipped = chat(False)  # vLLM's default: special tokens are left out
+    assert not any(special in skipped for special in specials), skipped
+    without_specials = kept
+    for special in specials:
+        without_specials = without_specials.replace(special, "")
+    assert skipped == without_specials and len(skipped) > len(answer)
+    assert chat(False, skip_special_tokens=True) == skipped
+    assert chat(True) == skipped and chat(True, skip_special_tokens=False) == kept
+
+
 def test_openai_logit_bias_bans_and_forces_tokens(
     oai: openai.OpenAI, engine_and_adapter: tuple[AsyncEngine, Any]
 ) -> None:
@@ -660,6 +689,7 @@ def test_openai_logit_bias_bans_and_forces_tokens(
         ("chat", "logit_bias", {"abc": 1}),
         ("chat", "logit_bias", {"5": 101}),
         ("chat", "logit_bias", {"999999": 1}),
+        ("chat", "skip_special_tokens", "no"),
         ("completions", "top_k", -3),
         ("completions", "min_p", 1.5),
         ("completions", "repetition_penalty", "high"),

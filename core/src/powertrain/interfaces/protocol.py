@@ -54,6 +54,8 @@ class RequestSampling:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     #: Keep the matched stop string in the text instead of cutting it.
     include_stop_str_in_output: bool = False
+    #: Leave special tokens (an end-of-turn token generated under ignore_eos) out of the text.
+    skip_special_tokens: bool = True
 
 
 @attrs.frozen(kw_only=True)

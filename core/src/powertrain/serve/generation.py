@@ -55,7 +55,7 @@ def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_gramma
         ignore_eos=sampling.ignore_eos,
         logit_bias=sampling.logit_bias,
         include_stop_str_in_output=True,
-        skip_special_tokens=False,
+        skip_special_tokens=sampling.skip_special_tokens,
         structured=structured_output(request, tool_call_grammar),
     )
 

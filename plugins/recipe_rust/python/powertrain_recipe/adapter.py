@@ -65,6 +65,7 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
             ignore_eos=bool(sampling.get("ignore_eos")),
             stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
             include_stop_str_in_output=bool(sampling.get("include_stop_str_in_output")),
+            skip_special_tokens=bool(sampling.get("skip_special_tokens", True)),
         ),
         stream=bool(native.get("stream")),
         response_format=ResponseFormat(type=response_format["type"], schema=response_format.get("schema")),
