@@ -36,6 +36,8 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
     ],
 ]
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
 
 class TestContract(PluginContract):
     plugin = "recipe"
@@ -420,3 +422,18 @@ def test_render_response_writes_every_choice_and_the_reasoning_summary() -> None
     without = json.loads(adapter.render_response("openai.responses", plain, output))["output"][0]
     assert with_summary["summary"] == [{"type": "summary_text", "text": "Thought."}] and "content" not in with_summary
     assert without["summary"] == [] and without["content"] == [{"type": "reasoning_text", "text": "Thought."}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "skipped"),
+    [
+        ({}, True),  # vLLM's default
+        ({"skip_special_tokens": False}, False),
+        ({"tools": [TOOL]}, False),  # the parser must see tool-call markup whole
+        ({"tools": [TOOL], "tool_choice": "none"}, True),  # no call can come
+        ({"tools": [TOOL], "skip_special_tokens": True}, False),
+    ],
+)
+def test_special_tokens_are_skipped_unless_asked_or_tool_calls_may_come(fields: dict, skipped: bool) -> None:
+    request = deepseek_adapter().parse_request("openai.chat", chat_body([{"role": "user", "content": "hi"}], **fields))
+    assert request.sampling.skip_special_tokens is skipped

@@ -65,7 +65,7 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
             ignore_eos=bool(sampling.get("ignore_eos")),
             stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
             include_stop_str_in_output=bool(sampling.get("include_stop_str_in_output")),
-            skip_special_tokens=bool(sampling.get("skip_special_tokens", True)),
+            skip_special_tokens=bool(sampling.get("skip_special_tokens", True)) and not _may_call_tools(native),
         ),
         stream=bool(native.get("stream")),
         response_format=ResponseFormat(type=response_format["type"], schema=response_format.get("schema")),
@@ -74,6 +74,14 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
         else StructuredOutputsField(type=extension["type"], value=extension["value"]),
         native=native,
     )
+
+
+def _may_call_tools(native: Mapping[str, Any]) -> bool:
+    """Whether the answer may hold tool-call markup, which the parser must see whole: some
+    tokenizers mark tool-call tokens special, so skipping special tokens would erase the
+    calls (vLLM's tool parsers keep special tokens for such requests too)."""
+    conversation = native.get("conversation") or {}
+    return bool(conversation.get("tools")) and (conversation.get("tool_choice") or {}).get("type") != "none"
 
 
 def parse_request(protocol: str, body: bytes | str) -> dict[str, Any]:
