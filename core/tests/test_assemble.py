@@ -23,7 +23,7 @@ def test_auto_resolves_on_this_machine_and_says_why() -> None:
     assert result.platform.name == "cpu"  # this machine has no GPU; cuda reports why
     assert "highest priority" in result.resolutions["platform"].reason
     assert "cuda (" in result.resolutions["platform"].reason
-    assert result.resolutions["attention"].name == "torch-bucketed"
+    assert result.resolutions["attention"].name == "cpu-paged"  # the CPU kernel pack, installed in this workspace
     assert result.resolutions["communication"].name == "single-process"
     assert result.resolutions["speculative"].reason == "disabled (speculative = none)"
     assert result.resolutions["moe"].error == ""  # not needed without a MoE model
@@ -34,7 +34,7 @@ def test_named_component_that_does_not_exist_lists_available_ones() -> None:
     [problem] = [p for p in result.problems if p.startswith("attention")]
     assert "attention = 'flash-nonexistent'" in problem
     assert "is not provided by any loaded plugin" in problem
-    assert "available here: torch-bucketed, torch-reference, sdpa" in problem
+    assert "available here: cpu-paged, torch-bucketed, torch-reference, sdpa" in problem
     with pytest.raises(AssemblyError):
         plan(config(attention="flash-nonexistent"))
 
@@ -88,7 +88,7 @@ def test_unavailable_platform_component_is_refused_with_reason() -> None:
             ]
 
     manager.register(GpuOnly())
-    assert plan(config(), manager, strict=False).resolutions["attention"].name == "torch-bucketed"
+    assert plan(config(), manager, strict=False).resolutions["attention"].name == "cpu-paged"
     error = plan(config(attention="gpu-only"), manager, strict=False).resolutions["attention"].error
     assert "gpu-only (runs on cuda, not on platform 'cpu')" in error
 

@@ -76,7 +76,7 @@ def test_config_check_unknown_component_lists_available_ones(tmp_path: Path) -> 
     proc = run("config", "check", str(path))
     assert proc.returncode == 1
     assert "attention = 'flash9': attention 'flash9' is not provided by any loaded plugin" in proc.stderr
-    assert "available here: torch-bucketed, torch-reference, sdpa" in proc.stderr
+    assert "available here: cpu-paged, torch-bucketed, torch-reference, sdpa" in proc.stderr
 
 
 def test_config_check_reports_config_errors_one_per_line(tmp_path: Path) -> None:

@@ -20,14 +20,19 @@
 //! output rows ``n`` on a small pool (``pool.rs``) whose size the caller sets (torch's thread
 //! count); the calling thread is one of its threads.
 //!
+//! The crate's other kernel, paged attention for decodes and other short query rows, is in
+//! ``attention.rs``; it shares the pool and the path detection.
+//!
 //! Every function here trusts its caller for the sizes: the slices must hold exactly the
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
+pub use attention::{paged_attention, PagedAttention};
 use pool::Pool;
 
+mod attention;
 mod pool;
 mod q4;
 mod q8;

@@ -148,6 +148,56 @@ fn q8_dequantize(
     Ok(())
 }
 
+/// Attention of the short rows ``rows`` of a paged batch into ``out`` (see ``attention.rs``).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    query: usize,
+    key_cache: usize,
+    value_cache: usize,
+    block_tables: usize,
+    query_start: usize,
+    seq_lens: usize,
+    rows: usize,
+    out: usize,
+    tokens: usize,
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+    num_blocks: usize,
+    block_size: usize,
+    batch: usize,
+    max_blocks: usize,
+    num_rows: usize,
+    scale: f32,
+    window: usize,
+    parallel: bool,
+) -> PyResult<()> {
+    py.detach(|| unsafe {
+        let cache = num_blocks * block_size * kv_heads * dim;
+        let job = crate::PagedAttention {
+            query: view(query, tokens * heads * dim),
+            key_cache: view(key_cache, cache),
+            value_cache: view(value_cache, cache),
+            block_tables: view(block_tables, batch * max_blocks),
+            query_start: view(query_start, batch + 1),
+            seq_lens: view(seq_lens, batch),
+            rows: view(rows, num_rows),
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            max_blocks,
+            scale,
+            window,
+            parallel,
+        };
+        crate::paged_attention(&job, view_mut(out, tokens * heads * dim))
+    })
+    .map_err(PyValueError::new_err)
+}
+
 /// The path calls take now: ``"avx2+fma"`` or ``"scalar"``.
 #[pyfunction]
 fn kernel_path() -> &'static str {
@@ -184,6 +234,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(q4_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(force_scalar, m)?)?;

@@ -1,5 +1,6 @@
-"""Registers ``cpu-native``: the Rust weight-only quantised matmul, for GGUF weights kept
-quantised on a CPU (``[model] quantization``).
+"""Registers ``cpu-native``, the Rust weight-only quantised matmul for GGUF weights kept
+quantised on a CPU (``[model] quantization``), and ``cpu-paged``, the attention backend
+whose decodes and other short rows attend in Rust.
 
 Importing this module loads nothing heavy: the extension is imported by the availability
 check and the factory, when assembly (or the conformance kit) asks for them.
@@ -10,11 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from powertrain import hookimpl
-from powertrain.components import Availability, PlatformInfo, QuantizedLinearRecord
+from powertrain.components import AttentionBackendRecord, Availability, PlatformInfo, QuantizedLinearRecord
 from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
-    from powertrain.interfaces import QuantizedLinearContext
+    from powertrain.interfaces import AttentionBackendContext, QuantizedLinearContext
+    from powertrain_cpu_kernels.attention import NativePagedAttention
     from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
 
 POWERTRAIN_HOOK_API = 1
@@ -32,6 +34,40 @@ def build_native(context: QuantizedLinearContext) -> NativeQuantizedLinear:
     from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
 
     return NativeQuantizedLinear()
+
+
+def build_paged(context: AttentionBackendContext) -> NativePagedAttention:
+    from powertrain_cpu_kernels.attention import NativePagedAttention
+
+    return NativePagedAttention()
+
+
+@hookimpl
+def powertrain_attention_backends() -> list[AttentionBackendRecord]:
+    return [
+        AttentionBackendRecord(
+            name="cpu-paged",
+            platforms={"cpu"},
+            capabilities={
+                "gqa",
+                "mha",
+                "paged",
+                "prefill",
+                "decode",
+                "chunked-prefill",
+                "sliding-window",
+                "batch-invariant",
+            },
+            # Above torch-bucketed (10), which it extends: the CPU default when installed.
+            priority=20,
+            check=native_available,
+            factory=build_paged,
+            description=(
+                "torch-bucketed with decodes and other short rows attending in Rust, straight from "
+                "the paged cache (float32; other dtypes take the plain-torch path)"
+            ),
+        )
+    ]
 
 
 @hookimpl

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import powertrain_cpu_kernels._native as _native
 from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
+from powertrain_cpu_kernels.threads import use_threads
 from powertrain_cpu_kernels.tuning import DENSE_BLOCK, GEMV_MAX_ROWS
 
 
@@ -38,13 +39,6 @@ class PreparedWeight:
     def what(self) -> str:
         """The weight as error messages name it (built only when one is raised)."""
         return f"{self.weight.format} from {self.weight.source or 'unknown'}"
-
-
-def _use_threads(threads: int) -> None:
-    # One pool per process; a call only rebuilds it when kernels with different thread counts
-    # alternate (never in an engine).
-    if threads != _native.threads():
-        _native.set_threads(threads)
 
 
 class NativeQuantizedLinear:
@@ -130,7 +124,7 @@ class NativeQuantizedLinear:
 
     def dequantize(self, prepared: PreparedWeight) -> torch.Tensor:
         """The dense float32 ``[rows, cols]`` weight (bit-equal to ``QuantizedWeight.dequantize()``)."""
-        _use_threads(self.threads)
+        use_threads(self.threads)
         dense = torch.empty((prepared.rows, prepared.cols), dtype=torch.float32)
         self._dequantize_rows(prepared, 0, prepared.rows, dense)
         return dense
@@ -146,7 +140,7 @@ class NativeQuantizedLinear:
             _native.q8_dequantize(*args, prepared.weight.group)
 
     def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        _use_threads(self.threads)
+        use_threads(self.threads)
         rows, cols = prepared.rows, prepared.cols
         block_rows = max(1, self.dense_block // cols)
         if block_rows >= rows:
@@ -161,7 +155,7 @@ class NativeQuantizedLinear:
         return out
 
     def _native_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
-        _use_threads(self.threads)
+        use_threads(self.threads)
         m = x.shape[0]
         out = torch.empty((m, prepared.rows), dtype=torch.float32)
         offsets = 0 if prepared.weight.offsets is None else prepared.weight.offsets.data_ptr()

@@ -1,0 +1,88 @@
+"""``NativePagedAttention`` (``cpu-paged``): ``torch-bucketed`` with its short rows in Rust.
+
+Decodes, verifications and short chunks (at most ``SHORT_QUERY`` new tokens) attend in one
+native call per layer: each (sequence, kv head) pair reads its keys and values straight
+from the paged cache, with no gathered copy, padding bucket or mask (``src/attention.rs``).
+Long prefill rows keep ``scaled_dot_product_attention`` per sequence, which is matmul-bound
+and which a hand-written loop would not beat. Float32 only: a bfloat16 or float16 model, or
+a cache on another device, takes the plain-torch path of the parent class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import powertrain_cpu_kernels._native as _native
+from powertrain.builtin.bucketed_attention import SHORT_QUERY, BucketedAttention
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+from powertrain_cpu_kernels.threads import use_threads
+
+
+class NativePagedAttention(BucketedAttention):
+    """``threads``: the native kernels' threads, the calling one included (default: torch's
+    thread count when built); the pool is shared with ``NativeQuantizedLinear``."""
+
+    name = "cpu-paged"
+
+    def __init__(self, threads: int | None = None) -> None:
+        super().__init__()
+        self.threads = torch.get_num_threads() if threads is None else max(1, threads)
+        # The short rows of the step being run, as the kernel takes them (see _short_rows).
+        self._rows: tuple[AttentionMetadata | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.int64))
+
+    def _short(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [tokens, heads, dim]
+        key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, dim]
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,  # [tokens, heads, dim], contiguous: the short rows' tokens are written
+    ) -> None:
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, key_cache, value_cache)):
+            super()._short(layer, query, key_cache, value_cache, metadata, output)
+            return
+        rows = self._short_rows(metadata)
+        if not rows.numel():
+            return
+        query = query.contiguous()
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
+        tables = metadata.block_tables.contiguous()
+        starts, seq_lens = metadata.query_start_loc.contiguous(), metadata.seq_lens.contiguous()
+        if not all(t.dtype == torch.int32 for t in (tables, starts, seq_lens)):
+            raise TypeError("cpu-paged: block_tables, query_start_loc and seq_lens must be int32 (AttentionMetadata)")
+        tokens, heads, dim = query.shape
+        use_threads(self.threads)
+        _native.paged_attention(
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            tables.data_ptr(),
+            starts.data_ptr(),
+            seq_lens.data_ptr(),
+            rows.data_ptr(),
+            output.data_ptr(),
+            tokens,
+            heads,
+            layer.num_kv_heads,
+            dim,
+            key_cache.shape[0],
+            key_cache.shape[1],
+            tables.shape[0],
+            tables.shape[1],
+            rows.numel(),
+            layer.scale,
+            layer.sliding_window or 0,
+            # The pool only while torch's own ops run on one thread (the engine's decode steps
+            # of a model kept quantised): torch's OpenMP workers and the pool's spinning
+            # workers on the same cores slowed a 64-sequence decode step 2x.
+            torch.get_num_threads() == 1,
+        )
+
+    def _short_rows(self, metadata: AttentionMetadata) -> torch.Tensor:
+        """The sequences with at most ``SHORT_QUERY`` new tokens: the same for every layer of
+        a step, so listed once per step."""
+        if self._rows[0] is not metadata:
+            short = [i for i, n in enumerate(metadata.query_lens_host) if n <= SHORT_QUERY]
+            self._rows = (metadata, torch.tensor(short, dtype=torch.int64))
+        return self._rows[1]

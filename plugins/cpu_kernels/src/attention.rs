@@ -1,0 +1,309 @@
+//! Paged attention for short query rows: decodes, speculative verifications, short chunks.
+//!
+//! Why a kernel of its own: in plain torch a batch of decodes costs a gather of every row's
+//! blocks into a padded buffer, masks, one ``scaled_dot_product_attention`` per length
+//! bucket and a scatter back, per layer; for a 64-sequence CPU decode step that was more
+//! time than the model's matmuls. Here each (sequence, kv head) pair reads its keys and
+//! values straight from the paged cache through the block table, once, for all the query
+//! heads that share that kv head and all of the row's query tokens.
+//!
+//! Per pair: scores ``q . k * scale`` for the keys each query token sees (causal, and inside
+//! the sliding window if there is one), an exact two-pass softmax (max, then exponentials
+//! and their sum), then the weighted sum of values. Every pair's arithmetic depends only on
+//! its own row, in a fixed order, so results are batch-invariant and the same whichever
+//! thread runs the pair.
+//!
+//! Layouts (all float32, contiguous): query and out ``[tokens, heads, dim]``; key and value
+//! cache ``[blocks, block_size, kv_heads, dim]``; block tables ``[batch, max_blocks]`` int32;
+//! ``query_start`` ``[batch + 1]`` and ``seq_lens`` ``[batch]`` int32. A row's query tokens
+//! are the last ``q_len`` positions of its ``seq_len`` tokens (their keys already stored).
+
+use crate::{for_row_chunks, kernel_path, KernelPath, OutPtr};
+
+/// One call's inputs (see the module docs for the layouts).
+pub struct PagedAttention<'a> {
+    pub query: &'a [f32],
+    pub key_cache: &'a [f32],
+    pub value_cache: &'a [f32],
+    pub block_tables: &'a [i32],
+    pub query_start: &'a [i32],
+    pub seq_lens: &'a [i32],
+    /// The sequences to attend (indices into ``seq_lens``); other rows' outputs are untouched.
+    pub rows: &'a [i64],
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
+    pub block_size: usize,
+    pub max_blocks: usize,
+    pub scale: f32,
+    /// Each token sees itself and the ``window - 1`` tokens before it; 0: no window.
+    pub window: usize,
+    /// Whether the pool may run pairs on other threads (false: all on the calling one).
+    pub parallel: bool,
+}
+
+/// Where one (row, kv head) pair reads and writes.
+#[derive(Clone, Copy)]
+struct Row {
+    /// First flat query token.
+    start: usize,
+    q_len: usize,
+    seq_len: usize,
+    table: usize,
+}
+
+/// Pairs' work (query tokens x visible keys x heads) below which one thread runs them all.
+const PARALLEL_WORK: usize = 1 << 14;
+
+impl PagedAttention<'_> {
+    /// Checks every row against the buffers, so the kernel never reads out of bounds.
+    fn plan(&self) -> Result<Vec<Row>, String> {
+        let (heads, kv_heads, dim) = (self.heads, self.kv_heads, self.dim);
+        if kv_heads == 0 || dim == 0 || self.block_size == 0 || heads % kv_heads != 0 {
+            return Err(format!(
+                "heads ({heads}) must be a multiple of kv_heads ({kv_heads}), both and dim ({dim}) and \
+                 block_size ({}) positive",
+                self.block_size
+            ));
+        }
+        let batch = self.seq_lens.len();
+        let tokens = self.query.len() / (heads * dim);
+        let per_block = self.block_size * kv_heads * dim;
+        let num_blocks = self.key_cache.len() / per_block;
+        if self.query_start.len() != batch + 1
+            || self.block_tables.len() != batch * self.max_blocks
+            || self.value_cache.len() != self.key_cache.len()
+        {
+            return Err(
+                "query_start, block_tables or the value cache do not match the batch".into(),
+            );
+        }
+        let mut plan = Vec::with_capacity(self.rows.len());
+        for &row in self.rows {
+            let r = usize::try_from(row)
+                .ok()
+                .filter(|&r| r < batch)
+                .ok_or_else(|| format!("row {row} is not a sequence of this batch of {batch}"))?;
+            let (start, end) = (self.query_start[r], self.query_start[r + 1]);
+            let seq_len = self.seq_lens[r];
+            if start < 0 || end < start || end as usize > tokens || seq_len < end - start {
+                return Err(format!(
+                    "sequence {r}: query tokens {start}..{end} of {tokens} with {seq_len} cached tokens"
+                ));
+            }
+            let seq_len = seq_len as usize;
+            let q_len = (end - start) as usize;
+            if seq_len > self.max_blocks * self.block_size {
+                return Err(format!(
+                    "sequence {r}: {seq_len} tokens do not fit its {} blocks of {}",
+                    self.max_blocks, self.block_size
+                ));
+            }
+            let table = r * self.max_blocks;
+            let first = self.first_key(seq_len - q_len) / self.block_size;
+            for (i, &block) in self.block_tables[table..][first..seq_len.div_ceil(self.block_size)]
+                .iter()
+                .enumerate()
+            {
+                if block < 0 || block as usize >= num_blocks {
+                    return Err(format!(
+                        "sequence {r}: block table entry {} is {block}, not one of the cache's {num_blocks} blocks",
+                        first + i
+                    ));
+                }
+            }
+            plan.push(Row {
+                start: start as usize,
+                q_len,
+                seq_len,
+                table,
+            });
+        }
+        Ok(plan)
+    }
+
+    /// The first key the query at position ``position`` sees.
+    fn first_key(&self, position: usize) -> usize {
+        if self.window == 0 {
+            0
+        } else {
+            (position + 1).saturating_sub(self.window)
+        }
+    }
+
+    /// Offset of token ``position``'s vector for ``kv_head`` in either cache.
+    #[inline(always)]
+    fn cache_offset(&self, row: &Row, position: usize, kv_head: usize) -> usize {
+        let block = self.block_tables[row.table + position / self.block_size] as usize;
+        ((block * self.block_size + position % self.block_size) * self.kv_heads + kv_head)
+            * self.dim
+    }
+}
+
+/// Attention of the chosen rows' query tokens, written into ``out`` at the same tokens.
+pub fn paged_attention(job: &PagedAttention, out: &mut [f32]) -> Result<(), String> {
+    if out.len() != job.query.len() {
+        return Err("out must have the query's shape".into());
+    }
+    let plan = job.plan()?;
+    let pairs = plan.len() * job.kv_heads;
+    let work: usize = plan.iter().map(|r| r.q_len * r.seq_len).sum::<usize>() * job.heads;
+    let out = OutPtr(out.as_mut_ptr());
+    let path = kernel_path();
+    let run = |p0: usize, p1: usize| {
+        for pair in p0..p1 {
+            let (row, kv_head) = (&plan[pair / job.kv_heads], pair % job.kv_heads);
+            match path {
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx2Fma => unsafe { attend_avx2(job, row, kv_head, out) },
+                _ => attend(job, row, kv_head, out),
+            }
+        }
+    };
+    let serial = !job.parallel || work < PARALLEL_WORK;
+    for_row_chunks(pairs, if serial { pairs } else { 1 }, run);
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
+    attend(job, row, kv_head, out)
+}
+
+/// One (row, kv head) pair. Inlined into each path, so the compiler vectorises the lane
+/// loops with that path's instructions.
+///
+/// Per query row (one query token's head): its scores four keys at a time (four
+/// independent sums, so the adds of one do not wait for another's), the softmax, then the
+/// values four at a time into one accumulator. Keys and values are addressed through
+/// offsets computed once per pair.
+#[inline(always)]
+fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
+    let (dim, heads) = (job.dim, job.heads);
+    let group = heads / job.kv_heads;
+    let first_position = row.seq_len - row.q_len;
+    let lo = job.first_key(first_position);
+    let offsets: Vec<usize> = (lo..row.seq_len)
+        .map(|position| job.cache_offset(row, position, kv_head))
+        .collect();
+    let key = |j: usize| &job.key_cache[offsets[j]..offsets[j] + dim];
+    let value = |j: usize| &job.value_cache[offsets[j]..offsets[j] + dim];
+    let mut scores = vec![0.0f32; offsets.len()];
+    let mut sum = vec![0.0f32; dim];
+    for q in 0..row.q_len * group {
+        let (t, h) = (q / group, q % group);
+        let position = first_position + t;
+        // The keys this query row sees, as indices into ``offsets``.
+        let (a, b) = (job.first_key(position) - lo, position + 1 - lo);
+        let offset = ((row.start + t) * heads + kv_head * group + h) * dim;
+        let query = &job.query[offset..offset + dim];
+        let mut j = a;
+        while j + 4 <= b {
+            let dots = dot4(query, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
+            for (score, d) in scores[j..j + 4].iter_mut().zip(dots) {
+                *score = d * job.scale;
+            }
+            j += 4;
+        }
+        for (j, score) in scores.iter_mut().enumerate().take(b).skip(j) {
+            *score = crate::dot(query, key(j)) * job.scale;
+        }
+        let seen = &mut scores[a..b];
+        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        seen.iter_mut().for_each(|s| *s = exp(*s - max));
+        let total: f32 = seen.iter().sum();
+        sum.fill(0.0);
+        let mut j = a;
+        while j + 4 <= b {
+            let w = [scores[j], scores[j + 1], scores[j + 2], scores[j + 3]];
+            axpy4(
+                &mut sum,
+                w,
+                [value(j), value(j + 1), value(j + 2), value(j + 3)],
+            );
+            j += 4;
+        }
+        for (j, &w) in scores.iter().enumerate().take(b).skip(j) {
+            sum.iter_mut().zip(value(j)).for_each(|(s, v)| *s += w * v);
+        }
+        let inverse = 1.0 / total;
+        // SAFETY: each (token, head) vector belongs to exactly one pair, so chunks on other
+        // threads never write it; ``plan`` checked the token is inside ``out``.
+        let target = unsafe { std::slice::from_raw_parts_mut(out.0.add(offset), dim) };
+        target
+            .iter_mut()
+            .zip(&sum)
+            .for_each(|(o, s)| *o = s * inverse);
+    }
+}
+
+/// ``query . keys[i]`` for four keys, each summed in eight lanes like ``crate::dot``.
+#[inline(always)]
+fn dot4(query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
+    let mut lanes = [[0.0f32; 8]; 4];
+    let chunks = query.len() / 8;
+    for c in 0..chunks {
+        let q = &query[c * 8..c * 8 + 8];
+        for (lane, key) in lanes.iter_mut().zip(&keys) {
+            let k = &key[c * 8..c * 8 + 8];
+            for i in 0..8 {
+                lane[i] += q[i] * k[i];
+            }
+        }
+    }
+    let mut dots = [0.0f32; 4];
+    for ((dot, lane), key) in dots.iter_mut().zip(&lanes).zip(&keys) {
+        let mut total =
+            (lane[0] + lane[4]) + (lane[1] + lane[5]) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+        for i in chunks * 8..query.len() {
+            total += query[i] * key[i];
+        }
+        *dot = total;
+    }
+    dots
+}
+
+/// ``sum += w[0] * values[0] + ... + w[3] * values[3]``, element by element.
+#[inline(always)]
+fn axpy4(sum: &mut [f32], w: [f32; 4], values: [&[f32]; 4]) {
+    let n = sum.len();
+    let [v0, v1, v2, v3] = values.map(|v| &v[..n]);
+    for i in 0..n {
+        sum[i] += (w[0] * v0[i] + w[1] * v1[i]) + (w[2] * v2[i] + w[3] * v3[i]);
+    }
+}
+
+/// ``e^x`` for ``x <= 0`` (a score minus its row's maximum), to within a few ulp: Cephes'
+/// ``expf`` (``2^n`` times a degree-6 polynomial of the remainder). Plain float ops, so a
+/// loop of them vectorises, unlike a libm call per score.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    let x = x.max(-87.0); // e^-87 is below f32's normal range; the softmax ignores it anyway
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = ((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5; // Cephes' 5.0000001201e-1 rounds to 0.5 in f32
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_libm_over_the_softmax_range() {
+        let mut worst = 0.0f64;
+        for i in 0..=87_000 {
+            let x = -(i as f32) / 1000.0;
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 4e-7, "worst relative error {worst}");
+    }
+}

@@ -1,0 +1,166 @@
+"""``cpu-paged`` (NativePagedAttention): the conformance kit against ``torch-reference`` on
+both kernel paths, a float64 oracle on longer contexts and wider heads than the kit's, and
+what the engine relies on beyond the kit: batch invariance, the same result on any thread
+count, and a bad block table refused before anything is read."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from powertrain.engine.model_runner import torch_threads
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+from powertrain.testing.attention import AttentionBackendSuite
+from powertrain_cpu_kernels import _native
+from powertrain_cpu_kernels.attention import NativePagedAttention
+
+
+class TestNativePagedAttention(AttentionBackendSuite):
+    """Float32 runs the native kernel (AVX2+FMA where this CPU has it); bfloat16 the
+    plain-torch path it falls back to."""
+
+    component = "cpu-paged"
+
+
+class TestNativePagedAttentionScalar(AttentionBackendSuite):
+    """The portable scalar path, forced, through the whole kit."""
+
+    component = "cpu-paged"
+    dtypes = (torch.float32,)
+
+    @pytest.fixture(autouse=True)
+    def _scalar(self) -> Iterator[None]:
+        _native.force_scalar(True)
+        yield
+        _native.force_scalar(False)
+
+
+BLOCK = 16
+
+
+def paged_batch(
+    lengths: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, extra_blocks: int = 5
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """Random queries and a filled paged cache for ``(context, new)`` sequences, blocks
+    shuffled among unused ones. Returns query, cache, metadata and every token's key and
+    value per sequence position (for the oracle), as ``[seq][pos]`` lists of tensors."""
+    needed = [math.ceil((c + q) / BLOCK) for c, q in lengths]
+    num_blocks = sum(needed) + extra_blocks
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for count in needed:
+        tables.append(tuple(order[used : used + count]))
+        used += count
+    # Unused slots hold NaN: anything read that should not be shows up in the output.
+    cache = {name: torch.full((num_blocks, BLOCK, kv_heads, dim), float("nan")) for name in ("key", "value")}
+    keys, values = [], []
+    for (context, new), table in zip(lengths, tables, strict=True):
+        k, v = torch.randn(context + new, kv_heads, dim), torch.randn(context + new, kv_heads, dim)
+        for pos in range(context + new):
+            cache["key"][table[pos // BLOCK], pos % BLOCK] = k[pos]
+            cache["value"][table[pos // BLOCK], pos % BLOCK] = v[pos]
+        keys.append(k)
+        values.append(v)
+    metadata = AttentionMetadata.build(
+        query_lens=tuple(q for _, q in lengths),
+        seq_lens=tuple(c + q for c, q in lengths),
+        block_tables=tuple(tables),
+        block_size=BLOCK,
+        device="cpu",
+    )
+    query = torch.randn(sum(q for _, q in lengths), heads, dim)
+    return query, cache, metadata, keys, values
+
+
+def oracle(
+    query: torch.Tensor, keys: list, values: list, lengths: list[tuple[int, int]], layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """Causal (and windowed) softmax attention in float64, sequence by sequence."""
+    group = layer.num_heads // layer.num_kv_heads
+    out, start = [], 0
+    for (context, new), k, v in zip(lengths, keys, values, strict=True):
+        q = query[start : start + new].double()  # [new, heads, dim]
+        start += new
+        k = k.double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k) * layer.scale
+        pos_q = torch.arange(context, context + new)[:, None]
+        pos_k = torch.arange(context + new)[None, :]
+        mask = pos_k <= pos_q
+        if layer.sliding_window is not None:
+            mask &= pos_k > pos_q - layer.sliding_window
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hts,shd->thd", weights, v))
+    return torch.cat(out)
+
+
+def short_rows_attention(
+    backend: NativePagedAttention,
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,
+    cache: dict[str, torch.Tensor],
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    output = torch.zeros_like(query)
+    backend._short(layer, query, cache["key"], cache["value"], metadata, output)
+    return output
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 32), (6, 2, 80)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_short_rows_match_a_float64_oracle(
+    kernel_path: str, seed: int, heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    """Decodes and verification rows over contexts of hundreds of tokens, head dims that
+    are and are not multiples of the kernel's lanes, GQA, MQA and MHA."""
+    lengths = [(int(torch.randint(0, 700, ())), 1) for _ in range(5)] + [(301, 4), (15, 16), (0, 7)]
+    layer = AttentionLayerSpec(
+        kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=dim**-0.5, sliding_window=window
+    )
+    query, cache, metadata, keys, values = paged_batch(lengths, heads, kv_heads, dim)
+    got = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
+    want = oracle(query, keys, values, lengths, layer)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6, msg=lambda m: f"{m} (seed={seed})")
+
+
+def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(seed: int) -> None:
+    lengths = [(int(torch.randint(0, 300, ())), 1) for _ in range(40)] + [(90, 5)]
+    layer = AttentionLayerSpec(kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
+    with torch_threads(1):  # the pool runs only while torch's ops are on one thread
+        together = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
+    assert _native.threads() == 2
+    serial = short_rows_attention(NativePagedAttention(threads=1), layer, query, cache, metadata)
+    assert torch.equal(together, serial), f"thread count changed the result (seed={seed})"
+    for row in (0, 17, 40):
+        start, end = metadata.query_start_loc_host[row : row + 2]
+        alone = AttentionMetadata.build(
+            query_lens=(end - start,),
+            seq_lens=(metadata.seq_lens_host[row],),
+            block_tables=(tuple(metadata.block_tables[row].tolist()),),
+            block_size=BLOCK,
+            device="cpu",
+        )
+        out = short_rows_attention(NativePagedAttention(threads=2), layer, query[start:end], cache, alone)
+        assert torch.equal(out, together[start:end]), f"row {row} changed with its batch (seed={seed})"
+
+
+def test_a_block_id_outside_the_cache_is_refused_before_anything_is_read(seed: int) -> None:
+    layer = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=32, scale=32**-0.5)
+    query, cache, metadata, _, _ = paged_batch([(20, 1), (40, 1)], 4, 2, 32)
+    tables = metadata.block_tables.clone()
+    tables[1, 2] = cache["key"].shape[0]  # one past the last block
+    bad = AttentionMetadata.build(
+        query_lens=(1, 1),
+        seq_lens=metadata.seq_lens_host,
+        block_tables=tuple(tuple(row) for row in tables.tolist()),
+        block_size=BLOCK,
+        device="cpu",
+    )
+    output = torch.zeros_like(query)
+    with pytest.raises(ValueError, match=r"sequence 1: block table entry 2 is \d+, not one of the cache's \d+ blocks"):
+        NativePagedAttention()._short(layer, query, cache["key"], cache["value"], bad, output)
+    assert not output.any(), "nothing may be written when the call is refused"
