@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from powertrain.bench.load import LevelRun
+from powertrain.builtin.platforms import cpu_model
 
 PERCENTILES = (50, 90, 99)
 FIRST_ERRORS = 5
@@ -80,15 +81,6 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "executable": os.path.basename(sys.executable),
     }
-
-
-def cpu_model() -> str | None:
-    """The CPU's model name (Linux; None elsewhere): speed depends on the vendor's libraries."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:

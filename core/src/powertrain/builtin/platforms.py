@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 POWERTRAIN_HOOK_API = 1
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux; None elsewhere): speed depends on the vendor's libraries."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def onednn_bf16_supported() -> bool:
     """Whether this CPU runs oneDNN's bfloat16 kernels, as torch itself decides before it
     refuses a bfloat16 weight reorder (x86: avx512bw + avx512vl + avx512dq, or
@@ -64,7 +73,7 @@ def detect_cpu() -> PlatformInfo:
         device_type="cpu",
         availability=Availability.yes(f"{os.cpu_count()} cores"),
         device_count=1,
-        device_name=platform.processor() or platform.machine(),
+        device_name=cpu_model() or platform.processor() or platform.machine(),
         total_memory_bytes=memory,
         dist_backend="gloo",
         host=True,
