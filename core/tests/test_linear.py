@@ -20,7 +20,7 @@ from torch import nn
 from powertrain import LLM, SamplingParams
 from powertrain.builtin import platforms
 from powertrain.builtin.platforms import detect_cpu, detect_cuda
-from powertrain.layers import linear
+from powertrain.layers import linear, linear_choice
 from powertrain.layers.linear import Linear, pack_for_platform, pack_linears
 from powertrain.testing import fresh_seed, write_tiny_deepseek
 
@@ -29,6 +29,19 @@ CPU = detect_cpu()
 pytestmark = pytest.mark.skipif(torch.float32 not in CPU.packed_linear_dtypes, reason=CPU.linear_packing_note)
 
 NOT_PACKED = "linear weights not packed: plain F.linear"
+CHOSEN = "linear implementation chosen"
+
+
+def packed_wins(shape: tuple[int, int], dtype: torch.dtype) -> linear_choice.Times:
+    """A timer (linear_choice.ShapeTimer) by which packed is always faster."""
+    return {linear_choice.PACKED: {"decode": 1.0}, linear_choice.PLAIN: {"decode": 2.0}}
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh linear-choice cache, so no choice cached on this machine decides what packs."""
+    monkeypatch.setenv("POWERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 @pytest.fixture
@@ -129,10 +142,10 @@ def test_a_torch_without_onednn_packing_packs_nothing(monkeypatch: pytest.Monkey
 
 
 def test_without_bfloat16_kernels_bfloat16_linears_stay_plain_f_linear(
-    monkeypatch: pytest.MonkeyPatch, info_logs: list[dict]
+    monkeypatch: pytest.MonkeyPatch, info_logs: list[dict], cache_dir: Path
 ) -> None:
-    """A CPU without oneDNN bfloat16 kernels (AVX2 only), forced: float32 is still packed,
-    bfloat16 runs plain F.linear, and one info line says why."""
+    """A CPU without oneDNN bfloat16 kernels (AVX2 only), forced: float32 is still packed
+    (where timing says packed wins), bfloat16 runs plain F.linear, and one info line says why."""
     monkeypatch.setattr(platforms, "onednn_bf16_supported", lambda: False)
     cpu = detect_cpu()
     assert cpu.packed_linear_dtypes == {torch.float32}
@@ -160,8 +173,8 @@ def test_without_bfloat16_kernels_bfloat16_linears_stay_plain_f_linear(
         assert error < tolerance(layer.in_features, torch.bfloat16, oracle), f"{name}: {error} (seed={seed})"
 
     float32 = nn.ModuleDict({"o": random_linear(generator, 64, 32, False, torch.float32)})
-    assert pack_for_platform(float32, cpu, torch.float32) == 1 and float32["o"].packed is not None
-    assert [entry["event"] for entry in info_logs[1:]] == ["packed linear weights for oneDNN"]
+    assert pack_for_platform(float32, cpu, torch.float32, timer=packed_wins) == 1 and float32["o"].packed is not None
+    assert [entry["event"] for entry in info_logs[1:]] == [CHOSEN]
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +184,11 @@ def tiny_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("bf16_kernels", ["as-this-cpu-says", "forced-off"])
 def test_a_bfloat16_engine_loads_and_generates(
-    tiny_v3: Path, bf16_kernels: str, monkeypatch: pytest.MonkeyPatch, info_logs: list[dict]
+    tiny_v3: Path, bf16_kernels: str, monkeypatch: pytest.MonkeyPatch, info_logs: list[dict], cache_dir: Path
 ) -> None:
     """LLM(dtype="bfloat16") crashed at load on CPUs without bfloat16 kernels; now it packs
-    exactly what the platform lists and runs the rest plain."""
+    exactly what the platform lists (timing forced to favour packing) and runs the rest plain."""
+    monkeypatch.setattr(linear_choice, "time_shape", packed_wins)
     if bf16_kernels == "forced-off":
         monkeypatch.setattr(platforms, "onednn_bf16_supported", lambda: False)
     packs = platforms.onednn_bf16_supported()
@@ -189,4 +203,4 @@ def test_a_bfloat16_engine_loads_and_generates(
     assert layers and all((layer.packed is not None) == packs for layer in layers)
     events = [entry["event"] for entry in info_logs]
     assert events.count(NOT_PACKED) == (0 if packs else 1)
-    assert events.count("packed linear weights for oneDNN") == (1 if packs else 0)
+    assert events.count(CHOSEN) == (1 if packs else 0)

@@ -4,10 +4,12 @@ torch's float32 ``F.linear`` calls MKL's sgemm, which runs well below the CPU's
 peak where MKL does not tune for the processor (AMD) and on the thin matrices of
 decode steps; bfloat16 already goes through oneDNN but reorders the weight on
 every call. oneDNN with a weight reordered once at load (what torch.compile's CPU
-freezing does) avoids both. Measured on this project's 2-core AMD EPYC dev box, float32,
-a 1536x576 weight: 64 rows 0.60 ms -> 0.26 ms, 2048 rows 17.1 ms -> 7.3 ms; the
-49152x576 SmolLM2 head at 4 rows 12.6 ms -> 2.5 ms. Results agree with
-``F.linear`` to float32 rounding (a different summation order), not bit for bit.
+freezing does) avoids both. Measured on a 2-core AMD EPYC, float32, a 1536x576
+weight: 64 rows 0.60 ms -> 0.26 ms, 2048 rows 17.1 ms -> 7.3 ms; the 49152x576
+SmolLM2 head at 4 rows 12.6 ms -> 2.5 ms. Elsewhere (Intel, small decode matrices)
+MKL can win, so ``pack_for_platform`` packs a weight only where timing its shape on
+this machine says so (``linear_choice``). Results agree with ``F.linear`` to float32
+rounding (a different summation order), not bit for bit.
 
 Whether a dtype is packed is the platform's fact (``PlatformInfo.packed_linear_dtypes``,
 which the CPU platform derives from what this CPU can run): bfloat16 packing, for one,
@@ -22,9 +24,13 @@ import structlog
 import torch
 from torch import nn
 
+from powertrain.layers import linear_choice
+from powertrain.layers.linear_choice import PACKED, shape_label
+
 if TYPE_CHECKING:
     from powertrain.components import PlatformInfo
     from powertrain.interfaces import QuantizedLinearKernel, QuantizedWeight
+    from powertrain.layers.linear_choice import ShapeTimer
 
 log = structlog.get_logger(__name__)
 
@@ -93,17 +99,37 @@ def pack_linears(model: nn.Module) -> int:
     return len(layers)
 
 
-def pack_for_platform(model: nn.Module, platform: PlatformInfo, dtype: torch.dtype) -> int:
-    """Pack ``model``'s linears where ``platform`` packs ``dtype``; returns how many were packed.
+def pack_for_platform(
+    model: nn.Module, platform: PlatformInfo, dtype: torch.dtype, timer: ShapeTimer | None = None
+) -> int:
+    """Pack ``model``'s linears whose weight shape runs faster packed on this CPU (timed
+    once per machine by ``linear_choice``, with ``timer`` if given); returns how many were packed.
 
-    Elsewhere they stay plain ``F.linear``, and where the platform packs other dtypes one
-    info line says why not this one (a bfloat16 model on a CPU without bfloat16 kernels).
+    Where ``platform`` cannot pack ``dtype`` they all stay plain ``F.linear``, and where it
+    packs other dtypes one info line says why not this one (a bfloat16 model on a CPU
+    without bfloat16 kernels).
     """
     if dtype in platform.packed_linear_dtypes:
-        packed = pack_linears(model)
-        if packed:
-            log.info("packed linear weights for oneDNN", layers=packed, dtype=str(dtype))
-        return packed
+        layers = [module for module in model.modules() if isinstance(module, Linear) and module.dense]
+        if not layers:
+            return 0
+        choice = linear_choice.choose(
+            {(layer.out_features, layer.in_features) for layer in layers}, dtype, platform.device_name, timer
+        )
+        packed = [layer for layer in layers if choice.shapes[layer.out_features, layer.in_features] == PACKED]
+        for layer in packed:
+            layer.pack()
+        log.info(
+            "linear implementation chosen",
+            dtype=str(dtype),
+            shapes={shape_label(shape): candidate for shape, candidate in choice.shapes.items()},
+            packed_layers=len(packed),
+            plain_layers=len(layers) - len(packed),
+            ms=choice.ms,
+            measured=choice.measured,
+            cache=str(choice.cache),
+        )
+        return len(packed)
     if platform.linear_packing_note:
         log.info(
             "linear weights not packed: plain F.linear",

@@ -1,0 +1,187 @@
+"""Which CPU linear implementation each weight shape runs: timed once per machine, then cached.
+
+Neither candidate wins everywhere: oneDNN with a weight packed once at load beats
+MKL's ``F.linear`` on AMD and on wide matrices like an LM head, while MKL can win on
+small decode matrices on Intel parts. So nothing is assumed. Each weight shape is
+timed with both, on a throwaway weight of that shape and dtype (never the model's), at
+one row (a decode step) and 64 rows (a batch); the lower sum wins. The results are
+kept in a small JSON file keyed by CPU model, torch version, thread count, dtype and
+shape, so a machine measures each shape once; delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
+
+PLAIN = "f.linear"
+PACKED = "onednn-packed"
+CANDIDATES = (PLAIN, PACKED)  # on a tie, the first: no packing
+#: Rows of activations each candidate is timed at: a decode step, and a prefill or a batch of decodes.
+ROW_CLASSES = {"decode": 1, "batch": 64}
+#: Timed runs per candidate and row class (best kept), fewer once they have taken
+#: ``BUDGET_S``: a 49152x576 head, at ~10 ms a call, gets one after its warm-up.
+REPEATS = 5
+BUDGET_S = 0.01
+CACHE_FORMAT = 1
+
+#: Seconds (best of the runs) per candidate, per row class.
+Times = dict[str, dict[str, float]]
+#: Times both candidates on a (out_features, in_features) weight of a dtype.
+ShapeTimer = Callable[[tuple[int, int], torch.dtype], Times]
+
+
+@attrs.frozen
+class LinearChoice:
+    #: The candidate chosen for each (out_features, in_features).
+    shapes: dict[tuple[int, int], str]
+    #: Milliseconds per "OUTxIN", per candidate, per row class (fresh or from the cache).
+    ms: dict[str, dict[str, dict[str, float]]]
+    #: Whether any shape was timed now (False: all came from the cache).
+    measured: bool
+    cache: Path
+
+
+def shape_label(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def throwaway_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A random weight of ``shape``; at most 1024 random rows, repeated, since drawing a
+    whole 49152-row head costs more than timing it."""
+    out_features, in_features = shape
+    block = torch.randn(min(out_features, 1024), in_features) / in_features**0.5
+    return block.repeat(math.ceil(out_features / block.shape[0]), 1)[:out_features].to(dtype).contiguous()
+
+
+def best_time(run: Callable[[], Any]) -> float:
+    run()  # warm-up: oneDNN builds its primitive on the first call of a shape
+    best, spent = math.inf, 0.0
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        elapsed = time.perf_counter() - start
+        best = min(best, elapsed)
+        spent += elapsed
+        if spent >= BUDGET_S:
+            break
+    return best
+
+
+def time_shape(shape: tuple[int, int], dtype: torch.dtype) -> Times:
+    """Both candidates on a throwaway weight of ``shape``, at each row class."""
+    weight = throwaway_weight(shape, dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    times: Times = {PLAIN: {}, PACKED: {}}
+    with torch.no_grad():
+        for row_class, rows in ROW_CLASSES.items():
+            x = torch.randn(rows, shape[1]).to(dtype)
+            times[PLAIN][row_class] = best_time(partial(F.linear, x, weight))
+            pointwise = partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
+            times[PACKED][row_class] = best_time(pointwise)
+    return times
+
+
+def cache_path() -> Path:
+    """``$POWERTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/powertrain``, else ``~/.cache/powertrain``."""
+    root = os.environ.get("POWERTRAIN_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = str(Path(xdg if xdg else Path.home() / ".cache") / "powertrain")
+    return Path(root) / "linear_choice.json"
+
+
+def cache_key(cpu: str, torch_version: str, threads: int, dtype: torch.dtype, shape: tuple[int, int]) -> str:
+    """What a timing depends on: the CPU, torch's kernels, the threads they use, the dtype, the shape."""
+    return f"{cpu} | torch {torch_version} | {threads} threads | {dtype} | {shape_label(shape)}"
+
+
+def valid_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and entry.get("choice") in CANDIDATES
+        and isinstance(entry.get("ms"), dict)
+        and all(isinstance(entry["ms"].get(candidate), dict) for candidate in CANDIDATES)
+    )
+
+
+def read_cache(path: Path) -> dict[str, dict]:
+    """The cached entries; none (with a warning) when the file cannot be read or is not what
+    this module writes, so a damaged file is measured over, never trusted."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):  # nothing cached yet (writing says if it cannot be)
+        return {}
+    except (OSError, UnicodeDecodeError) as error:
+        log.warning("linear choice cache unreadable; measuring again", path=str(path), error=str(error))
+        return {}
+    try:
+        data = json.loads(text)
+        entries = data["choices"]
+        if data.get("format") != CACHE_FORMAT or not isinstance(entries, dict):
+            raise ValueError(f"not a format-{CACHE_FORMAT} linear choice cache")
+        if not all(valid_entry(entry) for entry in entries.values()):
+            raise ValueError("an entry without a known choice and its times")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        log.warning("linear choice cache corrupt; ignoring it and measuring again", path=str(path), error=str(error))
+        return {}
+    return entries
+
+
+def write_cache(path: Path, entries: dict[str, dict]) -> None:
+    """Replace the cache atomically (a reader sees the old file or the new one); a directory
+    that cannot be written only costs measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as file:
+                json.dump({"format": CACHE_FORMAT, "choices": entries}, file, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        log.warning("linear choice cache not written; measuring again next time", path=str(path), error=str(error))
+
+
+def choose(
+    shapes: Iterable[tuple[int, int]], dtype: torch.dtype, cpu: str, timer: ShapeTimer | None = None
+) -> LinearChoice:
+    """The faster candidate for each weight shape on this CPU, from the cache or timed now
+    with ``timer`` (``time_shape`` unless given) and then cached."""
+    timer = timer or time_shape
+    path = cache_path()
+    cached = read_cache(path)
+    fresh: dict[str, dict] = {}
+    chosen: dict[tuple[int, int], str] = {}
+    ms: dict[str, dict[str, dict[str, float]]] = {}
+    for shape in sorted(set(shapes)):
+        key = cache_key(cpu, torch.__version__, torch.get_num_threads(), dtype, shape)
+        entry = cached.get(key)
+        if entry is None:
+            times = timer(shape, dtype)
+            best = min(CANDIDATES, key=lambda candidate: sum(times[candidate].values()))
+            entry = fresh[key] = {
+                "choice": best,
+                "ms": {c: {row: round(s * 1e3, 4) for row, s in times[c].items()} for c in CANDIDATES},
+            }
+        chosen[shape] = entry["choice"]
+        ms[shape_label(shape)] = entry["ms"]
+    if fresh:
+        write_cache(path, {**cached, **fresh})
+    return LinearChoice(shapes=chosen, ms=ms, measured=bool(fresh), cache=path)
