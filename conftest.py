@@ -8,6 +8,9 @@ modules from source again: several CPU seconds each, most of a short CLI test. T
 child processes of this run therefore share one bytecode cache in a temporary folder
 (``PYTHONPYCACHEPREFIX``), so each module is compiled once per run; nothing is written
 into the virtual environment, and what the processes execute is unchanged.
+
+The run also gets a cache folder of its own (``POWERTRAIN_CACHE_DIR``, e.g. the linear
+choice timings), so tests never read or write the user's ``~/.cache/powertrain``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop("PYTHONDONTWRITEBYTECODE")
         os.environ["PYTHONPYCACHEPREFIX"] = cache
         config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    if not os.environ.get("POWERTRAIN_CACHE_DIR"):
+        cache_dir = tempfile.mkdtemp(prefix="powertrain-test-cache-")
+        os.environ["POWERTRAIN_CACHE_DIR"] = cache_dir
+        config.add_cleanup(lambda: shutil.rmtree(cache_dir, ignore_errors=True))
 
 
 @pytest.fixture
