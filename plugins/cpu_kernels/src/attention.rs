@@ -210,7 +210,7 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
             *score = crate::dot(query, key(j)) * job.scale;
         }
         let seen = &mut scores[a..b];
-        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let max = max_of(seen);
         seen.iter_mut().for_each(|s| *s = exp(*s - max));
         let total: f32 = seen.iter().sum();
         sum.fill(0.0);
@@ -236,6 +236,22 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
             .zip(&sum)
             .for_each(|(o, s)| *o = s * inverse);
     }
+}
+
+/// The largest of ``values`` (not empty), in eight lanes so it vectorises.
+#[inline(always)]
+fn max_of(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = values.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for i in 0..8 {
+            lanes[i] = lanes[i].max(chunk[i]);
+        }
+    }
+    rest.iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
 /// ``query . keys[i]`` for four keys, each summed in eight lanes like ``crate::dot``.
@@ -288,7 +304,10 @@ fn exp(x: f32) -> f32 {
         * r
         + 0.5; // Cephes' 5.0000001201e-1 rounds to 0.5 in f32
     let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // 2^n from bits: n + 127 (in 1..=127 here) lands in the low mantissa bits of
+    // 2^23 + n + 127, and a shift moves it into the exponent. Unlike a float-to-int cast
+    // (saturating in Rust), this vectorises.
+    y * f32::from_bits((n + 127.0 + 8_388_608.0).to_bits() << 23)
 }
 
 #[cfg(test)]

@@ -130,11 +130,11 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(se
     lengths = [(int(torch.randint(0, 300, ())), 1) for _ in range(40)] + [(90, 5)]
     layer = AttentionLayerSpec(kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
     query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
-    with torch_threads(1):  # the pool runs only while torch's ops are on one thread
+    with torch_threads(1):  # the pool runs only while torch's own ops are on one thread
         together = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
     assert _native.threads() == 2
     serial = short_rows_attention(NativePagedAttention(threads=1), layer, query, cache, metadata)
-    assert torch.equal(together, serial), f"thread count changed the result (seed={seed})"
+    assert torch.equal(together, serial), f"the thread count changed the result (seed={seed})"
     for row in (0, 17, 40):
         start, end = metadata.query_start_loc_host[row : row + 2]
         alone = AttentionMetadata.build(

@@ -74,8 +74,8 @@ class NativePagedAttention(BucketedAttention):
             layer.scale,
             layer.sliding_window or 0,
             # The pool only while torch's own ops run on one thread (the engine's decode steps
-            # of a model kept quantised): torch's OpenMP workers and the pool's spinning
-            # workers on the same cores slowed a 64-sequence decode step 2x.
+            # of a model kept quantised): otherwise torch's OpenMP workers, which poll for
+            # their next op for milliseconds, hold the cores the pool would need.
             torch.get_num_threads() == 1,
         )
 
