@@ -164,3 +164,15 @@ def test_a_block_id_outside_the_cache_is_refused_before_anything_is_read(seed: i
     with pytest.raises(ValueError, match=r"sequence 1: block table entry 2 is \d+, not one of the cache's \d+ blocks"):
         NativePagedAttention()._short(layer, query, cache["key"], cache["value"], bad, output)
     assert not output.any(), "nothing may be written when the call is refused"
+
+
+def test_an_output_the_kernel_cannot_write_in_place_takes_the_torch_path(seed: int) -> None:
+    """A strided output (the kernel writes contiguous rows) gets the parent's plain-torch
+    attention, with the same result to float32 rounding."""
+    lengths = [(30, 1), (70, 1), (12, 3)]
+    layer = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=32, scale=32**-0.5)
+    query, cache, metadata, keys, values = paged_batch(lengths, 4, 2, 32)
+    strided = torch.zeros(4, query.shape[0], 32).transpose(0, 1)  # [tokens, heads, dim], not contiguous
+    NativePagedAttention()._short(layer, query, cache["key"], cache["value"], metadata, strided)
+    want = oracle(query, keys, values, lengths, layer)
+    torch.testing.assert_close(strided.double(), want, rtol=0, atol=2e-6, msg=lambda m: f"{m} (seed={seed})")

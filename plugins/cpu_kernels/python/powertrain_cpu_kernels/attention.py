@@ -37,9 +37,10 @@ class NativePagedAttention(BucketedAttention):
         key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, dim]
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        output: torch.Tensor,  # [tokens, heads, dim], contiguous: the short rows' tokens are written
+        output: torch.Tensor,  # [tokens, heads, dim]: the short rows' tokens are written
     ) -> None:
-        if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, key_cache, value_cache)):
+        native = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, key_cache, value_cache))
+        if not (native and output.is_contiguous() and output.dtype == torch.float32 and output.shape == query.shape):
             super()._short(layer, query, key_cache, value_cache, metadata, output)
             return
         rows = self._short_rows(metadata)
