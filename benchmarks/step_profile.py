@@ -5,9 +5,10 @@ Starts ``--batch`` greedy chats of ``--words`` random words on the embedded mode
 ``--steps`` pure decode steps (one new token per sequence) twice:
 
 * plain: the step as the engine runs it, nothing instrumented;
-* instrumented: each ``Linear`` (projections and the LM head), the attention backend's
-  ``forward`` and the sampler timed on their own; "other" is the rest of the step
-  (norms, rotary, activations, embedding, step preparation inside the runner).
+* instrumented: each ``Linear`` (projections and the LM head), the attention backend
+  (its ``forward``, or ``forward_rotary`` with the rotary and the cache write where the
+  backend fuses them) and the sampler timed on their own; "other" is the rest of the
+  step (norms, activations, embedding, rotary where not fused, step preparation).
 
 The bound: every linear of the model applied alone, with its weight as the engine holds
 it (oneDNN-packed, plain, or kept quantised), to ``--batch`` rows of random activations,
@@ -131,6 +132,8 @@ def main() -> None:
     backends = {id(m.backend): m.backend for m in runner.model.modules() if hasattr(m, "backend")}
     for backend in backends.values():
         backend.forward = timers.wrap("attention", backend.forward)
+        if hasattr(backend, "forward_rotary"):  # a fused-rotary backend: rotary and cache write included
+            backend.forward_rotary = timers.wrap("attention", backend.forward_rotary)
     runner.sampler = timers.wrap("sampler", runner.sampler)
 
     rng = random.Random(0)

@@ -20,8 +20,9 @@
 //! output rows ``n`` on a small pool (``pool.rs``) whose size the caller sets (torch's thread
 //! count); the calling thread is one of its threads.
 //!
-//! The crate's other kernel, paged attention for decodes and other short query rows, is in
-//! ``attention.rs``; it shares the pool and the path detection.
+//! The crate's other kernels, for attention, are in ``attention.rs`` (paged attention for
+//! decodes and other short query rows; it shares the pool and the path detection) and
+//! ``rotary.rs`` (rotary embedding fused with the cache write).
 //!
 //! Every function here trusts its caller for the sizes: the slices must hold exactly the
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
@@ -31,11 +32,13 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 pub use attention::{paged_attention, PagedAttention};
 use pool::Pool;
+pub use rotary::{rotary_store, RotaryStore};
 
 mod attention;
 mod pool;
 mod q4;
 mod q8;
+mod rotary;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

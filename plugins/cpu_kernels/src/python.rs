@@ -198,6 +198,54 @@ fn paged_attention(
     .map_err(PyValueError::new_err)
 }
 
+/// Rotate queries into ``rotated`` and write rotated keys and values to their cache slots
+/// (see ``rotary.rs``).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rotary_store(
+    py: Python<'_>,
+    query: usize,
+    key: usize,
+    value: usize,
+    cos: usize,
+    sin: usize,
+    slots: usize,
+    rotated: usize,
+    key_cache: usize,
+    value_cache: usize,
+    tokens: usize,
+    stored: usize,
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+    half: usize,
+    num_slots: usize,
+) -> PyResult<()> {
+    py.detach(|| unsafe {
+        let job = crate::RotaryStore {
+            query: view(query, tokens * heads * dim),
+            key: view(key, stored * kv_heads * dim),
+            value: view(value, stored * kv_heads * dim),
+            cos: view(cos, tokens * half),
+            sin: view(sin, tokens * half),
+            slots: view(slots, stored),
+            heads,
+            kv_heads,
+            dim,
+            half,
+            stored,
+        };
+        let cache = num_slots * kv_heads * dim;
+        crate::rotary_store(
+            &job,
+            view_mut(rotated, tokens * heads * dim),
+            view_mut(key_cache, cache),
+            view_mut(value_cache, cache),
+        )
+    })
+    .map_err(PyValueError::new_err)
+}
+
 /// The path calls take now: ``"avx2+fma"`` or ``"scalar"``.
 #[pyfunction]
 fn kernel_path() -> &'static str {
@@ -235,6 +283,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q4_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(rotary_store, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(force_scalar, m)?)?;

@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 
 from powertrain.engine.model_runner import torch_threads
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+from powertrain.layers.rotary import apply_rotary
 from powertrain.testing.attention import AttentionBackendSuite
 from powertrain_cpu_kernels import _native
 from powertrain_cpu_kernels.attention import NativePagedAttention
@@ -176,3 +178,40 @@ def test_an_output_the_kernel_cannot_write_in_place_takes_the_torch_path(seed: i
     NativePagedAttention()._short(layer, query, cache["key"], cache["value"], metadata, strided)
     want = oracle(query, keys, values, lengths, layer)
     torch.testing.assert_close(strided.double(), want, rtol=0, atol=2e-6, msg=lambda m: f"{m} (seed={seed})")
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_fused_rotary_gives_the_bits_of_rotating_in_torch_then_attending(seed: int, rotary_dim: int) -> None:
+    """forward_rotary against apply_rotary + forward: the same output and the same cache,
+    bit for bit (decodes, a verification row and a long prefill; full and partial rotary)."""
+    lengths = [(40, 1), (7, 1), (20, 5), (0, 30)]
+    layer = AttentionLayerSpec(kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
+    tokens = query.shape[0]
+    key, value = torch.randn(tokens, 3, 64), torch.randn(tokens, 3, 64)
+    angles = torch.rand(tokens, rotary_dim // 2) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    backend = NativePagedAttention()
+    fused_cache = {name: tensor.clone() for name, tensor in cache.items()}
+    fused = backend.forward_rotary(layer, query, key, value, cos, sin, fused_cache, metadata)
+    plain = backend.forward(layer, apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value, cache, metadata)
+    assert torch.equal(fused, plain), f"outputs differ (seed={seed})"
+    for name in ("key", "value"):
+        same = torch.equal(fused_cache[name].nan_to_num(7.0), cache[name].nan_to_num(7.0))
+        assert same, f"the {name} caches differ (seed={seed})"
+
+
+def test_fused_rotary_refuses_a_slot_outside_the_cache_and_writes_nothing(seed: int) -> None:
+    layer = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=32, scale=32**-0.5)
+    query, cache, metadata, _, _ = paged_batch([(20, 1), (40, 1)], 4, 2, 32)
+    slots = metadata.slot_mapping.clone()
+    slots[1] = cache["key"].shape[0] * BLOCK  # one past the last slot
+    bad = attrs.evolve(metadata, slot_mapping=slots)
+    before = {name: tensor.clone() for name, tensor in cache.items()}
+    angles = torch.rand(2, 16)
+    with pytest.raises(ValueError, match=r"token 1: slot \d+ is not one of the cache's \d+ slots"):
+        NativePagedAttention().forward_rotary(
+            layer, query, torch.randn(2, 2, 32), torch.randn(2, 2, 32), angles.cos(), angles.sin(), cache, bad
+        )
+    for name in ("key", "value"):
+        assert torch.equal(cache[name].nan_to_num(7.0), before[name].nan_to_num(7.0)), f"{name} cache was written"

@@ -125,7 +125,16 @@ class BucketedAttention:
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
         metadata.store(key_cache, key)
         metadata.store(value_cache, value)
+        return self._attend(layer, query, key_cache, value_cache, metadata)
 
+    def _attend(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [tokens, heads, dim]
+        key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, dim], this step's keys stored
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         output = torch.zeros_like(query)
         self._short(layer, query, key_cache, value_cache, metadata, output)
         starts = metadata.query_start_loc_host

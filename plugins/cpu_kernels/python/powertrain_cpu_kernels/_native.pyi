@@ -27,6 +27,24 @@ def paged_attention(
     window: int,
     parallel: bool,
 ) -> None: ...
+def rotary_store(
+    query: int,
+    key: int,
+    value: int,
+    cos: int,
+    sin: int,
+    slots: int,
+    rotated: int,
+    key_cache: int,
+    value_cache: int,
+    tokens: int,
+    stored: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    half: int,
+    num_slots: int,
+) -> None: ...
 def kernel_path() -> str: ...
 def best_kernel_path() -> str: ...
 def force_scalar(on: bool) -> None: ...

@@ -1,4 +1,5 @@
-"""``NativePagedAttention`` (``cpu-paged``): ``torch-bucketed`` with its short rows in Rust.
+"""``NativePagedAttention`` (``cpu-paged``): ``torch-bucketed`` with its short rows, and the
+rotary embedding with the cache write, in Rust.
 
 Decodes, verifications and short chunks (at most ``SHORT_QUERY`` new tokens) attend in one
 native call per layer: each (sequence, kv head) pair reads its keys and values straight
@@ -14,7 +15,8 @@ import torch
 
 import powertrain_cpu_kernels._native as _native
 from powertrain.builtin.bucketed_attention import SHORT_QUERY, BucketedAttention
-from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.layers.rotary import apply_rotary
 from powertrain_cpu_kernels.threads import use_threads
 
 
@@ -79,6 +81,59 @@ class NativePagedAttention(BucketedAttention):
             # their next op for milliseconds, hold the cores the pool would need.
             torch.get_num_threads() == 1,
         )
+
+    def forward_rotary(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [tokens, heads, dim], not yet rotated
+        key: torch.Tensor,  # [tokens, kv_heads, dim], not yet rotated
+        value: torch.Tensor,
+        cos: torch.Tensor,  # [tokens, rotary_dim // 2]
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotary, the cache write and the short rows' attention in two native calls, instead
+        of about a dozen small torch ops per layer (``src/rotary.rs``)."""
+        key_cache, value_cache = kv_cache["key"], kv_cache["value"]
+        tensors = (query, key, value, cos, sin, key_cache, value_cache)
+        tokens, heads, dim = query.shape
+        per_token = (layer.num_kv_heads, dim)
+        if not (
+            all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and key.shape == value.shape == (tokens, *per_token)
+            and cos.shape == sin.shape == (tokens, cos.shape[-1])
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+            and key_cache.shape == value_cache.shape
+            and key_cache.shape[1:] == (metadata.block_size, *per_token)
+            and metadata.slot_mapping.dtype == torch.int64
+        ):  # plain torch, which also raises the contract's errors
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            return self.forward(layer, query, key, value, kv_cache, metadata)
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = metadata.slot_mapping.contiguous()
+        rotated = torch.empty_like(query)
+        _native.rotary_store(
+            query.data_ptr(),
+            key.data_ptr(),
+            value.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            rotated.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            tokens,
+            metadata.num_tokens,
+            heads,
+            layer.num_kv_heads,
+            dim,
+            cos.shape[-1],
+            key_cache.shape[0] * key_cache.shape[1],
+        )
+        return self._attend(layer, rotated, key_cache, value_cache, metadata)
 
     def _short_rows(self, metadata: AttentionMetadata) -> torch.Tensor:
         """The sequences with at most ``SHORT_QUERY`` new tokens: the same for every layer of

@@ -57,6 +57,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "chunked-prefill",
                 "sliding-window",
                 "batch-invariant",
+                "fused-rotary",
             },
             # Above torch-bucketed (10), which it extends: the CPU default when installed.
             priority=20,
