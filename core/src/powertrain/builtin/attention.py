@@ -33,22 +33,19 @@ def build_bucketed(context: AttentionBackendContext) -> BucketedAttention:
     return BucketedAttention()
 
 
+#: What ``torch-bucketed`` serves (a backend extending it starts from these).
+BUCKETED_CAPABILITIES = frozenset(
+    {"gqa", "mha", "paged", "prefill", "decode", "chunked-prefill", "sliding-window", "batch-invariant"}
+)
+
+
 @hookimpl
 def powertrain_attention_backends() -> list[AttentionBackendRecord]:
     return [
         AttentionBackendRecord(
             name="torch-bucketed",
             platforms={"cpu", "cuda"},
-            capabilities={
-                "gqa",
-                "mha",
-                "paged",
-                "prefill",
-                "decode",
-                "chunked-prefill",
-                "sliding-window",
-                "batch-invariant",
-            },
+            capabilities=BUCKETED_CAPABILITIES,
             priority=10,
             factory=build_bucketed,
             description="plain-torch paged attention with decodes batched by length bucket; portable default",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from powertrain import hookimpl
+from powertrain.builtin.attention import BUCKETED_CAPABILITIES
 from powertrain.components import AttentionBackendRecord, Availability, PlatformInfo, QuantizedLinearRecord
 from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
@@ -48,17 +49,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name="cpu-paged",
             platforms={"cpu"},
-            capabilities={
-                "gqa",
-                "mha",
-                "paged",
-                "prefill",
-                "decode",
-                "chunked-prefill",
-                "sliding-window",
-                "batch-invariant",
-                "fused-rotary",
-            },
+            capabilities={*BUCKETED_CAPABILITIES, "fused-rotary"},
             # Above torch-bucketed (10), which it extends: the CPU default when installed.
             priority=20,
             check=native_available,
