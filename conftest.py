@@ -38,14 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def cargo_test():
-    """``cargo_test(crate)``: run a Rust crate's own tests (``cargo test``) and fail with their
-    output unless they pass, so the one test command covers them and CI cannot skip them."""
+    """``cargo_test(crate, what, env)``: run a Rust crate's own tests (``cargo test``, with
+    ``env`` added to the environment) and fail with their output unless they pass, so the one
+    test command covers them and CI cannot skip them."""
 
-    def run(crate: Path, what: str) -> None:
+    def run(crate: Path, what: str, env: dict[str, str] | None = None) -> None:
         cargo = shutil.which("cargo")
         assert cargo, f"cargo is not on PATH: install Rust (rustup) to build and test {what}"
         # A target folder of its own, so this run never waits on (or disturbs) the extension build.
-        env = {**os.environ, "CARGO_TARGET_DIR": str(crate / "target" / "cargo-test")}
+        env = {**os.environ, **(env or {}), "CARGO_TARGET_DIR": str(crate / "target" / "cargo-test")}
         command = [cargo, "test", "--quiet"]
         proc = subprocess.run(command, cwd=crate, env=env, capture_output=True, text=True, timeout=1500)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]

@@ -18,7 +18,7 @@
 //! ``query_start`` ``[batch + 1]`` and ``seq_lens`` ``[batch]`` int32. A row's query tokens
 //! are the last ``q_len`` positions of its ``seq_len`` tokens (their keys already stored).
 
-use crate::{for_row_chunks, kernel_path, KernelPath, OutPtr};
+use crate::{for_row_chunks_on, kernel_path, KernelPath, OutPtr, Threads};
 
 /// One call's inputs (see the module docs for the layouts).
 pub struct PagedAttention<'a> {
@@ -38,8 +38,8 @@ pub struct PagedAttention<'a> {
     pub scale: f32,
     /// Each token sees itself and the ``window - 1`` tokens before it; 0: no window.
     pub window: usize,
-    /// Whether the pool may run pairs on other threads (false: all on the calling one).
-    pub parallel: bool,
+    /// Where the pairs run.
+    pub threads: Threads,
 }
 
 /// Where one (row, kv head) pair reads and writes.
@@ -160,8 +160,12 @@ pub fn paged_attention(job: &PagedAttention, out: &mut [f32]) -> Result<(), Stri
             }
         }
     };
-    let serial = !job.parallel || work < PARALLEL_WORK;
-    for_row_chunks(pairs, if serial { pairs } else { 1 }, run);
+    let threads = if work < PARALLEL_WORK {
+        Threads::Caller
+    } else {
+        job.threads
+    };
+    for_row_chunks_on(threads, pairs, 1, run);
     Ok(())
 }
 

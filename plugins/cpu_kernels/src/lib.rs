@@ -17,8 +17,9 @@
 //!
 //! Two paths: AVX2+FMA intrinsics on x86_64 CPUs that have them (detected at run time), and
 //! a portable scalar path elsewhere (or when forced, for tests). Work is split over the
-//! output rows ``n`` on a small pool (``pool.rs``) whose size the caller sets (torch's thread
-//! count); the calling thread is one of its threads.
+//! output rows ``n``, on torch's own OpenMP team where the caller asks for it (``openmp.rs``),
+//! else on a small pool (``pool.rs``) whose size the caller sets; the calling thread is one
+//! of the threads either way.
 //!
 //! The crate's other kernels, for attention, are in ``attention.rs`` (paged attention for
 //! decodes and other short query rows; it shares the pool and the path detection) and
@@ -31,10 +32,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 pub use attention::{paged_attention, PagedAttention};
+pub use openmp::{openmp_available, set_openmp};
 use pool::Pool;
 pub use rotary::{rotary_store, RotaryStore};
 
 mod attention;
+mod openmp;
 mod pool;
 mod q4;
 mod q8;
@@ -128,18 +131,55 @@ pub fn threads_now() -> usize {
         .map_or(1, |p| p.threads())
 }
 
-/// Run ``work(r0, r1)`` over ``0..n`` split into chunks, on the pool when there is one.
-fn for_row_chunks(n: usize, min_rows: usize, work: impl Fn(usize, usize) + Sync) {
-    let pool = POOL.read().unwrap_or_else(|e| e.into_inner()).clone();
-    let Some(pool) = pool.filter(|_| n > min_rows) else {
+/// Where a call's chunks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Threads {
+    /// All on the calling thread.
+    Caller,
+    /// On this package's pool (``set_threads``).
+    Pool,
+    /// On an OpenMP team of this many threads of torch's runtime (``openmp.rs``); on the
+    /// calling thread alone when no runtime was given.
+    OpenMp(usize),
+}
+
+impl Threads {
+    /// ``OpenMp(openmp_threads)`` for a team of two or more, else ``Pool``.
+    pub fn pool_or_openmp(openmp_threads: usize) -> Threads {
+        if openmp_threads > 1 {
+            Threads::OpenMp(openmp_threads)
+        } else {
+            Threads::Pool
+        }
+    }
+}
+
+/// Run ``work(r0, r1)`` over ``0..n`` split into chunks of at least ``min_rows`` rows, on
+/// the threads ``on`` says.
+fn for_row_chunks_on(on: Threads, n: usize, min_rows: usize, work: impl Fn(usize, usize) + Sync) {
+    let threads = match on {
+        _ if n <= min_rows => 1,
+        Threads::Caller => 1,
+        Threads::Pool => threads_now(),
+        Threads::OpenMp(threads) => threads,
+    };
+    if threads <= 1 {
         work(0, n);
         return;
-    };
+    }
     // About four chunks per thread evens out uneven progress, without chunks so small
     // that scheduling costs more than the rows.
-    let chunk = n.div_ceil(pool.threads() * 4).max(min_rows);
+    let chunk = n.div_ceil(threads * 4).max(min_rows);
     let chunks = n.div_ceil(chunk);
-    pool.run(chunks, &|i| work(i * chunk, ((i + 1) * chunk).min(n)));
+    let run = |i: usize| work(i * chunk, ((i + 1) * chunk).min(n));
+    match on {
+        Threads::OpenMp(_) if openmp::run(threads, chunks, &run) => {}
+        Threads::OpenMp(_) => work(0, n),
+        _ => match POOL.read().unwrap_or_else(|e| e.into_inner()).clone() {
+            Some(pool) => pool.run(chunks, &run),
+            None => work(0, n),
+        },
+    }
 }
 
 /// A raw output pointer that chunks running on different threads write disjoint parts of.
@@ -198,6 +238,7 @@ pub fn q4_linear(
     m: usize,
     n: usize,
     k: usize,
+    on: Threads,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -215,7 +256,7 @@ pub fn q4_linear(
         n,
         k,
     };
-    for_row_chunks(n, 16, |r0, r1| match path {
+    for_row_chunks_on(on, n, 16, |r0, r1| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe { x86::q4_rows(&job, out_ptr, r0, r1) },
         _ => q4::rows_scalar(&job, out_ptr, r0, r1),
@@ -235,6 +276,7 @@ pub fn q8_linear(
     n: usize,
     k: usize,
     group: usize,
+    on: Threads,
 ) {
     assert!(
         group == 16 || group == 32,
@@ -257,7 +299,7 @@ pub fn q8_linear(
         k,
         group,
     };
-    for_row_chunks(n, 16, |r0, r1| match path {
+    for_row_chunks_on(on, n, 16, |r0, r1| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe { x86::q8_rows(&job, out_ptr, r0, r1) },
         _ => q8::rows_scalar(&job, out_ptr, r0, r1),
@@ -273,10 +315,11 @@ pub fn q4_dequantize(
     out: &mut [f32],
     n: usize,
     k: usize,
+    on: Threads,
 ) {
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    for_row_chunks(n, 16, |r0, r1| match path {
+    for_row_chunks_on(on, n, 16, |r0, r1| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe {
             x86::q4_dequantize_rows(codes, scales, offsets, out_ptr, k, r0, r1)
@@ -295,6 +338,7 @@ pub fn q8_dequantize(
     n: usize,
     k: usize,
     group: usize,
+    on: Threads,
 ) {
     assert!(
         group == 16 || group == 32,
@@ -302,7 +346,7 @@ pub fn q8_dequantize(
     );
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    for_row_chunks(n, 16, |r0, r1| match path {
+    for_row_chunks_on(on, n, 16, |r0, r1| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe {
             x86::q8_dequantize_rows(codes, scales, offsets, out_ptr, k, group, r0, r1)

@@ -46,6 +46,7 @@ fn q4_linear(
     m: usize,
     n: usize,
     k: usize,
+    openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
         let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / 32)));
@@ -58,6 +59,7 @@ fn q4_linear(
             m,
             n,
             k,
+            crate::Threads::pool_or_openmp(openmp_threads),
         )
     })
 }
@@ -76,6 +78,7 @@ fn q8_linear(
     n: usize,
     k: usize,
     group: usize,
+    openmp_threads: usize,
 ) -> PyResult<()> {
     check_group(group)?;
     py.detach(|| unsafe {
@@ -90,6 +93,7 @@ fn q8_linear(
             n,
             k,
             group,
+            crate::Threads::pool_or_openmp(openmp_threads),
         )
     });
     Ok(())
@@ -97,6 +101,7 @@ fn q8_linear(
 
 /// The dense ``q4`` weight into ``out [n, k]`` (bit-equal to ``QuantizedWeight.dequantize()``).
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 fn q4_dequantize(
     py: Python<'_>,
     codes: usize,
@@ -105,6 +110,7 @@ fn q4_dequantize(
     out: usize,
     n: usize,
     k: usize,
+    openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
         let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / 32)));
@@ -115,6 +121,7 @@ fn q4_dequantize(
             view_mut(out, n * k),
             n,
             k,
+            crate::Threads::pool_or_openmp(openmp_threads),
         )
     })
 }
@@ -131,6 +138,7 @@ fn q8_dequantize(
     n: usize,
     k: usize,
     group: usize,
+    openmp_threads: usize,
 ) -> PyResult<()> {
     check_group(group)?;
     py.detach(|| unsafe {
@@ -143,6 +151,7 @@ fn q8_dequantize(
             n,
             k,
             group,
+            crate::Threads::pool_or_openmp(openmp_threads),
         )
     });
     Ok(())
@@ -172,7 +181,8 @@ fn paged_attention(
     num_rows: usize,
     scale: f32,
     window: usize,
-    parallel: bool,
+    pool: bool,
+    openmp_threads: usize,
 ) -> PyResult<()> {
     py.detach(|| unsafe {
         let cache = num_blocks * block_size * kv_heads * dim;
@@ -191,7 +201,10 @@ fn paged_attention(
             max_blocks,
             scale,
             window,
-            parallel,
+            threads: match crate::Threads::pool_or_openmp(openmp_threads) {
+                crate::Threads::Pool if !pool => crate::Threads::Caller,
+                threads => threads,
+            },
         };
         crate::paged_attention(&job, view_mut(out, tokens * heads * dim))
     })
@@ -270,6 +283,20 @@ fn set_threads(py: Python<'_>, threads: usize) {
     py.detach(|| crate::set_threads(threads))
 }
 
+/// Run calls that ask for an OpenMP team on the runtime whose ``GOMP_parallel`` is at
+/// ``address`` (see ``openmp.rs``; 0: none). The caller vouches for the address: Python
+/// takes it from the runtime torch loaded, which stays loaded.
+#[pyfunction]
+fn set_openmp(address: usize) {
+    unsafe { crate::set_openmp(address) }
+}
+
+/// Whether an OpenMP runtime was given.
+#[pyfunction]
+fn openmp_available() -> bool {
+    crate::openmp_available()
+}
+
 /// The worker threads the kernels use now.
 #[pyfunction]
 fn threads() -> usize {
@@ -289,5 +316,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(force_scalar, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
+    m.add_function(wrap_pyfunction!(set_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(openmp_available, m)?)?;
     Ok(())
 }

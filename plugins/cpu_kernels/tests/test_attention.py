@@ -18,6 +18,7 @@ from powertrain.layers.rotary import apply_rotary
 from powertrain.testing.attention import AttentionBackendSuite
 from powertrain_cpu_kernels import _native
 from powertrain_cpu_kernels.attention import NativePagedAttention
+from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 
 
 class TestNativePagedAttention(AttentionBackendSuite):
@@ -134,9 +135,14 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(se
     query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
     with torch_threads(1):  # the pool runs only while torch's own ops are on one thread
         together = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
-    assert _native.threads() == 2
-    serial = short_rows_attention(NativePagedAttention(threads=1), layer, query, cache, metadata)
+        assert _native.threads() == 2
+        serial = short_rows_attention(NativePagedAttention(threads=1), layer, query, cache, metadata)
     assert torch.equal(together, serial), f"the thread count changed the result (seed={seed})"
+    for threads in (2, 3):  # torch on several threads: its OpenMP team runs the pairs
+        with torch_threads(threads):
+            assert NativePagedAttention._where_to_run() == (False, threads if gomp_parallel_address() else 0)
+            team = short_rows_attention(NativePagedAttention(), layer, query, cache, metadata)
+        assert torch.equal(team, serial), f"a team of {threads} changed the result (seed={seed})"
     for row in (0, 17, 40):
         start, end = metadata.query_start_loc_host[row : row + 2]
         alone = AttentionMetadata.build(

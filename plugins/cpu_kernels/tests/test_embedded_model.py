@@ -9,12 +9,17 @@ transformers in core/tests/test_engine_smollm2.py.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
 from powertrain.layers.linear import Linear
 from powertrain.testing.oracle import prefill_logits, relative_error
+from powertrain_cpu_kernels.threads import openmp_team
+from powertrain_cpu_kernels.torch_openmp import SWITCH, gomp_parallel_address
 
 #: A fixed prompt set, greedy: the kept-quantised model must continue each exactly as the
 #: dequantised one does.
@@ -27,6 +32,7 @@ PROMPTS = [
     "In machine learning, overfitting means",
 ]
 GREEDY_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, min_tokens=GREEDY_TOKENS)
 #: Largest |kept - dequantised| logit over the largest dequantised one. Both multiply the
 #: same float32 weight values (dequantisation is exact), so only summation order differs:
 #: the native kernel sums each 32-column group before scaling it, oneDNN sums whole rows.
@@ -36,23 +42,36 @@ LOGIT_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[list[torch.Tensor], list[list[int]], dict]]:
-    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, min_tokens=GREEDY_TOKENS)
     results = {}
+    for mode in ("keep", "dequantize"):
+        with engine_threads(), LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
+            steps = _record_step_threads(llm.engine.runner.model)
+            prompts = [llm.tokenizer.encode(prompt) for prompt in PROMPTS]
+            logits = prefill_logits(llm, prompts)
+            tokens = [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)]
+            modules = llm.engine.runner.model.modules()
+            kernels = {type(module.kernel).__name__ for module in modules if isinstance(module, Linear)}
+            results[mode] = (logits, tokens, {"kernels": kernels, "steps": steps})
+    return results
+
+
+def _greedy_with_step_threads(mode: str) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The prompt set's greedy continuations, and (tokens, torch threads) of every step."""
+    with engine_threads(), LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
+        steps = _record_step_threads(llm.engine.runner.model)
+        return [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)], steps
+
+
+@contextlib.contextmanager
+def engine_threads() -> Iterator[None]:
+    """torch on ``ENGINE_THREADS`` while an engine is built: its device thread takes its
+    creator's count."""
     before = torch.get_num_threads()
-    torch.set_num_threads(ENGINE_THREADS)  # the engine's device thread takes its creator's count
+    torch.set_num_threads(ENGINE_THREADS)
     try:
-        for mode in ("keep", "dequantize"):
-            with LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
-                steps = _record_step_threads(llm.engine.runner.model)
-                prompts = [llm.tokenizer.encode(prompt) for prompt in PROMPTS]
-                logits = prefill_logits(llm, prompts)
-                tokens = [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, params)]
-                modules = llm.engine.runner.model.modules()
-                kernels = {type(module.kernel).__name__ for module in modules if isinstance(module, Linear)}
-                results[mode] = (logits, tokens, {"kernels": kernels, "steps": steps})
+        yield
     finally:
         torch.set_num_threads(before)
-    return results
 
 
 #: torch threads the engines are built with (two: enough to see a step run on one).
@@ -77,17 +96,34 @@ def test_the_kept_model_multiplies_through_the_native_kernel(runs) -> None:
     assert runs["dequantize"][2]["kernels"] == {"NoneType"}
 
 
-def test_decode_steps_leave_the_cores_to_the_native_pool(runs) -> None:
-    """Steps of up to ``own_pool_max_rows`` tokens run torch's ops on one thread while the
-    native kernels use their own pool; larger steps (batched prefill) keep torch's threads,
-    and a dequantised engine always does."""
+def test_every_step_keeps_torchs_threads_where_the_kernels_share_its_team(runs) -> None:
+    """Where torch's OpenMP team is reachable the native kernels run on it, so no step needs
+    torch on one thread (``own_pool_max_rows`` is 0)."""
+    if not gomp_parallel_address():
+        pytest.skip("torch's OpenMP runtime is not reachable here: see the pool test below")
+    for mode in ("keep", "dequantize"):
+        assert {threads for _, threads in runs[mode][2]["steps"]} == {ENGINE_THREADS}, mode
+
+
+def test_without_torchs_team_decode_steps_leave_the_cores_to_the_native_pool(runs, monkeypatch) -> None:
+    """With the team switched off (``POWERTRAIN_CPU_OPENMP=0``, as where torch has no libgomp)
+    steps of up to ``own_pool_max_rows`` tokens run torch's ops on one thread while the native
+    kernels use their own pool; larger steps (batched prefill) keep torch's threads; greedy
+    output stays the same."""
     from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
-    kept, dense = runs["keep"][2]["steps"], runs["dequantize"][2]["steps"]
-    assert {tokens <= GEMV_MAX_ROWS for tokens, _ in kept} == {True, False}  # both kinds ran
-    for tokens, threads in kept:
-        assert threads == (1 if tokens <= GEMV_MAX_ROWS else ENGINE_THREADS), (tokens, threads)
-    assert {threads for _, threads in dense} == {ENGINE_THREADS}
+    monkeypatch.setenv(SWITCH, "0")
+    gomp_parallel_address.cache_clear()
+    try:
+        assert openmp_team() == 0
+        tokens, steps = _greedy_with_step_threads("keep")
+    finally:
+        monkeypatch.delenv(SWITCH)
+        gomp_parallel_address.cache_clear()
+    assert {n <= GEMV_MAX_ROWS for n, _ in steps} == {True, False}  # both kinds ran
+    for n, threads in steps:
+        assert threads == (1 if n <= GEMV_MAX_ROWS else ENGINE_THREADS), (n, threads)
+    assert tokens == runs["keep"][1]
 
 
 def test_logits_stay_within_tolerance_of_the_dequantized_model(runs) -> None:

@@ -15,8 +15,11 @@ import sys
 import pytest
 import torch
 
+from powertrain.engine.model_runner import torch_threads
 from powertrain.interfaces.quantized import QuantizedLinearKernel, QuantizedWeight
 from powertrain_cpu_kernels import NativeQuantizedLinear, PreparedWeight, _native
+from powertrain_cpu_kernels.threads import openmp_team
+from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 
 FORMATS = [("q4", 32), ("q8", 16), ("q8", 32)]
 ROWS = (1, 3, 37, 257)
@@ -122,11 +125,17 @@ def test_thread_count_does_not_change_results(seed: int) -> None:
     weight = random_weight("q4", 32, 257, 544, offsets=True)
     x = torch.randn(5, 544)
     results = []
-    for threads in (1, 3, 2):
-        kernel = NativeQuantizedLinear(threads=threads)
-        results.append(kernel.linear(x, kernel.prepare(weight), None))
-        assert _native.threads() == threads
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), f"seed={seed}"
+    with torch_threads(1):  # the package's pool: torch's team is not in use
+        for threads in (1, 3, 2):
+            kernel = NativeQuantizedLinear(threads=threads)
+            results.append(kernel.linear(x, kernel.prepare(weight), None))
+            assert _native.threads() == threads
+    for threads in (2, 3):  # torch's OpenMP team, where this torch has one
+        with torch_threads(threads):
+            assert openmp_team() == (threads if gomp_parallel_address() else 0)
+            kernel = NativeQuantizedLinear()
+            results.append(kernel.linear(x, kernel.prepare(weight), None))
+    assert all(torch.equal(results[0], result) for result in results[1:]), f"seed={seed}"
 
 
 def test_environment_variable_forces_scalar() -> None:
@@ -161,4 +170,16 @@ def test_errors_say_what_and_what_to_do() -> None:
         NATIVE.prepare(torch.randn(4, 32))
     assert isinstance(prepared, PreparedWeight) and prepared.weight.nbytes == weight.nbytes
     with pytest.raises(ValueError, match=r"q8 group must be 16 or 32, got 8"):
-        _native.q8_dequantize(0, 0, 0, 0, 0, 0, 8)
+        _native.q8_dequantize(0, 0, 0, 0, 0, 0, 8, 0)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or not torch.backends.openmp.is_available(), reason="torch here does not use libgomp"
+)
+def test_torch_openmp_runtime_is_found_where_torch_uses_libgomp() -> None:
+    """Linux wheels of torch parallelise with libgomp: the kernels must find its team there,
+    or every call falls back to a pool that fights torch's workers for the cores."""
+    assert gomp_parallel_address() != 0
+    with torch_threads(2):
+        assert openmp_team() == 2
+    assert _native.openmp_available()

@@ -17,7 +17,7 @@ import powertrain_cpu_kernels._native as _native
 from powertrain.builtin.bucketed_attention import SHORT_QUERY, BucketedAttention
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
 from powertrain.layers.rotary import apply_rotary
-from powertrain_cpu_kernels.threads import use_threads
+from powertrain_cpu_kernels.threads import openmp_team, use_threads
 
 
 class NativePagedAttention(BucketedAttention):
@@ -76,11 +76,15 @@ class NativePagedAttention(BucketedAttention):
             rows.numel(),
             layer.scale,
             layer.sliding_window or 0,
-            # The pool only while torch's own ops run on one thread (the engine's decode steps
-            # of a model kept quantised): otherwise torch's OpenMP workers, which poll for
-            # their next op for milliseconds, hold the cores the pool would need.
-            torch.get_num_threads() == 1,
+            *self._where_to_run(),
         )
+
+    @staticmethod
+    def _where_to_run() -> tuple[bool, int]:
+        """(whether the package's pool may run the pairs, the OpenMP team to run them on
+        instead): see ``openmp_team``. Where torch runs on several threads and its runtime
+        cannot be reached, the pairs stay on the calling thread."""
+        return torch.get_num_threads() == 1, openmp_team()
 
     def forward_rotary(
         self,

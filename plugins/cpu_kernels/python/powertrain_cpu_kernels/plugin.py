@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from powertrain import hookimpl
 from powertrain.builtin.attention import BUCKETED_CAPABILITIES
 from powertrain.components import AttentionBackendRecord, Availability, PlatformInfo, QuantizedLinearRecord
+from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
@@ -70,8 +71,9 @@ def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
             platforms={"cpu"},
             capabilities={"q4", "q8"},
             priority=10,
-            # Decode-sized calls run the native kernel on its own pool.
-            own_pool_max_rows=GEMV_MAX_ROWS,
+            # Calls run on torch's OpenMP team where it is reachable (threads.openmp_team);
+            # elsewhere decode-sized calls run on the kernel's own pool, torch on one thread.
+            own_pool_max_rows=0 if gomp_parallel_address() else GEMV_MAX_ROWS,
             check=native_available,
             factory=build_native,
             description=(

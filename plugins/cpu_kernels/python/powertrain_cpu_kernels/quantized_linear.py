@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import powertrain_cpu_kernels._native as _native
 from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
-from powertrain_cpu_kernels.threads import use_threads
+from powertrain_cpu_kernels.threads import openmp_team, use_threads
 from powertrain_cpu_kernels.tuning import DENSE_BLOCK, GEMV_MAX_ROWS
 
 
@@ -45,9 +45,10 @@ class NativeQuantizedLinear:
     """Weight-only quantised linear on the CPU for ``q4`` (group 32) and ``q8`` (group 16
     or 32) weights. ``gemv_max_rows``: the most rows of ``x`` the native kernel takes; more
     are multiplied by the weight dequantised block by block (0: always that; a large number:
-    never). ``dense_block``: weight elements per block on that route. ``threads``: the native
-    kernels' threads, the calling one included (default: torch's thread count when built; the
-    engine then runs decode steps' torch ops on one thread, see ``own_pool_max_rows``)."""
+    never). ``dense_block``: weight elements per block on that route. Calls run on torch's OpenMP
+    team where it is reachable (``threads.openmp_team``); elsewhere on the package's pool of
+    ``threads`` threads, the calling one included (default: torch's thread count when built;
+    the engine then runs decode steps' torch ops on one thread, see ``own_pool_max_rows``)."""
 
     formats = frozenset({"q4", "q8"})
 
@@ -135,9 +136,9 @@ class NativeQuantizedLinear:
         offsets = 0 if prepared.weight.offsets is None else prepared.weight.offsets[start:stop].data_ptr()
         args = (codes.data_ptr(), scales.data_ptr(), offsets, dense.data_ptr(), stop - start, prepared.cols)
         if prepared.weight.format == "q4":
-            _native.q4_dequantize(*args)
+            _native.q4_dequantize(*args, openmp_team())
         else:
-            _native.q8_dequantize(*args, prepared.weight.group)
+            _native.q8_dequantize(*args, prepared.weight.group, openmp_team())
 
     def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         use_threads(self.threads)
@@ -167,7 +168,7 @@ class NativeQuantizedLinear:
             out.data_ptr(),
         )
         if prepared.weight.format == "q4":
-            _native.q4_linear(*args, m, prepared.rows, prepared.cols)
+            _native.q4_linear(*args, m, prepared.rows, prepared.cols, openmp_team())
         else:
-            _native.q8_linear(*args, m, prepared.rows, prepared.cols, prepared.weight.group)
+            _native.q8_linear(*args, m, prepared.rows, prepared.cols, prepared.weight.group, openmp_team())
         return out
