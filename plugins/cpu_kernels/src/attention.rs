@@ -44,12 +44,12 @@ pub struct PagedAttention<'a> {
 
 /// Where one (row, kv head) pair reads and writes.
 #[derive(Clone, Copy)]
-struct Row {
+pub(crate) struct Row {
     /// First flat query token.
-    start: usize,
-    q_len: usize,
-    seq_len: usize,
-    table: usize,
+    pub(crate) start: usize,
+    pub(crate) q_len: usize,
+    pub(crate) seq_len: usize,
+    pub(crate) table: usize,
 }
 
 /// Pairs' work (query tokens x visible keys x heads) below which one thread runs them all.
@@ -123,7 +123,7 @@ impl PagedAttention<'_> {
     }
 
     /// The first key the query at position ``position`` sees.
-    fn first_key(&self, position: usize) -> usize {
+    pub(crate) fn first_key(&self, position: usize) -> usize {
         if self.window == 0 {
             0
         } else {
@@ -133,7 +133,7 @@ impl PagedAttention<'_> {
 
     /// Offset of token ``position``'s vector for ``kv_head`` in either cache.
     #[inline(always)]
-    fn cache_offset(&self, row: &Row, position: usize, kv_head: usize) -> usize {
+    pub(crate) fn cache_offset(&self, row: &Row, position: usize, kv_head: usize) -> usize {
         let block = self.block_tables[row.table + position / self.block_size] as usize;
         ((block * self.block_size + position % self.block_size) * self.kv_heads + kv_head)
             * self.dim
@@ -172,7 +172,11 @@ pub fn paged_attention(job: &PagedAttention, out: &mut [f32]) -> Result<(), Stri
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_avx2(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
-    attend(job, row, kv_head, out)
+    if job.dim.is_multiple_of(8) {
+        crate::attention_x86::attend(job, row, kv_head, out)
+    } else {
+        attend(job, row, kv_head, out)
+    }
 }
 
 /// One (row, kv head) pair. Inlined into each path, so the compiler vectorises the lane
@@ -244,7 +248,7 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
 
 /// The largest of ``values`` (not empty), in eight lanes so it vectorises.
 #[inline(always)]
-fn max_of(values: &[f32]) -> f32 {
+pub(crate) fn max_of(values: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let chunks = values.chunks_exact(8);
     let rest = chunks.remainder();
@@ -298,7 +302,7 @@ fn axpy4(sum: &mut [f32], w: [f32; 4], values: [&[f32]; 4]) {
 /// ``expf`` (``2^n`` times a degree-6 polynomial of the remainder). Plain float ops, so a
 /// loop of them vectorises, unlike a libm call per score.
 #[inline(always)]
-fn exp(x: f32) -> f32 {
+pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     let x = x.max(-87.0); // e^-87 is below f32's normal range; the softmax ignores it anyway
     let n = (x * LOG2E + 0.5).floor();

@@ -37,6 +37,8 @@ use pool::Pool;
 pub use rotary::{rotary_store, RotaryStore};
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_x86;
 mod openmp;
 mod pool;
 mod q4;
