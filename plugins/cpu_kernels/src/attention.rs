@@ -131,12 +131,22 @@ impl PagedAttention<'_> {
         }
     }
 
-    /// Offset of token ``position``'s vector for ``kv_head`` in either cache.
-    #[inline(always)]
-    pub(crate) fn cache_offset(&self, row: &Row, position: usize, kv_head: usize) -> usize {
-        let block = self.block_tables[row.table + position / self.block_size] as usize;
-        ((block * self.block_size + position % self.block_size) * self.kv_heads + kv_head)
-            * self.dim
+    /// Offsets of the vectors of ``kv_head`` at positions ``lo..row.seq_len`` in either
+    /// cache, walked block by block: one block-table read and one division per block, not per
+    /// token (a division costs about as much as scoring a key).
+    pub(crate) fn cache_offsets(&self, row: &Row, lo: usize, kv_head: usize) -> Vec<usize> {
+        let (size, stride) = (self.block_size, self.kv_heads * self.dim);
+        let mut offsets = Vec::with_capacity(row.seq_len - lo);
+        let mut position = lo;
+        while position < row.seq_len {
+            let block = self.block_tables[row.table + position / size] as usize;
+            let slot = position % size;
+            let end = row.seq_len.min(position - slot + size);
+            let first = (block * size + slot) * stride + kv_head * self.dim;
+            offsets.extend((0..end - position).map(|i| first + i * stride));
+            position = end;
+        }
+        offsets
     }
 }
 
@@ -192,9 +202,7 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
     let group = heads / job.kv_heads;
     let first_position = row.seq_len - row.q_len;
     let lo = job.first_key(first_position);
-    let offsets: Vec<usize> = (lo..row.seq_len)
-        .map(|position| job.cache_offset(row, position, kv_head))
-        .collect();
+    let offsets = job.cache_offsets(row, lo, kv_head);
     let key = |j: usize| &job.key_cache[offsets[j]..offsets[j] + dim];
     let value = |j: usize| &job.value_cache[offsets[j]..offsets[j] + dim];
     let mut scores = vec![0.0f32; offsets.len()];

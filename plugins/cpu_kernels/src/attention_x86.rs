@@ -22,9 +22,7 @@ pub(crate) unsafe fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out
     let group = heads / job.kv_heads;
     let first_position = row.seq_len - row.q_len;
     let lo = job.first_key(first_position);
-    let offsets: Vec<usize> = (lo..row.seq_len)
-        .map(|position| job.cache_offset(row, position, kv_head))
-        .collect();
+    let offsets = job.cache_offsets(row, lo, kv_head);
     let (keys, values) = (job.key_cache.as_ptr(), job.value_cache.as_ptr());
     let mut scores = vec![0.0f32; offsets.len()];
     for q in 0..row.q_len * group {
