@@ -64,10 +64,12 @@ class Sampler:
 
         temperature = torch.tensor([p.temperature for p in inputs.params], dtype=torch.float32)
         greedy = temperature == 0
-        tokens = torch.empty(inputs.num_rows, dtype=torch.int64)
-        if greedy.any():
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        if not greedy.all():
+        if greedy.all():  # no copy of the rows' logits (a batch of 64 copied 12 MB per step)
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(inputs.num_rows, dtype=torch.int64)
+            if greedy.any():
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
             rows = (~greedy).nonzero().flatten().tolist()
             probs = filtered_probs(logits[rows] / temperature[rows, None], [inputs.params[r] for r in rows])
             noise = self._noise(probs.shape, [inputs.generators[r] for r in rows])
