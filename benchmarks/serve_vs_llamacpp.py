@@ -17,10 +17,11 @@ Server overhead (issue 22 item 2): the highest level's prompts also run offline 
 offline output tok/s says what the server layer costs. Every engine and server runs in its
 own process (offline_throughput.py says why: OpenMP pools); servers are waited for on
 ``/health``, get one short warm-up chat before the measured levels, and are always
-terminated, even when a run fails. A level with a failed request, or with output tokens
-other than requests x max-tokens, is an error (a llama-server error still prints
-powertrain's numbers). ``--quick`` (16 chats of 16 words, 16 tokens, concurrency 4 and 16)
-checks that everything runs; its numbers are too small to compare.
+terminated, even when a run fails. A powertrain level with a failed request, or with
+output tokens other than requests x max-tokens, is an error; llama-server's failed requests
+are counted beside its numbers (any other llama-server error still prints powertrain's).
+``--quick`` (16 chats of 16 words, 16 tokens, concurrency 4 and 16) checks that everything
+runs; its numbers are too small to compare.
 
     uv run python benchmarks/serve_vs_llamacpp.py [--quick] [--llama-server PATH]
 """
@@ -184,15 +185,23 @@ def warm_up(url: str) -> None:
         response.read()
 
 
-def summary(level: dict[str, Any], requested: int) -> dict[str, Any]:
-    """Output tok/s and p50 TTFT/TPOT; raises if a request failed or produced a different length."""
+def summary(level: dict[str, Any], requested: int, peer: bool = False) -> dict[str, Any]:
+    """Output tok/s and p50 TTFT/TPOT. Raises if a request failed or produced a different
+    length, except for the ``peer``: llama-server drops a few requests at high concurrency
+    (so did the runs issue 22 reports), and its numbers then still count what it produced,
+    beside how many failed."""
     requests, output = level["requests"], level["tokens"]["output"]
-    if requests["failed"] or output != requested:
+    failed = requests["failed"]
+    if (failed or output != requested) and not (peer and failed and output < requested):
         raise RuntimeError(
-            f"{requests['failed']} failed requests, {output} output tokens instead of {requested}: "
-            f"{level['errors']['first']}"
+            f"{failed} failed requests, {output} output tokens instead of {requested}: {level['errors']['first']}"
         )
-    return {"tok/s": level["output_throughput"], "ttft": level["ttft_ms"]["p50"], "tpot": level["tpot_ms"]["p50"]}
+    return {
+        "tok/s": level["output_throughput"],
+        "ttft": level["ttft_ms"]["p50"],
+        "tpot": level["tpot_ms"]["p50"],
+        "failed": failed,
+    }
 
 
 # --------------------------------------------------------------------------- offline
@@ -248,7 +257,9 @@ def measure_llama(args: argparse.Namespace, binary: str, gguf: Path, work: Path)
         with server(f"llama-server-{concurrency}", command, port, work) as url:
             warm_up(url)
             level = bench_serve(args, url, concurrency, work / f"llama-{concurrency}.json")
-            results[concurrency] = summary(level, expected(args))
+            results[concurrency] = summary(level, expected(args), peer=True)
+            if level["requests"]["failed"]:
+                print(f"llama-server c{concurrency}: {level['errors']['first']}", file=sys.stderr)
     return results
 
 
@@ -267,7 +278,10 @@ def rows(ours: dict[int, dict[str, Any]], theirs: dict[int, dict[str, Any]] | No
                 results[f"{row} powertrain"] = mine[metric]
                 continue
             ratio = mine[metric] / peer[metric] if peer[metric] else float("nan")
-            results[row] = f"powertrain {mine[metric]:.1f} | llama-server {peer[metric]:.1f} | ratio {ratio:.3f}"
+            failed = f" ({peer['failed']} failed)" if peer["failed"] else ""
+            results[row] = (
+                f"powertrain {mine[metric]:.1f} | llama-server {peer[metric]:.1f}{failed} | ratio {ratio:.3f}"
+            )
     return results
 
 
