@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch  # noqa: F401  (loads the OpenMP runtime the crate's tests then use)
+import torch  # loads the OpenMP runtime the crate's tests then use
 
 
 def loaded_libgomp() -> dict[str, str]:
@@ -16,9 +16,12 @@ def loaded_libgomp() -> dict[str, str]:
     if sys.platform != "linux":
         return {}
     maps = Path("/proc/self/maps").read_text().splitlines()
-    paths = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
-    assert len(paths) == 1, f"expected torch's one libgomp in this process, found {sorted(paths)}"
-    return {"POWERTRAIN_TEST_LIBGOMP": paths.pop()}
+    paths = sorted({line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]})
+    root = str(Path(torch.__file__).parent)  # torch/lib, or torch.libs beside it (auditwheel)
+    torchs = [path for path in paths if path.startswith((root + "/", root + ".libs/"))]
+    chosen = torchs or paths  # torch's own copy, where another library loaded the system's too
+    assert len(chosen) == 1, f"expected torch's one libgomp in this process, found {paths}"
+    return {"POWERTRAIN_TEST_LIBGOMP": chosen[0]}
 
 
 def test_cargo_test_passes(cargo_test) -> None:
