@@ -140,6 +140,8 @@ mod tests {
 
     #[test]
     fn every_chunk_runs_once_on_a_team_of_the_threads_asked_for() {
+        // Only a bare ``cargo test`` without a system libgomp returns here: the pytest run
+        // always names torch's, and a name that does not load fails in ``runtime``.
         if runtime().is_none() {
             eprintln!("no libgomp to test with (set POWERTRAIN_TEST_LIBGOMP)");
             return;
@@ -167,6 +169,8 @@ mod tests {
 
     #[test]
     fn a_chunks_panic_reaches_the_caller_after_the_team_left() {
+        // Only a bare ``cargo test`` without a system libgomp returns here: the pytest run
+        // always names torch's, and a name that does not load fails in ``runtime``.
         if runtime().is_none() {
             eprintln!("no libgomp to test with (set POWERTRAIN_TEST_LIBGOMP)");
             return;

@@ -44,34 +44,32 @@ LOGIT_TOLERANCE = 1e-4
 def runs() -> dict[str, tuple[list[torch.Tensor], list[list[int]], dict]]:
     results = {}
     for mode in ("keep", "dequantize"):
-        with engine_threads(), LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
-            steps = _record_step_threads(llm.engine.runner.model)
-            prompts = [llm.tokenizer.encode(prompt) for prompt in PROMPTS]
-            logits = prefill_logits(llm, prompts)
-            tokens = [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)]
+        with engine(mode) as (llm, steps):
+            logits = prefill_logits(llm, [llm.tokenizer.encode(prompt) for prompt in PROMPTS])
+            tokens = greedy(llm)
             modules = llm.engine.runner.model.modules()
             kernels = {type(module.kernel).__name__ for module in modules if isinstance(module, Linear)}
             results[mode] = (logits, tokens, {"kernels": kernels, "steps": steps})
     return results
 
 
-def _greedy_with_step_threads(mode: str) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """The prompt set's greedy continuations, and (tokens, torch threads) of every step."""
-    with engine_threads(), LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
-        steps = _record_step_threads(llm.engine.runner.model)
-        return [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)], steps
-
-
 @contextlib.contextmanager
-def engine_threads() -> Iterator[None]:
-    """torch on ``ENGINE_THREADS`` while an engine is built: its device thread takes its
-    creator's count."""
+def engine(mode: str) -> Iterator[tuple[LLM, list[tuple[int, int]]]]:
+    """The embedded model with ``quantization = mode``, built with torch on ``ENGINE_THREADS``
+    (its device thread takes its creator's count), and (tokens, torch threads) of each of its
+    steps from then on."""
     before = torch.get_num_threads()
     torch.set_num_threads(ENGINE_THREADS)
     try:
-        yield
+        with LLM(dtype="float32", quantization=mode, memory_gib=0.25) as llm:
+            yield llm, _record_step_threads(llm.engine.runner.model)
     finally:
         torch.set_num_threads(before)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    """The prompt set's greedy continuations."""
+    return [list(output.outputs[0].token_ids) for output in llm.generate(PROMPTS, GREEDY)]
 
 
 #: torch threads the engines are built with (two: enough to see a step run on one).
@@ -100,6 +98,9 @@ def test_every_step_keeps_torchs_threads_where_the_kernels_share_its_team(runs) 
     """Where torch's OpenMP team is reachable the native kernels run on it, so no step needs
     torch on one thread (``own_pool_max_rows`` is 0)."""
     if not gomp_parallel_address():
+        # Only a torch without libgomp (not Linux wheels: there
+        # test_torch_openmp_runtime_is_found_where_torch_uses_libgomp fails instead) gets here;
+        # its engines take the pool route, which the next test checks.
         pytest.skip("torch's OpenMP runtime is not reachable here: see the pool test below")
     for mode in ("keep", "dequantize"):
         assert {threads for _, threads in runs[mode][2]["steps"]} == {ENGINE_THREADS}, mode
@@ -116,7 +117,8 @@ def test_without_torchs_team_decode_steps_leave_the_cores_to_the_native_pool(run
     gomp_parallel_address.cache_clear()
     try:
         assert openmp_team() == 0
-        tokens, steps = _greedy_with_step_threads("keep")
+        with engine("keep") as (llm, steps):
+            tokens = greedy(llm)
     finally:
         monkeypatch.delenv(SWITCH)
         gomp_parallel_address.cache_clear()
