@@ -3,12 +3,14 @@ versus torch's float32 ``F.linear`` on the dense weight (and ``torch._weight_int
 torch's own int8 weight-only kernel, for q8 where this torch has it), on SmolLM2-135M's
 shapes.
 
-Each row: microseconds per call (median), the ratio dense/native (> 1: native is faster),
-and the effective bandwidth, weight bytes read per second. ``native`` always runs the native
-kernel; ``route`` is what ``NativeQuantizedLinear`` picks by default (native up to
-``GEMV_MAX_ROWS`` rows, native dequantise + ``F.linear`` above). Then the whole model per
-decode token (m=1), and whether the kernels' rayon threads and torch's OpenMP threads slow
-each other down when calls alternate.
+Each row: microseconds per call (median) for each route of ``NativeQuantizedLinear``:
+``widened`` (codes widened inside each dot), ``panels`` (the weight dequantised a panel at a
+time and multiplied, ``src/gemm.rs``), ``blocks`` (dequantised 4 MB at a time for torch's
+``F.linear``) and ``route`` (what it picks by default: widened below ``GEMM_MIN_ROWS`` rows,
+panels from there); then ``F.linear`` on the dense float32 weight, the ratio dense/route (> 1:
+the default route is faster) and the weight bytes the route reads per second. Then the whole
+model (30 q4 layers + the q8 head) per row count and route, and whether the kernels' threads
+and torch's OpenMP threads slow each other down when calls alternate.
 
     uv run python benchmarks/quantized_linear.py
 """
@@ -27,7 +29,6 @@ from common import report
 
 from powertrain.interfaces.quantized import QuantizedWeight
 from powertrain_cpu_kernels import NativeQuantizedLinear, _native
-from powertrain_cpu_kernels.quantized_linear import GEMV_MAX_ROWS
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, 30 layers, 49152 tokens.
 LAYERS = 30
@@ -87,44 +88,55 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    native = NativeQuantizedLinear(gemv_max_rows=1 << 30)
-    routed = NativeQuantizedLinear()
-    results: dict[str, object] = {"kernel_path": _native.kernel_path(), "gemv_max_rows": GEMV_MAX_ROWS}
-    per_token: dict[str, float] = {}
+    routes = {
+        "widened": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30),
+        "panels": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1),
+        "blocks": NativeQuantizedLinear(gemv_max_rows=0),
+        "route": NativeQuantizedLinear(),
+    }
+    route = routes["route"]
+    results: dict[str, object] = {
+        "kernel_path": _native.kernel_path(),
+        "gemm_min_rows": route.gemm_min_rows,
+        "gemv_max_rows": route.gemv_max_rows,
+    }
+    model: dict[int, dict[str, float]] = {m: {} for m in args.rows}  # seconds per route, 30 q4 layers + q8 head
+    bytes_per_token = 0
     cases = [(name, n, k, fmt) for name, (n, k) in SHAPES.items() for fmt in ("q4", "q8")]
     cases.append(("head", *HEAD, "q8"))
     with torch.inference_mode():
         for name, n, k, fmt in cases:
             w = weight(fmt, n, k)
-            prepared = native.prepare(w)
+            prepared = route.prepare(w)
             dense = w.dequantize()
             int8_mm = int8pack(w) if name != "head" else None  # slow enough here to dominate the run
             count = LAYERS if name != "head" else 1
+            in_model = name == "head" or fmt == "q4"
+            bytes_per_token += count * prepared.weight.nbytes if in_model else 0
             for m in args.rows:
                 x = torch.randn(m, k)
-                t_native = timed(partial(native.linear, x, prepared, None), args.budget)
-                t_route = timed(partial(routed.linear, x, prepared, None), args.budget)
-                t_dense = timed(partial(F.linear, x, dense), args.budget)
-                row = (
-                    f"native {t_native * 1e6:8.1f} us  route {t_route * 1e6:8.1f} us  "
-                    f"F.linear f32 {t_dense * 1e6:8.1f} us  dense/native {t_dense / t_native:5.2f}x  "
-                    f"dense/route {t_dense / t_route:5.2f}x  {prepared.weight.nbytes / t_native / 1e9:5.1f} GB/s"
-                )
+                times = {
+                    label: timed(partial(kernel.linear, x, prepared, None), args.budget)
+                    for label, kernel in routes.items()
+                }
+                times["F.linear f32"] = timed(partial(F.linear, x, dense), args.budget)
+                row = "  ".join(f"{label} {t * 1e6:8.1f} us" for label, t in times.items())
+                row += f"  dense/route {times['F.linear f32'] / times['route']:5.2f}x"
+                row += f"  {prepared.weight.nbytes / times['route'] / 1e9:5.1f} GB/s"
                 if int8_mm is not None:
                     t_int8 = timed(partial(int8_mm, x), args.budget)
-                    row += f"  int8pack_mm {t_int8 * 1e6:8.1f} us ({t_int8 / t_native:4.2f}x native)"
+                    row += f"  int8pack_mm {t_int8 * 1e6:8.1f} us ({t_int8 / times['route']:4.2f}x route)"
                 results[f"{name} {n}x{k} {fmt} m={m}"] = row
                 print(f"{name:8} {n:6}x{k:<5} {fmt} m={m:<3} {row}", flush=True)
-                if m == 1 and (name == "head" or fmt == "q4"):
-                    per_token["native"] = per_token.get("native", 0.0) + count * t_native
-                    per_token["dense"] = per_token.get("dense", 0.0) + count * t_dense
-                    per_token["bytes"] = per_token.get("bytes", 0.0) + count * prepared.weight.nbytes
-        if 1 in args.rows:
-            results["per token (m=1): 30 layers q4 + head q8"] = (
-                f"native {per_token['native'] * 1e3:.2f} ms, F.linear f32 {per_token['dense'] * 1e3:.2f} ms, "
-                f"{per_token['bytes'] / 1e6:.1f} MB quantised, "
-                f"{per_token['bytes'] / per_token['native'] / 1e9:.1f} GB/s"
-            )
+                if in_model:
+                    for label, t in times.items():
+                        model[m][label] = model[m].get(label, 0.0) + count * t
+        for m, times in model.items():
+            row = ", ".join(f"{label} {t * 1e3:.2f} ms" for label, t in times.items())
+            if m == 1:
+                rate = bytes_per_token / times["route"] / 1e9
+                row += f"; {bytes_per_token / 1e6:.1f} MB quantised, route {rate:.1f} GB/s"
+            results[f"model (30 layers q4 + head q8), m={m}"] = row
         results.update(thread_interplay(args.budget))
     report("weight-only quantised linear on the CPU: native q4/q8 vs torch float32 F.linear (SmolLM2-135M)", results)
 

@@ -12,6 +12,12 @@ with ``--llama-server``, on the GGUF file powertrain's loader resolves ``--model
 ``-t --threads -np <concurrency>`` (one fresh server per level: its slots are fixed at
 start). When it is absent the script says so and reports powertrain alone.
 
+``--quantization`` sets powertrain's ``[model] quantization`` (server and offline alike):
+``auto`` (the default) keeps a GGUF's weights quantised where the native kernel is
+installed, as a user's server does; ``dequantize`` expands them to float32 at load, which
+costs about five times the weight memory and reads more bytes per step, but spares every
+batched step the per-block dequantisation (see ``step_profile.py``).
+
 Server overhead (issue 22 item 2): the highest level's prompts also run offline through
 ``powertrain.LLM.chat`` in a process of its own (same sampling), and the ratio HTTP /
 offline output tok/s says what the server layer costs. Every engine and server runs in its
@@ -116,8 +122,17 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def powertrain_command(model: str, port: int) -> list[str]:
-    return [str(POWERTRAIN), "--log-level", "warning", "serve", "--model", model, "--port", str(port)]
+def powertrain_command(model: str, port: int, config: Path) -> list[str]:
+    return [str(POWERTRAIN), "--log-level", "warning", "serve", "--config", str(config), "--model", model] + [
+        "--port", str(port),
+    ]  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace, work: Path) -> Path:
+    """The engine.toml the server runs with: ``[model] quantization`` from ``--quantization``."""
+    path = work / "engine.toml"
+    path.write_text(f'[model]\nquantization = "{args.quantization}"\n')
+    return path
 
 
 def llama_command(binary: str, gguf: Path, port: int, threads: int, slots: int) -> list[str]:
@@ -214,7 +229,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     conversations = bench_config(args, max(args.concurrency)).make_workload(0)
     chats = [[{"role": "user", "content": c.user_turns[0]}] for c in conversations]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    with LLM(args.model) as llm:
+    with LLM(args.model, quantization=args.quantization) as llm:
         llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4))  # warm up, as the servers
         started = time.perf_counter()
         outputs = llm.chat(chats, params)
@@ -240,7 +255,8 @@ def offline_in_subprocess() -> dict[str, Any]:
 def measure_powertrain(args: argparse.Namespace, work: Path) -> dict[int, dict[str, Any]]:
     """Every level against one powertrain server (its batch holds max_num_seqs = 64 chats)."""
     port = free_port()
-    with server("powertrain", powertrain_command(args.model, port), port, work) as url:
+    command = powertrain_command(args.model, port, engine_config(args, work))
+    with server("powertrain", command, port, work) as url:
         warm_up(url)
         return {
             c: summary(bench_serve(args, url, c, work / f"powertrain-{c}.json"), expected(args))
@@ -296,6 +312,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama-server -t")
     parser.add_argument("--keep", help="a folder to keep the server logs and bench results (JSON, PNG) in")
     parser.add_argument("--quick", action="store_true", help=f"a small run: defaults {QUICK}")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "keep", "dequantize"],
+        help="[model] quantization for powertrain (server and offline) [auto: kept where a native kernel is]",
+    )
     parser.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)  # the offline child
     args = parser.parse_args()
     for name, default in (QUICK if args.quick else FULL).items():  # counts given explicitly win
@@ -314,6 +336,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "workload": f"{args.requests} chats x {args.words} random words, {args.max_tokens} tokens, greedy, ignore_eos",
         "model": str(gguf or args.model),
+        "powertrain [model] quantization": args.quantization,
     }
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         work = Path(args.keep or tmp)

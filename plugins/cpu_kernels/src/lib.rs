@@ -39,6 +39,9 @@ pub use rotary::{rotary_store, RotaryStore};
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_x86;
+mod gemm;
+#[cfg(target_arch = "x86_64")]
+mod gemm_x86;
 mod openmp;
 mod pool;
 mod q4;
@@ -229,7 +232,9 @@ fn group_sums(x: &[f32], m: usize, k: usize, group: usize) -> Vec<f32> {
 pub(crate) const TILE: usize = 8;
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight (``codes [n, k/2]``, ``scales`` and
-/// ``offsets`` ``[n, k/32]``).
+/// ``offsets`` ``[n, k/32]``). From ``gemm_min_rows`` rows of ``x`` on, the weight is
+/// dequantised a panel at a time and multiplied (``gemm.rs``); below, codes are widened
+/// inside the dot (``x86.rs``).
 #[allow(clippy::too_many_arguments)]
 pub fn q4_linear(
     x: &[f32],
@@ -240,14 +245,33 @@ pub fn q4_linear(
     m: usize,
     n: usize,
     k: usize,
+    gemm_min_rows: usize,
     on: Threads,
 ) {
     if m == 0 || n == 0 {
         return;
     }
-    let sums = offsets.map(|_| group_sums(x, m, k, 32));
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
+    if m >= gemm_min_rows {
+        let groups = k / 32;
+        let dequantize = |panel: OutPtr, r0: usize, r1: usize| {
+            let (codes, scales) = (&codes[r0 * k / 2..], &scales[r0 * groups..]);
+            let offsets = offsets.map(|o| &o[r0 * groups..]);
+            match path {
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx2Fma => unsafe {
+                    x86::q4_dequantize_rows(codes, scales, offsets, panel, k, 0, r1 - r0)
+                },
+                _ => q4::dequantize_rows(codes, scales, offsets, panel, k, 0, r1 - r0),
+            }
+        };
+        for_row_chunks_on(on, n, gemm::PANEL, |r0, r1| {
+            gemm::rows(path, x, m, n, k, &dequantize, out_ptr, r0, r1)
+        });
+        return;
+    }
+    let sums = offsets.map(|_| group_sums(x, m, k, 32));
     let job = q4::Job {
         x,
         sums: sums.as_deref(),
@@ -266,7 +290,7 @@ pub fn q4_linear(
 }
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight (``codes [n, k]``, ``scales`` and
-/// ``offsets`` ``[n, k/group]``, ``group`` 16 or 32).
+/// ``offsets`` ``[n, k/group]``, ``group`` 16 or 32; ``gemm_min_rows`` as for ``q4_linear``).
 #[allow(clippy::too_many_arguments)]
 pub fn q8_linear(
     x: &[f32],
@@ -278,6 +302,7 @@ pub fn q8_linear(
     n: usize,
     k: usize,
     group: usize,
+    gemm_min_rows: usize,
     on: Threads,
 ) {
     assert!(
@@ -287,9 +312,27 @@ pub fn q8_linear(
     if m == 0 || n == 0 {
         return;
     }
-    let sums = offsets.map(|_| group_sums(x, m, k, group));
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
+    if m >= gemm_min_rows {
+        let groups = k / group;
+        let dequantize = |panel: OutPtr, r0: usize, r1: usize| {
+            let (codes, scales) = (&codes[r0 * k..], &scales[r0 * groups..]);
+            let offsets = offsets.map(|o| &o[r0 * groups..]);
+            match path {
+                #[cfg(target_arch = "x86_64")]
+                KernelPath::Avx2Fma => unsafe {
+                    x86::q8_dequantize_rows(codes, scales, offsets, panel, k, group, 0, r1 - r0)
+                },
+                _ => q8::dequantize_rows(codes, scales, offsets, panel, k, group, 0, r1 - r0),
+            }
+        };
+        for_row_chunks_on(on, n, gemm::PANEL, |r0, r1| {
+            gemm::rows(path, x, m, n, k, &dequantize, out_ptr, r0, r1)
+        });
+        return;
+    }
+    let sums = offsets.map(|_| group_sums(x, m, k, group));
     let job = q8::Job {
         x,
         sums: sums.as_deref(),

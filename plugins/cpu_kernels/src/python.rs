@@ -33,7 +33,8 @@ fn check_group(group: usize) -> PyResult<()> {
     }
 }
 
-/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none.
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none. From
+/// ``gemm_min_rows`` rows of ``x`` on, panels of the weight are dequantised and multiplied.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q4_linear(
@@ -46,6 +47,7 @@ fn q4_linear(
     m: usize,
     n: usize,
     k: usize,
+    gemm_min_rows: usize,
     openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
@@ -59,12 +61,14 @@ fn q4_linear(
             m,
             n,
             k,
+            gemm_min_rows,
             crate::Threads::pool_or_openmp(openmp_threads),
         )
     })
 }
 
-/// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight with ``group``-column groups.
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight with ``group``-column groups (panels
+/// from ``gemm_min_rows`` rows on, as ``q4_linear``).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q8_linear(
@@ -78,6 +82,7 @@ fn q8_linear(
     n: usize,
     k: usize,
     group: usize,
+    gemm_min_rows: usize,
     openmp_threads: usize,
 ) -> PyResult<()> {
     check_group(group)?;
@@ -93,6 +98,7 @@ fn q8_linear(
             n,
             k,
             group,
+            gemm_min_rows,
             crate::Threads::pool_or_openmp(openmp_threads),
         )
     });

@@ -111,7 +111,7 @@ def test_without_torchs_team_decode_steps_leave_the_cores_to_the_native_pool(run
     steps of up to ``own_pool_max_rows`` tokens run torch's ops on one thread while the native
     kernels use their own pool; larger steps (batched prefill) keep torch's threads; greedy
     output stays the same."""
-    from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
+    from powertrain_cpu_kernels.tuning import POOL_MAX_ROWS
 
     monkeypatch.setenv(SWITCH, "0")
     gomp_parallel_address.cache_clear()
@@ -122,9 +122,9 @@ def test_without_torchs_team_decode_steps_leave_the_cores_to_the_native_pool(run
     finally:
         monkeypatch.delenv(SWITCH)
         gomp_parallel_address.cache_clear()
-    assert {n <= GEMV_MAX_ROWS for n, _ in steps} == {True, False}  # both kinds ran
+    assert {n <= POOL_MAX_ROWS for n, _ in steps} == {True, False}  # both kinds ran
     for n, threads in steps:
-        assert threads == (1 if n <= GEMV_MAX_ROWS else ENGINE_THREADS), (n, threads)
+        assert threads == (1 if n <= POOL_MAX_ROWS else ENGINE_THREADS), (n, threads)
     assert tokens == runs["keep"][1]
 
 

@@ -28,6 +28,8 @@ F32_TOL = 1e-5
 BF16_TOL = 2.0**-8
 
 NATIVE = NativeQuantizedLinear(gemv_max_rows=1 << 30)  # always the native kernel
+TILES = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30)  # codes widened in the dot
+PANELS = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1)  # dequantised panels (src/gemm.rs)
 DENSE = NativeQuantizedLinear(gemv_max_rows=0)  # always native dequantise + F.linear
 BLOCKED = NativeQuantizedLinear(gemv_max_rows=0, dense_block=544 * 16)  # the same, 16 rows of 544 a block
 
@@ -82,7 +84,12 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                 x = torch.randn(m, k).to(dtype)
                 bias = torch.randn(n) if with_bias else None
                 want, allowed = oracle(x, weight, bias)
-                routes = ((NATIVE, "native"), (DENSE, "dequantise+F.linear"), (BLOCKED, "blocked dequantise"))
+                routes = (
+                    (TILES, "native, widened"),
+                    (PANELS, "native, panels"),
+                    (DENSE, "dequantise+F.linear"),
+                    (BLOCKED, "blocked dequantise"),
+                )
                 for kernel, route in routes:
                     got = kernel.linear(x, kernel.prepare(weight), bias)
                     what = (
@@ -104,12 +111,14 @@ def test_dequantize_is_bit_equal(fmt: str, group: int, kernel_path: str, seed: i
 
 
 def test_default_kernel_batches_and_keeps_shape(kernel_path: str, seed: int) -> None:
-    """The default crossover, leading dimensions, and inference mode."""
+    """The default crossovers (widened codes / panels, and the pool's row limit where it
+    applies), leading dimensions, and inference mode."""
     kernel = NativeQuantizedLinear()
     weight = random_weight("q4", 32, 37, 96, offsets=True)
     prepared = kernel.prepare(weight)
     assert isinstance(kernel, QuantizedLinearKernel)
-    for shape in ((96,), (2, 3, 96), (kernel.gemv_max_rows, 96), (kernel.gemv_max_rows + 1, 96), (0, 96)):
+    crossovers = {kernel.gemm_min_rows - 1, kernel.gemm_min_rows, min(kernel.gemv_max_rows, 300) + 1}
+    for shape in ((96,), (2, 3, 96), *((rows, 96) for rows in sorted(crossovers)), (0, 96)):
         x = torch.randn(shape)
         with torch.inference_mode():
             got = kernel.linear(x, prepared, None)

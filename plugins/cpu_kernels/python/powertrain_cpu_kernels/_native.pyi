@@ -5,10 +5,29 @@ the caller checks every dtype, shape and contiguity (the extension cannot).
 ``pool`` flag says no)."""
 
 def q4_linear(
-    x: int, codes: int, scales: int, offsets: int, out: int, m: int, n: int, k: int, openmp_threads: int
+    x: int,
+    codes: int,
+    scales: int,
+    offsets: int,
+    out: int,
+    m: int,
+    n: int,
+    k: int,
+    gemm_min_rows: int,
+    openmp_threads: int,
 ) -> None: ...
 def q8_linear(
-    x: int, codes: int, scales: int, offsets: int, out: int, m: int, n: int, k: int, group: int, openmp_threads: int
+    x: int,
+    codes: int,
+    scales: int,
+    offsets: int,
+    out: int,
+    m: int,
+    n: int,
+    k: int,
+    group: int,
+    gemm_min_rows: int,
+    openmp_threads: int,
 ) -> None: ...
 def q4_dequantize(codes: int, scales: int, offsets: int, out: int, n: int, k: int, openmp_threads: int) -> None: ...
 def q8_dequantize(

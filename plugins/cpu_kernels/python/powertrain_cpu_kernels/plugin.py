@@ -14,7 +14,7 @@ from powertrain import hookimpl
 from powertrain.builtin.attention import BUCKETED_CAPABILITIES
 from powertrain.components import AttentionBackendRecord, Availability, PlatformInfo, QuantizedLinearRecord
 from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
-from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
+from powertrain_cpu_kernels.tuning import POOL_MAX_ROWS
 
 if TYPE_CHECKING:
     from powertrain.interfaces import AttentionBackendContext, QuantizedLinearContext
@@ -73,12 +73,12 @@ def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
             priority=10,
             # Calls run on torch's OpenMP team where it is reachable (threads.openmp_team);
             # elsewhere decode-sized calls run on the kernel's own pool, torch on one thread.
-            own_pool_max_rows=0 if gomp_parallel_address() else GEMV_MAX_ROWS,
+            own_pool_max_rows=0 if gomp_parallel_address() else POOL_MAX_ROWS,
             check=native_available,
             factory=build_native,
             description=(
                 "Rust q4/q8 x float matmul (AVX2+FMA where the CPU has it, else portable); "
-                "few rows read each quantised byte once, many rows dequantise blocks for F.linear"
+                "few rows read each quantised byte once, more multiply dequantised panels of it"
             ),
         )
     ]

@@ -1,10 +1,11 @@
 """``NativeQuantizedLinear``: the ``QuantizedLinearKernel`` backed by the Rust kernels.
 
 Few rows (decode) run the native kernel, which reads each weight byte once and never
-builds the dense weight. Many rows (prefill) are compute-bound instead: there the weight is
-dequantised natively into a temporary float32 ``[rows, cols]`` and multiplied by torch's
-``F.linear`` (MKL/oneDNN), which beats a hand-written kernel once enough rows share the
-expansion (``benchmarks/quantized_linear.py`` measures the crossover).
+builds the dense weight. More rows are compute-bound instead: the native kernel then
+dequantises the weight a cache-sized panel at a time and multiplies every row by it
+(``src/gemm.rs``). Dequantising into a temporary float32 ``[rows, cols]`` for torch's
+``F.linear`` (MKL/oneDNN) remains as a route above ``gemv_max_rows``
+(``benchmarks/quantized_linear.py`` measures the crossovers).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 import powertrain_cpu_kernels._native as _native
 from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
-from powertrain_cpu_kernels.tuning import DENSE_BLOCK, GEMV_MAX_ROWS
+from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
+from powertrain_cpu_kernels.tuning import DENSE_BLOCK, GEMM_MIN_ROWS, GEMV_MAX_ROWS, POOL_MAX_ROWS
 
 
 @attrs.frozen(eq=False)
@@ -45,17 +47,28 @@ class NativeQuantizedLinear:
     """Weight-only quantised linear on the CPU for ``q4`` (group 32) and ``q8`` (group 16
     or 32) weights. ``gemv_max_rows``: the most rows of ``x`` the native kernel takes; more
     are multiplied by the weight dequantised block by block (0: always that; a large number:
-    never). ``dense_block``: weight elements per block on that route. Calls run on torch's OpenMP
-    team where it is reachable (``threads.openmp_team``); elsewhere on the package's pool of
-    ``threads`` threads, the calling one included (default: torch's thread count when built;
-    the engine then runs decode steps' torch ops on one thread, see ``own_pool_max_rows``)."""
+    never; default: no limit where calls run on torch's OpenMP team, ``POOL_MAX_ROWS`` where
+    they run on the kernels' own pool). ``gemm_min_rows``: from this many rows on, the native
+    kernel dequantises panels of the weight and multiplies them, below it widens codes inside
+    the dot (``src/gemm.rs``). ``dense_block``: weight elements per block on the dequantised
+    route. Calls run on torch's OpenMP team where it is reachable (``threads.openmp_team``);
+    elsewhere on the package's pool of ``threads`` threads, the calling one included (default:
+    torch's thread count when built; the engine then runs decode steps' torch ops on one
+    thread, see ``own_pool_max_rows``)."""
 
     formats = frozenset({"q4", "q8"})
 
     def __init__(
-        self, gemv_max_rows: int = GEMV_MAX_ROWS, dense_block: int = DENSE_BLOCK, threads: int | None = None
+        self,
+        gemv_max_rows: int | None = None,
+        dense_block: int = DENSE_BLOCK,
+        threads: int | None = None,
+        gemm_min_rows: int = GEMM_MIN_ROWS,
     ) -> None:
+        if gemv_max_rows is None:
+            gemv_max_rows = GEMV_MAX_ROWS if gomp_parallel_address() else POOL_MAX_ROWS
         self.gemv_max_rows = gemv_max_rows
+        self.gemm_min_rows = max(1, gemm_min_rows)
         self.dense_block = dense_block
         self.threads = torch.get_num_threads() if threads is None else max(1, threads)
 
@@ -168,7 +181,8 @@ class NativeQuantizedLinear:
             out.data_ptr(),
         )
         if prepared.weight.format == "q4":
-            _native.q4_linear(*args, m, prepared.rows, prepared.cols, openmp_team())
+            _native.q4_linear(*args, m, prepared.rows, prepared.cols, self.gemm_min_rows, openmp_team())
         else:
-            _native.q8_linear(*args, m, prepared.rows, prepared.cols, prepared.weight.group, openmp_team())
+            group = prepared.weight.group
+            _native.q8_linear(*args, m, prepared.rows, prepared.cols, group, self.gemm_min_rows, openmp_team())
         return out

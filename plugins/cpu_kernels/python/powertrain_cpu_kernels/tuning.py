@@ -1,12 +1,21 @@
 """The kernel's measured tuning constants (no imports, so the plugin's registration can name
 them without loading the extension)."""
 
-#: Rows of ``x`` up to which ``linear`` runs the native kernel; above it, dequantise + F.linear.
-#: From ``benchmarks/quantized_linear.py`` on a 2-core AVX-512 Xeon VM, SmolLM2-135M's shapes,
-#: two threads, machine otherwise idle: at 16 rows the native kernel beat blockwise dequantise
-#: + F.linear on every shape (1.0-1.7x); at 64 rows dequantise + F.linear won (1.5-1.8x, the
-#: head about even). Re-measure on real hardware: the dequantise step is the slow part.
-GEMV_MAX_ROWS = 16
+#: Rows of ``x`` up to which ``linear`` runs the native kernel where it shares torch's OpenMP
+#: team; above it, blockwise dequantise + F.linear. Since the native kernel multiplies
+#: dequantised panels (``GEMM_MIN_ROWS``) it beat that route on SmolLM2-135M's layers at every
+#: row count measured: on a 2-core Zen 4 VM (``benchmarks/quantized_linear.py``), 30 layers +
+#: head took 114 vs 254 ms at 64 rows, 440 vs 618 at 256, 2762 vs 2995 at 2048. So: no limit.
+GEMV_MAX_ROWS = 1 << 30
+#: The same where the kernels run on their own pool beside torch (no reachable OpenMP
+#: runtime): decode-sized calls only, the steps in which the engine leaves the cores to the
+#: pool (``own_pool_max_rows``); in larger steps torch's threads hold them.
+POOL_MAX_ROWS = 16
+#: Rows of ``x`` from which the native kernel dequantises the weight a panel at a time and
+#: multiplies the panel (``src/gemm.rs``) instead of widening codes inside each dot. Zen 4 VM,
+#: SmolLM2-135M's 30 layers + head: widening 8.0 / 11.6 / 16.8 / 20.1 / 32.3 ms at 2 / 4 / 6 /
+#: 8 / 12 rows, panels 12.2 / 14.7 / 16.2 / 19.0 / 24.6.
+GEMM_MIN_ROWS = 8
 #: Weight elements dequantised at a time on the dense route (4 MB of float32): a block is
 #: multiplied while it is still in cache, and a large weight (an LM head) never needs a
 #: dense copy of its own.
