@@ -23,7 +23,8 @@
 //!
 //! The crate's other kernels, for attention, are in ``attention.rs`` (paged attention for
 //! decodes and other short query rows; it shares the pool and the path detection) and
-//! ``rotary.rs`` (rotary embedding fused with the cache write).
+//! ``rotary.rs`` (rotary embedding fused with the cache write), and ``norm.rs`` (RMSNorm
+//! with its residual add).
 //!
 //! Every function here trusts its caller for the sizes: the slices must hold exactly the
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
@@ -32,6 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 pub use attention::{paged_attention, PagedAttention};
+pub use norm::{rms_norm, RmsNorm};
 pub use openmp::{openmp_available, set_openmp};
 use pool::Pool;
 pub use rotary::{rotary_store, RotaryStore};
@@ -42,6 +44,7 @@ mod attention_x86;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod gemm_x86;
+mod norm;
 mod openmp;
 mod pool;
 mod q4;

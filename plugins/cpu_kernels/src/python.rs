@@ -265,6 +265,35 @@ fn rotary_store(
     .map_err(PyValueError::new_err)
 }
 
+/// ``layers.norm.RMSNorm`` of ``x [rows, hidden]`` into ``normed``; with a ``residual``
+/// (0: none) it is added first and the sum written to ``sum`` (see ``norm.rs``).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm(
+    x: usize,
+    residual: usize,
+    weight: usize,
+    normed: usize,
+    sum: usize,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> PyResult<()> {
+    let len = rows * hidden;
+    unsafe {
+        let job = crate::RmsNorm {
+            x: view(x, len),
+            residual: (residual != 0).then(|| view::<f32>(residual, len)),
+            weight: view(weight, hidden),
+            hidden,
+            eps,
+        };
+        let sum = (sum != 0).then(|| view_mut(sum, len));
+        crate::rms_norm(&job, view_mut(normed, len), sum)
+    }
+    .map_err(PyValueError::new_err)
+}
+
 /// The path calls take now: ``"avx2+fma"`` or ``"scalar"``.
 #[pyfunction]
 fn kernel_path() -> &'static str {
@@ -312,6 +341,7 @@ fn threads() -> usize {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q4_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(q8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(q4_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;

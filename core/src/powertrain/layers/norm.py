@@ -36,20 +36,39 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.kernel is not None:
             return self.kernel.rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        # The sum stays in the activation dtype, as in HF's decoder layer.
-        x = x + residual
-        return self._norm(x), x
+        return rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back before scaling: HF multiplies the weight in the model dtype.
-        return self.weight * x32.to(x.dtype)
+
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+
+
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward`` in plain torch (the reference a ``RMSNormKernel`` must equal, and
+    its fallback for inputs it does not take)."""
+    if residual is None:
+        return _norm(x, weight, eps)
+    # The sum stays in the activation dtype, as in HF's decoder layer.
+    x = x + residual
+    return _norm(x, weight, eps), x
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # Cast back before scaling: HF multiplies the weight in the model dtype.
+    return weight * x32.to(x.dtype)
 
 
 def use_norm_kernel(model: nn.Module, kernel: RMSNormKernel) -> int:

@@ -33,6 +33,7 @@ def q4_dequantize(codes: int, scales: int, offsets: int, out: int, n: int, k: in
 def q8_dequantize(
     codes: int, scales: int, offsets: int, out: int, n: int, k: int, group: int, openmp_threads: int
 ) -> None: ...
+def rms_norm(x: int, residual: int, weight: int, normed: int, sum: int, rows: int, hidden: int, eps: float) -> None: ...
 def paged_attention(
     query: int,
     key_cache: int,

@@ -16,6 +16,7 @@ import torch
 import powertrain_cpu_kernels._native as _native
 from powertrain.builtin.bucketed_attention import SHORT_QUERY, BucketedAttention
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.layers.norm import rms_norm
 from powertrain.layers.rotary import apply_rotary
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
 
@@ -138,6 +139,32 @@ class NativePagedAttention(BucketedAttention):
             key_cache.shape[0] * key_cache.shape[1],
         )
         return self._attend(layer, rotated, key_cache, value_cache, metadata)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``layers.norm.RMSNorm`` (the ``fused-rmsnorm`` capability) in one native pass per
+        row, with the residual add (``src/norm.rs``): about eight small torch ops per norm
+        otherwise, two norms per layer. Inputs it does not take (not float32, not on the CPU,
+        not ``[rows, hidden]``) go through the plain-torch reference."""
+        tensors = (x, weight) if residual is None else (x, weight, residual)
+        if not (
+            all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and x.dim() == 2
+            and weight.shape == x.shape[1:]
+            and (residual is None or residual.shape == x.shape)
+        ):
+            return rms_norm(x, weight, eps, residual)
+        x, weight = x.contiguous(), weight.contiguous()
+        normed = torch.empty_like(x)
+        if residual is None:
+            _native.rms_norm(x.data_ptr(), 0, weight.data_ptr(), normed.data_ptr(), 0, *x.shape, eps)
+            return normed
+        residual, total = residual.contiguous(), torch.empty_like(x)
+        _native.rms_norm(
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), normed.data_ptr(), total.data_ptr(), *x.shape, eps
+        )
+        return normed, total
 
     def _short_rows(self, metadata: AttentionMetadata) -> torch.Tensor:
         """The sequences with at most ``SHORT_QUERY`` new tokens: the same for every layer of

@@ -50,14 +50,15 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name="cpu-paged",
             platforms={"cpu"},
-            capabilities={*BUCKETED_CAPABILITIES, "fused-rotary"},
+            capabilities={*BUCKETED_CAPABILITIES, "fused-rotary", "fused-rmsnorm"},
             # Above torch-bucketed (10), which it extends: the CPU default when installed.
             priority=20,
             check=native_available,
             factory=build_paged,
             description=(
                 "torch-bucketed with decodes and other short rows attending in Rust, straight from "
-                "the paged cache (float32; other dtypes take the plain-torch path)"
+                "the paged cache, and RMSNorm in one native pass (float32; other dtypes take the "
+                "plain-torch path)"
             ),
         )
     ]
