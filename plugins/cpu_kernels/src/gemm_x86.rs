@@ -8,19 +8,11 @@
 
 use std::arch::x86_64::*;
 
+use crate::x86::hsum;
 use crate::OutPtr;
 
 const MR: usize = 3;
 const NR: usize = 4;
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
 
 /// ``out[i * n + j] = x[i, :] . w[j, :]`` for ``i < M``, ``j < N`` (rows ``k`` floats apart).
 #[inline]
