@@ -139,6 +139,7 @@ pub enum ReasoningEffort {
     Low,
     Medium,
     High,
+    Xhigh,
     Max,
 }
 

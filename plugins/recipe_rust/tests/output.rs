@@ -176,6 +176,38 @@ fn dsml_two_calls_both_wrappers() {
 }
 
 #[test]
+fn dsml_v41_spelling_one_shot_and_char_by_char() {
+    // DeepSeek-V4.1 writes a space after the DSML token: "<｜DSML｜ calls>" and
+    // "<｜DSML｜ invoke" / "<｜DSML｜ parameter" (its official adapter's encoding).
+    let text = dsml_two_calls("tool_calls")
+        .replace("｜DSML｜tool_calls", "｜DSML｜ calls")
+        .replace("｜DSML｜invoke", "｜DSML｜ invoke")
+        .replace("｜DSML｜parameter", "｜DSML｜ parameter");
+    assert_eq!(
+        one_shot(OutputFormat::DeepseekV4, &[], false, &text),
+        two_calls_events()
+    );
+    let chars: Vec<String> = text.chars().map(String::from).collect();
+    let chunks: Vec<&str> = chars.iter().map(String::as_str).collect();
+    assert_eq!(
+        parse_chunks(OutputFormat::DeepseekV4, &[], false, &chunks),
+        two_calls_events()
+    );
+    // A V4 invoke inside a V4.1 section is not markup of that section: it stays text
+    // of the call's arguments, never a second call.
+    let mixed = text.replacen(
+        "<｜DSML｜ invoke name=\"get_time\">",
+        "<｜DSML｜invoke name=\"get_time\">",
+        1,
+    );
+    let calls = one_shot(OutputFormat::DeepseekV4, &[], false, &mixed)
+        .into_iter()
+        .filter(|e| matches!(e, ToolCallStart { .. }))
+        .count();
+    assert_eq!(calls, 1);
+}
+
+#[test]
 fn dsml_typed_parameters() {
     let text = "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"s\" string=\"true\">a \"q\"\nb</｜DSML｜parameter>\n<｜DSML｜parameter name=\"n\" string=\"false\"> 42 </｜DSML｜parameter>\n<｜DSML｜parameter name=\"o\" string=\"false\">{\"k\": [1, true]}</｜DSML｜parameter>\n<｜DSML｜parameter name=\"bad\" string=\"false\">not json</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>";
     let events = one_shot(OutputFormat::DeepseekV4, &[], false, text);

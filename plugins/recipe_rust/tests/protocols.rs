@@ -1470,20 +1470,36 @@ fn anthropic_adaptive_thinking_and_output_config() {
     );
     assert!(!r.conversation.thinking.adaptive);
     assert_eq!(r.conversation.thinking.budget_tokens, Some(1024));
-    // Effort alone, as Chat's reasoning_effort; xhigh and max are both the top effort.
+    // Effort alone, read as Chat's reasoning_effort (DeepSeek's adapter reads all three
+    // protocols' effort fields alike); "none" turns thinking off unless it was set.
     let chat = ok(CHAT, &chat_with(json!({"reasoning_effort": "high"})));
     let r = ok(
         ANTH,
         &anthropic_with(json!({"output_config": {"effort": "high"}})),
     );
     assert_eq!(r.conversation.thinking, chat.conversation.thinking);
-    for effort in ["xhigh", "max"] {
+    for (effort, level) in [
+        ("xhigh", ReasoningEffort::Xhigh),
+        ("max", ReasoningEffort::Max),
+    ] {
         let r = ok(
             ANTH,
             &anthropic_with(json!({"output_config": {"effort": effort}})),
         );
-        assert_eq!(r.conversation.thinking.effort, Some(ReasoningEffort::Max));
+        assert_eq!(r.conversation.thinking.effort, Some(level));
     }
+    let r = ok(
+        ANTH,
+        &anthropic_with(json!({"output_config": {"effort": "none"}})),
+    );
+    assert_eq!(r.conversation.thinking.enabled, Some(false));
+    let r = ok(
+        ANTH,
+        &anthropic_with(
+            json!({"output_config": {"effort": "none"}, "thinking": {"type": "adaptive"}}),
+        ),
+    );
+    assert_eq!(r.conversation.thinking.enabled, Some(true));
     // Structured output: a strict JSON-schema format.
     let schema =
         json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});

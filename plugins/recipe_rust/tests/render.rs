@@ -402,7 +402,8 @@ fn encoder_from_metadata() {
 }
 
 // ---------------------------------------------------------------------------
-// DeepSeek-V4: expectations written by hand from DeepSeek's encoding_dsv4.py.
+// DeepSeek-V4: expectations written by hand from DeepSeek's encoding_dsv4.py (the
+// official adapter's parity test, tests/test_official_parity.py, checks many more).
 
 const BOS: &str = "<｜begin▁of▁sentence｜>";
 const EOS: &str = "<｜end▁of▁sentence｜>";
@@ -425,6 +426,10 @@ fn deepseek_v4_chat_mode() {
             },
             Message::text(Role::User, "Bye"),
         ],
+        thinking: Thinking {
+            enabled: Some(false),
+            ..Default::default()
+        },
         ..Default::default()
     };
     let p = render_deepseek_v4(&c, true).unwrap();
@@ -450,7 +455,7 @@ fn deepseek_v4_thinking_drops_old_reasoning() {
         ],
         thinking: Thinking {
             enabled: Some(true),
-            effort: Some(ReasoningEffort::Max),
+            effort: Some(ReasoningEffort::High),
             ..Default::default()
         },
         ..Default::default()
@@ -502,6 +507,8 @@ fn deepseek_v4_tools_calls_and_results() {
         }],
         thinking: Thinking {
             enabled: Some(true),
+            // low: no reasoning-effort paragraph
+            effort: Some(ReasoningEffort::Low),
             ..Default::default()
         },
         ..Default::default()

@@ -26,7 +26,9 @@
 //!   `tool_call_template = '<{dsml_token}invoke name="{name}">\n{arguments}\n</{dsml_token}invoke>'`)
 //!   and sglang's `DeepSeekV32Detector`. Several independent DeepSeek-V4 renderers
 //!   found by code search wrap the invokes in `<｜DSML｜tool_calls>` instead of
-//!   `function_calls`, so both wrappers are accepted (each closed by its own end tag).
+//!   `function_calls`, so both wrappers are accepted (each closed by its own end tag),
+//!   and so is DeepSeek-V4.1's spelling (its official adapter, ``deepseek-recipe``):
+//!   `<｜DSML｜ calls>`, `<｜DSML｜ invoke`, `<｜DSML｜ parameter`, a space after the token.
 //!   `string="true"` values are raw text (JSON-escaped here); `string="false"` values
 //!   are JSON text (kept when they parse, else turned into a JSON string); a missing
 //!   `string` attribute is treated like `"false"`.
@@ -131,6 +133,62 @@ pub const DSML_PARAMETER: &str = "<\u{FF5C}DSML\u{FF5C}parameter";
 pub const DSML_PARAMETER_END: &str = "</\u{FF5C}DSML\u{FF5C}parameter>";
 const TAG_CLOSE: &str = ">";
 
+/// The DSML spellings: V3.2's ``function_calls`` block, V4's ``tool_calls`` and
+/// V4.1's `` calls`` (with `` invoke`` and `` parameter``: a space after the DSML
+/// token). One section uses one spelling throughout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dialect {
+    FunctionCalls,
+    ToolCalls,
+    SpacedCalls,
+}
+
+impl Dialect {
+    fn calls_begin(self) -> &'static str {
+        match self {
+            Dialect::FunctionCalls => DSML_CALLS_BEGIN,
+            Dialect::ToolCalls => DSML_TOOL_CALLS_BEGIN,
+            Dialect::SpacedCalls => "<\u{FF5C}DSML\u{FF5C} calls>",
+        }
+    }
+
+    fn calls_end(self) -> &'static str {
+        match self {
+            Dialect::FunctionCalls => DSML_CALLS_END,
+            Dialect::ToolCalls => DSML_TOOL_CALLS_END,
+            Dialect::SpacedCalls => "</\u{FF5C}DSML\u{FF5C} calls>",
+        }
+    }
+
+    fn invoke(self) -> &'static str {
+        match self {
+            Dialect::SpacedCalls => "<\u{FF5C}DSML\u{FF5C} invoke",
+            _ => DSML_INVOKE,
+        }
+    }
+
+    fn invoke_end(self) -> &'static str {
+        match self {
+            Dialect::SpacedCalls => "</\u{FF5C}DSML\u{FF5C} invoke>",
+            _ => DSML_INVOKE_END,
+        }
+    }
+
+    fn parameter(self) -> &'static str {
+        match self {
+            Dialect::SpacedCalls => "<\u{FF5C}DSML\u{FF5C} parameter",
+            _ => DSML_PARAMETER,
+        }
+    }
+
+    fn parameter_end(self) -> &'static str {
+        match self {
+            Dialect::SpacedCalls => "</\u{FF5C}DSML\u{FF5C} parameter>",
+            _ => DSML_PARAMETER_END,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Answer,
@@ -140,11 +198,11 @@ enum State {
     V3Name,
     V3Args { fenced: bool },
     V3AfterArgs,
-    DsmlSection { tool_calls: bool },
-    DsmlInvokeTag { tool_calls: bool },
-    DsmlInvoke { tool_calls: bool },
-    DsmlParamTag { tool_calls: bool },
-    DsmlParamValue { tool_calls: bool, string: bool },
+    DsmlSection { dialect: Dialect },
+    DsmlInvokeTag { dialect: Dialect },
+    DsmlInvoke { dialect: Dialect },
+    DsmlParamTag { dialect: Dialect },
+    DsmlParamValue { dialect: Dialect, string: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +216,7 @@ enum Mk {
     V3Sep,
     FenceOpen,
     FenceClose,
-    DsmlBegin { tool_calls: bool },
+    DsmlBegin { dialect: Dialect },
     DsmlEnd,
     DsmlInvoke,
     DsmlInvokeEnd,
@@ -339,8 +397,13 @@ impl StreamParser {
                     m.push((V3_CALL_BEGIN, Mk::V3CallBegin));
                 }
                 if v4 {
-                    m.push((DSML_CALLS_BEGIN, Mk::DsmlBegin { tool_calls: false }));
-                    m.push((DSML_TOOL_CALLS_BEGIN, Mk::DsmlBegin { tool_calls: true }));
+                    for dialect in [
+                        Dialect::FunctionCalls,
+                        Dialect::ToolCalls,
+                        Dialect::SpacedCalls,
+                    ] {
+                        m.push((dialect.calls_begin(), Mk::DsmlBegin { dialect }));
+                    }
                 }
                 for (i, s) in self.stops.iter().enumerate() {
                     m.push((s.as_str(), Mk::Stop(i)));
@@ -366,25 +429,20 @@ impl StreamParser {
                 m.push((V3_CALL_END, Mk::V3CallEnd));
             }
             State::V3AfterArgs => m.push((V3_CALL_END, Mk::V3CallEnd)),
-            State::DsmlSection { tool_calls } => {
-                m.push((DSML_INVOKE, Mk::DsmlInvoke));
-                m.push((
-                    if tool_calls {
-                        DSML_TOOL_CALLS_END
-                    } else {
-                        DSML_CALLS_END
-                    },
-                    Mk::DsmlEnd,
-                ));
+            State::DsmlSection { dialect } => {
+                m.push((dialect.invoke(), Mk::DsmlInvoke));
+                m.push((dialect.calls_end(), Mk::DsmlEnd));
             }
             State::DsmlInvokeTag { .. } | State::DsmlParamTag { .. } => {
                 m.push((TAG_CLOSE, Mk::TagClose))
             }
-            State::DsmlInvoke { .. } => {
-                m.push((DSML_PARAMETER, Mk::DsmlParam));
-                m.push((DSML_INVOKE_END, Mk::DsmlInvokeEnd));
+            State::DsmlInvoke { dialect } => {
+                m.push((dialect.parameter(), Mk::DsmlParam));
+                m.push((dialect.invoke_end(), Mk::DsmlInvokeEnd));
             }
-            State::DsmlParamValue { .. } => m.push((DSML_PARAMETER_END, Mk::DsmlParamEnd)),
+            State::DsmlParamValue { dialect, .. } => {
+                m.push((dialect.parameter_end(), Mk::DsmlParamEnd))
+            }
         }
         m
     }
@@ -671,9 +729,9 @@ impl StreamParser {
                 self.end_call(out);
                 self.state = State::V3Section;
             }
-            (_, Mk::DsmlBegin { tool_calls }) => {
+            (_, Mk::DsmlBegin { dialect }) => {
                 self.pending_ws.clear();
-                self.state = State::DsmlSection { tool_calls };
+                self.state = State::DsmlSection { dialect };
                 self.think_allowed = false;
                 self.leading = true;
             }
@@ -681,27 +739,27 @@ impl StreamParser {
                 self.state = State::Answer;
                 self.leading = true;
             }
-            (State::DsmlSection { tool_calls }, Mk::DsmlInvoke) => {
-                self.state = State::DsmlInvokeTag { tool_calls };
+            (State::DsmlSection { dialect }, Mk::DsmlInvoke) => {
+                self.state = State::DsmlInvokeTag { dialect };
                 self.acc.clear();
                 self.raw = marker.to_string();
             }
-            (State::DsmlInvokeTag { tool_calls }, Mk::TagClose) => {
+            (State::DsmlInvokeTag { dialect }, Mk::TagClose) => {
                 let name = attr(&self.acc, "name").unwrap_or_else(|| self.acc.trim().to_string());
                 self.start_call(out, name);
                 self.args(out, "{");
-                self.state = State::DsmlInvoke { tool_calls };
+                self.state = State::DsmlInvoke { dialect };
             }
-            (State::DsmlInvoke { tool_calls }, Mk::DsmlParam) => {
+            (State::DsmlInvoke { dialect }, Mk::DsmlParam) => {
                 self.acc.clear();
-                self.state = State::DsmlParamTag { tool_calls };
+                self.state = State::DsmlParamTag { dialect };
             }
-            (State::DsmlInvoke { tool_calls }, Mk::DsmlInvokeEnd) => {
+            (State::DsmlInvoke { dialect }, Mk::DsmlInvokeEnd) => {
                 self.args(out, "}");
                 self.end_call(out);
-                self.state = State::DsmlSection { tool_calls };
+                self.state = State::DsmlSection { dialect };
             }
-            (State::DsmlParamTag { tool_calls }, Mk::TagClose) => {
+            (State::DsmlParamTag { dialect }, Mk::TagClose) => {
                 let tag = std::mem::take(&mut self.acc);
                 let name = attr(&tag, "name").unwrap_or_default();
                 let string = attr(&tag, "string").as_deref() == Some("true");
@@ -716,11 +774,11 @@ impl StreamParser {
                 }
                 self.params += 1;
                 self.args(out, &delta);
-                self.state = State::DsmlParamValue { tool_calls, string };
+                self.state = State::DsmlParamValue { dialect, string };
             }
-            (State::DsmlParamValue { tool_calls, string }, Mk::DsmlParamEnd) => {
+            (State::DsmlParamValue { dialect, string }, Mk::DsmlParamEnd) => {
                 self.close_param(out, string);
-                self.state = State::DsmlInvoke { tool_calls };
+                self.state = State::DsmlInvoke { dialect };
             }
             // Every marker is only offered in the states handled above.
             _ => {}

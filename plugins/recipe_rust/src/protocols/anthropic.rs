@@ -7,8 +7,8 @@
 //! name, description, input_schema), ``tool_choice`` (auto / any -> Required / none /
 //! tool), ``thinking`` (enabled with budget_tokens >= 1024 and < max_tokens;
 //! adaptive: on, no budget, the model decides how much; or disabled),
-//! ``thinking.display`` ("summarized" only), ``output_config.effort`` (low / medium /
-//! high / xhigh / max -> the reasoning effort; xhigh and max are both Max),
+//! ``thinking.display`` ("summarized" only), ``output_config.effort`` (none / minimal /
+//! low / medium / high / xhigh / max, read as Chat's ``reasoning_effort``),
 //! ``output_config.format`` (json_schema -> a strict JSON-schema response format
 //! named "output"),
 //! ``temperature`` (0..=1), ``top_p``, ``top_k``, ``stop_sequences``, ``stream``,
@@ -160,20 +160,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     if let Some(config) = top.object("output_config")? {
         config.check_known(&["effort", "format"])?;
         if let Some(effort) = config.str("effort")? {
-            thinking.effort = Some(match effort {
-                "low" => ReasoningEffort::Low,
-                "medium" => ReasoningEffort::Medium,
-                "high" => ReasoningEffort::High,
-                "xhigh" | "max" => ReasoningEffort::Max,
-                other => {
-                    return Err(RecipeError::invalid(
-                        config.at("effort"),
-                        format!(
-                            "unknown effort {other:?} (expected low, medium, high, xhigh or max)"
-                        ),
-                    ))
-                }
-            });
+            apply_effort(&mut thinking, effort, &config.at("effort"))?;
         }
         if let Some(format) = config.object("format")? {
             format.check_known(&["type", "schema"])?;

@@ -22,7 +22,8 @@
 //! optional ``budget_tokens`` is accepted too, as in Anthropic) and vLLM's
 //! ``chat_template_kwargs: {"thinking": bool}`` or ``{"enable_thinking": bool}``
 //! (no other template kwargs); contradicting settings are an error.
-//! ``reasoning_effort: "none"`` turns thinking off; other efforts set the effort.
+//! ``reasoning_effort: "none"`` turns thinking off unless a thinking setting turned it on
+//! (DeepSeek's adapter: the explicit setting wins); other efforts set the effort.
 //! Assistant history reasoning: ``reasoning_content`` (DeepSeek) or ``reasoning`` (vLLM).
 //!
 //! Ignored hints: ``image_url.detail``,
@@ -351,11 +352,7 @@ fn parse_thinking(top: &Fields) -> Result<Thinking> {
         }
     }
     if let Some(effort) = top.str("reasoning_effort")? {
-        let path = top.at("reasoning_effort");
-        match parse_effort(effort, &path)? {
-            Some(e) => thinking.effort = Some(e),
-            None => set(false, path, &mut thinking)?,
-        }
+        apply_effort(&mut thinking, effort, &top.at("reasoning_effort"))?;
     }
     Ok(thinking)
 }

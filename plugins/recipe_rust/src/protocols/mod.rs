@@ -27,8 +27,8 @@ use std::collections::HashMap;
 use serde_json::{Map, Value};
 
 use crate::conversation::{
-    ContentPart, EngineRequest, Protocol, ReasoningEffort, ResponseFormat, StructuredOutputs, Tool,
-    ToolCall, ToolChoice,
+    ContentPart, EngineRequest, Protocol, ReasoningEffort, ResponseFormat, StructuredOutputs,
+    Thinking, Tool, ToolCall, ToolChoice,
 };
 use crate::error::{child, index, RecipeError, Result};
 
@@ -341,22 +341,31 @@ impl CallTracker {
     }
 }
 
-pub(crate) fn parse_effort(value: &str, path: &str) -> Result<Option<ReasoningEffort>> {
-    // "none" turns reasoning off; the caller handles it (returns Ok(None)).
-    Ok(Some(match value {
-        "none" => return Ok(None),
+/// A protocol's reasoning-effort field, as DeepSeek's own adapter reads it in every
+/// protocol: "none" turns thinking off unless the request turned it on explicitly
+/// (an explicit thinking setting wins); any other level sets the effort (and leaves
+/// thinking to its explicit setting or the model's default).
+pub(crate) fn apply_effort(thinking: &mut Thinking, value: &str, path: &str) -> Result<()> {
+    let effort = match value {
+        "none" => {
+            thinking.enabled.get_or_insert(false);
+            return Ok(());
+        }
         "minimal" => ReasoningEffort::Minimal,
         "low" => ReasoningEffort::Low,
         "medium" => ReasoningEffort::Medium,
         "high" => ReasoningEffort::High,
-        "xhigh" | "max" => ReasoningEffort::Max,
+        "xhigh" => ReasoningEffort::Xhigh,
+        "max" => ReasoningEffort::Max,
         other => {
             return Err(RecipeError::invalid(
                 path,
                 format!("unknown reasoning effort {other:?} (expected none, minimal, low, medium, high, xhigh or max)"),
             ))
         }
-    }))
+    };
+    thinking.effort = Some(effort);
+    Ok(())
 }
 
 /// Metadata: an object of string values (OpenAI's rule).

@@ -208,10 +208,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
     if let Some(r) = top.object("reasoning")? {
         r.check_known(&["effort", "summary", "generate_summary"])?;
         if let Some(effort) = r.str("effort")? {
-            match parse_effort(effort, &r.at("effort"))? {
-                Some(e) => thinking.effort = Some(e),
-                None => thinking.enabled = Some(false),
-            }
+            apply_effort(&mut thinking, effort, &r.at("effort"))?;
         }
         for key in ["summary", "generate_summary"] {
             if let Some(s) = r.str(key)? {

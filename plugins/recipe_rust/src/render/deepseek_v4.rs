@@ -1,44 +1,40 @@
 //! DeepSeek-V4's native chat encoder (the model ships no Jinja chat template).
 //!
-//! Followed: DeepSeek's reference ``encoding/encoding_dsv4.py`` (``encode_messages``
-//! with ``merge_tool_messages``, ``sort_tool_results_by_call_order``,
-//! ``_drop_thinking_messages`` and ``render_message``), read from the copy in the
-//! public repository supermy/ds4rs (``encoding/encoding_dsv4.py``, commit 2ecc534c), and
-//! vLLM's ``vllm/tokenizers/deepseek_v4.py`` ``apply_chat_template`` wrapper for how
-//! an OpenAI-style request reaches it. The reference could not be run here (no
-//! network), so the goldens in ``tests/render.rs`` are written by hand from it.
+//! The oracle is DeepSeek's own adapter, ``deepseek-recipe`` on PyPI (its
+//! ``DeepseekV4Encoding``): ``tests/test_official_parity.py`` renders a seeded corpus
+//! of requests in all three protocols with both and requires the same prompt text and
+//! token ids, apart from the differences listed in the recipe README. Earlier
+//! sources: DeepSeek's reference ``encoding/encoding_dsv4.py`` and vLLM's wrapper.
 //!
 //! The format, as implemented:
-//! - ``<｜begin▁of▁sentence｜>`` first; in thinking mode with reasoning effort "max"
-//!   the reference's "Reasoning Effort: Absolute maximum ..." paragraph follows it
-//!   (other efforts add nothing: the reference accepts only max/high/None).
-//! - system: its text, then ``"\n\n" + TOOLS_TEMPLATE`` with one JSON line per tool
-//!   (``{"name", "description", "parameters"}``, Python ``json.dumps`` spacing) when the
-//!   request has tools. Tools go on the conversation's first message when it is a system
-//!   message, else on a new empty system message inserted first (vLLM always inserts
-//!   one; attaching to an existing system prompt keeps the reference's own shape, a
-//!   system message that carries ``tools``). ``developer`` messages are treated as
-//!   system messages (OpenAI's meaning), not as DeepSeek's internal developer role.
-//! - user: ``<｜User｜>`` + text. Tool results are merged into user turns as
-//!   ``<tool_result>..</tool_result>`` blocks (a tool message joins the preceding
-//!   merged user turn, a user message joins a preceding merged turn too), blocks
-//!   joined by ``"\n\n"``, tool results re-ordered to the order of the assistant's calls.
-//!   The format has no way to mark a failed tool call (the reference's ``tool_result``
-//!   block has only content), so a result with ``is_error`` is rendered like any other:
-//!   its text (typically the error message) is what tells the model.
+//! - ``<｜begin▁of▁sentence｜>`` first. Thinking is on unless the request turns it off;
+//!   in thinking mode a "Reasoning Effort" paragraph follows for efforts medium, high
+//!   (the default) and xhigh ("Absolute maximum ...") and max ("Beyond maximum ..."),
+//!   none for minimal and low.
+//! - system: every system message's text, in order, joined by a blank line, opens the
+//!   prompt wherever the messages stood; then ``"\n\n" + TOOLS_TEMPLATE`` with one JSON
+//!   line per tool (``{"name", "description", "parameters"}``, an absent description
+//!   as ``""``, Python ``json.dumps`` spacing, DeepSeek's float spelling) when the
+//!   request has tools and ``tool_choice`` is not "none" (which leaves them out). With
+//!   tools and no system text the system part is empty.
+//! - user: ``<｜User｜>`` + text. ``developer`` messages are user text (as the official
+//!   adapter reads a Responses developer item). Tool results are merged into user
+//!   turns as ``<tool_result>..</tool_result>`` blocks (a tool message joins the
+//!   preceding merged user turn, a user message joins a preceding merged turn too),
+//!   blocks joined by ``"\n\n"``, tool results re-ordered to the order of the
+//!   assistant's calls. A result with ``is_error`` is rendered like any other.
 //! - after a user turn that is followed by an assistant turn or ends the prompt:
 //!   ``<｜Assistant｜>`` + ``<think>`` (thinking mode, and the turn is the last user turn
 //!   or thinking is not dropped) or ``</think>`` (otherwise).
 //! - assistant: [reasoning + ``</think>`` in thinking mode when after the last user turn or
 //!   thinking is not dropped] + content + [``"\n\n<｜DSML｜tool_calls>\n"`` + invokes joined
 //!   by "\n" + ``"\n</｜DSML｜tool_calls>"``] + ``<｜end▁of▁sentence｜>``; an invoke is
-//!   ``<｜DSML｜invoke name="N">\n`` + parameters joined by "\n" + ``\n</｜DSML｜invoke>``,
-//!   a parameter ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>``
+//!   ``<｜DSML｜invoke name="N">\n`` + one ``<｜DSML｜parameter name="K"
+//!   string="true|false">V</｜DSML｜parameter>\n`` per argument + ``</｜DSML｜invoke>``
 //!   (strings as is, other values as JSON; arguments that are not JSON become one
 //!   ``arguments`` string parameter).
-//! - thinking is dropped (earlier turns' reasoning removed) when the last message is a
-//!   user message and the request has no tools (vLLM's rule plus the reference's "tools
-//!   keep all reasoning").
+//! - thinking is dropped (reasoning of assistant turns before the last user turn
+//!   removed) when the prompt shows no tools.
 //!
 //! Choices of ours: ``add_generation_prompt=false`` leaves out the trailing
 //! ``<｜Assistant｜>`` + think token after a final user turn (the reference always adds
@@ -50,8 +46,8 @@
 
 use serde_json::{Map, Value};
 
-use super::{python_json_dumps, Prompt};
-use crate::conversation::{ContentPart, Conversation, ReasoningEffort, Role};
+use super::{deepseek_json_dumps, python_json_dumps, Prompt};
+use crate::conversation::{ContentPart, Conversation, ReasoningEffort, Role, ToolChoice};
 use crate::error::{RecipeError, Result};
 
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
@@ -61,28 +57,105 @@ pub const ASSISTANT: &str = "<｜Assistant｜>";
 pub const THINK_START: &str = "<think>";
 pub const THINK_END: &str = "</think>";
 pub const DSML: &str = "｜DSML｜";
+pub const SYSTEM: &str = "<｜System｜>";
 
-const REASONING_EFFORT_MAX: &str = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n\
+const REASONING_EFFORT_HIGH: &str = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n\
 You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n\
 Explicitly write out your entire deliberation process, documenting every intermediate step, considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n";
 
-fn tools_template_head() -> String {
+const REASONING_EFFORT_MAX: &str = "Reasoning Effort: Beyond maximum \u{2014} exhaustive, relentless, and uncompromising.\n\
+You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose the problem into its most fundamental components, trace every causal chain to its root, and resolve the underlying cause rather than any surface symptom.\n\
+Do not stop reasoning until you have independently verified the solution from multiple angles and are certain that no assumption remains unchecked and no error remains undiscovered.\n\n";
+
+/// The paragraph a thinking-mode prompt opens with for this effort: none for
+/// minimal/low, "Absolute maximum" for medium/high/xhigh (and the default, high),
+/// "Beyond maximum" for max; as DeepSeek's adapter maps each protocol's levels.
+fn reasoning_effort_preamble(effort: Option<ReasoningEffort>) -> &'static str {
+    match effort.unwrap_or(ReasoningEffort::High) {
+        ReasoningEffort::Minimal | ReasoningEffort::Low => "",
+        ReasoningEffort::Medium | ReasoningEffort::High | ReasoningEffort::Xhigh => {
+            REASONING_EFFORT_HIGH
+        }
+        ReasoningEffort::Max => REASONING_EFFORT_MAX,
+    }
+}
+
+/// Which of DeepSeek's two V4-family encodings: V4 (DeepSeek-V4-Pro) or V4.1
+/// (DeepSeek-V4.1-Flash, the official adapter's ``DeepseekV41Encoding``).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    V4,
+    V41,
+}
+
+/// The DSML tag names (after the ``<`` / ``</``) of one encoding: V4 writes
+/// ``｜DSML｜tool_calls``, V4.1 ``｜DSML｜ calls`` (and `` invoke``, `` parameter``).
+pub struct DsmlTags {
+    pub calls: &'static str,
+    pub invoke: &'static str,
+    pub parameter: &'static str,
+}
+
+impl Version {
+    pub fn dsml(self) -> DsmlTags {
+        match self {
+            Version::V4 => DsmlTags {
+                calls: "\u{FF5C}DSML\u{FF5C}tool_calls",
+                invoke: "\u{FF5C}DSML\u{FF5C}invoke",
+                parameter: "\u{FF5C}DSML\u{FF5C}parameter",
+            },
+            Version::V41 => DsmlTags {
+                calls: "\u{FF5C}DSML\u{FF5C} calls",
+                invoke: "\u{FF5C}DSML\u{FF5C} invoke",
+                parameter: "\u{FF5C}DSML\u{FF5C} parameter",
+            },
+        }
+    }
+
+    /// JSON in tool schemas and argument values: V4 spells floats as DeepSeek's adapter
+    /// does for it (``1e-7``), V4.1 as Python's ``json.dumps`` (``1e-07``).
+    fn json(self, value: &Value) -> String {
+        match self {
+            Version::V4 => deepseek_json_dumps(value),
+            Version::V41 => python_json_dumps(value, false, None, false),
+        }
+    }
+
+    /// The reasoning-effort text that opens a thinking-mode prompt (see the module doc).
+    fn effort_preamble(self, effort: Option<ReasoningEffort>) -> String {
+        match self {
+            Version::V4 => reasoning_effort_preamble(effort).to_string(),
+            Version::V41 => {
+                let level = match effort.unwrap_or(ReasoningEffort::High) {
+                    ReasoningEffort::Minimal | ReasoningEffort::Low => 50,
+                    ReasoningEffort::Medium | ReasoningEffort::High | ReasoningEffort::Xhigh => 75,
+                    ReasoningEffort::Max => 100,
+                };
+                format!("Reasoning Effort: {level} (range 1-100, the higher the value, the more thorough the reasoning)\n\n")
+            }
+        }
+    }
+}
+
+fn tools_template_head(tags: &DsmlTags) -> String {
     format!(
-        "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by writing a \"<{d}tool_calls>\" block like the following:\n\n\
-<{d}tool_calls>\n\
-<{d}invoke name=\"$TOOL_NAME\">\n\
-<{d}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{d}parameter>\n\
+        "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by writing a \"<{c}>\" block like the following:\n\n\
+<{c}>\n\
+<{i} name=\"$TOOL_NAME\">\n\
+<{p} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{p}>\n\
 ...\n\
-</{d}invoke>\n\
-<{d}invoke name=\"$TOOL_NAME2\">\n\
+</{i}>\n\
+<{i} name=\"$TOOL_NAME2\">\n\
 ...\n\
-</{d}invoke>\n\
-</{d}tool_calls>\n\n\
+</{i}>\n\
+</{c}>\n\n\
 String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n\
 If thinking_mode is enabled (triggered by {ts}), you MUST output your complete reasoning inside {ts}...{te} BEFORE any tool calls or final response.\n\n\
 Otherwise, output directly after {te} with tool calls or final response.\n\n\
 ### Available Tool Schemas\n\n",
-        d = DSML,
+        c = tags.calls,
+        i = tags.invoke,
+        p = tags.parameter,
         ts = THINK_START,
         te = THINK_END
     )
@@ -134,11 +207,29 @@ pub fn render_deepseek_v4(
     conversation: &Conversation,
     add_generation_prompt: bool,
 ) -> Result<Prompt> {
-    let thinking = conversation.thinking.enabled.unwrap_or(false);
-    let effort_max = conversation.thinking.effort == Some(ReasoningEffort::Max);
+    render(conversation, add_generation_prompt, Version::V4)
+}
 
-    // merge_tool_messages
+/// Renders a conversation in DeepSeek-V4.1's format (see the module doc).
+pub fn render_deepseek_v41(
+    conversation: &Conversation,
+    add_generation_prompt: bool,
+) -> Result<Prompt> {
+    render(conversation, add_generation_prompt, Version::V41)
+}
+
+fn render(
+    conversation: &Conversation,
+    add_generation_prompt: bool,
+    version: Version,
+) -> Result<Prompt> {
+    let tags = version.dsml();
+    // Thinking is on unless the request turned it off (DeepSeek's adapter's default).
+    let thinking = conversation.thinking.enabled.unwrap_or(true);
+
+    // merge_tool_messages; system messages gathered (they open the prompt, in order)
     let mut messages: Vec<Msg> = Vec::new();
+    let mut system: Vec<String> = Vec::new();
     for (i, message) in conversation.messages.iter().enumerate() {
         let mut text = String::new();
         for part in &message.content {
@@ -153,12 +244,14 @@ pub fn render_deepseek_v4(
             }
         }
         match message.role {
-            Role::System | Role::Developer => {
+            Role::System if version == Version::V4 => system.push(text),
+            // V4.1 keeps system (and developer) messages where they stand.
+            Role::System | Role::Developer if version == Version::V41 => {
                 let mut m = Msg::new(R::System);
                 m.content = text;
                 messages.push(m);
             }
-            Role::User | Role::Tool => {
+            Role::System | Role::User | Role::Developer | Role::Tool => {
                 let block = if message.role == Role::Tool {
                     Block::ToolResult {
                         id: message.tool_call_id.clone().unwrap_or_default(),
@@ -190,24 +283,37 @@ pub fn render_deepseek_v4(
         }
     }
 
-    // tools on the first system message, or on a new one
-    if !conversation.tools.is_empty() {
+    // One system message first: every system message's text, joined by a blank line;
+    // the tools go on it (on an empty one when there is no system text), unless
+    // tool_choice is "none", which leaves them out of the prompt.
+    let tools_shown =
+        !conversation.tools.is_empty() && conversation.tool_choice != ToolChoice::None;
+    // V4.1: the first message is a system message when the prompt needs one (an
+    // empty one unless the conversation starts with one).
+    let opening_needed = match version {
+        Version::V4 => !system.is_empty() || tools_shown,
+        Version::V41 => {
+            (thinking || tools_shown) && messages.first().map(|m| m.role) != Some(R::System)
+        }
+    };
+    if opening_needed {
+        let mut m = Msg::new(R::System);
+        m.content = system.join("\n\n");
+        messages.insert(0, m);
+    }
+    if tools_shown {
         let tools: Vec<Value> = conversation
             .tools
             .iter()
             .map(|t| {
                 let mut f = Map::new();
                 f.insert("name".into(), Value::String(t.name.clone()));
-                if let Some(d) = &t.description {
-                    f.insert("description".into(), Value::String(d.clone()));
-                }
+                let description = t.description.clone().unwrap_or_default();
+                f.insert("description".into(), Value::String(description));
                 f.insert("parameters".into(), t.parameters.clone());
                 Value::Object(f)
             })
             .collect();
-        if messages.first().map(|m| m.role) != Some(R::System) {
-            messages.insert(0, Msg::new(R::System));
-        }
         messages[0].tools = Some(tools);
     }
 
@@ -253,8 +359,9 @@ pub fn render_deepseek_v4(
         }
     }
 
-    let last_is_user = conversation.messages.last().map(|m| m.role) == Some(Role::User);
-    let drop_thinking = last_is_user && conversation.tools.is_empty();
+    // Without tools in the prompt, reasoning before the last user turn (tool results
+    // count as one) is dropped; with tools every turn keeps it (DeepSeek's adapter).
+    let drop_thinking = !tools_shown;
     let last_user_idx = messages.iter().rposition(|m| m.role == R::User);
     if thinking && drop_thinking {
         // _drop_thinking_messages: reasoning of assistant turns before the last user turn goes.
@@ -271,20 +378,23 @@ pub fn render_deepseek_v4(
     prompt.push_trusted(BOS);
     let n = messages.len();
     for (index, msg) in messages.iter().enumerate() {
-        if index == 0 && thinking && effort_max {
-            prompt.push_trusted(REASONING_EFFORT_MAX);
+        if version == Version::V41 && msg.role == R::System {
+            prompt.push_trusted(SYSTEM);
+        }
+        if index == 0 && thinking {
+            prompt.push_trusted(&version.effort_preamble(conversation.thinking.effort));
         }
         match msg.role {
             R::System => {
                 prompt.push_untrusted(&msg.content);
                 if let Some(tools) = &msg.tools {
                     prompt.push_trusted("\n\n");
-                    prompt.push_trusted(&tools_template_head());
+                    prompt.push_trusted(&tools_template_head(&tags));
                     for (i, tool) in tools.iter().enumerate() {
                         if i > 0 {
                             prompt.push_trusted("\n");
                         }
-                        prompt.push_untrusted(&python_json_dumps(tool, false, None, false));
+                        prompt.push_untrusted(&version.json(tool));
                     }
                     prompt.push_trusted(TOOLS_TEMPLATE_TAIL);
                 }
@@ -313,18 +423,23 @@ pub fn render_deepseek_v4(
                 }
                 prompt.push_untrusted(&msg.content);
                 if !msg.tool_calls.is_empty() {
-                    prompt.push_trusted(&format!("\n\n<{DSML}tool_calls>\n"));
+                    prompt.push_trusted(&format!("\n\n<{}>\n", tags.calls));
                     for (i, (_, name, arguments)) in msg.tool_calls.iter().enumerate() {
                         if i > 0 {
                             prompt.push_trusted("\n");
                         }
-                        prompt.push_trusted(&format!("<{DSML}invoke name=\""));
+                        prompt.push_trusted(&format!("<{} name=\"", tags.invoke));
                         prompt.push_untrusted(name);
                         prompt.push_trusted("\">\n");
-                        encode_arguments(&mut prompt, arguments)?;
-                        prompt.push_trusted(&format!("\n</{DSML}invoke>"));
+                        let written = encode_arguments(&mut prompt, arguments, version)?;
+                        // V4 ends each parameter with a newline, V4.1 joins them with one
+                        // and adds one before the closing tag (so no arguments: "\n\n").
+                        if written > 0 || version == Version::V41 {
+                            prompt.push_trusted("\n");
+                        }
+                        prompt.push_trusted(&format!("</{}>", tags.invoke));
                     }
-                    prompt.push_trusted(&format!("\n</{DSML}tool_calls>"));
+                    prompt.push_trusted(&format!("\n</{}>", tags.calls));
                 }
                 prompt.push_trusted(EOS);
             }
@@ -345,7 +460,9 @@ pub fn render_deepseek_v4(
     Ok(prompt)
 }
 
-fn encode_arguments(prompt: &mut Prompt, arguments: &str) -> Result<()> {
+/// Writes the parameters of one invoke, joined by newlines; returns how many.
+fn encode_arguments(prompt: &mut Prompt, arguments: &str, version: Version) -> Result<usize> {
+    let tags = version.dsml();
     let parsed: Map<String, Value> = match serde_json::from_str::<Value>(arguments) {
         Ok(Value::Object(map)) => map,
         Ok(_) => {
@@ -364,7 +481,7 @@ fn encode_arguments(prompt: &mut Prompt, arguments: &str) -> Result<()> {
         if i > 0 {
             prompt.push_trusted("\n");
         }
-        prompt.push_trusted(&format!("<{DSML}parameter name=\""));
+        prompt.push_trusted(&format!("<{} name=\"", tags.parameter));
         prompt.push_untrusted(key);
         let is_str = value.is_string();
         prompt.push_trusted(&format!(
@@ -373,9 +490,9 @@ fn encode_arguments(prompt: &mut Prompt, arguments: &str) -> Result<()> {
         ));
         match value {
             Value::String(s) => prompt.push_untrusted(s),
-            other => prompt.push_untrusted(&python_json_dumps(other, false, None, false)),
+            other => prompt.push_untrusted(&version.json(other)),
         }
-        prompt.push_trusted(&format!("</{DSML}parameter>"));
+        prompt.push_trusted(&format!("</{}>", tags.parameter));
     }
-    Ok(())
+    Ok(parsed.len())
 }

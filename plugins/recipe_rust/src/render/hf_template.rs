@@ -173,6 +173,7 @@ impl ChatTemplate {
                 ReasoningEffort::Low => "low",
                 ReasoningEffort::Medium => "medium",
                 ReasoningEffort::High => "high",
+                ReasoningEffort::Xhigh => "xhigh",
                 ReasoningEffort::Max => "max",
             };
             vars.push(("reasoning_effort".into(), name.into()));

@@ -26,7 +26,7 @@ impl Prompt {
 pub mod deepseek_v4;
 pub mod hf_template;
 
-pub use deepseek_v4::render_deepseek_v4;
+pub use deepseek_v4::{render_deepseek_v4, render_deepseek_v41};
 pub use hf_template::ChatTemplate;
 
 use serde_json::Value;
@@ -89,6 +89,8 @@ pub enum Encoder {
     HfTemplate(ChatTemplate),
     /// DeepSeek-V4's native encoder (the model ships no chat template).
     DeepseekV4,
+    /// DeepSeek-V4.1's native encoder (V4.1-Flash).
+    DeepseekV41,
 }
 
 impl Encoder {
@@ -116,6 +118,9 @@ impl Encoder {
         let is_v32 =
             model_type == "deepseek_v32" || architectures.iter().any(|a| a.contains("DeepseekV32"));
         let template = chat_template_source(tokenizer_config)?;
+        if is_v4 && is_v41(tokenizer_config, model_config) {
+            return Ok(Encoder::DeepseekV41);
+        }
         if is_v4 || (is_v32 && template.is_none()) {
             return Ok(Encoder::DeepseekV4);
         }
@@ -141,8 +146,28 @@ impl Encoder {
         match self {
             Encoder::HfTemplate(template) => template.render(conversation, add_generation_prompt),
             Encoder::DeepseekV4 => render_deepseek_v4(conversation, add_generation_prompt),
+            Encoder::DeepseekV41 => render_deepseek_v41(conversation, add_generation_prompt),
         }
     }
+}
+
+/// A V4-architecture checkpoint is V4.1 (V4.1-Flash) when config.json says
+/// ``"chat_encoding": "deepseek_v41"`` (an override a deployment may add), or its
+/// ``_name_or_path`` or tokenizer_config.json's ``name_or_path`` names V4.1 (as
+/// ``deepseek-ai/DeepSeek-V4.1-Flash`` does). DeepSeek's own adapter chooses by the
+/// request's model name instead; a checkpoint carries no other mark of the version.
+fn is_v41(tokenizer_config: &Value, model_config: &Value) -> bool {
+    if let Some(encoding) = model_config.get("chat_encoding").and_then(Value::as_str) {
+        return encoding == "deepseek_v41";
+    }
+    [
+        model_config.get("_name_or_path"),
+        tokenizer_config.get("name_or_path"),
+    ]
+    .into_iter()
+    .flatten()
+    .filter_map(Value::as_str)
+    .any(|name| name.to_ascii_lowercase().contains("v4.1"))
 }
 
 fn chat_template_source(tokenizer_config: &Value) -> Result<Option<String>> {
@@ -189,18 +214,52 @@ pub fn python_json_dumps(
     sort_keys: bool,
 ) -> String {
     let mut out = String::new();
-    dump(value, ensure_ascii, indent, sort_keys, 0, &mut out);
+    let style = Style {
+        ascii: ensure_ascii,
+        indent,
+        sort: sort_keys,
+        numbers: Numbers::Python,
+    };
+    dump(value, &style, 0, &mut out);
     out
 }
 
-fn dump(
-    value: &Value,
+/// JSON as DeepSeek's own adapter (``deepseek-recipe``) writes it into V4 / V4.1
+/// prompts: ``python_json_dumps``' spacing, unicode kept, keys in order, but floats in
+/// scientific notation below 1e-5 with an unpadded exponent (``1e-6``, where Python
+/// writes ``1e-06``) and from 1e16 up as Python does (``1e+16``).
+pub fn deepseek_json_dumps(value: &Value) -> String {
+    let mut out = String::new();
+    let style = Style {
+        ascii: false,
+        indent: None,
+        sort: false,
+        numbers: Numbers::DeepseekRecipe,
+    };
+    dump(value, &style, 0, &mut out);
+    out
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Numbers {
+    Python,
+    DeepseekRecipe,
+}
+
+struct Style {
     ascii: bool,
     indent: Option<usize>,
     sort: bool,
-    level: usize,
-    out: &mut String,
-) {
+    numbers: Numbers,
+}
+
+fn dump(value: &Value, style: &Style, level: usize, out: &mut String) {
+    let Style {
+        ascii,
+        indent,
+        sort,
+        numbers,
+    } = *style;
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {
             out.push('\n');
@@ -211,7 +270,7 @@ fn dump(
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => out.push_str(&python_number(n)),
+        Value::Number(n) => out.push_str(&json_number(n, numbers)),
         Value::String(s) => dump_str(s, ascii, out),
         Value::Array(items) => {
             if items.is_empty() {
@@ -224,7 +283,7 @@ fn dump(
                     out.push_str(item_sep);
                 }
                 newline(out, level + 1);
-                dump(item, ascii, indent, sort, level + 1, out);
+                dump(item, style, level + 1, out);
             }
             newline(out, level);
             out.push(']');
@@ -246,7 +305,7 @@ fn dump(
                 newline(out, level + 1);
                 dump_str(key, ascii, out);
                 out.push_str(": ");
-                dump(item, ascii, indent, sort, level + 1, out);
+                dump(item, style, level + 1, out);
             }
             newline(out, level);
             out.push('}');
@@ -254,7 +313,7 @@ fn dump(
     }
 }
 
-fn python_number(n: &serde_json::Number) -> String {
+fn json_number(n: &serde_json::Number, numbers: Numbers) -> String {
     if n.is_i64() || n.is_u64() {
         return n.to_string();
     }
@@ -272,7 +331,8 @@ fn python_number(n: &serde_json::Number) -> String {
         };
     }
     // Python's repr(float): shortest round-trip digits, scientific notation when the
-    // exponent is < -4 or >= 16, written as "1e-05" / "1.5e+16".
+    // exponent is < -4 or >= 16, written as "1e-05" / "1.5e+16". DeepSeek's adapter:
+    // the same from 1e16 up, but scientific only below 1e-5, written "1e-6".
     let sci = format!("{:e}", f); // shortest digits, e.g. "1.5e16", "1e-5"
     let Some((mantissa, exp)) = sci.split_once('e') else {
         return sci;
@@ -280,9 +340,16 @@ fn python_number(n: &serde_json::Number) -> String {
     let Ok(exp) = exp.parse::<i32>() else {
         return sci;
     };
-    if !(-4..16).contains(&exp) {
+    let smallest_positional = match numbers {
+        Numbers::Python => -4,
+        Numbers::DeepseekRecipe => -5,
+    };
+    if !(smallest_positional..16).contains(&exp) {
         let sign = if exp < 0 { '-' } else { '+' };
-        format!("{mantissa}e{sign}{:02}", exp.abs())
+        match numbers {
+            Numbers::Python => format!("{mantissa}e{sign}{:02}", exp.abs()),
+            Numbers::DeepseekRecipe => format!("{mantissa}e{sign}{}", exp.abs()),
+        }
     } else {
         let s = format!("{}", f);
         if s.contains('.') {
