@@ -103,7 +103,7 @@ impl PromptEncoder {
                 let request = crate::protocols::parse_request(protocol, &body)?;
                 let prompt = self
                     .encoder
-                    .render(&request.conversation, add_generation_prompt)?;
+                    .render_request(&request, add_generation_prompt)?;
                 let ids = self.tokenizer.encode(&prompt)?;
                 Ok((request, prompt.text(), ids))
             })
@@ -125,7 +125,7 @@ impl PromptEncoder {
         let protocol = request.protocol;
         let prompt = self
             .encoder
-            .render(&request.conversation, add_generation_prompt)
+            .render_request(&request, add_generation_prompt)
             .map_err(|e| to_py(e, protocol))?;
         let ids = self
             .tokenizer
@@ -228,13 +228,17 @@ struct StreamParser {
 #[pymethods]
 impl StreamParser {
     /// ``format``: "plain", "deepseek_v3" (V3/R1/V3.1 markup) or "deepseek_v4" (DSML).
+    /// ``prompt``: the request's prompt text, when the parser should start where it
+    /// left the answer (in reasoning after ``<think>``, in a tool-call block the
+    /// prompt opened).
     #[new]
-    #[pyo3(signature = (format, stop = Vec::new(), starts_in_reasoning = false, id_prefix = None))]
+    #[pyo3(signature = (format, stop = Vec::new(), starts_in_reasoning = false, id_prefix = None, prompt = None))]
     fn new(
         format: &str,
         stop: Vec<String>,
         starts_in_reasoning: bool,
         id_prefix: Option<String>,
+        prompt: Option<&str>,
     ) -> PyResult<Self> {
         let format = OutputFormat::parse(format).ok_or_else(|| {
             PyValueError::new_err(format!(
@@ -242,6 +246,9 @@ impl StreamParser {
             ))
         })?;
         let mut inner = RustParser::new(format, stop, starts_in_reasoning);
+        if let Some(prompt) = prompt {
+            inner = inner.after_prompt(prompt);
+        }
         if let Some(prefix) = id_prefix {
             inner = inner.with_id_prefix(prefix);
         }

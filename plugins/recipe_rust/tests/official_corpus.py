@@ -59,6 +59,10 @@ _CONTROL_LOOKALIKES = (
     "<｜image｜>",
 )
 
+# The V4 family's control tokens beyond the tiny test tokenizer's own: added to it so
+# both adapters tokenize the same vocabulary.
+V4_CONTROL_TOKENS = ("<think>", "</think>", "｜DSML｜", "<｜System｜>", "<｜latest_reminder｜>", "<｜image｜>")
+
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -169,9 +173,22 @@ def conversation(rng: random.Random) -> dict[str, Any]:
         "tool_choice": choice,
         "thinking": thinking,
         "effort": effort,
-        "json": rng.random() < 0.1,
+        "format": _response_format(rng),
         "list_content": rng.random() < 0.3,
     }
+
+
+def _response_format(rng: random.Random) -> dict[str, Any] | None:
+    """None (text), JSON object, or a JSON schema with at least one property."""
+    roll = rng.random()
+    if roll < 0.85:
+        return None
+    if roll < 0.92:
+        return {"type": "json_object"}
+    schema = _schema(rng)
+    if not schema["properties"]:
+        schema["properties"] = {"answer": {"type": "string"}}
+    return {"type": "json_schema", "name": rng.choice(("answer", "result_1")), "schema": schema}
 
 
 def chat_body(c: dict[str, Any], model: str) -> dict[str, Any]:
@@ -214,8 +231,13 @@ def chat_body(c: dict[str, Any], model: str) -> dict[str, Any]:
         body["thinking"] = {"type": "enabled" if c["thinking"] else "disabled"}
     if c["effort"] is not None:
         body["reasoning_effort"] = c["effort"]
-    if c["json"]:
+    if c["format"] and c["format"]["type"] == "json_object":
         body["response_format"] = {"type": "json_object"}
+    elif c["format"]:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": c["format"]["name"], "schema": c["format"]["schema"]},
+        }
     return body
 
 
@@ -269,8 +291,8 @@ def responses_body(c: dict[str, Any], model: str) -> dict[str, Any]:
         body["tool_choice"] = c["tool_choice"]
     if c["effort"] is not None or c["thinking"] is False:
         body["reasoning"] = {"effort": "none" if c["thinking"] is False else c["effort"]}
-    if c["json"]:
-        body["text"] = {"format": {"type": "json_object"}}
+    if c["format"]:
+        body["text"] = {"format": c["format"]}
     return body
 
 
@@ -328,8 +350,13 @@ def messages_body(c: dict[str, Any], model: str) -> dict[str, Any]:
     if c["thinking"] is not None or c["effort"] == "none":
         on = c["thinking"] is not False and c["effort"] != "none"
         body["thinking"] = {"type": "enabled", "budget_tokens": 2048} if on else {"type": "disabled"}
+    output_config: dict[str, Any] = {}
     if c["effort"] in _ANTHROPIC_EFFORTS:
-        body["output_config"] = {"effort": _ANTHROPIC_EFFORTS[c["effort"]]}
+        output_config["effort"] = _ANTHROPIC_EFFORTS[c["effort"]]
+    if c["format"] and c["format"]["type"] == "json_schema":
+        output_config["format"] = {"type": "json_schema", "schema": c["format"]["schema"]}
+    if output_config:
+        body["output_config"] = output_config
     return body
 
 

@@ -437,3 +437,48 @@ def test_render_response_writes_every_choice_and_the_reasoning_summary() -> None
 def test_special_tokens_are_skipped_unless_asked_or_tool_calls_may_come(fields: dict, skipped: bool) -> None:
     request = deepseek_adapter().parse_request("openai.chat", chat_body([{"role": "user", "content": "hi"}], **fields))
     assert request.sampling.skip_special_tokens is skipped
+
+
+@pytest.mark.parametrize("encoding", ["v4", "v41"])
+def test_a_forced_tool_call_is_prefilled_and_parsed_from_inside_the_block(encoding: str) -> None:
+    """tool_choice required (thinking off): the prompt opens the DSML block, as DeepSeek's
+    adapter does, and the stream parser starts inside it, so the model's invoke comes
+    back as a tool call in every protocol's shape (V4 and V4.1 spellings)."""
+    from powertrain.testing.checkpoints import tiny_tokenizer
+
+    config = {"model_type": "deepseek_v4"}
+    if encoding == "v41":
+        config["_name_or_path"] = "deepseek-ai/DeepSeek-V4.1-Flash"
+    adapter = RecipeAdapter(tiny_tokenizer().to_str(), {}, config)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    body = {
+        "model": "ds",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "thinking": {"type": "disabled"},
+    }
+    request = adapter.parse_request("openai.chat", json.dumps(body).encode())
+    opening = "<｜DSML｜ calls>" if encoding == "v41" else "<｜DSML｜tool_calls>"
+    assert request.prompt.endswith(f"<｜Assistant｜></think>\n\n{opening}\n")
+    tag = "｜DSML｜ " if encoding == "v41" else "｜DSML｜"
+    generated = (
+        f'<{tag}invoke name="get_weather">\n<{tag}parameter name="city" string="true">Paris</{tag}parameter>\n'
+        f"</{tag}invoke>\n</{opening[1:]}"
+    )
+    parser = adapter.stream_parser(request)
+    events = [e for ch in generated for e in parser.push(ch)] + parser.finish()
+    assert [e["type"] for e in events if e["type"] != "tool_call_arguments"] == ["tool_call_start", "tool_call_end"]
+    assert events[0]["name"] == "get_weather"
+    assert json.loads("".join(e["delta"] for e in events if e["type"] == "tool_call_arguments")) == {"city": "Paris"}
+    # With thinking on (the default) the block cannot be opened: a clear 400.
+    body.pop("thinking")
+    with pytest.raises(RecipeError) as refused:
+        adapter.parse_request("openai.chat", json.dumps(body).encode())
+    assert refused.value.status == 400 and "thinking" in str(refused.value)

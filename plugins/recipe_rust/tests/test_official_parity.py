@@ -5,10 +5,9 @@ requests is converted and rendered by the official adapter and by ours; prompt t
 token ids must be equal. The tokenizer is the tiny test tokenizer with the V4 family's
 control tokens added, so both sides tokenize the same vocabulary.
 
-Requests with a feature in ``NOT_YET_MATCHED`` or ``DELIBERATE`` (the recipe README's
-parity table) are checked for that difference instead: a deliberate difference must
-show up as stated (the official adapter refuses what we accept), and a feature not yet
-matched is counted, never silently passed. Everything else must match exactly.
+Requests showing one of the deliberate differences (the recipe README's parity table)
+are checked for exactly that difference instead (``deliberate``); requests both
+adapters refuse are counted; everything else must match exactly.
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ MODELS = {
     "v41": ("DeepSeek-V4.1-Flash", {"_name_or_path": "deepseek-ai/DeepSeek-V4.1-Flash"}),
 }
 
-V4_CONTROL_TOKENS = ["<think>", "</think>", "｜DSML｜", "<｜System｜>", "<｜latest_reminder｜>", "<｜image｜>"]
-
 REQUEST_TYPES = {
     "openai.chat": deepseek_recipe.ChatCompletionRequest,
     "openai.responses": deepseek_recipe.ResponsesRequest,
@@ -50,26 +47,42 @@ REQUEST_TYPES = {
 }
 
 
-def not_yet_matched(protocol: str, conversation: dict[str, Any]) -> str | None:
-    """Features whose prompts still differ from the official adapter's (README: open)."""
-    if conversation["tool_choice"] in ("required", "named"):
-        return "tool_choice required/named: the official prompt pre-fills the tool-call block"
-    if conversation["json"]:
-        return "JSON response format: the official prompt adds response-format instructions"
-    return None
+def deliberate(protocol: str, conversation: dict[str, Any], official: Any, mine: Any, opened: str) -> str | None:
+    """Which deliberate difference (the README's table) this request shows, if any
+    (``opened``: how this encoding opens a tool-call block).
 
-
-def deliberate(protocol: str, conversation: dict[str, Any]) -> str | None:
-    """Differences we keep on purpose (README: deliberate): the official side refuses."""
+    Each is checked for exactly its stated shape: the official adapter refuses what
+    we accept, or (Messages' output format) renders no instructions where we do. A
+    request we refuse for another reason shows none of them."""
+    if protocol == "anthropic.messages" and conversation["tool_choice"] == "required":
+        # Anthropic's "any" forces a call (its API's meaning; refused with thinking, as
+        # Anthropic refuses it); the official adapter reads it as "auto".
+        assert not isinstance(official, str), official
+        if isinstance(mine, str):
+            assert "thinking mode" in mine, mine
+        else:
+            assert mine[0].endswith(opened) and not official[0].endswith(opened)
+        return "Messages tool_choice any forces a call"
+    if isinstance(mine, str):
+        return None
     if protocol == "openai.chat" and conversation["developer"] is not None:
-        return "Chat developer messages (OpenAI's role) are accepted"
+        assert isinstance(official, str) and "developer" in official, official
+        return "Chat developer messages are accepted"
+    if isinstance(official, str) and "must contain the word 'json'" in official:
+        assert conversation["format"] == {"type": "json_object"}, conversation
+        return "json_object needs no word 'json'"
+    messages_schema = protocol == "anthropic.messages" and (conversation["format"] or {}).get("type") == "json_schema"
+    if messages_schema:
+        assert not isinstance(official, str), official
+        assert "## Response Format:" in mine[0] and "## Response Format:" not in official[0]
+        return "Messages output_config.format renders its instructions"
     return None
 
 
 @pytest.fixture(scope="module")
 def tokenizer_json() -> str:
     tokenizer = tiny_tokenizer()
-    tokenizer.add_special_tokens(V4_CONTROL_TOKENS)
+    tokenizer.add_special_tokens(list(official_corpus.V4_CONTROL_TOKENS))
     return tokenizer.to_str()
 
 
@@ -99,6 +112,7 @@ def test_prompts_equal_the_official_adapters(version: str, tokenizer_json: str) 
     encoding = encoding_type().with_tokenizer(deepseek_recipe.Tokenizer.from_str(tokenizer_json))
     config = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], **config_extra}
     ours = RecipeAdapter(tokenizer_json, {}, config)
+    opened_tool_calls = "<｜DSML｜ calls>\n" if version == "v41" else "<｜DSML｜tool_calls>\n"
 
     outcomes: Counter[str] = Counter()
     mismatches = []
@@ -109,11 +123,8 @@ def test_prompts_equal_the_official_adapters(version: str, tokenizer_json: str) 
             mine: tuple[str, list[int]] | str = (request.prompt, list(request.prompt_token_ids))
         except RecipeError as error:
             mine = f"refused: {error}"
-        if reason := deliberate(protocol, conversation):
-            assert isinstance(official, str) and not isinstance(mine, str), (reason, body, official, mine)
-            outcomes["deliberate"] += 1
-        elif not_yet_matched(protocol, conversation):
-            outcomes["not yet matched"] += 1
+        if reason := deliberate(protocol, conversation, official, mine, opened_tool_calls):
+            outcomes[reason] += 1
         elif isinstance(official, str) and isinstance(mine, str):
             outcomes["both refuse"] += 1
         elif official == mine:
@@ -123,4 +134,4 @@ def test_prompts_equal_the_official_adapters(version: str, tokenizer_json: str) 
     assert not mismatches, f"{len(mismatches)} prompts differ; first: {first_difference(*mismatches[0])}"
     # The corpus must exercise the comparison, not the exemptions.
     assert outcomes["equal"] >= 2000, outcomes
-    assert outcomes["deliberate"] > 0 and outcomes["not yet matched"] > 0, outcomes
+    assert len(outcomes) == 6, outcomes  # equal, both refuse, and each deliberate difference

@@ -20,7 +20,12 @@ class PromptEncoder:
 
 class StreamParser:
     def __init__(
-        self, format: str, stop: list[str] = ..., starts_in_reasoning: bool = False, id_prefix: str | None = None
+        self,
+        format: str,
+        stop: list[str] = ...,
+        starts_in_reasoning: bool = False,
+        id_prefix: str | None = None,
+        prompt: str | None = None,
     ) -> None: ...
     def push(self, text: str) -> list[dict[str, Any]]: ...
     def push_bytes(self, data: bytes) -> list[dict[str, Any]]: ...

@@ -133,15 +133,16 @@ class RecipeAdapter:
         return parsed_request(native, prompt, ids)
 
     def stream_parser(self, request: ParsedRequest, id_prefix: str | None = None) -> StreamParser:
-        """A parser for this request's generated text (its stop sequences; reasoning first
-        when the prompt already opened a thinking block). With include_stop_str_in_output
-        the parser is given no stop strings, so it leaves the matched one in the text."""
+        """A parser for this request's generated text (its stop sequences), starting where
+        the prompt left the answer: in reasoning when it opened a thinking block, in a
+        tool-call block when it opened one. With include_stop_str_in_output the parser is
+        given no stop strings, so it leaves the matched one in the text."""
         sampling = request.sampling
         return StreamParser(
             self.output_format,
             [] if sampling.include_stop_str_in_output else list(sampling.stop),
-            starts_in_reasoning=request.prompt.endswith("<think>"),
             id_prefix=id_prefix,
+            prompt=request.prompt,
         )
 
     def response_writer(

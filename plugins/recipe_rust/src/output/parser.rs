@@ -138,52 +138,52 @@ const TAG_CLOSE: &str = ">";
 /// token). One section uses one spelling throughout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Dialect {
-    FunctionCalls,
-    ToolCalls,
-    SpacedCalls,
+    V32,
+    V4,
+    V41,
 }
 
 impl Dialect {
     fn calls_begin(self) -> &'static str {
         match self {
-            Dialect::FunctionCalls => DSML_CALLS_BEGIN,
-            Dialect::ToolCalls => DSML_TOOL_CALLS_BEGIN,
-            Dialect::SpacedCalls => "<\u{FF5C}DSML\u{FF5C} calls>",
+            Dialect::V32 => DSML_CALLS_BEGIN,
+            Dialect::V4 => DSML_TOOL_CALLS_BEGIN,
+            Dialect::V41 => "<\u{FF5C}DSML\u{FF5C} calls>",
         }
     }
 
     fn calls_end(self) -> &'static str {
         match self {
-            Dialect::FunctionCalls => DSML_CALLS_END,
-            Dialect::ToolCalls => DSML_TOOL_CALLS_END,
-            Dialect::SpacedCalls => "</\u{FF5C}DSML\u{FF5C} calls>",
+            Dialect::V32 => DSML_CALLS_END,
+            Dialect::V4 => DSML_TOOL_CALLS_END,
+            Dialect::V41 => "</\u{FF5C}DSML\u{FF5C} calls>",
         }
     }
 
     fn invoke(self) -> &'static str {
         match self {
-            Dialect::SpacedCalls => "<\u{FF5C}DSML\u{FF5C} invoke",
+            Dialect::V41 => "<\u{FF5C}DSML\u{FF5C} invoke",
             _ => DSML_INVOKE,
         }
     }
 
     fn invoke_end(self) -> &'static str {
         match self {
-            Dialect::SpacedCalls => "</\u{FF5C}DSML\u{FF5C} invoke>",
+            Dialect::V41 => "</\u{FF5C}DSML\u{FF5C} invoke>",
             _ => DSML_INVOKE_END,
         }
     }
 
     fn parameter(self) -> &'static str {
         match self {
-            Dialect::SpacedCalls => "<\u{FF5C}DSML\u{FF5C} parameter",
+            Dialect::V41 => "<\u{FF5C}DSML\u{FF5C} parameter",
             _ => DSML_PARAMETER,
         }
     }
 
     fn parameter_end(self) -> &'static str {
         match self {
-            Dialect::SpacedCalls => "</\u{FF5C}DSML\u{FF5C} parameter>",
+            Dialect::V41 => "</\u{FF5C}DSML\u{FF5C} parameter>",
             _ => DSML_PARAMETER_END,
         }
     }
@@ -276,6 +276,33 @@ impl StreamParser {
             pending_ws: String::new(),
             done: false,
         }
+    }
+
+    /// Starts where the prompt left the answer: inside a DSML tool-call block when the
+    /// prompt ends with its opening (a required or named tool choice pre-fills it), in
+    /// reasoning when it ends with `<think>` (the format allowing).
+    pub fn after_prompt(mut self, prompt: &str) -> StreamParser {
+        if self.format == OutputFormat::Plain {
+            return self;
+        }
+        if prompt.ends_with(THINK_OPEN) {
+            self.state = State::Reasoning;
+            self.think_allowed = false;
+        }
+        if self.format == OutputFormat::DeepseekV4 {
+            let opened = [
+                Dialect::V32,
+                Dialect::V4,
+                Dialect::V41,
+            ]
+            .into_iter()
+            .find(|d| prompt.ends_with(&format!("{}\n", d.calls_begin())));
+            if let Some(dialect) = opened {
+                self.state = State::DsmlSection { dialect };
+                self.think_allowed = false;
+            }
+        }
+        self
     }
 
     /// Tool call ids become `{prefix}_{index}`.
@@ -398,9 +425,9 @@ impl StreamParser {
                 }
                 if v4 {
                     for dialect in [
-                        Dialect::FunctionCalls,
-                        Dialect::ToolCalls,
-                        Dialect::SpacedCalls,
+                        Dialect::V32,
+                        Dialect::V4,
+                        Dialect::V41,
                     ] {
                         m.push((dialect.calls_begin(), Mk::DsmlBegin { dialect }));
                     }

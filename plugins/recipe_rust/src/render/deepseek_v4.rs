@@ -47,7 +47,9 @@
 use serde_json::{Map, Value};
 
 use super::{deepseek_json_dumps, python_json_dumps, Prompt};
-use crate::conversation::{ContentPart, Conversation, ReasoningEffort, Role, ToolChoice};
+use crate::conversation::{
+    ContentPart, Conversation, ReasoningEffort, ResponseFormat, Role, ToolChoice,
+};
 use crate::error::{RecipeError, Result};
 
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
@@ -161,6 +163,32 @@ Otherwise, output directly after {te} with tool calls or final response.\n\n\
     )
 }
 
+/// The system-text addition for a JSON response format: (the format's own text, the
+/// schema text, untrusted since the client wrote it). V4 has its own sentence for
+/// ``json_object``; V4.1 writes every format as a schema, ``json_object`` as
+/// ``{"type": "json_object"}`` (as DeepSeek's adapter does).
+fn response_format_instructions(
+    format: &ResponseFormat,
+    version: Version,
+) -> Option<(String, String)> {
+    const SCHEMA_HEAD: &str =
+        "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n";
+    match (format, version) {
+        (ResponseFormat::Text, _) => None,
+        (ResponseFormat::JsonObject, Version::V4) => Some((
+            "\n\nYou are a helpful assistant designed to output JSON.\n## Response Format:\n\nReply with JSON object ONLY.".into(),
+            String::new(),
+        )),
+        (ResponseFormat::JsonObject, Version::V41) => Some((
+            SCHEMA_HEAD.into(),
+            r#"{"type": "json_object"}"#.into(),
+        )),
+        (ResponseFormat::JsonSchema { schema, .. }, _) => {
+            Some((SCHEMA_HEAD.into(), version.json(schema)))
+        }
+    }
+}
+
 const TOOLS_TEMPLATE_TAIL: &str =
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n";
 
@@ -207,7 +235,12 @@ pub fn render_deepseek_v4(
     conversation: &Conversation,
     add_generation_prompt: bool,
 ) -> Result<Prompt> {
-    render(conversation, add_generation_prompt, Version::V4)
+    render_v4_family(
+        conversation,
+        &ResponseFormat::Text,
+        add_generation_prompt,
+        Version::V4,
+    )
 }
 
 /// Renders a conversation in DeepSeek-V4.1's format (see the module doc).
@@ -215,17 +248,37 @@ pub fn render_deepseek_v41(
     conversation: &Conversation,
     add_generation_prompt: bool,
 ) -> Result<Prompt> {
-    render(conversation, add_generation_prompt, Version::V41)
+    render_v4_family(
+        conversation,
+        &ResponseFormat::Text,
+        add_generation_prompt,
+        Version::V41,
+    )
 }
 
-fn render(
+/// Renders a conversation with its request's response format (the JSON formats add
+/// instructions to the system text), in either encoding.
+pub fn render_v4_family(
     conversation: &Conversation,
+    response_format: &ResponseFormat,
     add_generation_prompt: bool,
     version: Version,
 ) -> Result<Prompt> {
     let tags = version.dsml();
     // Thinking is on unless the request turned it off (DeepSeek's adapter's default).
     let thinking = conversation.thinking.enabled.unwrap_or(true);
+    // A required or named tool choice opens the tool-call block in the prompt, which
+    // the thinking format has no place for (DeepSeek's adapter refuses it too).
+    let forced_call = matches!(
+        conversation.tool_choice,
+        ToolChoice::Required | ToolChoice::Named(_)
+    );
+    if forced_call && thinking {
+        return Err(RecipeError::unsupported(
+            "tool_choice",
+            "this model cannot be made to call a tool in thinking mode; turn thinking off (thinking: {\"type\": \"disabled\"}, or reasoning_effort \"none\") or use tool_choice \"auto\"",
+        ));
+    }
 
     // merge_tool_messages; system messages gathered (they open the prompt, in order)
     let mut messages: Vec<Msg> = Vec::new();
@@ -288,12 +341,14 @@ fn render(
     // tool_choice is "none", which leaves them out of the prompt.
     let tools_shown =
         !conversation.tools.is_empty() && conversation.tool_choice != ToolChoice::None;
+    let instructions = response_format_instructions(response_format, version);
     // V4.1: the first message is a system message when the prompt needs one (an
     // empty one unless the conversation starts with one).
     let opening_needed = match version {
-        Version::V4 => !system.is_empty() || tools_shown,
+        Version::V4 => !system.is_empty() || tools_shown || instructions.is_some(),
         Version::V41 => {
-            (thinking || tools_shown) && messages.first().map(|m| m.role) != Some(R::System)
+            (thinking || tools_shown || instructions.is_some())
+                && messages.first().map(|m| m.role) != Some(R::System)
         }
     };
     if opening_needed {
@@ -305,6 +360,10 @@ fn render(
         let tools: Vec<Value> = conversation
             .tools
             .iter()
+            .filter(|t| match &conversation.tool_choice {
+                ToolChoice::Named(name) => &t.name == name,
+                _ => true,
+            })
             .map(|t| {
                 let mut f = Map::new();
                 f.insert("name".into(), Value::String(t.name.clone()));
@@ -398,6 +457,12 @@ fn render(
                     }
                     prompt.push_trusted(TOOLS_TEMPLATE_TAIL);
                 }
+                if index == 0 {
+                    if let Some(text) = &instructions {
+                        prompt.push_trusted(&text.0);
+                        prompt.push_untrusted(&text.1);
+                    }
+                }
             }
             R::User => {
                 prompt.push_trusted(USER);
@@ -455,6 +520,11 @@ fn render(
             prompt.push_trusted(ASSISTANT);
             let open = thinking && (!drop_thinking || last_user_idx.is_some_and(|l| index >= l));
             prompt.push_trusted(if open { THINK_START } else { THINK_END });
+            if index + 1 == n && forced_call && tools_shown {
+                // The answer starts inside the tool-call block (the stream parser is
+                // told so by the prompt's end).
+                prompt.push_trusted(&format!("\n\n<{}>\n", tags.calls));
+            }
         }
     }
     Ok(prompt)

@@ -26,13 +26,14 @@ impl Prompt {
 pub mod deepseek_v4;
 pub mod hf_template;
 
-pub use deepseek_v4::{render_deepseek_v4, render_deepseek_v41};
+pub use deepseek_v4::{render_deepseek_v4, render_deepseek_v41, render_v4_family};
 pub use hf_template::ChatTemplate;
 
 use serde_json::Value;
 
-use crate::conversation::Conversation;
+use crate::conversation::{Conversation, EngineRequest};
 use crate::error::{RecipeError, Result};
+use deepseek_v4::Version;
 
 impl Segment {
     pub fn trusted(text: impl Into<String>) -> Segment {
@@ -136,6 +137,25 @@ impl Encoder {
             bos.as_deref(),
             eos.as_deref(),
         )?))
+    }
+
+    /// Renders a parsed request: its conversation and, for DeepSeek's encodings, its
+    /// response format (the JSON formats add instructions to the system text).
+    pub fn render_request(
+        &self,
+        request: &EngineRequest,
+        add_generation_prompt: bool,
+    ) -> Result<Prompt> {
+        let (conversation, format) = (&request.conversation, &request.response_format);
+        match self {
+            Encoder::HfTemplate(_) => self.render(conversation, add_generation_prompt),
+            Encoder::DeepseekV4 => {
+                render_v4_family(conversation, format, add_generation_prompt, Version::V4)
+            }
+            Encoder::DeepseekV41 => {
+                render_v4_family(conversation, format, add_generation_prompt, Version::V41)
+            }
+        }
     }
 
     pub fn render(
