@@ -254,8 +254,8 @@ def test_bad_requests_get_400_in_each_protocol_shape(
     body = bad_anthropic.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert body["error"]["message"].startswith("max_tokens:")
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(model=MODEL, prompt="hi", n=2, best_of=3)
 
     malformed = httpx.post(f"{base_url}/v1/chat/completions", content=b"{not json")
     assert malformed.status_code == 400 and "error" in malformed.json()
@@ -519,8 +519,66 @@ def test_responses_logprobs_come_back_on_the_output_text(oai: openai.OpenAI) -> 
     # Without the include, top_logprobs asks for nothing (as in OpenAI's API).
     plain = oai.responses.create(**kwargs, top_logprobs=3)
     assert plain.output[0].content[0].logprobs == []
-    with pytest.raises(openai.BadRequestError, match="log-probabilities are not supported with stream"):
-        oai.responses.create(**kwargs, include=["message.output_text.logprobs"], stream=True)
+    # Streamed: the deltas carry the same entries, and so does the completed response.
+    streamed_entries = []
+    completed = None
+    with oai.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=3, stream=True) as s:
+        for event in s:
+            if event.type == "response.output_text.delta":
+                streamed_entries += [(e.token, e.logprob) for e in event.logprobs]
+            elif event.type in ("response.completed", "response.incomplete"):
+                completed = event.response
+    expected = [(e.token, pytest.approx(e.logprob, abs=1e-4)) for e in part.logprobs]
+    assert streamed_entries == expected
+    assert completed is not None
+    assert [(e.token, e.logprob) for e in completed.output[0].content[0].logprobs] == expected
+
+
+def test_n_choices_plain_and_streamed_with_logprobs(oai: openai.OpenAI) -> None:
+    """n = 3 sampled choices through the official SDK, with log-probabilities: the stream
+    for the same seed gives the same three texts and, chunk by chunk, the same entries."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 1234,
+        "n": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    reply = oai.chat.completions.create(**kwargs)
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    texts = [choice.message.content for choice in reply.choices]
+    assert len(set(texts)) > 1, texts  # sampled independently
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+    streamed_text = ["", "", ""]
+    streamed_logprobs: list[list[tuple[str, float]]] = [[], [], []]
+    finish = [None, None, None]
+    usage = None
+    for chunk in oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            streamed_text[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                streamed_logprobs[choice.index] += [(e.token, e.logprob) for e in choice.logprobs.content]
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert streamed_text == texts
+    for choice, streamed in zip(reply.choices, streamed_logprobs, strict=True):
+        assert streamed == [(e.token, pytest.approx(e.logprob, abs=1e-4)) for e in choice.logprobs.content]
+    assert finish == [choice.finish_reason for choice in reply.choices]
+    assert usage is not None and usage.completion_tokens == reply.usage.completion_tokens
+    # Legacy completions: n choices too, streamed per index.
+    legacy = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, seed=5, temperature=1.0)
+    assert sorted(choice.index for choice in legacy.choices) == [0, 1]
+    parts = ["", ""]
+    for chunk in oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, seed=5, temperature=1.0, stream=True
+    ):
+        for choice in chunk.choices:
+            parts[choice.index] += choice.text
+    assert parts == [choice.text for choice in sorted(legacy.choices, key=lambda c: c.index)]
 
 
 # --------------------------------------------------------------------------- vLLM's sampling extensions

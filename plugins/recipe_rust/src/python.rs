@@ -316,7 +316,9 @@ impl ResponseWriter {
     /// summary (its parsed ``reasoning_summary`` is set): reasoning is written as the
     /// reasoning item's summary instead of its content.
     #[new]
-    #[pyo3(signature = (protocol_name, id, model, created, include_usage = false, prompt_tokens = 0, cached_prompt_tokens = 0, reasoning_summary = false))]
+    /// ``choice_index`` / ``ends_stream``: Chat Completions streaming ``n`` > 1 uses one
+    /// writer per choice; only the last one's ``finish`` ends the stream.
+    #[pyo3(signature = (protocol_name, id, model, created, include_usage = false, prompt_tokens = 0, cached_prompt_tokens = 0, reasoning_summary = false, choice_index = 0, ends_stream = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         protocol_name: &str,
@@ -327,12 +329,15 @@ impl ResponseWriter {
         prompt_tokens: u32,
         cached_prompt_tokens: u32,
         reasoning_summary: bool,
+        choice_index: usize,
+        ends_stream: bool,
     ) -> PyResult<Self> {
         let protocol = protocol(protocol_name)?;
         let writer = SseWriter::new(protocol, id.clone(), model.clone(), created)
             .with_include_usage(include_usage)
             .with_prompt_usage(prompt_tokens, cached_prompt_tokens)
-            .with_reasoning_summary(reasoning_summary);
+            .with_reasoning_summary(reasoning_summary)
+            .with_choice(choice_index, ends_stream);
         Ok(ResponseWriter {
             protocol,
             id,
@@ -354,6 +359,16 @@ impl ResponseWriter {
             .map(|item| dict_to_event(&item))
             .collect::<PyResult<Vec<_>>>()?;
         Ok(self.writer.events(&parsed))
+    }
+
+    /// Log-probability entries of the tokens generated since the last call (dicts of
+    /// ``token``, ``logprob``, ``bytes``, ``top_logprobs``): written with the next
+    /// frame that carries generated text.
+    fn add_logprobs(&mut self, entries: &Bound<'_, PyList>) -> PyResult<()> {
+        let entries: Vec<serde_json::Value> = pythonize::depythonize(entries.as_any())
+            .map_err(|e| PyValueError::new_err(format!("logprob entries: {e}")))?;
+        self.writer.add_logprobs(entries);
+        Ok(())
     }
 
     /// The closing frames (finish reason, usage, and the protocol's terminator).

@@ -1176,3 +1176,63 @@ proptest! {
         }
     }
 }
+
+fn logprob(token: &str) -> Value {
+    json!({"token": token, "logprob": -0.5, "bytes": token.as_bytes(), "top_logprobs": []})
+}
+
+#[test]
+fn sse_logprobs_ride_with_the_text_they_belong_to() {
+    let usage = Usage {
+        prompt_tokens: 3,
+        completion_tokens: 3,
+        cached_prompt_tokens: 0,
+        reasoning_tokens: 0,
+    };
+    // Chat, choice 1 of 2: a step whose text the parser held back writes nothing; its
+    // token's entry goes out with the next chunk that carries text, and what is left
+    // goes on the finish chunk. This choice does not end the stream.
+    let mut w = SseWriter::new(Protocol::ChatCompletions, "c", "m", 0).with_choice(1, false);
+    let mut frames = w.start();
+    w.add_logprobs(vec![logprob("<")]);
+    frames.extend(w.events(&[]));
+    w.add_logprobs(vec![logprob("a")]);
+    frames.extend(w.events(&[Text("<a".into())]));
+    w.add_logprobs(vec![logprob("!")]);
+    frames.extend(w.finish(&FinishReason::Stop, &usage));
+    let chunks: Vec<Value> = frames.iter().map(|f| split(f).1).collect();
+    assert_eq!(chunks.len(), 3, "{frames:?}"); // role, text, finish: no usage, no [DONE]
+    assert!(chunks.iter().all(|c| c["choices"][0]["index"] == json!(1)));
+    assert_eq!(chunks[0]["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(
+        chunks[1]["choices"][0]["logprobs"]["content"],
+        json!([logprob("<"), logprob("a")])
+    );
+    assert_eq!(
+        chunks[2]["choices"][0]["logprobs"]["content"],
+        json!([logprob("!")])
+    );
+
+    // Responses: reasoning carries none; the first text delta takes what is pending,
+    // the final response's output_text part has every entry.
+    let mut w = SseWriter::new(Protocol::Responses, "r", "m", 0);
+    let mut frames = w.start();
+    w.add_logprobs(vec![logprob("think")]);
+    frames.extend(w.events(&[Reasoning("think".into())]));
+    w.add_logprobs(vec![logprob("a")]);
+    frames.extend(w.events(&[Text("a".into())]));
+    w.add_logprobs(vec![logprob("b")]);
+    frames.extend(w.finish(&FinishReason::Stop, &usage));
+    let events: Vec<(String, Value)> = frames.iter().map(|f| split(f)).collect();
+    let delta = events
+        .iter()
+        .find(|(e, _)| e == "response.output_text.delta")
+        .unwrap();
+    assert_eq!(delta.1["logprobs"], json!([logprob("think"), logprob("a")]));
+    let (_, completed) = events.last().unwrap();
+    let part = &completed["response"]["output"][1]["content"][0];
+    assert_eq!(
+        part["logprobs"],
+        json!([logprob("think"), logprob("a"), logprob("b")])
+    );
+}

@@ -121,6 +121,12 @@ class ResponseWriter(Protocol):
         """The frames for ``events``."""
         ...
 
+    def add_logprobs(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Log-probability entries (``ProtocolAdapter.token_logprobs``) of the tokens
+        generated since the last call; they go out with the next frame that carries
+        generated text, so streamed they add up to the non-streaming body's list."""
+        ...
+
     def finish(
         self,
         reason: str,
@@ -173,9 +179,25 @@ class ProtocolAdapter(Protocol):
         ...
 
     def response_writer(
-        self, protocol: str, request: ParsedRequest, request_id: str, created: int = 0, prompt_tokens: int = 0
+        self,
+        protocol: str,
+        request: ParsedRequest,
+        request_id: str,
+        created: int = 0,
+        prompt_tokens: int = 0,
+        choice_index: int = 0,
+        ends_stream: bool = True,
     ) -> ResponseWriter:
-        """The writer of one streamed response."""
+        """The writer of one streamed response, or of choice ``choice_index`` of an
+        ``n`` > 1 stream (only the last choice's writer ``ends_stream``)."""
+        ...
+
+    def token_logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]], top: int
+    ) -> list[dict[str, Any]]:
+        """Each token's log-probability entry as the protocols write it (``token``,
+        ``logprob``, ``bytes`` and the ``top`` most likely ``top_logprobs``), from the
+        engine's per-position distributions."""
         ...
 
     def finish_reason(self, events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:

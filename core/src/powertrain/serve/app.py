@@ -124,39 +124,71 @@ class Server:
         return _json(200, self.adapter.render_response(protocol, parsed, final))
 
     async def _stream(self, protocol: str, parsed: ParsedRequest, generation: Generation) -> AsyncIterator[str]:
+        """The SSE frames of one request: one parser and writer per choice (``n`` > 1 is
+        Chat Completions only), token log-probabilities handed to each writer as they
+        come, and the finish chunks, usage and terminator once every choice is done."""
         prompt_tokens = len(generation.prompt_ids)
-        writer = self.adapter.response_writer(
-            protocol, parsed, generation.request_id, int(time.time()), prompt_tokens=prompt_tokens
-        )
-        parser = self.adapter.stream_parser(parsed, id_prefix=f"call_{generation.request_id}")
-        events: list[ParserEvent] = []
+        n = generation.params.n
+        created = int(time.time())
+        writers = [
+            self.adapter.response_writer(
+                protocol,
+                parsed,
+                generation.request_id,
+                created,
+                prompt_tokens=prompt_tokens,
+                choice_index=index,
+                ends_stream=index == n - 1,
+            )
+            for index in range(n)
+        ]
+        parsers = [self.adapter.stream_parser(parsed, id_prefix=f"call_{generation.request_id}") for _ in range(n)]
+        events: list[list[ParserEvent]] = [[] for _ in range(n)]
+        top_logprobs = generation.params.logprobs
+        logprobs_sent = [0] * n
         status = "200"
         try:
-            for frame in writer.start():
-                yield frame
+            for writer in writers:
+                for frame in writer.start():
+                    yield frame
             final = None
             async with contextlib.aclosing(generation.outputs()) as outputs:
-                async for output, delta in outputs:
+                async for output, deltas in outputs:
                     final = output
-                    if delta:
-                        new = parser.push(delta)
-                        events += new
-                        for frame in writer.events(new):
-                            yield frame
-            new = parser.finish()
-            events += new
-            for frame in writer.events(new):
-                yield frame
-            completion = final.outputs[0] if final is not None else None
-            reason, stopped = self.adapter.finish_reason(events, completion.finish_reason if completion else None)
-            for frame in writer.finish(
-                reason,
-                prompt_tokens,
-                len(completion.token_ids) if completion else 0,
-                cached_prompt_tokens=final.num_cached_tokens if final else 0,
-                stop_sequence=stopped,
-            ):
-                yield frame
+                    for completion, delta in zip(output.outputs, deltas, strict=True):
+                        index = completion.index
+                        if top_logprobs is not None and completion.logprobs:
+                            start, logprobs_sent[index] = logprobs_sent[index], len(completion.logprobs)
+                            writers[index].add_logprobs(
+                                self.adapter.token_logprobs(
+                                    completion.token_ids[start:], completion.logprobs[start:], top_logprobs
+                                )
+                            )
+                        if delta:
+                            new = parsers[index].push(delta)
+                            events[index] += new
+                            for frame in writers[index].events(new):
+                                yield frame
+            completions = {c.index: c for c in final.outputs} if final is not None else {}
+            completion_tokens = sum(len(c.token_ids) for c in completions.values())
+            for index, (parser, writer) in enumerate(zip(parsers, writers, strict=True)):
+                new = parser.finish()
+                events[index] += new
+                for frame in writer.events(new):
+                    yield frame
+                completion = completions.get(index)
+                reason, stopped = self.adapter.finish_reason(
+                    events[index], completion.finish_reason if completion else None
+                )
+                # Usage (written by the last choice's writer) counts every choice's tokens.
+                for frame in writer.finish(
+                    reason,
+                    prompt_tokens,
+                    completion_tokens if n > 1 else (len(completion.token_ids) if completion else 0),
+                    cached_prompt_tokens=final.num_cached_tokens if final else 0,
+                    stop_sequence=stopped,
+                ):
+                    yield frame
         except (GeneratorExit, asyncio.CancelledError):  # the client left; closing the generation aborted it
             status = "499"
             raise

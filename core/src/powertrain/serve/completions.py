@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from powertrain.serve.app import Server
 
 PROTOCOL = "openai.completions"
-_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "n")
 #: vLLM's sampling extensions, so clients written for vLLM work unchanged: passed to
 #: SamplingParams as they are, which checks each and names it in its error.
 _VLLM = (
@@ -41,8 +41,9 @@ _VLLM = (
     "skip_special_tokens",
 )
 #: Accepted only at the value that means "off".
-_OFF = {"n": (1,), "best_of": (1,), "logprobs": (None,), "echo": (False,), "suffix": (None, "")}
-_KNOWN = {"model", "prompt", "stream", "stream_options", "stop", "user", *_SAMPLING, *_OFF, *_VLLM, "logit_bias"}
+_OFF = {"logprobs": (None,), "echo": (False,), "suffix": (None, "")}
+_KNOWN = {"model", "prompt", "stream", "stream_options", "stop", "user", "best_of", "logit_bias"}
+_KNOWN |= {*_SAMPLING, *_OFF, *_VLLM}
 
 
 class CompletionsEndpoint:
@@ -66,12 +67,14 @@ class CompletionsEndpoint:
                 media_type="text/event-stream",
             )
         final = await generation.final()
-        completion = final.outputs[0]
-        choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
+        choices = [
+            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            for c in final.outputs
+        ]
         server.metrics.requests.labels(PROTOCOL, "200").inc()
+        usage = _usage(ids, [t for c in final.outputs for t in c.token_ids])
         return Response(
-            json.dumps(self._chunk(request_id, body["model"], [choice], _usage(ids, completion.token_ids))),
-            media_type="application/json",
+            json.dumps(self._chunk(request_id, body["model"], choices, usage)), media_type="application/json"
         )
 
     @staticmethod
@@ -93,6 +96,12 @@ class CompletionsEndpoint:
         for field, allowed in _OFF.items():
             if field in body and body[field] is not None and body[field] not in allowed:
                 raise ApiError(400, f"{field}={body[field]!r} is not supported by this server", field)
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != body.get("n", 1):
+            # Ranking candidates needs their log-probabilities, which this endpoint does not return.
+            raise ApiError(
+                400, f"best_of={best_of!r} is supported only equal to n (every candidate returned)", "best_of"
+            )
         stop = body.get("stop")
         if stop is not None and not (
             isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
@@ -109,15 +118,20 @@ class CompletionsEndpoint:
         status = "200"
         try:
             final = None
+            finished: set[int] = set()
             async with contextlib.aclosing(generation.outputs()) as outputs:
-                async for output, delta in outputs:
+                async for output, deltas in outputs:
                     final = output
-                    reason = output.outputs[0].finish_reason
-                    if delta or reason:
-                        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
-                        yield _sse(self._chunk(generation.request_id, model, [choice]))
+                    for completion, delta in zip(output.outputs, deltas, strict=True):
+                        reason = completion.finish_reason if completion.index not in finished else None
+                        if reason:
+                            finished.add(completion.index)
+                        if delta or reason:
+                            choice = {"index": completion.index, "text": delta, "logprobs": None}
+                            choice["finish_reason"] = reason
+                            yield _sse(self._chunk(generation.request_id, model, [choice]))
             if include_usage and final is not None:
-                usage = _usage(generation.prompt_ids, final.outputs[0].token_ids)
+                usage = _usage(generation.prompt_ids, [t for c in final.outputs for t in c.token_ids])
                 yield _sse(self._chunk(generation.request_id, model, [], usage))
             yield "data: [DONE]\n\n"
         except (GeneratorExit, asyncio.CancelledError):  # the client left

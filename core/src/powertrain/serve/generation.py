@@ -20,14 +20,10 @@ def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_gramma
     """The engine's settings for a parsed request; what the server cannot honour is a 400.
     ``tool_call_grammar`` (from the adapter) forces the tool call the request requires."""
     sampling = request.sampling
-    if sampling.n != 1:
-        raise ApiError(400, "n > 1 is not supported by this server; send n requests instead", "n")
     logprobs = None
     if sampling.logprobs:
-        if request.protocol not in ("openai.chat", "openai.responses") or request.stream:
-            raise ApiError(
-                400, "logprobs are supported for non-streaming Chat Completions and Responses only", "logprobs"
-            )
+        if request.protocol not in ("openai.chat", "openai.responses"):
+            raise ApiError(400, "logprobs are supported for Chat Completions and Responses only", "logprobs")
         logprobs = sampling.top_logprobs or 0
     prompt_tokens = len(request.prompt_token_ids)
     max_tokens = sampling.max_tokens
@@ -45,6 +41,7 @@ def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_gramma
         "repetition_penalty": sampling.repetition_penalty,
         "min_tokens": sampling.min_tokens,
         "logprobs": logprobs,
+        "n": sampling.n,
     }
     return SamplingParams(
         **{key: value for key, value in values.items() if value is not None},
@@ -114,14 +111,17 @@ class Generation:
         self._last_token_time: float | None = None
         self._tokens_seen = 0
 
-    async def outputs(self) -> AsyncIterator[tuple[RequestOutput, str]]:
-        """Each engine output with the text it added."""
-        text = ""
+    async def outputs(self) -> AsyncIterator[tuple[RequestOutput, list[str]]]:
+        """Each engine output with the text it added to each of its completions (the
+        ``n`` choices, in index order)."""
+        texts = [""] * self.params.n
         async for output in self.engine.generate(self.prompt_ids, self.params, request_id=self.request_id):
             self._observe(output)
-            completion = output.outputs[0]
-            delta, text = completion.text[len(text) :], completion.text
-            yield output, delta
+            deltas = []
+            for completion in output.outputs:
+                deltas.append(completion.text[len(texts[completion.index]) :])
+                texts[completion.index] = completion.text
+            yield output, deltas
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
 
     async def final(self) -> RequestOutput:
@@ -130,13 +130,13 @@ class Generation:
         async with contextlib.aclosing(self.outputs()) as outputs:
             async for output, _ in outputs:
                 final = output
-        if final is None or final.outputs[0].finish_reason == "abort":
+        if final is None or any(completion.finish_reason == "abort" for completion in final.outputs):
             raise ApiError(503, "the request was aborted: the server is shutting down")
         return final
 
     def _observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        count = len(output.outputs[0].token_ids)
+        count = sum(len(completion.token_ids) for completion in output.outputs)
         new = count - self._tokens_seen
         if new <= 0:
             return

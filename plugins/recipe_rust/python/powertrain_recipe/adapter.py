@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from powertrain.interfaces import (
-    CompletionOutput,
     ModelTokenizer,
     ParsedRequest,
     ParserEvent,
@@ -146,7 +145,14 @@ class RecipeAdapter:
         )
 
     def response_writer(
-        self, protocol: str, request: ParsedRequest, request_id: str, created: int = 0, prompt_tokens: int = 0
+        self,
+        protocol: str,
+        request: ParsedRequest,
+        request_id: str,
+        created: int = 0,
+        prompt_tokens: int = 0,
+        choice_index: int = 0,
+        ends_stream: bool = True,
     ) -> ResponseWriter:
         """The writer of one response: its JSON body, or its SSE events as text arrives."""
         return ResponseWriter(
@@ -157,6 +163,8 @@ class RecipeAdapter:
             include_usage=bool(request.native.get("include_usage", False)),
             prompt_tokens=prompt_tokens,
             reasoning_summary=request.native.get("reasoning_summary") is not None,
+            choice_index=choice_index,
+            ends_stream=ends_stream,
         )
 
     def tool_call_grammar(self, request: ParsedRequest) -> str | None:
@@ -164,12 +172,14 @@ class RecipeAdapter:
         (strict tools' arguments follow their schema); None when no call is forced."""
         return tool_call_grammar(self.output_format, request.native)
 
-    def _token_logprobs(self, completion: CompletionOutput, top: int) -> list[dict[str, Any]]:
+    def token_logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]], top: int
+    ) -> list[dict[str, Any]]:
         """Each generated token with its logprob and the ``top`` most likely tokens (the
         model's distribution, as the engine reports it): Chat Completions'
         ``logprobs.content`` and Responses' ``output_text.logprobs`` share this shape."""
         content = []
-        for token, candidates in zip(completion.token_ids, completion.logprobs or (), strict=False):
+        for token, candidates in zip(token_ids, logprobs, strict=False):
             ranked = sorted(candidates.items(), key=lambda item: -item[1])[:top]
             content.append(
                 {
@@ -245,7 +255,8 @@ class RecipeAdapter:
             body = json.loads(body)
             if request.sampling.logprobs and completion.logprobs:
                 top = request.sampling.top_logprobs or 0
-                self._add_logprobs(native, body, self._token_logprobs(completion, top))
+                entries = self.token_logprobs(completion.token_ids, completion.logprobs, top)
+                self._add_logprobs(native, body, entries)
             bodies.append(body)
         if len(bodies) == 1:
             return json.dumps(bodies[0]).encode()

@@ -290,13 +290,9 @@ impl StreamParser {
             self.think_allowed = false;
         }
         if self.format == OutputFormat::DeepseekV4 {
-            let opened = [
-                Dialect::V32,
-                Dialect::V4,
-                Dialect::V41,
-            ]
-            .into_iter()
-            .find(|d| prompt.ends_with(&format!("{}\n", d.calls_begin())));
+            let opened = [Dialect::V32, Dialect::V4, Dialect::V41]
+                .into_iter()
+                .find(|d| prompt.ends_with(&format!("{}\n", d.calls_begin())));
             if let Some(dialect) = opened {
                 self.state = State::DsmlSection { dialect };
                 self.think_allowed = false;
@@ -424,11 +420,7 @@ impl StreamParser {
                     m.push((V3_CALL_BEGIN, Mk::V3CallBegin));
                 }
                 if v4 {
-                    for dialect in [
-                        Dialect::V32,
-                        Dialect::V4,
-                        Dialect::V41,
-                    ] {
+                    for dialect in [Dialect::V32, Dialect::V4, Dialect::V41] {
                         m.push((dialect.calls_begin(), Mk::DsmlBegin { dialect }));
                     }
                 }

@@ -62,6 +62,16 @@ pub struct SseWriter {
     /// The open item / block and its position (output_index / block index).
     open: Option<(Open, usize)>,
     finished: bool,
+    /// Chat Completions: this writer's choice (``n`` > 1 streams one writer per choice).
+    choice_index: usize,
+    /// Chat Completions: whether `finish` also ends the stream (usage chunk, `[DONE]`);
+    /// off for every choice but the last of an ``n`` > 1 stream.
+    ends_stream: bool,
+    /// Token log-probabilities given but not written yet: they go on the next frame
+    /// that carries generated text (see [`SseWriter::add_logprobs`]).
+    pending_logprobs: Vec<Value>,
+    /// Responses: every entry given, for the `output_text` part's `logprobs`.
+    all_logprobs: Vec<Value>,
 }
 
 impl SseWriter {
@@ -83,7 +93,36 @@ impl SseWriter {
             builder: ResponseBuilder::new(),
             open: None,
             finished: false,
+            choice_index: 0,
+            ends_stream: true,
+            pending_logprobs: Vec::new(),
+            all_logprobs: Vec::new(),
         }
+    }
+
+    /// Chat Completions: the choice this writer streams, and whether its `finish` ends
+    /// the whole stream (the last choice of an ``n`` > 1 stream; the only one otherwise).
+    pub fn with_choice(mut self, index: usize, ends_stream: bool) -> SseWriter {
+        self.choice_index = index;
+        self.ends_stream = ends_stream;
+        self
+    }
+
+    /// Log-probability entries (OpenAI's ``{token, logprob, bytes, top_logprobs}``) of
+    /// the tokens generated since the last call. They are written with the next frame
+    /// that carries generated text, so text the parser held back (a possible marker)
+    /// brings its tokens' entries along when it is released: Chat Completions puts them
+    /// on the chunk's ``logprobs.content``, Responses on ``output_text.delta``, and the
+    /// finish chunk / the final response take whatever is left. Streamed in order, they
+    /// add up to the non-streaming body's list.
+    pub fn add_logprobs(&mut self, entries: Vec<Value>) {
+        self.pending_logprobs.extend(entries);
+    }
+
+    fn take_logprobs(&mut self) -> Vec<Value> {
+        let taken = std::mem::take(&mut self.pending_logprobs);
+        self.all_logprobs.extend(taken.iter().cloned());
+        taken
     }
 
     /// Responses: the request asked for a reasoning summary (`reasoning.summary`).
@@ -182,6 +221,9 @@ impl SseWriter {
         match self.protocol {
             Protocol::ChatCompletions => {
                 out.push(self.chat_chunk(json!({}), Some(finish_reason.chat_completions())));
+                if !self.ends_stream {
+                    return out;
+                }
                 if self.include_usage {
                     let body = json!({
                         "id": self.id,
@@ -197,7 +239,7 @@ impl SseWriter {
             }
             Protocol::Responses => {
                 self.responses_close(&mut out);
-                let response = self.builder.build(
+                let mut response = self.builder.build(
                     Protocol::Responses,
                     &self.id,
                     &self.model,
@@ -205,6 +247,10 @@ impl SseWriter {
                     finish_reason,
                     usage,
                 );
+                self.take_logprobs();
+                if !self.all_logprobs.is_empty() {
+                    set_output_text_logprobs(&mut response, &self.all_logprobs);
+                }
                 let kind = if *finish_reason == FinishReason::Length {
                     "response.incomplete"
                 } else {
@@ -233,13 +279,19 @@ impl SseWriter {
 
     // ---- Chat Completions ----
 
-    fn chat_chunk(&self, delta: Value, finish_reason: Option<&str>) -> String {
+    fn chat_chunk(&mut self, delta: Value, finish_reason: Option<&str>) -> String {
+        let logprobs = self.take_logprobs();
+        let logprobs = if logprobs.is_empty() {
+            Value::Null
+        } else {
+            json!({"content": logprobs, "refusal": null})
+        };
         let mut body = json!({
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+            "choices": [{"index": self.choice_index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
         });
         if self.include_usage {
             body["usage"] = Value::Null;
@@ -359,9 +411,10 @@ impl SseWriter {
                 ));
             }
             (Segment::Text(text), _) => {
+                let logprobs = self.all_logprobs.clone();
                 out.push(self.responses_frame(
                     "response.output_text.done",
-                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "text": text, "logprobs": []}),
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "text": text, "logprobs": logprobs}),
                 ));
                 out.push(self.responses_frame(
                     "response.content_part.done",
@@ -401,9 +454,10 @@ impl SseWriter {
             }
             OutputEvent::Text(s) => {
                 let (position, item_id) = self.responses_open(Open::Text, out);
+                let logprobs = self.take_logprobs();
                 out.push(self.responses_frame(
                     "response.output_text.delta",
-                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "delta": s, "logprobs": []}),
+                    json!({"item_id": item_id, "output_index": position, "content_index": 0, "delta": s, "logprobs": logprobs}),
                 ));
             }
             OutputEvent::ToolCallStart { index, .. } => {
@@ -519,4 +573,21 @@ fn frame(kind: &str, body: Value) -> String {
         "event: {kind}\ndata: {}\n\n",
         serde_json::to_string(&body).unwrap_or_default()
     )
+}
+
+/// Puts the log-probabilities on the response's first ``output_text`` part (where the
+/// non-streaming body has them, as vLLM does).
+fn set_output_text_logprobs(response: &mut Value, logprobs: &[Value]) {
+    let parts = response
+        .get_mut("output")
+        .and_then(Value::as_array_mut)
+        .into_iter()
+        .flatten()
+        .filter(|item| item.get("type").and_then(Value::as_str) == Some("message"))
+        .filter_map(|item| item.get_mut("content").and_then(Value::as_array_mut))
+        .flatten()
+        .find(|part| part.get("type").and_then(Value::as_str) == Some("output_text"));
+    if let Some(part) = parts {
+        part["logprobs"] = Value::Array(logprobs.to_vec());
+    }
 }

@@ -15,8 +15,7 @@
 //! ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 //! ``include_stop_str_in_output``, ``skip_special_tokens``.
 //!
-//! Streaming writes one choice and no log-probabilities (``output::sse``), so with
-//! ``stream: true`` an ``n`` above 1 and ``logprobs: true`` are refused as unsupported.
+//! Streaming writes every choice (``n``) and the log-probabilities (``output::sse``).
 //!
 //! Thinking on/off: DeepSeek's ``thinking: {"type": "enabled"|"disabled"}`` (an
 //! optional ``budget_tokens`` is accepted too, as in Anthropic) and vLLM's
@@ -158,9 +157,6 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         opts.bool("continuous_usage_stats")?;
         opts.bool("include_obfuscation")?;
     }
-    if stream {
-        check_streamable(&top, &sampling)?;
-    }
     let metadata = openai_metadata(&top)?;
     let user = top.str("user")?.map(str::to_string);
     let (safety_identifier, prompt_cache_key) = openai_identifiers(&top)?;
@@ -187,28 +183,6 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         prompt_cache_key,
         structured_outputs,
     })
-}
-
-/// What the SSE writer cannot stream: several choices, log-probabilities.
-fn check_streamable(top: &Fields, sampling: &SamplingSettings) -> Result<()> {
-    if sampling.n > 1 {
-        return Err(RecipeError::unsupported(
-            top.at("n"),
-            format!(
-                "n = {} is not supported with stream: true (streaming writes one choice); \
-                 send n: 1 or stream: false",
-                sampling.n
-            ),
-        ));
-    }
-    if sampling.logprobs {
-        return Err(RecipeError::unsupported(
-            top.at("logprobs"),
-            "logprobs are not supported with stream: true (stream chunks carry no \
-             log-probabilities); drop logprobs/top_logprobs or send stream: false",
-        ));
-    }
-    Ok(())
 }
 
 fn parse_sampling(top: &Fields) -> Result<SamplingSettings> {

@@ -15,8 +15,8 @@
 //!
 //! ``include``: ``message.output_text.logprobs`` turns log-probabilities on (with
 //! ``top_logprobs`` alternatives; without the include ``top_logprobs`` asks for
-//! nothing, as in OpenAI's API); it is refused with ``stream: true`` (the SSE writer
-//! streams no log-probabilities). The built-in tool values
+//! nothing, as in OpenAI's API); streamed, they ride on ``response.output_text.delta``
+//! events (``output::sse``). The built-in tool values
 //! (``file_search_call.results``, ``web_search_call.results``,
 //! ``web_search_call.action.sources``, ``computer_call_output.output.image_url``,
 //! ``code_interpreter_call.outputs``) and ``message.input_image.image_url`` are
@@ -295,13 +295,6 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             let path = index(&top.at("include"), i);
             match as_str(value, &path)? {
                 "message.output_text.logprobs" => {
-                    if stream {
-                        return Err(RecipeError::unsupported(
-                            path,
-                            "log-probabilities are not supported with stream: true (the \
-                             stream's events carry none); drop this include or send stream: false",
-                        ));
-                    }
                     sampling.logprobs = true;
                     sampling.top_logprobs = top_logprobs;
                 }
