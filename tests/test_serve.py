@@ -775,3 +775,39 @@ def test_vllm_bad_values_get_400_naming_the_field(oai: openai.OpenAI, endpoint: 
             oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body=extra)
     reply = oai.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=2)  # still serving
     assert reply.usage.completion_tokens == 2
+
+
+PNG_1X1 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+def test_images_are_checked_then_refused_naming_the_model(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """Image parts are accepted in all three protocols as inline data and checked; the
+    served model has no vision encoder, so a valid image is a 400 naming it; a remote
+    URL or broken data is a 400 naming the part. The server keeps serving."""
+    data_url = f"data:image/png;base64,{PNG_1X1}"
+    text = {"type": "text", "text": "What is this?"}
+    with pytest.raises(openai.BadRequestError, match=f"model .{MODEL}. has no vision encoder"):
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": data_url}}]}],
+        )
+    with pytest.raises(openai.BadRequestError, match="no vision encoder"):
+        oai.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url, "detail": "auto"}]}],
+        )
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_1X1}}
+    with pytest.raises(anthropic.BadRequestError, match="no vision encoder"):
+        claude.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [text, image]}])
+    with pytest.raises(openai.BadRequestError) as remote:
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
+            ],
+        )
+    assert "data URL" in str(remote.value) and "messages[0].content[0].image_url.url" in str(remote.value)
+    broken = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "not base64!"}}
+    with pytest.raises(anthropic.BadRequestError, match="base64"):
+        claude.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [broken]}])
+    assert oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2

@@ -42,12 +42,21 @@ pub enum Role {
     Tool,
 }
 
-/// One piece of a message's content. Images are references only: never fetched here.
+/// One piece of a message's content. An image is inline data, checked when parsed
+/// (``protocols::images``): its data URL and its size in pixels.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentPart {
-    Text { text: String },
-    Image { url: String },
+    Text {
+        text: String,
+    },
+    Image {
+        url: String,
+        #[serde(default)]
+        width: u32,
+        #[serde(default)]
+        height: u32,
+    },
 }
 
 /// An assistant's call of a tool; ``arguments`` is the JSON text the model produced.
@@ -288,4 +297,8 @@ pub struct EngineRequest {
     /// The ``structured_outputs`` extension field, when given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub structured_outputs: Option<StructuredOutputs>,
+    /// How many image parts the conversation carries (a model without a vision
+    /// encoder refuses the request when there are any).
+    #[serde(default)]
+    pub images: usize,
 }

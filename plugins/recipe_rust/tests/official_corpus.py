@@ -63,6 +63,10 @@ _CONTROL_LOOKALIKES = (
 # both adapters tokenize the same vocabulary.
 V4_CONTROL_TOKENS = ("<think>", "</think>", "｜DSML｜", "<｜System｜>", "<｜latest_reminder｜>", "<｜image｜>")
 
+#: A 1x1 PNG: the image part every protocol can carry inline.
+PNG_1X1 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+PNG_DATA_URL = f"data:image/png;base64,{PNG_1X1}"
+
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -127,7 +131,7 @@ def conversation(rng: random.Random) -> dict[str, Any]:
     turns: list[dict[str, Any]] = []
     call_number = 0
     for _ in range(rng.randint(1, 4)):
-        turns.append({"role": "user", "text": text(rng)})
+        turns.append({"role": "user", "text": text(rng), "extra": _extra_parts(rng)})
         last = rng.random() < 0.35
         if last:
             break
@@ -154,7 +158,7 @@ def conversation(rng: random.Random) -> dict[str, Any]:
             if rng.random() < 0.5:
                 continue  # the prompt may end on tool results
     if turns[-1]["role"] == "assistant":
-        turns.append({"role": "user", "text": text(rng)})
+        turns.append({"role": "user", "text": text(rng), "extra": _extra_parts(rng)})
     system = None
     if rng.random() < 0.6:
         system = text(rng)
@@ -176,6 +180,13 @@ def conversation(rng: random.Random) -> dict[str, Any]:
         "format": _response_format(rng),
         "list_content": rng.random() < 0.3,
     }
+
+
+def _extra_parts(rng: random.Random) -> list[tuple[str, str]]:
+    """More content parts after a user turn's text, now and then: text or an image."""
+    if rng.random() < 0.8:
+        return []
+    return [("image", PNG_DATA_URL) if rng.random() < 0.4 else ("text", text(rng)) for _ in range(rng.randint(1, 2))]
 
 
 def _response_format(rng: random.Random) -> dict[str, Any] | None:
@@ -201,7 +212,13 @@ def chat_body(c: dict[str, Any], model: str) -> dict[str, Any]:
     if c["developer"] is not None:
         messages.append({"role": "developer", "content": content(c["developer"])})
     for turn in c["turns"]:
-        if turn["role"] == "user":
+        if turn["role"] == "user" and turn["extra"]:
+            parts = [{"type": "text", "text": turn["text"]}]
+            for kind, value in turn["extra"]:
+                image = {"type": "image_url", "image_url": {"url": value}}
+                parts.append(image if kind == "image" else {"type": "text", "text": value})
+            messages.append({"role": "user", "content": parts})
+        elif turn["role"] == "user":
             messages.append({"role": "user", "content": content(turn["text"])})
         elif turn["role"] == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": turn["text"]}
@@ -247,8 +264,12 @@ def responses_body(c: dict[str, Any], model: str) -> dict[str, Any]:
         items.append({"role": "developer", "content": c["developer"]})
     for turn in c["turns"]:
         if turn["role"] == "user":
-            if c["list_content"]:
-                items.append({"role": "user", "content": [{"type": "input_text", "text": turn["text"]}]})
+            if c["list_content"] or turn["extra"]:
+                parts = [{"type": "input_text", "text": turn["text"]}]
+                for kind, value in turn["extra"]:
+                    image = {"type": "input_image", "image_url": value, "detail": "auto"}
+                    parts.append(image if kind == "image" else {"type": "input_text", "text": value})
+                items.append({"role": "user", "content": parts})
             else:
                 items.append({"role": "user", "content": turn["text"]})
         elif turn["role"] == "assistant":
@@ -303,12 +324,21 @@ def messages_body(c: dict[str, Any], model: str) -> dict[str, Any]:
     def blocks(value: str) -> Any:
         return [{"type": "text", "text": value}] if c["list_content"] else value
 
+    def extra_blocks(turn: dict[str, Any]) -> list[dict[str, Any]]:
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_1X1}}
+        return [image if kind == "image" else {"type": "text", "text": value} for kind, value in turn["extra"]]
+
     messages: list[dict[str, Any]] = []
     for turn in c["turns"]:
         if turn["role"] == "user":
             if messages and messages[-1]["role"] == "user":
                 content = messages[-1]["content"]
                 content.append({"type": "text", "text": turn["text"]})
+                content.extend(extra_blocks(turn))
+            elif turn["extra"]:
+                messages.append(
+                    {"role": "user", "content": [{"type": "text", "text": turn["text"]}, *extra_blocks(turn)]}
+                )
             else:
                 messages.append({"role": "user", "content": blocks(turn["text"])})
         elif turn["role"] == "assistant":

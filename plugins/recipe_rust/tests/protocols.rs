@@ -96,17 +96,26 @@ fn conv03_system_in_parts_joined_the_same_way() {
         json!({"model": "m", "max_tokens": 10, "messages": [
             {"role": "system", "content": [{"type": "text", "text": "Be kind. "}, {"type": "text", "text": "Be brief."}]},
             {"role": "user", "content": "Hi"}]}),
-        json!({"model": "m", "max_output_tokens": 10, "instructions": "Be kind. Be brief.", "input": "Hi"}),
+        json!({"model": "m", "max_output_tokens": 10, "input": [
+            {"role": "system", "content": [{"type": "input_text", "text": "Be kind. "}, {"type": "input_text", "text": "Be brief."}]},
+            {"role": "user", "content": "Hi"}]}),
         json!({"model": "m", "max_tokens": 10,
             "system": [{"type": "text", "text": "Be kind. "}, {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
             "messages": [{"role": "user", "content": "Hi"}]}),
     );
+    // The parts stay apart: each encoder joins them its own way.
     assert_eq!(
         conv.messages[0].content,
-        vec![ContentPart::Text {
-            text: "Be kind. Be brief.".into()
-        }]
+        vec![
+            ContentPart::Text {
+                text: "Be kind. ".into()
+            },
+            ContentPart::Text {
+                text: "Be brief.".into()
+            }
+        ]
     );
+    assert_eq!(conv.messages[0].joined_text(), "Be kind. Be brief.");
 }
 
 #[test]
@@ -293,45 +302,117 @@ fn conv09_reasoning_with_tool_calls_across_turns() {
     assert_eq!(conv.messages[4].reasoning.as_deref(), Some("Got it."));
 }
 
+/// A 1x1 PNG, and a 2x3 GIF.
+const PNG_1X1: &str = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+const GIF_2X3: &str = "R0lGODlhAgADAIAAAP///wAAACwAAAAAAgADAAACAoRRADs=";
+
 #[test]
-fn conv10_image_by_url() {
-    let conv = same(
-        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"},
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png", "detail": "auto"}}]}]}),
-        json!({"model": "m", "max_output_tokens": 20, "input": [{"role": "user", "content": [
-            {"type": "input_text", "text": "What is this?"},
-            {"type": "input_image", "image_url": "https://example.com/cat.png", "detail": "auto"}]}]}),
-        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"},
-            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]}),
-    );
-    assert_eq!(
-        conv.messages[0].content[1],
-        ContentPart::Image {
-            url: "https://example.com/cat.png".into()
-        }
-    );
+fn conv10_remote_image_urls_are_refused_in_every_protocol() {
+    let url = "https://example.com/cat.png";
+    for (protocol, body, path) in [
+        (
+            CHAT,
+            json!({"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}]}]}),
+            "messages[0].content[1].image_url.url",
+        ),
+        (
+            RESP,
+            json!({"model": "m", "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "What is this?"},
+                {"type": "input_image", "image_url": url, "detail": "auto"}]}]}),
+            "input[0].content[1].image_url",
+        ),
+        (
+            ANTH,
+            json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "url", "url": url}}]}]}),
+            "messages[0].content[1].source.url",
+        ),
+    ] {
+        let e = parse_value(protocol, &body).unwrap_err();
+        assert_eq!((e.kind, e.path.as_str(), e.status()), (Uns, path, 400));
+        assert!(e.message.contains("data URL"), "{}", e.message);
+    }
 }
 
 #[test]
 fn conv11_image_base64() {
-    let data_url = "data:image/png;base64,iVBORw0KGgo=";
-    let conv = same(
-        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "Describe."}]}]}),
-        json!({"model": "m", "max_output_tokens": 20, "input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": data_url}, {"type": "input_text", "text": "Describe."}]}]}),
-        json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
-            {"type": "text", "text": "Describe."}]}]}),
-    );
-    assert_eq!(
-        conv.messages[0].content[0],
-        ContentPart::Image {
-            url: data_url.into()
-        }
-    );
+    for (media, data, size) in [
+        ("image/png", PNG_1X1, (1, 1)),
+        ("image/gif", GIF_2X3, (2, 3)),
+    ] {
+        let data_url = format!("data:{media};base64,{data}");
+        let conv = same(
+            json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "Describe."}]}]}),
+            json!({"model": "m", "max_output_tokens": 20, "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": data_url}, {"type": "input_text", "text": "Describe."}]}]}),
+            json!({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}},
+                {"type": "text", "text": "Describe."}]}]}),
+        );
+        assert_eq!(
+            conv.messages[0].content[0],
+            ContentPart::Image {
+                url: data_url.clone(),
+                width: size.0,
+                height: size.1
+            }
+        );
+        assert_eq!(
+            ok(
+                CHAT,
+                &json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url}}]}]})
+            )
+            .images,
+            1
+        );
+    }
+}
+
+#[test]
+fn bad_images_are_400s_naming_the_part() {
+    let chat = |url: String| {
+        json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}]})
+    };
+    let path = "messages[0].content[0].image_url.url";
+    for (url, needle) in [
+        ("data:image/png;base64,%%%%".to_string(), "base64"),
+        ("data:image/png;base64,".to_string(), "empty"),
+        (
+            format!("data:image/jpeg;base64,{PNG_1X1}"),
+            "not a valid image/jpeg",
+        ),
+        (format!("data:image/tiff;base64,{PNG_1X1}"), "media type"),
+        (
+            "data:image/png;base64,iVBORw0KGgo=".to_string(),
+            "not a valid image/png",
+        ),
+        (format!("data:image/png,{PNG_1X1}"), "base64-encoded"),
+        ("ftp://x/y.png".to_string(), "data URL"),
+        (
+            format!("data:image/png;base64,{}", "A".repeat(30 * 1024 * 1024)),
+            "larger than",
+        ),
+    ] {
+        let e = parse_value(CHAT, &chat(url)).unwrap_err();
+        assert_eq!((e.path.as_str(), e.status()), (path, 400), "{}", e.message);
+        assert!(e.message.contains(needle), "{needle}: {}", e.message);
+    }
+    let many: Vec<Value> = (0..33)
+        .map(|_| json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{PNG_1X1}")}}))
+        .collect();
+    let e = parse_value(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": many}]}),
+    )
+    .unwrap_err();
+    assert!(e.message.contains("at most 32"), "{}", e.message);
 }
 
 #[test]
@@ -933,7 +1014,7 @@ fn responses_errors() {
             (base(json!([{"content": "x"}])), Inv, "input[0].type"),
             (
                 base(
-                    json!([{"role": "assistant", "content": [{"type": "input_image", "image_url": "u"}]}]),
+                    json!([{"role": "assistant", "content": [{"type": "input_image", "image_url": format!("data:image/png;base64,{PNG_1X1}")}]}]),
                 ),
                 Inv,
                 "input[0].content",

@@ -140,6 +140,19 @@ def test_a_malformed_v4_request_is_refused_and_the_server_keeps_serving(served: 
     assert good.status_code == 200
 
 
+def test_an_image_is_refused_naming_the_model(served: tuple[str, RecipeAdapter]) -> None:
+    """V4 renders an image part (as "[Unsupported Image]", like DeepSeek's adapter), but no
+    model here has a vision encoder: the server refuses it before it runs."""
+    url, adapter = served
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+    part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Look."}, part]}]}
+    parsed = adapter.parse_request("openai.chat", json.dumps(body).encode())
+    assert parsed.image_count == 1 and "Look.\n\n[Unsupported Image]" in parsed.prompt
+    refused = httpx.post(url + ROUTES["openai.chat"], json=body, timeout=60)
+    assert refused.status_code == 400 and "has no vision encoder" in refused.text and MODEL in refused.text
+
+
 def test_the_served_model_is_v4(served: tuple[str, RecipeAdapter]) -> None:
     url, _ = served
     models = httpx.get(url + "/v1/models", timeout=30).json()

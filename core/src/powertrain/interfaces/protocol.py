@@ -93,6 +93,9 @@ class ParsedRequest:
     stream: bool = False
     response_format: ResponseFormat = attrs.field(factory=ResponseFormat)
     structured_outputs: StructuredOutputsField | None = None
+    #: How many image parts the conversation carries: a model without a vision encoder
+    #: (every ``CausalLM`` today: its ``forward`` takes token ids only) refuses them.
+    image_count: int = 0
     #: The adapter's own parse (conversation, tools, protocol extras), JSON-like: the
     #: server never reads it; the adapter's other methods do.
     native: Mapping[str, Any] = attrs.field(factory=dict)

@@ -106,6 +106,13 @@ class Server:
                 raise
             return _json(status, str(exc.body).encode())  # the adapter's protocol-shaped error
         self.check_model(parsed.model)
+        if parsed.image_count:
+            raise ApiError(
+                400,
+                f"model {self.model_name!r} has no vision encoder and takes text only; "
+                f"remove the {parsed.image_count} image part(s)",
+                "messages" if protocol != "openai.responses" else "input",
+            )
         self.check_prompt_length(len(parsed.prompt_token_ids))
         try:
             params = sampling_params(parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed))

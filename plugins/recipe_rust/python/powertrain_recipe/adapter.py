@@ -45,6 +45,7 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
         model=native["model"],
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
+        image_count=native.get("images", 0),
         sampling=RequestSampling(
             temperature=sampling.get("temperature"),
             top_p=sampling.get("top_p"),

@@ -223,6 +223,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         safety_identifier: None,
         prompt_cache_key: None,
         structured_outputs,
+        images: 0, // counted by parse_value
     })
 }
 
@@ -358,48 +359,28 @@ fn text_block(b: &Fields) -> Result<ContentPart> {
 fn image_block(b: &Fields) -> Result<ContentPart> {
     b.check_known(&["type", "source", "cache_control"])?;
     let s = b.object("source")?.ok_or_else(|| b.missing("source"))?;
-    let url = match s.req_str("type")? {
+    match s.req_str("type")? {
         "base64" => {
             s.check_known(&["type", "media_type", "data"])?;
             let media = s.req_str("media_type")?;
-            if !matches!(
-                media,
-                "image/jpeg" | "image/png" | "image/gif" | "image/webp"
-            ) {
-                return Err(RecipeError::invalid(
-                    s.at("media_type"),
-                    format!("unsupported image media type {media:?} (expected image/jpeg, image/png, image/gif or image/webp)"),
-                ));
-            }
+            images::check_media_type(media, &s.at("media_type"))?;
             let data = s.req_str("data")?;
-            if data.is_empty() {
-                return Err(RecipeError::invalid(s.at("data"), "must not be empty"));
-            }
-            format!("data:{media};base64,{data}")
+            images::image_from_base64(media, data, &s.at("data"))
         }
         "url" => {
             s.check_known(&["type", "url"])?;
-            let url = s.req_str("url")?;
-            if url.is_empty() {
-                return Err(RecipeError::invalid(s.at("url"), "must not be empty"));
-            }
-            url.to_string()
+            images::image_from_url(s.req_str("url")?, &s.at("url"))
         }
-        "file" => {
-            return Err(unsupported_field(
-                &s.at("type"),
-                "file",
-                "uploaded files; send base64 or url",
-            ))
-        }
-        other => {
-            return Err(RecipeError::invalid(
-                s.at("type"),
-                format!("unknown image source type {other:?} (expected base64 or url)"),
-            ))
-        }
-    };
-    Ok(ContentPart::Image { url })
+        "file" => Err(unsupported_field(
+            &s.at("type"),
+            "file",
+            "uploaded files; send the image as base64",
+        )),
+        other => Err(RecipeError::invalid(
+            s.at("type"),
+            format!("unknown image source type {other:?} (expected base64)"),
+        )),
+    }
 }
 
 const UNSUPPORTED_BLOCKS: &[&str] = &[

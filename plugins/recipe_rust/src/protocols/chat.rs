@@ -182,6 +182,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         safety_identifier,
         prompt_cache_key,
         structured_outputs,
+        images: 0, // counted by parse_value
     })
 }
 
@@ -695,9 +696,7 @@ fn user_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
                         ));
                     }
                 }
-                parts.push(ContentPart::Image {
-                    url: url.to_string(),
-                });
+                parts.push(images::image_from_url(url, &img.at("url"))?);
             }
             "input_audio" => return Err(unsupported_field(&p.at("type"), ty, "audio input")),
             "file" => return Err(unsupported_field(&p.at("type"), ty, "file input")),

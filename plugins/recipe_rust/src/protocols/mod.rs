@@ -20,6 +20,7 @@
 
 pub mod anthropic;
 pub mod chat;
+pub mod images;
 pub mod responses;
 
 use std::collections::HashMap;
@@ -42,11 +43,13 @@ pub fn parse_request(protocol: Protocol, body: &[u8]) -> Result<EngineRequest> {
 
 /// Parses an already-decoded request body.
 pub fn parse_value(protocol: Protocol, body: &Value) -> Result<EngineRequest> {
-    match protocol {
+    let mut request = match protocol {
         Protocol::ChatCompletions => chat::parse(body),
         Protocol::Responses => responses::parse(body),
         Protocol::AnthropicMessages => anthropic::parse(body),
-    }
+    }?;
+    request.images = images::check_image_count(&request.conversation)?;
+    Ok(request)
 }
 
 // ---------------------------------------------------------------------------
@@ -284,25 +287,14 @@ pub(crate) fn compact_value(value: &Value) -> Result<String> {
         .map_err(|e| RecipeError::internal(format!("serialising JSON: {e}")))
 }
 
-/// Adjacent text parts concatenated, empty text parts removed.
+/// Empty text parts removed; the others kept apart, since encoders join them
+/// differently (a chat template's string content concatenates them, DeepSeek's
+/// encoding puts a blank line between them).
 pub(crate) fn normalize_content(parts: Vec<ContentPart>) -> Vec<ContentPart> {
-    let mut out: Vec<ContentPart> = Vec::with_capacity(parts.len());
-    for part in parts {
-        match part {
-            ContentPart::Text { text } => {
-                if text.is_empty() {
-                    continue;
-                }
-                if let Some(ContentPart::Text { text: last }) = out.last_mut() {
-                    last.push_str(&text);
-                } else {
-                    out.push(ContentPart::Text { text });
-                }
-            }
-            other => out.push(other),
-        }
-    }
-    out
+    parts
+        .into_iter()
+        .filter(|part| !matches!(part, ContentPart::Text { text } if text.is_empty()))
+        .collect()
 }
 
 /// Joins reasoning pieces of one turn.

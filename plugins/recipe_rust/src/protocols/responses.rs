@@ -350,6 +350,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         safety_identifier,
         prompt_cache_key,
         structured_outputs,
+        images: 0, // counted by parse_value
     })
 }
 
@@ -643,9 +644,7 @@ fn input_image(p: &Fields) -> Result<ContentPart> {
     if url.is_empty() {
         return Err(RecipeError::invalid(p.at("image_url"), "must not be empty"));
     }
-    Ok(ContentPart::Image {
-        url: url.to_string(),
-    })
+    images::image_from_url(url, &p.at("image_url"))
 }
 
 /// A function_call_output's output: a string or a list of input_text / input_image parts.

@@ -60,6 +60,7 @@ pub const THINK_START: &str = "<think>";
 pub const THINK_END: &str = "</think>";
 pub const DSML: &str = "｜DSML｜";
 pub const SYSTEM: &str = "<｜System｜>";
+pub const IMAGE: &str = "<｜image｜>";
 
 const REASONING_EFFORT_HIGH: &str = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n\
 You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n\
@@ -163,6 +164,39 @@ Otherwise, output directly after {te} with tool calls or final response.\n\n\
     )
 }
 
+/// A message's content: its parts joined by a blank line (as DeepSeek's adapter joins
+/// them), text untrusted. An image is V4's text placeholder "[Unsupported Image]" (V4
+/// reads no images) or V4.1's ``<｜image｜>`` token, which the engine would expand
+/// into the image's tokens; a model without a vision encoder refuses such a request
+/// before it runs (``Prompt::image_count``).
+fn content_prompt(parts: &[ContentPart], version: Version) -> Prompt {
+    let mut content = Prompt::default();
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            content.push_trusted("\n\n");
+        }
+        match part {
+            ContentPart::Text { text } => content.push_untrusted(text),
+            ContentPart::Image { .. } => match version {
+                Version::V4 => content.push_trusted("[Unsupported Image]"),
+                Version::V41 => content.push_trusted(IMAGE),
+            },
+        }
+    }
+    content
+}
+
+fn join_prompts(prompts: Vec<Prompt>, separator: &str) -> Prompt {
+    let mut joined = Prompt::default();
+    for (i, prompt) in prompts.into_iter().enumerate() {
+        if i > 0 {
+            joined.push_trusted(separator);
+        }
+        joined.extend(prompt);
+    }
+    joined
+}
+
 /// The system-text addition for a JSON response format: (the format's own text, the
 /// schema text, untrusted since the client wrote it). V4 has its own sentence for
 /// ``json_object``; V4.1 writes every format as a schema, ``json_object`` as
@@ -201,15 +235,15 @@ enum R {
 
 #[derive(Debug, Clone)]
 enum Block {
-    Text(String),
-    ToolResult { id: String, content: String },
+    Text(Prompt),
+    ToolResult { id: String, content: Prompt },
 }
 
 #[derive(Debug, Clone)]
 struct Msg {
     role: R,
     /// system/assistant text
-    content: String,
+    content: Prompt,
     /// user turns: text and tool-result blocks
     blocks: Vec<Block>,
     reasoning: Option<String>,
@@ -221,7 +255,7 @@ impl Msg {
     fn new(role: R) -> Msg {
         Msg {
             role,
-            content: String::new(),
+            content: Prompt::default(),
             blocks: Vec::new(),
             reasoning: None,
             tool_calls: Vec::new(),
@@ -282,20 +316,9 @@ pub fn render_v4_family(
 
     // merge_tool_messages; system messages gathered (they open the prompt, in order)
     let mut messages: Vec<Msg> = Vec::new();
-    let mut system: Vec<String> = Vec::new();
-    for (i, message) in conversation.messages.iter().enumerate() {
-        let mut text = String::new();
-        for part in &message.content {
-            match part {
-                ContentPart::Text { text: t } => text.push_str(t),
-                ContentPart::Image { .. } => {
-                    return Err(RecipeError::unsupported(
-                        format!("messages[{i}].content"),
-                        "this model takes text only; image parts are not supported",
-                    ))
-                }
-            }
-        }
+    let mut system: Vec<Prompt> = Vec::new();
+    for message in &conversation.messages {
+        let text = content_prompt(&message.content, version);
         match message.role {
             Role::System if version == Version::V4 => system.push(text),
             // V4.1 keeps system (and developer) messages where they stand.
@@ -353,7 +376,7 @@ pub fn render_v4_family(
     };
     if opening_needed {
         let mut m = Msg::new(R::System);
-        m.content = system.join("\n\n");
+        m.content = join_prompts(system, "\n\n");
         messages.insert(0, m);
     }
     if tools_shown {
@@ -445,7 +468,7 @@ pub fn render_v4_family(
         }
         match msg.role {
             R::System => {
-                prompt.push_untrusted(&msg.content);
+                prompt.extend(msg.content.clone());
                 if let Some(tools) = &msg.tools {
                     prompt.push_trusted("\n\n");
                     prompt.push_trusted(&tools_template_head(&tags));
@@ -471,10 +494,10 @@ pub fn render_v4_family(
                         prompt.push_trusted("\n\n");
                     }
                     match block {
-                        Block::Text(t) => prompt.push_untrusted(t),
+                        Block::Text(t) => prompt.extend(t.clone()),
                         Block::ToolResult { content, .. } => {
                             prompt.push_trusted("<tool_result>");
-                            prompt.push_untrusted(content);
+                            prompt.extend(content.clone());
                             prompt.push_trusted("</tool_result>");
                         }
                     }
@@ -486,7 +509,7 @@ pub fn render_v4_family(
                     prompt.push_untrusted(msg.reasoning.as_deref().unwrap_or(""));
                     prompt.push_trusted(THINK_END);
                 }
-                prompt.push_untrusted(&msg.content);
+                prompt.extend(msg.content.clone());
                 if !msg.tool_calls.is_empty() {
                     prompt.push_trusted(&format!("\n\n<{}>\n", tags.calls));
                     for (i, (_, name, arguments)) in msg.tool_calls.iter().enumerate() {

@@ -198,12 +198,26 @@ impl ChatTemplate {
                 Some(at) => {
                     RecipeError::invalid("messages", message[at + RAISED.len()..].to_string())
                 }
+                // A text-only template meets a list of parts it cannot handle: the
+                // request's images are what it cannot render, not a server fault.
+                None if has_images(conversation) => RecipeError::unsupported(
+                    "messages",
+                    format!("the model's chat template cannot render image parts: {message}"),
+                ),
                 None => RecipeError::internal(format!(
                     "the model's chat template failed to render: {message}"
                 )),
             }
         })
     }
+}
+
+fn has_images(conversation: &Conversation) -> bool {
+    conversation
+        .messages
+        .iter()
+        .flat_map(|m| &m.content)
+        .any(|p| matches!(p, ContentPart::Image { .. }))
 }
 
 fn describe(e: &JError) -> String {
@@ -537,7 +551,7 @@ fn message_value(
                     ("type".into(), "text".into()),
                     ("text".into(), text(t)?),
                 ]),
-                ContentPart::Image { url } => OrderedMap::value(vec![
+                ContentPart::Image { url, .. } => OrderedMap::value(vec![
                     ("type".into(), "image".into()),
                     ("url".into(), text(url)?),
                 ]),

@@ -148,7 +148,19 @@ impl Encoder {
     ) -> Result<Prompt> {
         let (conversation, format) = (&request.conversation, &request.response_format);
         match self {
-            Encoder::HfTemplate(_) => self.render(conversation, add_generation_prompt),
+            Encoder::HfTemplate(_) => {
+                self.render(conversation, add_generation_prompt)
+                    .map_err(|mut e| {
+                        // A text-only template that cannot show the request's images.
+                        if request.images > 0 && e.kind == crate::error::ErrorKind::Unsupported {
+                            e.message = format!(
+                                "model {:?} has no vision encoder and takes text only (its chat template cannot render image parts); remove the {} image part(s)",
+                                request.model, request.images
+                            );
+                        }
+                        e
+                    })
+            }
             Encoder::DeepseekV4 => {
                 render_v4_family(conversation, format, add_generation_prompt, Version::V4)
             }

@@ -1,0 +1,139 @@
+//! Image content parts, the same in every protocol: inline images only, checked here.
+//!
+//! An image arrives as a ``data:<media type>;base64,<data>`` URL (Chat Completions'
+//! ``image_url``, Responses' ``input_image``) or as base64 with its media type
+//! (Anthropic's ``source``), which becomes such a URL. Remote ``http(s)`` URLs are
+//! refused: the server may have no network, and fetching what a client names is a
+//! server-side request forgery risk. The data must decode, be a PNG, JPEG, GIF or
+//! WebP image (its header gives the size, read by the ``imagesize`` crate), agree
+//! with the media type it claims, and stay within the limits below; each failure is
+//! a 400 naming the part. DeepSeek's own adapter fetches URLs and resizes with
+//! OpenCV for V4.1's vision encoder; no model served here has one, so the server
+//! refuses image requests before they run (``ParsedRequest.image_count``), and what
+//! is checked here is what any future encoder would need: valid, bounded images.
+
+use base64::Engine;
+
+use crate::conversation::{ContentPart, Conversation};
+use crate::error::{RecipeError, Result};
+
+/// The largest decoded image (OpenAI's and Anthropic's limits are 20 MB and 5 MB).
+pub const MAX_IMAGE_BYTES: usize = 20 * 1024 * 1024;
+/// The most images one request may carry.
+pub const MAX_IMAGES: usize = 32;
+/// The largest side, in pixels.
+pub const MAX_IMAGE_SIDE: usize = 16_384;
+
+const MEDIA_TYPES: &[(&str, imagesize::ImageType)] = &[
+    ("image/png", imagesize::ImageType::Png),
+    ("image/jpeg", imagesize::ImageType::Jpeg),
+    ("image/gif", imagesize::ImageType::Gif),
+    ("image/webp", imagesize::ImageType::Webp),
+];
+
+/// A checked image part from a URL a client sent (``path`` names it in errors).
+pub(crate) fn image_from_url(url: &str, path: &str) -> Result<ContentPart> {
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Err(RecipeError::unsupported(
+            path,
+            "remote image URLs are not fetched (the server may have no network access); \
+             send the image inline as a data URL (data:image/png;base64,...)",
+        ));
+    }
+    let Some(rest) = url.strip_prefix("data:") else {
+        return Err(RecipeError::invalid(
+            path,
+            "an image must be a data URL (data:image/png;base64,...)",
+        ));
+    };
+    let Some((media_type, data)) = rest.split_once(";base64,") else {
+        return Err(RecipeError::invalid(
+            path,
+            "an image data URL must be base64-encoded (data:<media type>;base64,<data>)",
+        ));
+    };
+    image_from_base64(media_type, data, path)
+}
+
+/// A checked image part from base64 data and its declared media type.
+pub(crate) fn image_from_base64(media_type: &str, data: &str, path: &str) -> Result<ContentPart> {
+    let expected = check_media_type(media_type, path)?;
+    // A base64 text longer than this decodes to more than the limit: refuse before decoding.
+    if data.len() / 4 * 3 > MAX_IMAGE_BYTES + 3 {
+        return Err(too_large(path));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .map_err(|e| RecipeError::invalid(path, format!("the image is not valid base64: {e}")))?;
+    if bytes.is_empty() {
+        return Err(RecipeError::invalid(path, "the image is empty"));
+    }
+    if bytes.len() > MAX_IMAGE_BYTES {
+        return Err(too_large(path));
+    }
+    let found = imagesize::image_type(&bytes).ok();
+    if found != Some(expected) {
+        return Err(RecipeError::invalid(
+            path,
+            format!("the image data is not a valid {media_type} image"),
+        ));
+    }
+    let size = imagesize::blob_size(&bytes).map_err(|e| {
+        RecipeError::invalid(path, format!("the {media_type} image cannot be read: {e}"))
+    })?;
+    if size.width == 0 || size.height == 0 || size.width.max(size.height) > MAX_IMAGE_SIDE {
+        return Err(RecipeError::invalid(
+            path,
+            format!(
+                "the image is {}x{} pixels; each side must be 1 to {MAX_IMAGE_SIDE}",
+                size.width, size.height
+            ),
+        ));
+    }
+    Ok(ContentPart::Image {
+        url: format!("data:{media_type};base64,{}", data.trim()),
+        width: size.width as u32,
+        height: size.height as u32,
+    })
+}
+
+/// The image type a supported media type names; any other is an error at ``path``.
+pub(crate) fn check_media_type(media_type: &str, path: &str) -> Result<imagesize::ImageType> {
+    MEDIA_TYPES
+        .iter()
+        .find(|(name, _)| *name == media_type)
+        .map(|(_, kind)| *kind)
+        .ok_or_else(|| {
+            RecipeError::invalid(
+                path,
+                format!("unsupported image media type {media_type:?} (expected image/png, image/jpeg, image/gif or image/webp)"),
+            )
+        })
+}
+
+fn too_large(path: &str) -> RecipeError {
+    RecipeError::invalid(
+        path,
+        format!(
+            "the image is larger than {} MB; send a smaller image",
+            MAX_IMAGE_BYTES / (1024 * 1024)
+        ),
+    )
+}
+
+/// How many images a conversation carries; more than ``MAX_IMAGES`` is an error.
+pub(crate) fn check_image_count(conversation: &Conversation) -> Result<usize> {
+    let count = conversation
+        .messages
+        .iter()
+        .flat_map(|m| &m.content)
+        .filter(|p| matches!(p, ContentPart::Image { .. }))
+        .count();
+    if count > MAX_IMAGES {
+        return Err(RecipeError::invalid(
+            "messages",
+            format!("{count} images; a request may carry at most {MAX_IMAGES}"),
+        ));
+    }
+    Ok(count)
+}
