@@ -3,6 +3,7 @@
 
 use powertrain_recipe::error::ErrorKind;
 use powertrain_recipe::protocols::{parse_request, parse_value};
+use powertrain_recipe::render::{render_deepseek_v4, render_deepseek_v41};
 use powertrain_recipe::*;
 use serde_json::{json, Value};
 
@@ -1858,6 +1859,12 @@ mod fuzz {
                 "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]}),
             json!({"model": "m", "input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "r"}]}),
             json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {}}]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "r"}]}]}),
+            json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{PNG_1X1}")}}]}]}),
+            json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_1X1}}]}]}),
+            json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "x"},
+                {"type": "input_image", "image_url": format!("data:image/png;base64,{PNG_1X1}")}]}]}),
         ];
         (
             prop::sample::select(bases),
@@ -1894,9 +1901,9 @@ mod fuzz {
         #[test]
         fn arbitrary_json_never_panics(v in json_value()) {
             for p in [CHAT, RESP, ANTH] {
-                let _ = parse_value(p, &v);
+                parsed_or_refused(p, parse_value(p, &v));
                 if let Ok(bytes) = serde_json::to_vec(&v) {
-                    let _ = parse_request(p, &bytes);
+                    parsed_or_refused(p, parse_request(p, &bytes));
                 }
             }
         }
@@ -1904,20 +1911,62 @@ mod fuzz {
         #[test]
         fn near_valid_never_panics(v in near_valid()) {
             for p in [CHAT, RESP, ANTH] {
-                if let Err(e) = parse_value(p, &v) {
-                    // Errors are always bodies a client can read.
-                    let _ = e.body(p);
-                }
+                parsed_or_refused(p, parse_value(p, &v));
             }
         }
 
         #[test]
         fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
             for p in [CHAT, RESP, ANTH] {
-                let _ = parse_request(p, &bytes);
+                parsed_or_refused(p, parse_request(p, &bytes));
             }
         }
     }
+
+    /// A body is either a request, which then renders in both DeepSeek encodings or is
+    /// refused, or a typed 4xx whose body a client can read; never a panic or a 5xx.
+    fn parsed_or_refused(p: Protocol, result: powertrain_recipe::Result<EngineRequest>) {
+        let refused = |e: &RecipeError| {
+            assert!(matches!(e.kind, Inv | Uns), "{e:?}");
+            assert!((400..500).contains(&e.status()), "{e:?}");
+            let _ = e.body(p);
+        };
+        match result {
+            Err(e) => refused(&e),
+            Ok(request) => {
+                for rendered in [
+                    render_deepseek_v4(&request.conversation, true),
+                    render_deepseek_v41(&request.conversation, true),
+                ] {
+                    if let Err(e) = rendered {
+                        refused(&e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn deep_nesting_and_huge_arrays_are_refused_or_parsed_without_overflow() {
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let nested = format!(
+        "{{\"model\": \"m\", \"messages\": {}1{}}}",
+        "{\"content\": ".repeat(50_000),
+        "}".repeat(50_000)
+    );
+    for p in [CHAT, RESP, ANTH] {
+        for text in [&deep, &nested] {
+            let e = parse_request(p, text.as_bytes()).unwrap_err();
+            assert_eq!((e.kind, e.status()), (Inv, 400), "{e:?}");
+        }
+    }
+    // 100,000 messages: parsed and rendered in one piece, no recursion.
+    let messages: Vec<Value> = (0..100_000)
+        .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "x"}))
+        .collect();
+    let request = ok(CHAT, &json!({"model": "m", "messages": messages}));
+    assert!(render_deepseek_v4(&request.conversation, true).is_ok());
 }
 
 #[test]
