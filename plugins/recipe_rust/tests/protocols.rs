@@ -3,7 +3,7 @@
 
 use powertrain_recipe::error::ErrorKind;
 use powertrain_recipe::protocols::{parse_request, parse_value};
-use powertrain_recipe::render::{render_deepseek_v4, render_deepseek_v41};
+use powertrain_recipe::render::{render_deepseek_v4, render_v4_family, Version};
 use powertrain_recipe::*;
 use serde_json::{json, Value};
 
@@ -1936,7 +1936,12 @@ mod fuzz {
             Ok(request) => {
                 for rendered in [
                     render_deepseek_v4(&request.conversation, true),
-                    render_deepseek_v41(&request.conversation, true),
+                    render_v4_family(
+                        &request.conversation,
+                        &ResponseFormat::Text,
+                        true,
+                        Version::V41,
+                    ),
                 ] {
                     if let Err(e) = rendered {
                         refused(&e);

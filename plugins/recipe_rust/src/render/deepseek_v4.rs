@@ -36,9 +36,27 @@
 //! - thinking is dropped (reasoning of assistant turns before the last user turn
 //!   removed) when the prompt shows no tools.
 //!
+//! - response formats (Chat, Responses; Messages' ``output_config.format`` too): V4
+//!   appends its ``json_object`` sentence or ``"\n\n## Response Format:\n\nYou MUST
+//!   strictly adhere to the following schema to reply:\n"`` + the schema to the system
+//!   text (after the tools).
+//! - ``tool_choice`` required or named: only the named tool is listed, and the prompt
+//!   ends with the opened block (``"\n\n<｜DSML｜tool_calls>\n"`` after ``</think>``);
+//!   refused in thinking mode (the block cannot follow an open ``<think>``).
+//! - content parts are joined by a blank line; an image is ``[Unsupported Image]``.
+//!
+//! V4.1 (``Version::V41``) differs in: a ``<｜System｜>`` token before each system
+//! message, which stays where it stands (developer messages too); a first system
+//! message (empty when the conversation has none) whenever thinking, tools or a
+//! response format need it, its effort line ``Reasoning Effort: N (range 1-100, ...)``
+//! with N 50 / 75 / 100; DSML spelled ``<｜DSML｜ calls>`` / `` invoke`` /
+//! `` parameter``, parameters joined by newlines with one before ``</｜DSML｜ invoke>``;
+//! Python's float spelling; ``json_object`` written as the schema
+//! ``{"type": "json_object"}``; an image is the ``<｜image｜>`` token.
+//!
 //! Choices of ours: ``add_generation_prompt=false`` leaves out the trailing
 //! ``<｜Assistant｜>`` + think token after a final user turn (the reference always adds
-//! it); image parts are refused (V4 is text-only). V3.2's encoder is the same apart from
+//! it). V3.2's encoder is the same apart from
 //! the tool-call block name (``function_calls``) and is not rendered here.
 //!
 //! Trust: all message text, reasoning, tool names, argument names and values, and the
@@ -274,19 +292,6 @@ pub fn render_deepseek_v4(
         &ResponseFormat::Text,
         add_generation_prompt,
         Version::V4,
-    )
-}
-
-/// Renders a conversation in DeepSeek-V4.1's format (see the module doc).
-pub fn render_deepseek_v41(
-    conversation: &Conversation,
-    add_generation_prompt: bool,
-) -> Result<Prompt> {
-    render_v4_family(
-        conversation,
-        &ResponseFormat::Text,
-        add_generation_prompt,
-        Version::V41,
     )
 }
 

@@ -26,14 +26,13 @@ impl Prompt {
 pub mod deepseek_v4;
 pub mod hf_template;
 
-pub use deepseek_v4::{render_deepseek_v4, render_deepseek_v41, render_v4_family};
+pub use deepseek_v4::{render_deepseek_v4, render_v4_family, Version};
 pub use hf_template::ChatTemplate;
 
 use serde_json::Value;
 
 use crate::conversation::{Conversation, EngineRequest};
 use crate::error::{RecipeError, Result};
-use deepseek_v4::Version;
 
 impl Segment {
     pub fn trusted(text: impl Into<String>) -> Segment {
@@ -178,7 +177,12 @@ impl Encoder {
         match self {
             Encoder::HfTemplate(template) => template.render(conversation, add_generation_prompt),
             Encoder::DeepseekV4 => render_deepseek_v4(conversation, add_generation_prompt),
-            Encoder::DeepseekV41 => render_deepseek_v41(conversation, add_generation_prompt),
+            Encoder::DeepseekV41 => render_v4_family(
+                conversation,
+                &crate::conversation::ResponseFormat::Text,
+                add_generation_prompt,
+                Version::V41,
+            ),
         }
     }
 }
