@@ -135,3 +135,128 @@ def test_prompts_equal_the_official_adapters(version: str, tokenizer_json: str) 
     # The corpus must exercise the comparison, not the exemptions.
     assert outcomes["equal"] >= 2000, outcomes
     assert len(outcomes) == 6, outcomes  # equal, both refuse, and each deliberate difference
+
+
+# --------------------------------------------------------------------------- output side
+
+
+def model_output(rng: Any, version: str) -> str:
+    """What a V4-family model writes after ``<think>``: reasoning, the answer, and now
+    and then DSML tool calls in this encoding's spelling (string and JSON parameters)."""
+    tag, block = ("｜DSML｜ ", "calls") if version == "v41" else ("｜DSML｜", "tool_calls")
+    words = ("Paris", "weather", "42", "naïve", "東京", "😀", "a\tb", "line\nbreak", '"q"', "{json}")
+    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(0, 6)))  # noqa: E731
+    out = f"{say()}</think>{say()}"
+    calls = []
+    for _ in range(rng.choice((0, 0, 1, 2))):
+        params = []
+        for key in rng.sample(("city", "n", "flag", "items"), rng.randint(0, 3)):
+            value = rng.choice((say(), rng.randint(-9, 999), True, ["x", 2], {"k": None}))
+            string = isinstance(value, str)
+            shown = value if string else json.dumps(value)
+            params.append(f'<{tag}parameter name="{key}" string="{str(string).lower()}">{shown}</{tag}parameter>')
+        calls.append(
+            f'<{tag}invoke name="get_weather">\n' + "\n".join(params) + ("\n" if params else "") + f"</{tag}invoke>"
+        )
+    if calls:
+        out += f"\n\n<{tag}{block}>\n" + "\n".join(calls) + f"\n</{tag}{block}>"
+    return out
+
+
+ANSWER_TYPES = {
+    "openai.chat": deepseek_recipe.ChatCompletionResponse,
+    "openai.responses": deepseek_recipe.ResponsesResponse,
+    "anthropic.messages": deepseek_recipe.MessagesResponse,
+}
+
+#: One request per protocol: a question, the weather tool, thinking left to the default.
+ANSWER_REQUESTS: dict[str, dict[str, Any]] = {
+    "openai.chat": {
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    },
+    "openai.responses": {
+        "input": "Weather?",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+    },
+    "anthropic.messages": {
+        "max_tokens": 4096,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+    },
+}
+
+
+def official_answer(protocol: str, model: str, body: dict[str, Any], chunks: list[str]) -> dict[str, Any]:
+    """The official adapter's answer body for this generated text, streamed in ``chunks``."""
+    request_type = REQUEST_TYPES[protocol]
+    request = request_type({"model": model, **body}).convert(deepseek_recipe.ConversionOptions())
+    generator = request_type.chunk_generator(request, "id", model)
+    processor = deepseek_recipe.StreamProcessor(generator, request.parsing_options)
+    inputs = [deepseek_recipe.InferenceChunk.ready()]
+    inputs += [deepseek_recipe.InferenceChunk.text(chunk, 1) for chunk in chunks]
+    inputs.append(deepseek_recipe.InferenceChunk.finish(deepseek_recipe.InferenceFinishReason.Stop))
+    answer = ANSWER_TYPES[protocol]("id", model, 0, 1, 0)
+    for item in inputs:
+        for chunk in processor.push(item):
+            answer.accumulate(chunk)
+    for chunk in processor.finish():
+        answer.accumulate(chunk)
+    return json.loads(answer.to_json())
+
+
+def essentials(protocol: str, answer: dict[str, Any]) -> tuple[Any, ...]:
+    """What both adapters must agree on: answer text, reasoning, calls (arguments as
+    JSON) and how the answer ended, read from the protocol's body."""
+    if protocol == "openai.chat":
+        choice = answer["choices"][0]
+        message = choice["message"]
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []
+        ]
+        return (message.get("content") or "", message.get("reasoning_content") or "", calls, choice["finish_reason"])
+    if protocol == "openai.responses":
+        items = answer["output"]
+        text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+        reasoning = "".join(
+            p["text"] for i in items if i["type"] == "reasoning" for p in (i.get("content") or i.get("summary") or [])
+        )
+        calls = [(i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"]
+        return (text, reasoning, calls, answer["status"])
+    blocks = answer["content"]
+    text = "".join(b["text"] for b in blocks if b["type"] == "text")
+    reasoning = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
+    calls = [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
+    return (text, reasoning, calls, answer["stop_reason"])
+
+
+@pytest.mark.parametrize("protocol", sorted(ANSWER_REQUESTS))
+@pytest.mark.parametrize("version", sorted(MODELS))
+def test_generated_text_parses_as_the_official_adapter_parses_it(
+    version: str, protocol: str, tokenizer_json: str
+) -> None:
+    """The output side: reasoning, answer and DSML tool calls (this encoding's spelling)
+    from a seeded set of model outputs, fed to the official stream processor in random
+    chunks and through our parser and writer, give the same answer in each protocol."""
+    import random
+    from types import SimpleNamespace
+
+    model, config_extra = MODELS[version]
+    ours = RecipeAdapter(tokenizer_json, {}, {"model_type": "deepseek_v4", **config_extra})
+    body = ANSWER_REQUESTS[protocol]
+    request = ours.parse_request(protocol, json.dumps({"model": model, **body}).encode())
+    assert request.prompt.endswith("<think>")
+    rng = random.Random(SEED)
+    for _ in range(300):
+        text = model_output(rng, version)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 8)))) if len(text) > 1 else []
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        official = official_answer(protocol, model, body, chunks)
+        output = SimpleNamespace(
+            request_id="r",
+            prompt_token_ids=request.prompt_token_ids,
+            num_cached_tokens=0,
+            outputs=[SimpleNamespace(text=text, token_ids=[0], finish_reason="stop", logprobs=None)],
+        )
+        mine = json.loads(ours.render_response(protocol, request, output))
+        assert essentials(protocol, mine) == essentials(protocol, official), text
