@@ -184,6 +184,17 @@ pub struct Conversation {
     pub thinking: Thinking,
 }
 
+impl Conversation {
+    /// How many image parts its messages carry.
+    pub fn image_count(&self) -> usize {
+        self.messages
+            .iter()
+            .flat_map(|m| &m.content)
+            .filter(|p| matches!(p, ContentPart::Image { .. }))
+            .count()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ResponseFormat {

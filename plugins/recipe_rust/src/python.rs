@@ -232,11 +232,10 @@ impl StreamParser {
     /// left the answer (in reasoning after ``<think>``, in a tool-call block the
     /// prompt opened).
     #[new]
-    #[pyo3(signature = (format, stop = Vec::new(), starts_in_reasoning = false, id_prefix = None, prompt = None))]
+    #[pyo3(signature = (format, stop = Vec::new(), id_prefix = None, prompt = None))]
     fn new(
         format: &str,
         stop: Vec<String>,
-        starts_in_reasoning: bool,
         id_prefix: Option<String>,
         prompt: Option<&str>,
     ) -> PyResult<Self> {
@@ -245,7 +244,7 @@ impl StreamParser {
                 "unknown output format {format:?}; known: plain, deepseek_v3, deepseek_v4"
             ))
         })?;
-        let mut inner = RustParser::new(format, stop, starts_in_reasoning);
+        let mut inner = RustParser::new(format, stop, false);
         if let Some(prompt) = prompt {
             inner = inner.after_prompt(prompt);
         }
@@ -303,10 +302,6 @@ fn usage(
 /// One response in one protocol: SSE frames as events arrive, or the whole JSON body.
 #[pyclass]
 struct ResponseWriter {
-    protocol: Protocol,
-    id: String,
-    model: String,
-    created: u64,
     writer: SseWriter,
 }
 
@@ -314,10 +309,10 @@ struct ResponseWriter {
 impl ResponseWriter {
     /// ``reasoning_summary``: Responses only, the request asked for a reasoning
     /// summary (its parsed ``reasoning_summary`` is set): reasoning is written as the
-    /// reasoning item's summary instead of its content.
+    /// reasoning item's summary instead of its content. ``choice_index`` /
+    /// ``ends_stream``: Chat Completions streaming ``n`` > 1 uses one writer per choice;
+    /// only the last one's ``finish`` ends the stream.
     #[new]
-    /// ``choice_index`` / ``ends_stream``: Chat Completions streaming ``n`` > 1 uses one
-    /// writer per choice; only the last one's ``finish`` ends the stream.
     #[pyo3(signature = (protocol_name, id, model, created, include_usage = false, prompt_tokens = 0, cached_prompt_tokens = 0, reasoning_summary = false, choice_index = 0, ends_stream = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -333,18 +328,12 @@ impl ResponseWriter {
         ends_stream: bool,
     ) -> PyResult<Self> {
         let protocol = protocol(protocol_name)?;
-        let writer = SseWriter::new(protocol, id.clone(), model.clone(), created)
+        let writer = SseWriter::new(protocol, id, model, created)
             .with_include_usage(include_usage)
             .with_prompt_usage(prompt_tokens, cached_prompt_tokens)
             .with_reasoning_summary(reasoning_summary)
             .with_choice(choice_index, ends_stream);
-        Ok(ResponseWriter {
-            protocol,
-            id,
-            model,
-            created,
-            writer,
-        })
+        Ok(ResponseWriter { writer })
     }
 
     /// The frames that open the stream.
@@ -397,7 +386,7 @@ impl ResponseWriter {
     /// The non-streaming response body (JSON text) for everything recorded so far.
     #[pyo3(signature = (reason, prompt_tokens, completion_tokens, cached_prompt_tokens = 0, reasoning_tokens = 0, stop_sequence = None))]
     fn response(
-        &self,
+        &mut self,
         reason: &str,
         prompt_tokens: u32,
         completion_tokens: u32,
@@ -406,11 +395,7 @@ impl ResponseWriter {
         stop_sequence: Option<String>,
     ) -> PyResult<String> {
         let reason = finish_reason(reason, stop_sequence)?;
-        let body = self.writer.builder().build(
-            self.protocol,
-            &self.id,
-            &self.model,
-            self.created,
+        let body = self.writer.response(
             &reason,
             &usage(
                 prompt_tokens,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use powertrain_recipe::conversation::*;
 use powertrain_recipe::error::ErrorKind;
-use powertrain_recipe::render::{render_deepseek_v4, ChatTemplate, Encoder, Prompt};
+use powertrain_recipe::render::{render_deepseek_v4, ChatTemplate, Encoder, Prompt, Version};
 use powertrain_recipe::tokenize::PromptTokenizer;
 use serde_json::{json, Value};
 
@@ -378,7 +378,7 @@ fn encoder_from_metadata() {
     );
     assert!(matches!(
         Encoder::from_metadata(&json!({}), &json!({"model_type": "deepseek_v4"})).unwrap(),
-        Encoder::DeepseekV4
+        Encoder::Deepseek(Version::V4)
     ));
     assert!(matches!(
         Encoder::from_metadata(
@@ -386,7 +386,7 @@ fn encoder_from_metadata() {
             &json!({"architectures": ["DeepseekV32ForCausalLM"]})
         )
         .unwrap(),
-        Encoder::DeepseekV4
+        Encoder::Deepseek(Version::V4)
     ));
     assert_eq!(
         Encoder::from_metadata(&json!({}), &json!({"model_type": "llama"}))

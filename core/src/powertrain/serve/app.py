@@ -191,7 +191,7 @@ class Server:
                 for frame in writer.finish(
                     reason,
                     prompt_tokens,
-                    completion_tokens if n > 1 else (len(completion.token_ids) if completion else 0),
+                    completion_tokens,
                     cached_prompt_tokens=final.num_cached_tokens if final else 0,
                     stop_sequence=stopped,
                 ):

@@ -23,7 +23,6 @@ class StreamParser:
         self,
         format: str,
         stop: list[str] = ...,
-        starts_in_reasoning: bool = False,
         id_prefix: str | None = None,
         prompt: str | None = None,
     ) -> None: ...

@@ -190,25 +190,6 @@ class RecipeAdapter:
             )
         return content
 
-    @staticmethod
-    def _add_logprobs(native: str, body: dict[str, Any], logprobs: list[dict[str, Any]]) -> None:
-        """Puts every generated token's logprobs where the protocol reports them. Responses:
-        on the answer's ``output_text`` part, as vLLM does (a reasoning or tool-call token
-        is listed there too; an output with no answer text has no place for them)."""
-        if native == "chat_completions":
-            body["choices"][0]["logprobs"] = {"content": logprobs, "refusal": None}
-        elif native == "responses":
-            parts = (
-                part
-                for item in body["output"]
-                if item["type"] == "message"
-                for part in item["content"]
-                if part["type"] == "output_text"
-            )
-            part = next(parts, None)
-            if part is not None:
-                part["logprobs"] = logprobs
-
     def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -245,6 +226,9 @@ class RecipeAdapter:
                 protocol, request, str(output.request_id), int(time.time()), prompt_tokens=prompt_tokens
             )
             writer.events(events)
+            if request.sampling.logprobs and completion.logprobs:
+                top = request.sampling.top_logprobs or 0
+                writer.add_logprobs(self.token_logprobs(completion.token_ids, completion.logprobs, top))
             reason, stopped = finish_reason(events, completion.finish_reason)
             body = writer.response(
                 reason,
@@ -253,12 +237,7 @@ class RecipeAdapter:
                 cached_prompt_tokens=cached,
                 stop_sequence=stopped,
             )
-            body = json.loads(body)
-            if request.sampling.logprobs and completion.logprobs:
-                top = request.sampling.top_logprobs or 0
-                entries = self.token_logprobs(completion.token_ids, completion.logprobs, top)
-                self._add_logprobs(native, body, entries)
-            bodies.append(body)
+            bodies.append(json.loads(body))
         if len(bodies) == 1:
             return json.dumps(bodies[0]).encode()
         if native != "chat_completions":

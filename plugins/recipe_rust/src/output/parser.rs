@@ -121,73 +121,51 @@ pub const V3_CALL_END: &str = "<\u{FF5C}tool\u{2581}call\u{2581}end\u{FF5C}>";
 pub const V3_SEP: &str = "<\u{FF5C}tool\u{2581}sep\u{FF5C}>";
 const V3_FENCE_OPEN: &str = "```json";
 const V3_FENCE_CLOSE: &str = "\n```";
-pub const DSML_CALLS_BEGIN: &str = "<\u{FF5C}DSML\u{FF5C}function_calls>";
-pub const DSML_CALLS_END: &str = "</\u{FF5C}DSML\u{FF5C}function_calls>";
-pub const DSML_TOOL_CALLS_BEGIN: &str = "<\u{FF5C}DSML\u{FF5C}tool_calls>";
-pub const DSML_TOOL_CALLS_END: &str = "</\u{FF5C}DSML\u{FF5C}tool_calls>";
-/// Followed by attributes and `>`.
-pub const DSML_INVOKE: &str = "<\u{FF5C}DSML\u{FF5C}invoke";
-pub const DSML_INVOKE_END: &str = "</\u{FF5C}DSML\u{FF5C}invoke>";
-/// Followed by attributes and `>`.
-pub const DSML_PARAMETER: &str = "<\u{FF5C}DSML\u{FF5C}parameter";
-pub const DSML_PARAMETER_END: &str = "</\u{FF5C}DSML\u{FF5C}parameter>";
 const TAG_CLOSE: &str = ">";
 
-/// The DSML spellings: V3.2's ``function_calls`` block, V4's ``tool_calls`` and
-/// V4.1's `` calls`` (with `` invoke`` and `` parameter``: a space after the DSML
-/// token). One section uses one spelling throughout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dialect {
-    V32,
-    V4,
-    V41,
+/// One DSML spelling: its section, invoke and parameter markers (the invoke and
+/// parameter openers are followed by attributes and `>`). V3.2 wraps the invokes in
+/// ``function_calls``, V4 in ``tool_calls``, V4.1 in `` calls`` with `` invoke`` and
+/// `` parameter`` (a space after the DSML token). One section uses one spelling
+/// throughout. The renderer writes the same markers (``render::deepseek_v4``).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Dsml {
+    pub calls_begin: &'static str,
+    pub calls_end: &'static str,
+    pub invoke: &'static str,
+    pub invoke_end: &'static str,
+    pub parameter: &'static str,
+    pub parameter_end: &'static str,
 }
 
-impl Dialect {
-    fn calls_begin(self) -> &'static str {
-        match self {
-            Dialect::V32 => DSML_CALLS_BEGIN,
-            Dialect::V4 => DSML_TOOL_CALLS_BEGIN,
-            Dialect::V41 => "<\u{FF5C}DSML\u{FF5C} calls>",
-        }
-    }
+pub const DSML_V32: Dsml = Dsml {
+    calls_begin: "<\u{FF5C}DSML\u{FF5C}function_calls>",
+    calls_end: "</\u{FF5C}DSML\u{FF5C}function_calls>",
+    invoke: "<\u{FF5C}DSML\u{FF5C}invoke",
+    invoke_end: "</\u{FF5C}DSML\u{FF5C}invoke>",
+    parameter: "<\u{FF5C}DSML\u{FF5C}parameter",
+    parameter_end: "</\u{FF5C}DSML\u{FF5C}parameter>",
+};
 
-    fn calls_end(self) -> &'static str {
-        match self {
-            Dialect::V32 => DSML_CALLS_END,
-            Dialect::V4 => DSML_TOOL_CALLS_END,
-            Dialect::V41 => "</\u{FF5C}DSML\u{FF5C} calls>",
-        }
-    }
+pub const DSML_V4: Dsml = Dsml {
+    calls_begin: "<\u{FF5C}DSML\u{FF5C}tool_calls>",
+    calls_end: "</\u{FF5C}DSML\u{FF5C}tool_calls>",
+    ..DSML_V32
+};
 
-    fn invoke(self) -> &'static str {
-        match self {
-            Dialect::V41 => "<\u{FF5C}DSML\u{FF5C} invoke",
-            _ => DSML_INVOKE,
-        }
-    }
+pub const DSML_V41: Dsml = Dsml {
+    calls_begin: "<\u{FF5C}DSML\u{FF5C} calls>",
+    calls_end: "</\u{FF5C}DSML\u{FF5C} calls>",
+    invoke: "<\u{FF5C}DSML\u{FF5C} invoke",
+    invoke_end: "</\u{FF5C}DSML\u{FF5C} invoke>",
+    parameter: "<\u{FF5C}DSML\u{FF5C} parameter",
+    parameter_end: "</\u{FF5C}DSML\u{FF5C} parameter>",
+};
 
-    fn invoke_end(self) -> &'static str {
-        match self {
-            Dialect::V41 => "</\u{FF5C}DSML\u{FF5C} invoke>",
-            _ => DSML_INVOKE_END,
-        }
-    }
+/// Every spelling the parser accepts.
+const DSML_SPELLINGS: [&Dsml; 3] = [&DSML_V32, &DSML_V4, &DSML_V41];
 
-    fn parameter(self) -> &'static str {
-        match self {
-            Dialect::V41 => "<\u{FF5C}DSML\u{FF5C} parameter",
-            _ => DSML_PARAMETER,
-        }
-    }
-
-    fn parameter_end(self) -> &'static str {
-        match self {
-            Dialect::V41 => "</\u{FF5C}DSML\u{FF5C} parameter>",
-            _ => DSML_PARAMETER_END,
-        }
-    }
-}
+type Dialect = &'static Dsml;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -290,9 +268,11 @@ impl StreamParser {
             self.think_allowed = false;
         }
         if self.format == OutputFormat::DeepseekV4 {
-            let opened = [Dialect::V32, Dialect::V4, Dialect::V41]
-                .into_iter()
-                .find(|d| prompt.ends_with(&format!("{}\n", d.calls_begin())));
+            let opened = DSML_SPELLINGS.into_iter().find(|d| {
+                prompt
+                    .strip_suffix('\n')
+                    .is_some_and(|p| p.ends_with(d.calls_begin))
+            });
             if let Some(dialect) = opened {
                 self.state = State::DsmlSection { dialect };
                 self.think_allowed = false;
@@ -420,8 +400,8 @@ impl StreamParser {
                     m.push((V3_CALL_BEGIN, Mk::V3CallBegin));
                 }
                 if v4 {
-                    for dialect in [Dialect::V32, Dialect::V4, Dialect::V41] {
-                        m.push((dialect.calls_begin(), Mk::DsmlBegin { dialect }));
+                    for dialect in DSML_SPELLINGS {
+                        m.push((dialect.calls_begin, Mk::DsmlBegin { dialect }));
                     }
                 }
                 for (i, s) in self.stops.iter().enumerate() {
@@ -449,18 +429,18 @@ impl StreamParser {
             }
             State::V3AfterArgs => m.push((V3_CALL_END, Mk::V3CallEnd)),
             State::DsmlSection { dialect } => {
-                m.push((dialect.invoke(), Mk::DsmlInvoke));
-                m.push((dialect.calls_end(), Mk::DsmlEnd));
+                m.push((dialect.invoke, Mk::DsmlInvoke));
+                m.push((dialect.calls_end, Mk::DsmlEnd));
             }
             State::DsmlInvokeTag { .. } | State::DsmlParamTag { .. } => {
                 m.push((TAG_CLOSE, Mk::TagClose))
             }
             State::DsmlInvoke { dialect } => {
-                m.push((dialect.parameter(), Mk::DsmlParam));
-                m.push((dialect.invoke_end(), Mk::DsmlInvokeEnd));
+                m.push((dialect.parameter, Mk::DsmlParam));
+                m.push((dialect.invoke_end, Mk::DsmlInvokeEnd));
             }
             State::DsmlParamValue { dialect, .. } => {
-                m.push((dialect.parameter_end(), Mk::DsmlParamEnd))
+                m.push((dialect.parameter_end, Mk::DsmlParamEnd))
             }
         }
         m

@@ -239,18 +239,7 @@ impl SseWriter {
             }
             Protocol::Responses => {
                 self.responses_close(&mut out);
-                let mut response = self.builder.build(
-                    Protocol::Responses,
-                    &self.id,
-                    &self.model,
-                    self.created,
-                    finish_reason,
-                    usage,
-                );
-                self.take_logprobs();
-                if !self.all_logprobs.is_empty() {
-                    set_output_text_logprobs(&mut response, &self.all_logprobs);
-                }
+                let response = self.response(finish_reason, usage);
                 let kind = if *finish_reason == FinishReason::Length {
                     "response.incomplete"
                 } else {
@@ -275,6 +264,34 @@ impl SseWriter {
             }
         }
         out
+    }
+
+    /// The whole response body of everything written so far (the non-streaming body,
+    /// and Responses' final event), with every log-probability entry given where the
+    /// protocol reports it: Chat Completions' ``choices[0].logprobs.content``, the
+    /// Responses ``output_text`` part's ``logprobs`` (a reasoning or tool-call token is
+    /// listed there too, as vLLM does; an answer with no text has no place for them).
+    pub fn response(&mut self, finish_reason: &FinishReason, usage: &Usage) -> Value {
+        let mut body = self.builder.build(
+            self.protocol,
+            &self.id,
+            &self.model,
+            self.created,
+            finish_reason,
+            usage,
+        );
+        self.take_logprobs();
+        if !self.all_logprobs.is_empty() {
+            let logprobs = Value::Array(self.all_logprobs.clone());
+            match self.protocol {
+                Protocol::ChatCompletions => {
+                    body["choices"][0]["logprobs"] = json!({"content": logprobs, "refusal": null})
+                }
+                Protocol::Responses => set_output_text_logprobs(&mut body, logprobs),
+                Protocol::AnthropicMessages => {}
+            }
+        }
+        body
     }
 
     // ---- Chat Completions ----
@@ -575,9 +592,8 @@ fn frame(kind: &str, body: Value) -> String {
     )
 }
 
-/// Puts the log-probabilities on the response's first ``output_text`` part (where the
-/// non-streaming body has them, as vLLM does).
-fn set_output_text_logprobs(response: &mut Value, logprobs: &[Value]) {
+/// Puts the log-probabilities on the response's first ``output_text`` part.
+fn set_output_text_logprobs(response: &mut Value, logprobs: Value) {
     let parts = response
         .get_mut("output")
         .and_then(Value::as_array_mut)
@@ -588,6 +604,6 @@ fn set_output_text_logprobs(response: &mut Value, logprobs: &[Value]) {
         .flatten()
         .find(|part| part.get("type").and_then(Value::as_str) == Some("output_text"));
     if let Some(part) = parts {
-        part["logprobs"] = Value::Array(logprobs.to_vec());
+        part["logprobs"] = logprobs;
     }
 }

@@ -123,12 +123,7 @@ fn too_large(path: &str) -> RecipeError {
 
 /// How many images a conversation carries; more than ``MAX_IMAGES`` is an error.
 pub(crate) fn check_image_count(conversation: &Conversation) -> Result<usize> {
-    let count = conversation
-        .messages
-        .iter()
-        .flat_map(|m| &m.content)
-        .filter(|p| matches!(p, ContentPart::Image { .. }))
-        .count();
+    let count = conversation.image_count();
     if count > MAX_IMAGES {
         return Err(RecipeError::invalid(
             "messages",

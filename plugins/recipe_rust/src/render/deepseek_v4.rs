@@ -69,6 +69,7 @@ use crate::conversation::{
     ContentPart, Conversation, ReasoningEffort, ResponseFormat, Role, ToolChoice,
 };
 use crate::error::{RecipeError, Result};
+use crate::output::parser::{Dsml, DSML_V4, DSML_V41};
 
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
 pub const EOS: &str = "<｜end▁of▁sentence｜>";
@@ -76,7 +77,6 @@ pub const USER: &str = "<｜User｜>";
 pub const ASSISTANT: &str = "<｜Assistant｜>";
 pub const THINK_START: &str = "<think>";
 pub const THINK_END: &str = "</think>";
-pub const DSML: &str = "｜DSML｜";
 pub const SYSTEM: &str = "<｜System｜>";
 pub const IMAGE: &str = "<｜image｜>";
 
@@ -109,27 +109,12 @@ pub enum Version {
     V41,
 }
 
-/// The DSML tag names (after the ``<`` / ``</``) of one encoding: V4 writes
-/// ``｜DSML｜tool_calls``, V4.1 ``｜DSML｜ calls`` (and `` invoke``, `` parameter``).
-pub struct DsmlTags {
-    pub calls: &'static str,
-    pub invoke: &'static str,
-    pub parameter: &'static str,
-}
-
 impl Version {
-    pub fn dsml(self) -> DsmlTags {
+    /// The DSML markers this encoding writes (the stream parser reads the same ones).
+    pub fn dsml(self) -> &'static Dsml {
         match self {
-            Version::V4 => DsmlTags {
-                calls: "\u{FF5C}DSML\u{FF5C}tool_calls",
-                invoke: "\u{FF5C}DSML\u{FF5C}invoke",
-                parameter: "\u{FF5C}DSML\u{FF5C}parameter",
-            },
-            Version::V41 => DsmlTags {
-                calls: "\u{FF5C}DSML\u{FF5C} calls",
-                invoke: "\u{FF5C}DSML\u{FF5C} invoke",
-                parameter: "\u{FF5C}DSML\u{FF5C} parameter",
-            },
+            Version::V4 => &DSML_V4,
+            Version::V41 => &DSML_V41,
         }
     }
 
@@ -158,25 +143,28 @@ impl Version {
     }
 }
 
-fn tools_template_head(tags: &DsmlTags) -> String {
+fn tools_template_head(tags: &Dsml) -> String {
     format!(
-        "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by writing a \"<{c}>\" block like the following:\n\n\
-<{c}>\n\
-<{i} name=\"$TOOL_NAME\">\n\
-<{p} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{p}>\n\
+        "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by writing a \"{c}\" block like the following:\n\n\
+{c}\n\
+{i} name=\"$TOOL_NAME\">\n\
+{p} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE{pe}\n\
 ...\n\
-</{i}>\n\
-<{i} name=\"$TOOL_NAME2\">\n\
+{ie}\n\
+{i} name=\"$TOOL_NAME2\">\n\
 ...\n\
-</{i}>\n\
-</{c}>\n\n\
+{ie}\n\
+{ce}\n\n\
 String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n\
 If thinking_mode is enabled (triggered by {ts}), you MUST output your complete reasoning inside {ts}...{te} BEFORE any tool calls or final response.\n\n\
 Otherwise, output directly after {te} with tool calls or final response.\n\n\
 ### Available Tool Schemas\n\n",
-        c = tags.calls,
+        c = tags.calls_begin,
+        ce = tags.calls_end,
         i = tags.invoke,
+        ie = tags.invoke_end,
         p = tags.parameter,
+        pe = tags.parameter_end,
         ts = THINK_START,
         te = THINK_END
     )
@@ -186,7 +174,7 @@ Otherwise, output directly after {te} with tool calls or final response.\n\n\
 /// them), text untrusted. An image is V4's text placeholder "[Unsupported Image]" (V4
 /// reads no images) or V4.1's ``<｜image｜>`` token, which the engine would expand
 /// into the image's tokens; a model without a vision encoder refuses such a request
-/// before it runs (``Prompt::image_count``).
+/// before it runs (``EngineRequest::images``).
 fn content_prompt(parts: &[ContentPart], version: Version) -> Prompt {
     let mut content = Prompt::default();
     for (i, part) in parts.iter().enumerate() {
@@ -476,7 +464,7 @@ pub fn render_v4_family(
                 prompt.extend(msg.content.clone());
                 if let Some(tools) = &msg.tools {
                     prompt.push_trusted("\n\n");
-                    prompt.push_trusted(&tools_template_head(&tags));
+                    prompt.push_trusted(&tools_template_head(tags));
                     for (i, tool) in tools.iter().enumerate() {
                         if i > 0 {
                             prompt.push_trusted("\n");
@@ -516,12 +504,12 @@ pub fn render_v4_family(
                 }
                 prompt.extend(msg.content.clone());
                 if !msg.tool_calls.is_empty() {
-                    prompt.push_trusted(&format!("\n\n<{}>\n", tags.calls));
+                    prompt.push_trusted(&format!("\n\n{}\n", tags.calls_begin));
                     for (i, (_, name, arguments)) in msg.tool_calls.iter().enumerate() {
                         if i > 0 {
                             prompt.push_trusted("\n");
                         }
-                        prompt.push_trusted(&format!("<{} name=\"", tags.invoke));
+                        prompt.push_trusted(&format!("{} name=\"", tags.invoke));
                         prompt.push_untrusted(name);
                         prompt.push_trusted("\">\n");
                         let written = encode_arguments(&mut prompt, arguments, version)?;
@@ -530,9 +518,9 @@ pub fn render_v4_family(
                         if written > 0 || version == Version::V41 {
                             prompt.push_trusted("\n");
                         }
-                        prompt.push_trusted(&format!("</{}>", tags.invoke));
+                        prompt.push_trusted(tags.invoke_end);
                     }
-                    prompt.push_trusted(&format!("\n</{}>", tags.calls));
+                    prompt.push_trusted(&format!("\n{}", tags.calls_end));
                 }
                 prompt.push_trusted(EOS);
             }
@@ -551,7 +539,7 @@ pub fn render_v4_family(
             if index + 1 == n && forced_call && tools_shown {
                 // The answer starts inside the tool-call block (the stream parser is
                 // told so by the prompt's end).
-                prompt.push_trusted(&format!("\n\n<{}>\n", tags.calls));
+                prompt.push_trusted(&format!("\n\n{}\n", tags.calls_begin));
             }
         }
     }
@@ -579,7 +567,7 @@ fn encode_arguments(prompt: &mut Prompt, arguments: &str, version: Version) -> R
         if i > 0 {
             prompt.push_trusted("\n");
         }
-        prompt.push_trusted(&format!("<{} name=\"", tags.parameter));
+        prompt.push_trusted(&format!("{} name=\"", tags.parameter));
         prompt.push_untrusted(key);
         let is_str = value.is_string();
         prompt.push_trusted(&format!(
@@ -590,7 +578,7 @@ fn encode_arguments(prompt: &mut Prompt, arguments: &str, version: Version) -> R
             Value::String(s) => prompt.push_untrusted(s),
             other => prompt.push_untrusted(&version.json(other)),
         }
-        prompt.push_trusted(&format!("</{}>", tags.parameter));
+        prompt.push_trusted(tags.parameter_end);
     }
     Ok(parsed.len())
 }

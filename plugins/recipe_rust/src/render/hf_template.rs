@@ -200,7 +200,7 @@ impl ChatTemplate {
                 }
                 // A text-only template meets a list of parts it cannot handle: the
                 // request's images are what it cannot render, not a server fault.
-                None if has_images(conversation) => RecipeError::unsupported(
+                None if conversation.image_count() > 0 => RecipeError::unsupported(
                     "messages",
                     format!("the model's chat template cannot render image parts: {message}"),
                 ),
@@ -210,14 +210,6 @@ impl ChatTemplate {
             }
         })
     }
-}
-
-fn has_images(conversation: &Conversation) -> bool {
-    conversation
-        .messages
-        .iter()
-        .flat_map(|m| &m.content)
-        .any(|p| matches!(p, ContentPart::Image { .. }))
 }
 
 fn describe(e: &JError) -> String {

@@ -31,7 +31,7 @@ pub use hf_template::ChatTemplate;
 
 use serde_json::Value;
 
-use crate::conversation::{Conversation, EngineRequest};
+use crate::conversation::{Conversation, EngineRequest, ResponseFormat};
 use crate::error::{RecipeError, Result};
 
 impl Segment {
@@ -86,11 +86,9 @@ impl Prompt {
 #[derive(Debug)]
 pub enum Encoder {
     /// The model's Hugging Face chat template (tokenizer_config.json ``chat_template``).
-    HfTemplate(ChatTemplate),
-    /// DeepSeek-V4's native encoder (the model ships no chat template).
-    DeepseekV4,
-    /// DeepSeek-V4.1's native encoder (V4.1-Flash).
-    DeepseekV41,
+    HfTemplate(Box<ChatTemplate>),
+    /// DeepSeek's native V4 or V4.1 encoder (the model ships no chat template).
+    Deepseek(Version),
 }
 
 impl Encoder {
@@ -119,10 +117,10 @@ impl Encoder {
             model_type == "deepseek_v32" || architectures.iter().any(|a| a.contains("DeepseekV32"));
         let template = chat_template_source(tokenizer_config)?;
         if is_v4 && is_v41(tokenizer_config, model_config) {
-            return Ok(Encoder::DeepseekV41);
+            return Ok(Encoder::Deepseek(Version::V41));
         }
         if is_v4 || (is_v32 && template.is_none()) {
-            return Ok(Encoder::DeepseekV4);
+            return Ok(Encoder::Deepseek(Version::V4));
         }
         let Some(source) = template else {
             return Err(RecipeError::internal(
@@ -131,11 +129,11 @@ impl Encoder {
         };
         let bos = token_text(tokenizer_config.get("bos_token"));
         let eos = token_text(tokenizer_config.get("eos_token"));
-        Ok(Encoder::HfTemplate(ChatTemplate::new(
+        Ok(Encoder::HfTemplate(Box::new(ChatTemplate::new(
             &source,
             bos.as_deref(),
             eos.as_deref(),
-        )?))
+        )?)))
     }
 
     /// Renders a parsed request: its conversation and, for DeepSeek's encodings, its
@@ -145,27 +143,25 @@ impl Encoder {
         request: &EngineRequest,
         add_generation_prompt: bool,
     ) -> Result<Prompt> {
-        let (conversation, format) = (&request.conversation, &request.response_format);
         match self {
-            Encoder::HfTemplate(_) => {
-                self.render(conversation, add_generation_prompt)
-                    .map_err(|mut e| {
-                        // A text-only template that cannot show the request's images.
-                        if request.images > 0 && e.kind == crate::error::ErrorKind::Unsupported {
-                            e.message = format!(
-                                "model {:?} has no vision encoder and takes text only (its chat template cannot render image parts); remove the {} image part(s)",
-                                request.model, request.images
-                            );
-                        }
-                        e
-                    })
-            }
-            Encoder::DeepseekV4 => {
-                render_v4_family(conversation, format, add_generation_prompt, Version::V4)
-            }
-            Encoder::DeepseekV41 => {
-                render_v4_family(conversation, format, add_generation_prompt, Version::V41)
-            }
+            Encoder::Deepseek(version) => render_v4_family(
+                &request.conversation,
+                &request.response_format,
+                add_generation_prompt,
+                *version,
+            ),
+            Encoder::HfTemplate(template) => template
+                .render(&request.conversation, add_generation_prompt)
+                .map_err(|mut e| {
+                    // A text-only template that cannot show the request's images.
+                    if request.images > 0 && e.kind == crate::error::ErrorKind::Unsupported {
+                        e.message = format!(
+                            "model {:?} has no vision encoder and takes text only (its chat template cannot render image parts); remove the {} image part(s)",
+                            request.model, request.images
+                        );
+                    }
+                    e
+                }),
         }
     }
 
@@ -176,12 +172,11 @@ impl Encoder {
     ) -> Result<Prompt> {
         match self {
             Encoder::HfTemplate(template) => template.render(conversation, add_generation_prompt),
-            Encoder::DeepseekV4 => render_deepseek_v4(conversation, add_generation_prompt),
-            Encoder::DeepseekV41 => render_v4_family(
+            Encoder::Deepseek(version) => render_v4_family(
                 conversation,
-                &crate::conversation::ResponseFormat::Text,
+                &ResponseFormat::Text,
                 add_generation_prompt,
-                Version::V41,
+                *version,
             ),
         }
     }
