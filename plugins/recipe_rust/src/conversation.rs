@@ -7,6 +7,8 @@
 //! protocol" testable.
 
 use serde::{Deserialize, Serialize};
+
+use crate::image_fit::{ImageDetail, ImageFit};
 use serde_json::{Map, Value};
 
 /// Which wire protocol a request arrived in (and its response must leave in).
@@ -43,7 +45,7 @@ pub enum Role {
 }
 
 /// One piece of a message's content. An image is inline data, checked when parsed
-/// (``protocols::images``): its data URL and its size in pixels.
+/// (``protocols::images``): its data URL, its size in pixels and the detail asked for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentPart {
@@ -56,6 +58,8 @@ pub enum ContentPart {
         width: u32,
         #[serde(default)]
         height: u32,
+        #[serde(default)]
+        detail: ImageDetail,
     },
 }
 
@@ -312,4 +316,8 @@ pub struct EngineRequest {
     /// encoder refuses the request when there are any).
     #[serde(default)]
     pub images: usize,
+    /// Each image's preprocessed size and token count, in placeholder order: what an
+    /// engine with V4.1's vision encoder expands each image placeholder to.
+    #[serde(default)]
+    pub image_fits: Vec<ImageFit>,
 }

@@ -12,6 +12,7 @@
 
 pub mod conversation;
 pub mod error;
+pub mod image_fit;
 pub mod output;
 pub mod pretokenize;
 pub mod protocols;

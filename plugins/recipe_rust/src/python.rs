@@ -59,6 +59,26 @@ fn parse_request_json(protocol_name: &str, body: &[u8]) -> PyResult<String> {
     serde_json::to_string(&request).map_err(|e| to_py(Error::internal(e.to_string()), protocol))
 }
 
+/// V4.1's preprocessed size and token count of an image sent at ``width × height``:
+/// ``(width, height, tokens)``; ``ValueError`` where the official adapter refuses it.
+#[pyfunction]
+#[pyo3(signature = (width, height, detail = "high"))]
+fn image_fit(width: u32, height: u32, detail: &str) -> PyResult<(usize, usize, usize)> {
+    let detail = crate::image_fit::ImageDetail::parse(detail)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown image detail {detail:?}")))?;
+    let fit =
+        crate::image_fit::preprocessed(width, height, detail).map_err(PyValueError::new_err)?;
+    Ok((fit.width, fit.height, fit.tokens))
+}
+
+/// V4.1's token count of an image already preprocessed to ``width × height``: what
+/// an engine expands its placeholder to. ``ValueError`` where the fit does not settle.
+#[pyfunction]
+fn image_tokens(width: usize, height: usize) -> PyResult<usize> {
+    let fit = crate::image_fit::fit(width, height).map_err(PyValueError::new_err)?;
+    Ok(fit.tokens)
+}
+
 /// A model's prompt side: its chat encoder (template or native) and tokenizer.
 #[pyclass(frozen)]
 struct PromptEncoder {
@@ -412,6 +432,8 @@ impl ResponseWriter {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RecipeError", m.py().get_type::<RecipeError>())?;
     m.add_function(wrap_pyfunction!(parse_request_json, m)?)?;
+    m.add_function(wrap_pyfunction!(image_fit, m)?)?;
+    m.add_function(wrap_pyfunction!(image_tokens, m)?)?;
     m.add_class::<PromptEncoder>()?;
     m.add_class::<StreamParser>()?;
     m.add_class::<ResponseWriter>()?;

@@ -360,7 +360,8 @@ fn conv11_image_base64() {
             ContentPart::Image {
                 url: data_url.clone(),
                 width: size.0,
-                height: size.1
+                height: size.1,
+                detail: powertrain_recipe::image_fit::ImageDetail::High,
             }
         );
         assert_eq!(
@@ -414,6 +415,69 @@ fn bad_images_are_400s_naming_the_part() {
     )
     .unwrap_err();
     assert!(e.message.contains("at most 32"), "{}", e.message);
+}
+
+/// A PNG of ``width x height`` as far as its header goes (all the parser reads).
+fn png_header_url(width: u32, height: u32) -> String {
+    use base64::Engine;
+    let mut bytes = b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR".to_vec();
+    bytes.extend(width.to_be_bytes());
+    bytes.extend(height.to_be_bytes());
+    bytes.extend([8, 2, 0, 0, 0, 0, 0, 0, 0]);
+    format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+#[test]
+fn images_are_fitted_as_v41_preprocesses_them() {
+    let image = |w: u32, h: u32, detail: &str| json!({"type": "image_url", "image_url": {"url": png_header_url(w, h), "detail": detail}});
+    let request = ok(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": [
+            image(2000, 1000, "high"), image(2000, 1000, "low"), image(10, 10, "auto")]}]}),
+    );
+    let tokens: Vec<usize> = request.image_fits.iter().map(|f| f.tokens).collect();
+    // The low-detail copy is shrunk to 512 px first; a tiny image is scaled up to 544x544.
+    assert_eq!(request.images, 3);
+    assert!(tokens[1] < tokens[0], "{tokens:?}");
+    assert_eq!(tokens[2], 13 * 14 + 2);
+
+    let e = parse_value(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": [image(4, 4, "medium")]}]}),
+    )
+    .unwrap_err();
+    assert_eq!(e.path, "messages[0].content[0].image_url.detail");
+
+    // 8192 px a side is the limit, 4096 once a request carries 15 images or more.
+    let e = parse_value(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": [image(8193, 4, "high")]}]}),
+    )
+    .unwrap_err();
+    assert!(e.message.contains("8192"), "{}", e.message);
+    let mut many: Vec<Value> = (0..14).map(|_| image(5000, 4, "high")).collect();
+    assert_eq!(
+        ok(
+            CHAT,
+            &json!({"model": "m", "messages": [{"role": "user", "content": many.clone()}]})
+        )
+        .images,
+        14
+    );
+    many.push(image(4, 4, "high"));
+    let e = parse_value(
+        CHAT,
+        &json!({"model": "m", "messages": [{"role": "user", "content": many}]}),
+    )
+    .unwrap_err();
+    assert!(
+        e.message.contains("image 1 of 15") && e.message.contains("4096"),
+        "{}",
+        e.message
+    );
 }
 
 #[test]

@@ -149,8 +149,11 @@ def test_an_image_is_refused_naming_the_model(served: tuple[str, RecipeAdapter])
     body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Look."}, part]}]}
     parsed = adapter.parse_request("openai.chat", json.dumps(body).encode())
     assert parsed.image_count == 1 and "Look.\n\n[Unsupported Image]" in parsed.prompt
+    # A 1x1 image is scaled up to 544x544 pixels: 13x13 tokens, a newline per row, two delimiters.
+    assert parsed.image_tokens == 13 * 14 + 2
     refused = httpx.post(url + ROUTES["openai.chat"], json=body, timeout=60)
     assert refused.status_code == 400 and "has no vision encoder" in refused.text and MODEL in refused.text
+    assert "184 prompt tokens" in refused.text
 
 
 def test_the_served_model_is_v4(served: tuple[str, RecipeAdapter]) -> None:

@@ -96,6 +96,9 @@ class ParsedRequest:
     #: How many image parts the conversation carries: a model without a vision encoder
     #: (every ``CausalLM`` today: its ``forward`` takes token ids only) refuses them.
     image_count: int = 0
+    #: The prompt positions those images take once each placeholder is expanded to its
+    #: image's tokens (DeepSeek V4.1's image token specification).
+    image_tokens: int = 0
     #: The adapter's own parse (conversation, tools, protocol extras), JSON-like: the
     #: server never reads it; the adapter's other methods do.
     native: Mapping[str, Any] = attrs.field(factory=dict)

@@ -110,7 +110,8 @@ class Server:
             raise ApiError(
                 400,
                 f"model {self.model_name!r} has no vision encoder and takes text only; "
-                f"remove the {parsed.image_count} image part(s)",
+                f"remove the {parsed.image_count} image part(s) "
+                f"({parsed.image_tokens} prompt tokens once preprocessed for a vision encoder)",
                 "messages" if protocol != "openai.responses" else "input",
             )
         self.check_prompt_length(len(parsed.prompt_token_ids))

@@ -46,6 +46,7 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         image_count=native.get("images", 0),
+        image_tokens=sum(fit["tokens"] for fit in native.get("image_fits", ())),
         sampling=RequestSampling(
             temperature=sampling.get("temperature"),
             top_p=sampling.get("top_p"),

@@ -26,6 +26,7 @@ use serde_json::{Map, Value};
 use super::*;
 use crate::conversation::*;
 use crate::error::{index, RecipeError, Result};
+use crate::image_fit::ImageDetail;
 
 const TOP_LEVEL: &[&str] = &[
     "model",
@@ -224,6 +225,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         prompt_cache_key: None,
         structured_outputs,
         images: 0, // counted by parse_value
+        image_fits: Vec::new(),
     })
 }
 
@@ -365,11 +367,11 @@ fn image_block(b: &Fields) -> Result<ContentPart> {
             let media = s.req_str("media_type")?;
             images::check_media_type(media, &s.at("media_type"))?;
             let data = s.req_str("data")?;
-            images::image_from_base64(media, data, &s.at("data"))
+            images::image_from_base64(media, data, &s.at("data"), ImageDetail::High)
         }
         "url" => {
             s.check_known(&["type", "url"])?;
-            images::image_from_url(s.req_str("url")?, &s.at("url"))
+            images::image_from_url(s.req_str("url")?, &s.at("url"), ImageDetail::High)
         }
         "file" => Err(unsupported_field(
             &s.at("type"),

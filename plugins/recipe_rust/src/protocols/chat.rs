@@ -25,8 +25,9 @@
 //! (DeepSeek's adapter: the explicit setting wins); other efforts set the effort.
 //! Assistant history reasoning: ``reasoning_content`` (DeepSeek) or ``reasoning`` (vLLM).
 //!
-//! Ignored hints: ``image_url.detail``,
-//! ``response_format.json_schema.description``, ``stream_options.continuous_usage_stats``.
+//! ``image_url.detail`` sizes the image as in V4.1's preprocessing (``crate::image_fit``).
+//!
+//! Ignored hints: ``response_format.json_schema.description``, ``stream_options.continuous_usage_stats``.
 
 use serde_json::Value;
 
@@ -183,6 +184,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         prompt_cache_key,
         structured_outputs,
         images: 0, // counted by parse_value
+        image_fits: Vec::new(),
     })
 }
 
@@ -688,15 +690,8 @@ fn user_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {
                 if url.is_empty() {
                     return Err(RecipeError::invalid(img.at("url"), "must not be empty"));
                 }
-                if let Some(detail) = img.str("detail")? {
-                    if !matches!(detail, "auto" | "low" | "high") {
-                        return Err(RecipeError::invalid(
-                            img.at("detail"),
-                            format!("unknown detail {detail:?} (expected auto, low or high)"),
-                        ));
-                    }
-                }
-                parts.push(images::image_from_url(url, &img.at("url"))?);
+                let detail = images::detail_field(img.str("detail")?, &img.at("detail"))?;
+                parts.push(images::image_from_url(url, &img.at("url"), detail)?);
             }
             "input_audio" => return Err(unsupported_field(&p.at("type"), ty, "audio input")),
             "file" => return Err(unsupported_field(&p.at("type"), ty, "file input")),

@@ -7,22 +7,27 @@
 //! server-side request forgery risk. The data must decode, be a PNG, JPEG, GIF or
 //! WebP image (its header gives the size, read by the ``imagesize`` crate), agree
 //! with the media type it claims, and stay within the limits below; each failure is
-//! a 400 naming the part. DeepSeek's own adapter fetches URLs and resizes with
-//! OpenCV for V4.1's vision encoder; no model served here has one, so the server
-//! refuses image requests before they run (``ParsedRequest.image_count``), and what
-//! is checked here is what any future encoder would need: valid, bounded images.
+//! a 400 naming the part. Each image's preprocessed size and token count follow
+//! DeepSeek's V4.1 specification (``crate::image_fit``) and go to the engine as
+//! ``EngineRequest::image_fits``. DeepSeek's own adapter also fetches URLs and
+//! re-encodes the pixels for V4.1's vision encoder; no model served here has one, so
+//! the server refuses image requests before they run (``ParsedRequest.image_count``).
 
 use base64::Engine;
 
-use crate::conversation::{ContentPart, Conversation};
+use crate::conversation::{ContentPart, Conversation, EngineRequest};
 use crate::error::{RecipeError, Result};
+use crate::image_fit::{self, ImageDetail};
 
 /// The largest decoded image (OpenAI's and Anthropic's limits are 20 MB and 5 MB).
 pub const MAX_IMAGE_BYTES: usize = 20 * 1024 * 1024;
 /// The most images one request may carry.
 pub const MAX_IMAGES: usize = 32;
-/// The largest side, in pixels.
-pub const MAX_IMAGE_SIDE: usize = 16_384;
+/// The largest side, in pixels (the official adapter's limit)...
+pub const MAX_IMAGE_SIDE: usize = 8192;
+/// ...and its limit once a request carries ``MANY_IMAGES`` or more.
+pub const MAX_IMAGE_SIDE_OF_MANY: usize = 4096;
+pub const MANY_IMAGES: usize = 15;
 
 const MEDIA_TYPES: &[(&str, imagesize::ImageType)] = &[
     ("image/png", imagesize::ImageType::Png),
@@ -32,7 +37,7 @@ const MEDIA_TYPES: &[(&str, imagesize::ImageType)] = &[
 ];
 
 /// A checked image part from a URL a client sent (``path`` names it in errors).
-pub(crate) fn image_from_url(url: &str, path: &str) -> Result<ContentPart> {
+pub(crate) fn image_from_url(url: &str, path: &str, detail: ImageDetail) -> Result<ContentPart> {
     if url.starts_with("http://") || url.starts_with("https://") {
         return Err(RecipeError::unsupported(
             path,
@@ -52,11 +57,16 @@ pub(crate) fn image_from_url(url: &str, path: &str) -> Result<ContentPart> {
             "an image data URL must be base64-encoded (data:<media type>;base64,<data>)",
         ));
     };
-    image_from_base64(media_type, data, path)
+    image_from_base64(media_type, data, path, detail)
 }
 
 /// A checked image part from base64 data and its declared media type.
-pub(crate) fn image_from_base64(media_type: &str, data: &str, path: &str) -> Result<ContentPart> {
+pub(crate) fn image_from_base64(
+    media_type: &str,
+    data: &str,
+    path: &str,
+    detail: ImageDetail,
+) -> Result<ContentPart> {
     let expected = check_media_type(media_type, path)?;
     // A base64 text longer than this decodes to more than the limit: refuse before decoding.
     if data.len() / 4 * 3 > MAX_IMAGE_BYTES + 3 {
@@ -94,7 +104,21 @@ pub(crate) fn image_from_base64(media_type: &str, data: &str, path: &str) -> Res
         url: format!("data:{media_type};base64,{}", data.trim()),
         width: size.width as u32,
         height: size.height as u32,
+        detail,
     })
+}
+
+/// The ``detail`` field of an image part, when given: low, high, auto or original.
+pub(crate) fn detail_field(detail: Option<&str>, path: &str) -> Result<ImageDetail> {
+    match detail {
+        None => Ok(ImageDetail::default()),
+        Some(name) => ImageDetail::parse(name).ok_or_else(|| {
+            RecipeError::invalid(
+                path,
+                format!("unknown detail {name:?} (expected auto, low, high or original)"),
+            )
+        }),
+    }
 }
 
 /// The image type a supported media type names; any other is an error at ``path``.
@@ -121,8 +145,11 @@ fn too_large(path: &str) -> RecipeError {
     )
 }
 
-/// How many images a conversation carries; more than ``MAX_IMAGES`` is an error.
-pub(crate) fn check_image_count(conversation: &Conversation) -> Result<usize> {
+/// Counts and fits a request's images (``images``, ``image_fits``): more than
+/// ``MAX_IMAGES``, a side over the limit for this many images, or an image the V4.1
+/// preprocessing cannot fit is an error.
+pub(crate) fn fit_images(request: &mut EngineRequest) -> Result<()> {
+    let conversation: &Conversation = &request.conversation;
     let count = conversation.image_count();
     if count > MAX_IMAGES {
         return Err(RecipeError::invalid(
@@ -130,5 +157,40 @@ pub(crate) fn check_image_count(conversation: &Conversation) -> Result<usize> {
             format!("{count} images; a request may carry at most {MAX_IMAGES}"),
         ));
     }
-    Ok(count)
+    let max_side = if count >= MANY_IMAGES {
+        MAX_IMAGE_SIDE_OF_MANY
+    } else {
+        MAX_IMAGE_SIDE
+    };
+    let images = conversation
+        .messages
+        .iter()
+        .flat_map(|m| &m.content)
+        .filter_map(|p| match p {
+            ContentPart::Image {
+                width,
+                height,
+                detail,
+                ..
+            } => Some((*width, *height, *detail)),
+            ContentPart::Text { .. } => None,
+        });
+    let mut fits = Vec::with_capacity(count);
+    for (number, (width, height, detail)) in images.enumerate() {
+        let which = format!("image {} of {count}", number + 1);
+        if width.max(height) as usize > max_side {
+            return Err(RecipeError::invalid(
+                "messages",
+                format!(
+                    "{which} is {width}x{height} pixels; with {count} image(s) each side must be at most {max_side}"
+                ),
+            ));
+        }
+        let fit = image_fit::preprocessed(width, height, detail)
+            .map_err(|why| RecipeError::invalid("messages", format!("{which}: {why}")))?;
+        fits.push(fit);
+    }
+    request.images = count;
+    request.image_fits = fits;
+    Ok(())
 }

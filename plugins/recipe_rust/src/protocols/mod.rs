@@ -48,7 +48,7 @@ pub fn parse_value(protocol: Protocol, body: &Value) -> Result<EngineRequest> {
         Protocol::Responses => responses::parse(body),
         Protocol::AnthropicMessages => anthropic::parse(body),
     }?;
-    request.images = images::check_image_count(&request.conversation)?;
+    images::fit_images(&mut request)?;
     Ok(request)
 }
 

@@ -30,7 +30,7 @@
 //! it (content parts preferred, else summary parts, joined with "\n\n").
 //!
 //! Ignored hints: item ``id`` / ``status``, ``output_text.annotations`` /
-//! ``logprobs``, ``input_image.detail``,
+//! ``logprobs``,
 //! ``text.format.description``, ``stream_options.include_obfuscation``.
 
 use serde_json::Value;
@@ -351,6 +351,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         prompt_cache_key,
         structured_outputs,
         images: 0, // counted by parse_value
+        image_fits: Vec::new(),
     })
 }
 
@@ -632,19 +633,12 @@ fn message_part(p: &Fields, ty: &str) -> Result<ContentPart> {
 fn input_image(p: &Fields) -> Result<ContentPart> {
     p.check_known(&["type", "image_url", "file_id", "detail"])?;
     p.reject("file_id", "uploaded files; send image_url")?;
-    if let Some(detail) = p.str("detail")? {
-        if !matches!(detail, "auto" | "low" | "high") {
-            return Err(RecipeError::invalid(
-                p.at("detail"),
-                format!("unknown detail {detail:?} (expected auto, low or high)"),
-            ));
-        }
-    }
+    let detail = images::detail_field(p.str("detail")?, &p.at("detail"))?;
     let url = p.req_str("image_url")?;
     if url.is_empty() {
         return Err(RecipeError::invalid(p.at("image_url"), "must not be empty"));
     }
-    images::image_from_url(url, &p.at("image_url"))
+    images::image_from_url(url, &p.at("image_url"), detail)
 }
 
 /// A function_call_output's output: a string or a list of input_text / input_image parts.
