@@ -93,15 +93,17 @@ class DecodeSteps:
         return times
 
 
-def linears_alone(model: torch.nn.Module, rows: int, repeats: int = 5) -> tuple[float, float]:
-    """Seconds for every ``Linear`` of ``model`` applied once to ``rows`` random rows (best
-    of ``repeats`` per layer), and the GFLOP that is."""
+def linears_alone(
+    model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5
+) -> tuple[float, float]:
+    """Seconds for every ``Linear`` of ``model`` applied once to ``rows`` random rows of
+    ``dtype`` (best of ``repeats`` per layer), and the GFLOP that is."""
     total, flops = 0.0, 0.0
     with torch.inference_mode():
         for module in model.modules():
             if not isinstance(module, Linear):
                 continue
-            x = torch.randn(rows, module.in_features)
+            x = torch.randn(rows, module.in_features, dtype=dtype)
             module(x)  # warm: first-call allocations
             best = float("inf")
             for _ in range(repeats):
@@ -113,11 +115,11 @@ def linears_alone(model: torch.nn.Module, rows: int, repeats: int = 5) -> tuple[
     return total, flops / 1e9
 
 
-def linears_in_order(model: torch.nn.Module, rows: int, repeats: int = 5) -> float:
+def linears_in_order(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
     """Seconds for every ``Linear`` of ``model`` applied once, one after the other in model
     order (best of ``repeats`` passes): as in a step, each weight comes from memory after the
     others went through the caches, which ``linears_alone`` (one weight, hot) never sees."""
-    layers = [(m, torch.randn(rows, m.in_features)) for m in model.modules() if isinstance(m, Linear)]
+    layers = [(m, torch.randn(rows, m.in_features, dtype=dtype)) for m in model.modules() if isinstance(m, Linear)]
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first pass warms allocations
@@ -165,8 +167,9 @@ def main() -> None:
     timers.on = True
     instrumented = steps.run(args.steps)
     timers.on = False
-    bound, gflop = linears_alone(runner.model, args.batch)
-    in_order = linears_in_order(runner.model, args.batch)
+    dtype = getattr(torch, args.dtype)
+    bound, gflop = linears_alone(runner.model, args.batch, dtype)
+    in_order = linears_in_order(runner.model, args.batch, dtype)
     llm.shutdown()
 
     step = sorted(plain)[len(plain) // 2]

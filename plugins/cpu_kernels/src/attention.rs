@@ -13,18 +13,69 @@
 //! its own row, in a fixed order, so results are batch-invariant and the same whichever
 //! thread runs the pair.
 //!
-//! Layouts (all float32, contiguous): query and out ``[tokens, heads, dim]``; key and value
+//! Elements are float32 or bfloat16 (``Element``), the same type for query, caches and out;
+//! bfloat16 is widened to float32 as it is read, every sum runs in float32, and the output is
+//! rounded to bfloat16 (to nearest, ties to even, as torch rounds) once, as it is stored.
+//!
+//! Layouts (contiguous): query and out ``[tokens, heads, dim]``; key and value
 //! cache ``[blocks, block_size, kv_heads, dim]``; block tables ``[batch, max_blocks]`` int32;
 //! ``query_start`` ``[batch + 1]`` and ``seq_lens`` ``[batch]`` int32. A row's query tokens
 //! are the last ``q_len`` positions of its ``seq_len`` tokens (their keys already stored).
 
-use crate::{for_row_chunks_on, kernel_path, KernelPath, OutPtr, Threads};
+use crate::{for_row_chunks_on, kernel_path, KernelPath, Threads};
+
+/// What query, caches and output hold: float32, or bfloat16 (a float32's upper 16 bits).
+pub trait Element: Copy + Send + Sync + 'static {
+    const BF16: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(value: f32) -> Self;
+}
+
+impl Element for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+/// A bfloat16 value, as torch stores it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Element for Bf16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+    /// Rounded to nearest, ties to even (torch's rounding); a NaN stays a (quiet) NaN.
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        let bits = value.to_bits();
+        if value.is_nan() {
+            return Bf16((bits >> 16) as u16 | 0x40);
+        }
+        Bf16((bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+}
+
+/// Where a call's output goes, shared by the threads (each writes its own pairs' vectors).
+#[derive(Clone, Copy)]
+pub(crate) struct Out<E>(pub(crate) *mut E);
+unsafe impl<E> Send for Out<E> {}
+unsafe impl<E> Sync for Out<E> {}
 
 /// One call's inputs (see the module docs for the layouts).
-pub struct PagedAttention<'a> {
-    pub query: &'a [f32],
-    pub key_cache: &'a [f32],
-    pub value_cache: &'a [f32],
+pub struct PagedAttention<'a, E: Element = f32> {
+    pub query: &'a [E],
+    pub key_cache: &'a [E],
+    pub value_cache: &'a [E],
     pub block_tables: &'a [i32],
     pub query_start: &'a [i32],
     pub seq_lens: &'a [i32],
@@ -55,7 +106,7 @@ pub(crate) struct Row {
 /// Pairs' work (query tokens x visible keys x heads) below which one thread runs them all.
 const PARALLEL_WORK: usize = 1 << 14;
 
-impl PagedAttention<'_> {
+impl<E: Element> PagedAttention<'_, E> {
     /// Checks every row against the buffers, so the kernel never reads out of bounds.
     fn plan(&self) -> Result<Vec<Row>, String> {
         let (heads, kv_heads, dim) = (self.heads, self.kv_heads, self.dim);
@@ -151,14 +202,14 @@ impl PagedAttention<'_> {
 }
 
 /// Attention of the chosen rows' query tokens, written into ``out`` at the same tokens.
-pub fn paged_attention(job: &PagedAttention, out: &mut [f32]) -> Result<(), String> {
+pub fn paged_attention<E: Element>(job: &PagedAttention<E>, out: &mut [E]) -> Result<(), String> {
     if out.len() != job.query.len() {
         return Err("out must have the query's shape".into());
     }
     let plan = job.plan()?;
     let pairs = plan.len() * job.kv_heads;
     let work: usize = plan.iter().map(|r| r.q_len * r.seq_len).sum::<usize>() * job.heads;
-    let out = OutPtr(out.as_mut_ptr());
+    let out = Out(out.as_mut_ptr());
     let path = kernel_path();
     let run = |p0: usize, p1: usize| {
         for pair in p0..p1 {
@@ -181,7 +232,7 @@ pub fn paged_attention(job: &PagedAttention, out: &mut [f32]) -> Result<(), Stri
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
+unsafe fn attend_avx2<E: Element>(job: &PagedAttention<E>, row: &Row, kv_head: usize, out: Out<E>) {
     if job.dim.is_multiple_of(8) {
         crate::attention_x86::attend(job, row, kv_head, out)
     } else {
@@ -197,7 +248,7 @@ unsafe fn attend_avx2(job: &PagedAttention, row: &Row, kv_head: usize, out: OutP
 /// values four at a time into one accumulator. Keys and values are addressed through
 /// offsets computed once per pair.
 #[inline(always)]
-fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
+fn attend<E: Element>(job: &PagedAttention<E>, row: &Row, kv_head: usize, out: Out<E>) {
     let (dim, heads) = (job.dim, job.heads);
     let group = heads / job.kv_heads;
     let first_position = row.seq_len - row.q_len;
@@ -207,23 +258,27 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
     let value = |j: usize| &job.value_cache[offsets[j]..offsets[j] + dim];
     let mut scores = vec![0.0f32; offsets.len()];
     let mut sum = vec![0.0f32; dim];
+    let mut query = vec![0.0f32; dim];
     for q in 0..row.q_len * group {
         let (t, h) = (q / group, q % group);
         let position = first_position + t;
         // The keys this query row sees, as indices into ``offsets``.
         let (a, b) = (job.first_key(position) - lo, position + 1 - lo);
         let offset = ((row.start + t) * heads + kv_head * group + h) * dim;
-        let query = &job.query[offset..offset + dim];
+        query
+            .iter_mut()
+            .zip(&job.query[offset..offset + dim])
+            .for_each(|(q, e)| *q = e.to_f32());
         let mut j = a;
         while j + 4 <= b {
-            let dots = dot4(query, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
+            let dots = dot4(&query, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
             for (score, d) in scores[j..j + 4].iter_mut().zip(dots) {
                 *score = d * job.scale;
             }
             j += 4;
         }
         for (j, score) in scores.iter_mut().enumerate().take(b).skip(j) {
-            *score = crate::dot(query, key(j)) * job.scale;
+            *score = dot4(&query, [key(j); 4])[0] * job.scale;
         }
         let seen = &mut scores[a..b];
         let max = max_of(seen);
@@ -241,7 +296,9 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
             j += 4;
         }
         for (j, &w) in scores.iter().enumerate().take(b).skip(j) {
-            sum.iter_mut().zip(value(j)).for_each(|(s, v)| *s += w * v);
+            sum.iter_mut()
+                .zip(value(j))
+                .for_each(|(s, v)| *s += w * v.to_f32());
         }
         let inverse = 1.0 / total;
         // SAFETY: each (token, head) vector belongs to exactly one pair, so chunks on other
@@ -250,7 +307,7 @@ fn attend(job: &PagedAttention, row: &Row, kv_head: usize, out: OutPtr) {
         target
             .iter_mut()
             .zip(&sum)
-            .for_each(|(o, s)| *o = s * inverse);
+            .for_each(|(o, s)| *o = E::from_f32(s * inverse));
     }
 }
 
@@ -270,9 +327,9 @@ pub(crate) fn max_of(values: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
-/// ``query . keys[i]`` for four keys, each summed in eight lanes like ``crate::dot``.
+/// ``query . keys[i]`` for four keys, each summed in eight lanes (so the loop vectorises).
 #[inline(always)]
-fn dot4(query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
+fn dot4<E: Element>(query: &[f32], keys: [&[E]; 4]) -> [f32; 4] {
     let mut lanes = [[0.0f32; 8]; 4];
     let chunks = query.len() / 8;
     for c in 0..chunks {
@@ -280,7 +337,7 @@ fn dot4(query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
         for (lane, key) in lanes.iter_mut().zip(&keys) {
             let k = &key[c * 8..c * 8 + 8];
             for i in 0..8 {
-                lane[i] += q[i] * k[i];
+                lane[i] += q[i] * k[i].to_f32();
             }
         }
     }
@@ -289,7 +346,7 @@ fn dot4(query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
         let mut total =
             (lane[0] + lane[4]) + (lane[1] + lane[5]) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
         for i in chunks * 8..query.len() {
-            total += query[i] * key[i];
+            total += query[i] * key[i].to_f32();
         }
         *dot = total;
     }
@@ -298,11 +355,12 @@ fn dot4(query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
 
 /// ``sum += w[0] * values[0] + ... + w[3] * values[3]``, element by element.
 #[inline(always)]
-fn axpy4(sum: &mut [f32], w: [f32; 4], values: [&[f32]; 4]) {
+fn axpy4<E: Element>(sum: &mut [f32], w: [f32; 4], values: [&[E]; 4]) {
     let n = sum.len();
     let [v0, v1, v2, v3] = values.map(|v| &v[..n]);
     for i in 0..n {
-        sum[i] += (w[0] * v0[i] + w[1] * v1[i]) + (w[2] * v2[i] + w[3] * v3[i]);
+        sum[i] += (w[0] * v0[i].to_f32() + w[1] * v1[i].to_f32())
+            + (w[2] * v2[i].to_f32() + w[3] * v3[i].to_f32());
     }
 }
 
@@ -329,6 +387,18 @@ pub(crate) fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_like_torch() {
+        // bfloat16 steps by 2^-7 near 1. 1 + 2^-8 lies halfway between 1 and 1 + 2^-7 and
+        // goes to the even one, 1; 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6
+        // and goes to the even one, 1 + 2^-6.
+        assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).to_f32(), 1.0);
+        assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).to_f32(), 1.0 + 1.0 / 64.0);
+        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        assert_eq!(Bf16::from_f32(f32::MAX).to_f32(), f32::INFINITY);
+    }
 
     #[test]
     fn exp_matches_libm_over_the_softmax_range() {

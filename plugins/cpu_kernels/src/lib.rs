@@ -32,7 +32,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
-pub use attention::{paged_attention, PagedAttention};
+pub use attention::{paged_attention, Bf16, Element, PagedAttention};
 pub use norm::{rms_norm, RmsNorm};
 pub use openmp::{openmp_available, set_openmp};
 use pool::Pool;

@@ -16,11 +16,11 @@ unsafe fn view<'a, T>(ptr: usize, len: usize) -> &'a [T] {
     std::slice::from_raw_parts(ptr as *const T, len)
 }
 
-unsafe fn view_mut<'a>(ptr: usize, len: usize) -> &'a mut [f32] {
+unsafe fn view_mut<'a, T>(ptr: usize, len: usize) -> &'a mut [T] {
     if len == 0 {
         return &mut [];
     }
-    std::slice::from_raw_parts_mut(ptr as *mut f32, len)
+    std::slice::from_raw_parts_mut(ptr as *mut T, len)
 }
 
 fn check_group(group: usize) -> PyResult<()> {
@@ -163,7 +163,8 @@ fn q8_dequantize(
     Ok(())
 }
 
-/// Attention of the short rows ``rows`` of a paged batch into ``out`` (see ``attention.rs``).
+/// Attention of the short rows ``rows`` of a paged batch into ``out`` (see ``attention.rs``);
+/// ``bf16``: every tensor holds bfloat16, else float32.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
@@ -189,10 +190,21 @@ fn paged_attention(
     window: usize,
     pool: bool,
     openmp_threads: usize,
+    bf16: bool,
 ) -> PyResult<()> {
-    py.detach(|| unsafe {
+    /// The call on elements of type ``E``.
+    unsafe fn run<E: crate::Element>(
+        pointers: [usize; 8],
+        shape: [usize; 10],
+        scale: f32,
+        threads: crate::Threads,
+    ) -> Result<(), String> {
+        let [query, key_cache, value_cache, block_tables, query_start, seq_lens, rows, out] =
+            pointers;
+        let [tokens, heads, kv_heads, dim, num_blocks, block_size, batch, max_blocks, num_rows, window] =
+            shape;
         let cache = num_blocks * block_size * kv_heads * dim;
-        let job = crate::PagedAttention {
+        let job = crate::PagedAttention::<E> {
             query: view(query, tokens * heads * dim),
             key_cache: view(key_cache, cache),
             value_cache: view(value_cache, cache),
@@ -207,12 +219,33 @@ fn paged_attention(
             max_blocks,
             scale,
             window,
-            threads: match crate::Threads::pool_or_openmp(openmp_threads) {
-                crate::Threads::Pool if !pool => crate::Threads::Caller,
-                threads => threads,
-            },
+            threads,
         };
         crate::paged_attention(&job, view_mut(out, tokens * heads * dim))
+    }
+    let pointers = [
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start,
+        seq_lens,
+        rows,
+        out,
+    ];
+    let shape = [
+        tokens, heads, kv_heads, dim, num_blocks, block_size, batch, max_blocks, num_rows, window,
+    ];
+    let threads = match crate::Threads::pool_or_openmp(openmp_threads) {
+        crate::Threads::Pool if !pool => crate::Threads::Caller,
+        threads => threads,
+    };
+    py.detach(|| unsafe {
+        if bf16 {
+            run::<crate::Bf16>(pointers, shape, scale, threads)
+        } else {
+            run::<f32>(pointers, shape, scale, threads)
+        }
     })
     .map_err(PyValueError::new_err)
 }

@@ -22,8 +22,7 @@ from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 
 
 class TestNativePagedAttention(AttentionBackendSuite):
-    """Float32 runs the native kernel (AVX2+FMA where this CPU has it); bfloat16 the
-    plain-torch path it falls back to."""
+    """Float32 and bfloat16 run the native kernel (AVX2+FMA where this CPU has it)."""
 
     component = "cpu-paged"
 
@@ -32,7 +31,6 @@ class TestNativePagedAttentionScalar(AttentionBackendSuite):
     """The portable scalar path, forced, through the whole kit."""
 
     component = "cpu-paged"
-    dtypes = (torch.float32,)
 
     @pytest.fixture(autouse=True)
     def _scalar(self) -> Iterator[None]:
@@ -45,11 +43,17 @@ BLOCK = 16
 
 
 def paged_batch(
-    lengths: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, extra_blocks: int = 5
+    lengths: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    extra_blocks: int = 5,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], AttentionMetadata, torch.Tensor, torch.Tensor]:
-    """Random queries and a filled paged cache for ``(context, new)`` sequences, blocks
-    shuffled among unused ones. Returns query, cache, metadata and every token's key and
-    value per sequence position (for the oracle), as ``[seq][pos]`` lists of tensors."""
+    """Random queries and a filled paged cache of ``dtype`` for ``(context, new)``
+    sequences, blocks shuffled among unused ones. Returns query, cache, metadata and every
+    token's key and value per sequence position (for the oracle, in ``dtype``), as
+    ``[seq][pos]`` lists of tensors."""
     needed = [math.ceil((c + q) / BLOCK) for c, q in lengths]
     num_blocks = sum(needed) + extra_blocks
     order = torch.randperm(num_blocks).tolist()
@@ -58,10 +62,13 @@ def paged_batch(
         tables.append(tuple(order[used : used + count]))
         used += count
     # Unused slots hold NaN: anything read that should not be shows up in the output.
-    cache = {name: torch.full((num_blocks, BLOCK, kv_heads, dim), float("nan")) for name in ("key", "value")}
+    cache = {
+        name: torch.full((num_blocks, BLOCK, kv_heads, dim), float("nan"), dtype=dtype) for name in ("key", "value")
+    }
     keys, values = [], []
     for (context, new), table in zip(lengths, tables, strict=True):
-        k, v = torch.randn(context + new, kv_heads, dim), torch.randn(context + new, kv_heads, dim)
+        k = torch.randn(context + new, kv_heads, dim).to(dtype)
+        v = torch.randn(context + new, kv_heads, dim).to(dtype)
         for pos in range(context + new):
             cache["key"][table[pos // BLOCK], pos % BLOCK] = k[pos]
             cache["value"][table[pos // BLOCK], pos % BLOCK] = v[pos]
@@ -74,7 +81,7 @@ def paged_batch(
         block_size=BLOCK,
         device="cpu",
     )
-    query = torch.randn(sum(q for _, q in lengths), heads, dim)
+    query = torch.randn(sum(q for _, q in lengths), heads, dim).to(dtype)
     return query, cache, metadata, keys, values
 
 
@@ -112,27 +119,38 @@ def short_rows_attention(
     return output
 
 
+#: Beyond float32 summation (atol 2e-6), a bfloat16 output is rounded once: half an ulp,
+#: 2^-8 of the value.
+OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (4, 4, 32), (6, 2, 80)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_short_rows_match_a_float64_oracle(
-    kernel_path: str, seed: int, heads: int, kv_heads: int, dim: int, window: int | None
+    kernel_path: str, seed: int, heads: int, kv_heads: int, dim: int, window: int | None, dtype: torch.dtype
 ) -> None:
     """Decodes and verification rows over contexts of hundreds of tokens, head dims that
-    are and are not multiples of the kernel's lanes, GQA, MQA and MHA."""
+    are and are not multiples of the kernel's lanes, GQA, MQA and MHA. The oracle reads the
+    same (bfloat16-rounded) inputs in float64."""
     lengths = [(int(torch.randint(0, 700, ())), 1) for _ in range(5)] + [(301, 4), (15, 16), (0, 7)]
     layer = AttentionLayerSpec(
         kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=dim**-0.5, sliding_window=window
     )
-    query, cache, metadata, keys, values = paged_batch(lengths, heads, kv_heads, dim)
+    query, cache, metadata, keys, values = paged_batch(lengths, heads, kv_heads, dim, dtype=dtype)
     got = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
+    assert got.dtype == dtype
     want = oracle(query, keys, values, lengths, layer)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6, msg=lambda m: f"{m} (seed={seed})")
+    torch.testing.assert_close(
+        got.double(), want, rtol=OUTPUT_ROUNDING[dtype], atol=2e-6, msg=lambda m: f"{m} (seed={seed})"
+    )
 
 
-def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(seed: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(seed: int, dtype: torch.dtype) -> None:
     lengths = [(int(torch.randint(0, 300, ())), 1) for _ in range(40)] + [(90, 5)]
     layer = AttentionLayerSpec(kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
-    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
+    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64, dtype=dtype)
     with torch_threads(1):  # the pool runs only while torch's own ops are on one thread
         together = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
         assert _native.threads() == 2

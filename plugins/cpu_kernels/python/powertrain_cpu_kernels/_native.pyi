@@ -56,6 +56,7 @@ def paged_attention(
     window: int,
     pool: bool,
     openmp_threads: int,
+    bf16: bool,
 ) -> None: ...
 def rotary_store(
     query: int,

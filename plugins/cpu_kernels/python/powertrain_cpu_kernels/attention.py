@@ -5,8 +5,10 @@ Decodes, verifications and short chunks (at most ``SHORT_QUERY`` new tokens) att
 native call per layer: each (sequence, kv head) pair reads its keys and values straight
 from the paged cache, with no gathered copy, padding bucket or mask (``src/attention.rs``).
 Long prefill rows keep ``scaled_dot_product_attention`` per sequence, which is matmul-bound
-and which a hand-written loop would not beat. Float32 only: a bfloat16 or float16 model, or
-a cache on another device, takes the plain-torch path of the parent class.
+and which a hand-written loop would not beat. The attention kernel takes float32 and
+bfloat16 (widened as it reads, summed in float32); the rotary and norm kernels float32
+only. Other dtypes, or a cache on another device, take the plain-torch path of the parent
+class.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKV
 from powertrain.layers.norm import rms_norm
 from powertrain.layers.rotary import apply_rotary
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
+
+
+#: What the attention kernel reads and writes.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NativePagedAttention(BucketedAttention):
@@ -42,8 +48,11 @@ class NativePagedAttention(BucketedAttention):
         metadata: AttentionMetadata,
         output: torch.Tensor,  # [tokens, heads, dim]: the short rows' tokens are written
     ) -> None:
-        native = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, key_cache, value_cache))
-        if not (native and output.is_contiguous() and output.dtype == torch.float32 and output.shape == query.shape):
+        dtype = query.dtype
+        native = dtype in KERNEL_DTYPES and all(
+            t.dtype == dtype and t.device.type == "cpu" for t in (key_cache, value_cache, output)
+        )
+        if not (native and output.is_contiguous() and output.shape == query.shape):
             super()._short(layer, query, key_cache, value_cache, metadata, output)
             return
         rows = self._short_rows(metadata)
@@ -78,6 +87,7 @@ class NativePagedAttention(BucketedAttention):
             layer.scale,
             layer.sliding_window or 0,
             *self._where_to_run(),
+            dtype == torch.bfloat16,
         )
 
     @staticmethod
