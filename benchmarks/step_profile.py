@@ -93,9 +93,7 @@ class DecodeSteps:
         return times
 
 
-def linears_alone(
-    model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5
-) -> tuple[float, float]:
+def linears_alone(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """Seconds for every ``Linear`` of ``model`` applied once to ``rows`` random rows of
     ``dtype`` (best of ``repeats`` per layer), and the GFLOP that is."""
     total, flops = 0.0, 0.0

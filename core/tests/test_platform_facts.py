@@ -206,6 +206,28 @@ def test_auto_dtype_is_the_platforms_choice() -> None:
     assert "float32 is exact" in cpu.auto_dtype_note  # the startup log says why
 
 
+@pytest.mark.parametrize(
+    ("flags", "bf16_kernels", "says"),
+    [
+        ({"avx2", "avx512_bf16"}, True, "twice as fast on this CPU's bfloat16 dot products (avx512_bf16)"),
+        ({"avx2", "amx_bf16", "avx512_bf16"}, True, "(amx_bf16, avx512_bf16): set dtype = bfloat16"),
+        ({"avx2", "avx512bw"}, True, "halves dense weight bytes"),
+        ({"avx2"}, False, "slower here"),
+    ],
+)
+def test_the_auto_dtype_note_says_what_bfloat16_would_do_on_this_cpu(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], bf16_kernels: bool, says: str
+) -> None:
+    """The CPU's flags and oneDNN's bfloat16 support, forced: the startup line points a
+    user at bfloat16 only where the CPU has bfloat16 dot products."""
+    from powertrain.builtin import platforms
+
+    monkeypatch.setattr(platforms, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(platforms, "onednn_bf16_supported", lambda: bf16_kernels)
+    cpu = detect_cpu()
+    assert cpu.auto_dtype == torch.float32 and says in cpu.auto_dtype_note
+
+
 def test_the_kv_budget_comes_from_the_platforms_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's free memory is mocked (no GPU here); the cpu budget is from its real total."""
     free = random.randrange(2**30, 100 * 2**30)

@@ -22,7 +22,6 @@ from powertrain.layers.norm import rms_norm
 from powertrain.layers.rotary import apply_rotary
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
 
-
 #: What the attention kernel reads and writes.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
