@@ -3,22 +3,26 @@
 //! each product rounded on its own (never fused). In torch that is about eight small ops per
 //! norm, two norms per layer; here it is one pass per row. Only the order of the squares'
 //! sum differs from torch (eight lanes, then their total), so results agree to float32
-//! rounding, not bit for bit.
+//! rounding, not bit for bit. In bfloat16 the sum, the normalised row and the weighted row
+//! are each rounded to bfloat16 where ``layers.norm`` rounds them (``Element``); the mean of
+//! squares runs in float32, as there.
+
+use crate::Element;
 
 /// One call: ``x``, ``residual`` and the outputs are ``[rows, hidden]``, ``weight`` ``[hidden]``.
-pub struct RmsNorm<'a> {
-    pub x: &'a [f32],
-    pub residual: Option<&'a [f32]>,
-    pub weight: &'a [f32],
+pub struct RmsNorm<'a, E: Element = f32> {
+    pub x: &'a [E],
+    pub residual: Option<&'a [E]>,
+    pub weight: &'a [E],
     pub hidden: usize,
     pub eps: f32,
 }
 
 /// ``normed`` (and ``sum``, ``x + residual``, where there is a residual) for every row.
-pub fn rms_norm(
-    job: &RmsNorm,
-    normed: &mut [f32],
-    mut sum: Option<&mut [f32]>,
+pub fn rms_norm<E: Element>(
+    job: &RmsNorm<E>,
+    normed: &mut [E],
+    mut sum: Option<&mut [E]>,
 ) -> Result<(), String> {
     let hidden = job.hidden;
     let rows = job.x.len().checked_div(hidden).unwrap_or(0);
@@ -34,24 +38,25 @@ pub fn rms_norm(
             "rms_norm sizes do not match {rows} rows of {hidden}"
         ));
     }
+    let round = |v: f32| E::from_f32(v).to_f32();
+    // The row to normalise, in float32: x, or x + residual (also stored in ``sum``).
+    let mut values = vec![0.0f32; hidden];
     for row in 0..rows {
         let span = row * hidden..(row + 1) * hidden;
         let x = &job.x[span.clone()];
-        let out = &mut normed[span.clone()];
-        // The row to normalise: x, or x + residual stored in ``sum`` first.
-        let values: &[f32] = match (job.residual, sum.as_deref_mut()) {
+        match (job.residual, sum.as_deref_mut()) {
             (Some(residual), Some(sum)) => {
-                let s = &mut sum[span.clone()];
-                for ((s, a), b) in s.iter_mut().zip(x).zip(&residual[span]) {
-                    *s = a + b;
+                let pairs = x.iter().zip(&residual[span.clone()]);
+                for ((v, s), (a, b)) in values.iter_mut().zip(&mut sum[span.clone()]).zip(pairs) {
+                    *s = E::from_f32(a.to_f32() + b.to_f32());
+                    *v = s.to_f32();
                 }
-                s
             }
-            _ => x,
-        };
-        let inverse = 1.0 / (squares(values) / hidden as f32 + job.eps).sqrt();
-        for ((o, v), w) in out.iter_mut().zip(values).zip(job.weight) {
-            *o = w * (v * inverse);
+            _ => values.iter_mut().zip(x).for_each(|(v, a)| *v = a.to_f32()),
+        }
+        let inverse = 1.0 / (squares(&values) / hidden as f32 + job.eps).sqrt();
+        for ((o, v), w) in normed[span].iter_mut().zip(&values).zip(job.weight) {
+            *o = E::from_f32(w.to_f32() * round(v * inverse));
         }
     }
     Ok(())

@@ -272,9 +272,16 @@ fn rotary_store(
     dim: usize,
     half: usize,
     num_slots: usize,
+    bf16: bool,
 ) -> PyResult<()> {
-    py.detach(|| unsafe {
-        let job = crate::RotaryStore {
+    /// The call on elements of type ``E``.
+    unsafe fn run<E: crate::Element>(
+        pointers: [usize; 9],
+        shape: [usize; 7],
+    ) -> Result<(), String> {
+        let [query, key, value, cos, sin, slots, rotated, key_cache, value_cache] = pointers;
+        let [tokens, stored, heads, kv_heads, dim, half, num_slots] = shape;
+        let job = crate::RotaryStore::<E> {
             query: view(query, tokens * heads * dim),
             key: view(key, stored * kv_heads * dim),
             value: view(value, stored * kv_heads * dim),
@@ -294,6 +301,25 @@ fn rotary_store(
             view_mut(key_cache, cache),
             view_mut(value_cache, cache),
         )
+    }
+    let pointers = [
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        slots,
+        rotated,
+        key_cache,
+        value_cache,
+    ];
+    let shape = [tokens, stored, heads, kv_heads, dim, half, num_slots];
+    py.detach(|| unsafe {
+        if bf16 {
+            run::<crate::Bf16>(pointers, shape)
+        } else {
+            run::<f32>(pointers, shape)
+        }
     })
     .map_err(PyValueError::new_err)
 }
@@ -311,18 +337,34 @@ fn rms_norm(
     rows: usize,
     hidden: usize,
     eps: f32,
+    bf16: bool,
 ) -> PyResult<()> {
-    let len = rows * hidden;
-    unsafe {
-        let job = crate::RmsNorm {
+    /// The call on elements of type ``E``.
+    unsafe fn run<E: crate::Element>(
+        pointers: [usize; 5],
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<(), String> {
+        let [x, residual, weight, normed, sum] = pointers;
+        let len = rows * hidden;
+        let job = crate::RmsNorm::<E> {
             x: view(x, len),
-            residual: (residual != 0).then(|| view::<f32>(residual, len)),
+            residual: (residual != 0).then(|| view::<E>(residual, len)),
             weight: view(weight, hidden),
             hidden,
             eps,
         };
         let sum = (sum != 0).then(|| view_mut(sum, len));
         crate::rms_norm(&job, view_mut(normed, len), sum)
+    }
+    let pointers = [x, residual, weight, normed, sum];
+    unsafe {
+        if bf16 {
+            run::<crate::Bf16>(pointers, rows, hidden, eps)
+        } else {
+            run::<f32>(pointers, rows, hidden, eps)
+        }
     }
     .map_err(PyValueError::new_err)
 }

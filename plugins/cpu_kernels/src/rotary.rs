@@ -9,17 +9,23 @@
 //! ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``, each product rounded before the
 //! subtraction or addition (never fused), and dims past ``2 * half`` copied.
 //!
-//! Layouts (float32, contiguous): query ``[tokens, heads, dim]``, key and value
+//! In bfloat16 each of those products, sums and differences is rounded to bfloat16 as torch
+//! rounds it (``Element``), so the bits are still ``apply_rotary``'s.
+//!
+//! Layouts (float32 or bfloat16, one type for all but the slots; contiguous): query
+//! ``[tokens, heads, dim]``, key and value
 //! ``[tokens, kv_heads, dim]``, cos and sin ``[tokens, half]``, slots ``[tokens]`` int64
 //! (the first ``stored`` are written), caches ``[slots, kv_heads, dim]`` (blocks flattened).
 
+use crate::Element;
+
 /// One call's inputs (see the module docs for the layouts).
-pub struct RotaryStore<'a> {
-    pub query: &'a [f32],
-    pub key: &'a [f32],
-    pub value: &'a [f32],
-    pub cos: &'a [f32],
-    pub sin: &'a [f32],
+pub struct RotaryStore<'a, E: Element = f32> {
+    pub query: &'a [E],
+    pub key: &'a [E],
+    pub value: &'a [E],
+    pub cos: &'a [E],
+    pub sin: &'a [E],
     pub slots: &'a [i64],
     pub heads: usize,
     pub kv_heads: usize,
@@ -31,11 +37,11 @@ pub struct RotaryStore<'a> {
 
 /// Rotated queries into ``rotated``; rotated keys and the values into the caches at their
 /// slots. Checks every size and slot first, so nothing is written when one is wrong.
-pub fn rotary_store(
-    job: &RotaryStore,
-    rotated: &mut [f32],
-    key_cache: &mut [f32],
-    value_cache: &mut [f32],
+pub fn rotary_store<E: Element>(
+    job: &RotaryStore<E>,
+    rotated: &mut [E],
+    key_cache: &mut [E],
+    value_cache: &mut [E],
 ) -> Result<(), String> {
     let (dim, half) = (job.dim, job.half);
     let row = job.kv_heads * dim;
@@ -97,18 +103,21 @@ pub fn rotary_store(
     Ok(())
 }
 
-/// One head's vector rotated by one token's angles.
+/// One head's vector rotated by one token's angles, every product, sum and difference
+/// rounded to ``E`` as torch rounds it (a no-op in float32).
 #[inline]
-fn rotate(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+fn rotate<E: Element>(x: &[E], cos: &[E], sin: &[E], out: &mut [E]) {
     let half = cos.len();
     let (x1, rest) = x.split_at(half);
     let (x2, pass) = rest.split_at(half);
     let (o1, rest) = out.split_at_mut(half);
     let (o2, out_pass) = rest.split_at_mut(half);
+    let round = |v: f32| E::from_f32(v).to_f32();
     for i in 0..half {
-        let (a, b) = (x1[i], x2[i]);
-        o1[i] = a * cos[i] - b * sin[i];
-        o2[i] = b * cos[i] + a * sin[i];
+        let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
+        let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
+        o1[i] = E::from_f32(round(a * c) - round(b * s));
+        o2[i] = E::from_f32(round(b * c) + round(a * s));
     }
     out_pass.copy_from_slice(pass);
 }

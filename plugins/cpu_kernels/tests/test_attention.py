@@ -14,6 +14,7 @@ import torch
 
 from powertrain.engine.model_runner import torch_threads
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+from powertrain.layers.norm import rms_norm
 from powertrain.layers.rotary import apply_rotary
 from powertrain.testing.attention import AttentionBackendSuite
 from powertrain_cpu_kernels import _native
@@ -204,17 +205,21 @@ def test_an_output_the_kernel_cannot_write_in_place_takes_the_torch_path(seed: i
     torch.testing.assert_close(strided.double(), want, rtol=0, atol=2e-6, msg=lambda m: f"{m} (seed={seed})")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_fused_rotary_gives_the_bits_of_rotating_in_torch_then_attending(seed: int, rotary_dim: int) -> None:
+def test_fused_rotary_gives_the_bits_of_rotating_in_torch_then_attending(
+    seed: int, rotary_dim: int, dtype: torch.dtype
+) -> None:
     """forward_rotary against apply_rotary + forward: the same output and the same cache,
-    bit for bit (decodes, a verification row and a long prefill; full and partial rotary)."""
+    bit for bit (decodes, a verification row and a long prefill; full and partial rotary;
+    in bfloat16 every product and sum rounded as torch rounds it)."""
     lengths = [(40, 1), (7, 1), (20, 5), (0, 30)]
     layer = AttentionLayerSpec(kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
-    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
+    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64, dtype=dtype)
     tokens = query.shape[0]
-    key, value = torch.randn(tokens, 3, 64), torch.randn(tokens, 3, 64)
+    key, value = torch.randn(tokens, 3, 64).to(dtype), torch.randn(tokens, 3, 64).to(dtype)
     angles = torch.rand(tokens, rotary_dim // 2) * 6.3
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     backend = NativePagedAttention()
     fused_cache = {name: tensor.clone() for name, tensor in cache.items()}
     fused = backend.forward_rotary(layer, query, key, value, cos, sin, fused_cache, metadata)
@@ -223,6 +228,28 @@ def test_fused_rotary_gives_the_bits_of_rotating_in_torch_then_attending(seed: i
     for name in ("key", "value"):
         same = torch.equal(fused_cache[name].nan_to_num(7.0), cache[name].nan_to_num(7.0))
         assert same, f"the {name} caches differ (seed={seed})"
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_bfloat16_rms_norm_rounds_where_torch_rounds(seed: int, with_residual: bool) -> None:
+    """The native bfloat16 norm against layers.norm's: the residual sum bit for bit, the
+    normed row within one bfloat16 step (only the float32 order of the squares' sum differs,
+    which can move a value across a rounding boundary)."""
+    rows, hidden = 37, 576
+    x = torch.randn(rows, hidden).to(torch.bfloat16)
+    residual = torch.randn(rows, hidden).to(torch.bfloat16) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden)).to(torch.bfloat16)
+    got = NativePagedAttention().rms_norm(x, weight, 1e-5, residual)
+    want = rms_norm(x, weight, 1e-5, residual)
+    if residual is None:
+        got, want = (got,), (want,)
+    else:
+        assert torch.equal(got[1], want[1]), f"the residual sums differ (seed={seed})"
+    assert got[0].dtype == torch.bfloat16
+    step = want[0].float().abs() * 2.0**-7 + 1e-30
+    assert ((got[0].float() - want[0].float()).abs() <= step).all(), f"more than one bfloat16 step (seed={seed})"
+    # Most values agree exactly: a broken rounding would move about half of them.
+    assert (got[0] == want[0]).float().mean() > 0.99, f"(seed={seed})"
 
 
 def test_fused_rotary_refuses_a_slot_outside_the_cache_and_writes_nothing(seed: int) -> None:

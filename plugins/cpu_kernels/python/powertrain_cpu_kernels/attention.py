@@ -5,10 +5,9 @@ Decodes, verifications and short chunks (at most ``SHORT_QUERY`` new tokens) att
 native call per layer: each (sequence, kv head) pair reads its keys and values straight
 from the paged cache, with no gathered copy, padding bucket or mask (``src/attention.rs``).
 Long prefill rows keep ``scaled_dot_product_attention`` per sequence, which is matmul-bound
-and which a hand-written loop would not beat. The attention kernel takes float32 and
-bfloat16 (widened as it reads, summed in float32); the rotary and norm kernels float32
-only. Other dtypes, or a cache on another device, take the plain-torch path of the parent
-class.
+and which a hand-written loop would not beat. The kernels take float32 and bfloat16
+(widened as they read, computed in float32, rounded where torch rounds); other dtypes, or a
+cache on another device, take the plain-torch path of the parent class.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from powertrain.layers.norm import rms_norm
 from powertrain.layers.rotary import apply_rotary
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
 
-#: What the attention kernel reads and writes.
+#: What the kernels read and write.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -114,7 +113,8 @@ class NativePagedAttention(BucketedAttention):
         tokens, heads, dim = query.shape
         per_token = (layer.num_kv_heads, dim)
         if not (
-            all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            query.dtype in KERNEL_DTYPES
+            and all(t.dtype == query.dtype and t.device.type == "cpu" for t in tensors)
             and key.shape == value.shape == (tokens, *per_token)
             and cos.shape == sin.shape == (tokens, cos.shape[-1])
             and key_cache.is_contiguous()
@@ -146,6 +146,7 @@ class NativePagedAttention(BucketedAttention):
             dim,
             cos.shape[-1],
             key_cache.shape[0] * key_cache.shape[1],
+            query.dtype == torch.bfloat16,
         )
         return self._attend(layer, rotated, key_cache, value_cache, metadata)
 
@@ -154,24 +155,32 @@ class NativePagedAttention(BucketedAttention):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``layers.norm.RMSNorm`` (the ``fused-rmsnorm`` capability) in one native pass per
         row, with the residual add (``src/norm.rs``): about eight small torch ops per norm
-        otherwise, two norms per layer. Inputs it does not take (not float32, not on the CPU,
+        otherwise, two norms per layer. Inputs it does not take (neither float32 nor bfloat16, not on the CPU,
         not ``[rows, hidden]``) go through the plain-torch reference."""
         tensors = (x, weight) if residual is None else (x, weight, residual)
         if not (
-            all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            x.dtype in KERNEL_DTYPES
+            and all(t.dtype == x.dtype and t.device.type == "cpu" for t in tensors)
             and x.dim() == 2
             and weight.shape == x.shape[1:]
             and (residual is None or residual.shape == x.shape)
         ):
             return rms_norm(x, weight, eps, residual)
         x, weight = x.contiguous(), weight.contiguous()
-        normed = torch.empty_like(x)
+        normed, bf16 = torch.empty_like(x), x.dtype == torch.bfloat16
         if residual is None:
-            _native.rms_norm(x.data_ptr(), 0, weight.data_ptr(), normed.data_ptr(), 0, *x.shape, eps)
+            _native.rms_norm(x.data_ptr(), 0, weight.data_ptr(), normed.data_ptr(), 0, *x.shape, eps, bf16)
             return normed
         residual, total = residual.contiguous(), torch.empty_like(x)
         _native.rms_norm(
-            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), normed.data_ptr(), total.data_ptr(), *x.shape, eps
+            x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            normed.data_ptr(),
+            total.data_ptr(),
+            *x.shape,
+            eps,
+            bf16,
         )
         return normed, total
 
