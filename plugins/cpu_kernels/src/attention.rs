@@ -58,10 +58,10 @@ impl Element for Bf16 {
     #[inline(always)]
     fn from_f32(value: f32) -> Self {
         let bits = value.to_bits();
-        if value.is_nan() {
-            return Bf16((bits >> 16) as u16 | 0x40);
-        }
-        Bf16((bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16)
+        let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+        // A select rather than an early return, so loops of it vectorise.
+        let nan = (bits >> 16) | 0x40;
+        Bf16(if value.is_nan() { nan } else { rounded } as u16)
     }
 }
 
