@@ -4,7 +4,8 @@ torch's own int8 weight-only kernel, for q8 where this torch has it), on SmolLM2
 shapes.
 
 Each row: microseconds per call (median) for each route of ``NativeQuantizedLinear``:
-``widened`` (codes widened inside each dot), ``panels`` (the weight dequantised a panel at a
+``widened`` (codes widened inside each dot, activations float32), ``int16`` (the same, but
+one or two rows of activations rounded to 16 bits, ``src/q4_i16.rs``), ``panels`` (the weight dequantised a panel at a
 time and multiplied, ``src/gemm.rs``), ``blocks`` (dequantised 4 MB at a time for torch's
 ``F.linear``) and ``route`` (what it picks by default: widened below ``GEMM_MIN_ROWS`` rows,
 panels from there); then ``F.linear`` on the dense float32 weight, the ratio dense/route (> 1:
@@ -89,7 +90,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     routes = {
-        "widened": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30),
+        "widened": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30, activation_bits=32),
+        "int16": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30),
         "panels": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1),
         "blocks": NativeQuantizedLinear(gemv_max_rows=0),
         "route": NativeQuantizedLinear(),

@@ -16,7 +16,9 @@
 //! tiles of ``x`` pass over it, so each weight byte is read from memory once per call.
 //!
 //! Two paths: AVX2+FMA intrinsics on x86_64 CPUs that have them (detected at run time), and
-//! a portable scalar path elsewhere (or when forced, for tests). Work is split over the
+//! a portable scalar path elsewhere (or when forced, for tests). On the AVX2 path, one- and
+//! two-row ``q4`` products may round the activations to 16 bits instead (``q4_i16.rs``),
+//! with AVX-512 VNNI where the CPU has it. Work is split over the
 //! output rows ``n``, on torch's own OpenMP team where the caller asks for it (``openmp.rs``),
 //! else on a small pool (``pool.rs``) whose size the caller sets; the calling thread is one
 //! of the threads either way.
@@ -48,6 +50,8 @@ mod norm;
 mod openmp;
 mod pool;
 mod q4;
+#[cfg(target_arch = "x86_64")]
+mod q4_i16;
 mod q8;
 mod rotary;
 #[cfg(target_arch = "x86_64")]
@@ -102,6 +106,27 @@ pub fn kernel_path() -> KernelPath {
     } else {
         best
     }
+}
+
+static NO_VNNI: AtomicBool = AtomicBool::new(false);
+
+/// Whether AVX-512 VNNI integer dot products are used (detected, unless switched off).
+pub fn vnni() -> bool {
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    let detected = *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    });
+    detected && !NO_VNNI.load(Ordering::Relaxed)
+}
+
+/// Switch VNNI off (``true``: AVX2's ``vpmaddwd`` instead) or back on where detected.
+pub fn force_no_vnni(on: bool) {
+    NO_VNNI.store(on, Ordering::Relaxed);
 }
 
 /// The best path this CPU supports, whatever is forced.
@@ -234,10 +259,16 @@ fn group_sums(x: &[f32], m: usize, k: usize, group: usize) -> Vec<f32> {
 /// Rows of ``x`` one tile holds (codes widened once per group are reused across them).
 pub(crate) const TILE: usize = 8;
 
+/// Rows of ``x`` up to which ``q4_linear`` may round activations to 16 bits: from three rows
+/// on, widening the codes once per group for a tile of rows (``x86.rs``) is faster
+/// (``benchmarks/quantized_linear.py``).
+pub const INT16_MAX_ROWS: usize = 2;
+
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight (``codes [n, k/2]``, ``scales`` and
 /// ``offsets`` ``[n, k/32]``). From ``gemm_min_rows`` rows of ``x`` on, the weight is
 /// dequantised a panel at a time and multiplied (``gemm.rs``); below, codes are widened
-/// inside the dot (``x86.rs``).
+/// inside the dot (``x86.rs``), or, with ``int16_activations`` and at most
+/// ``INT16_MAX_ROWS`` rows on AVX2, meet activations rounded to 16 bits (``q4_i16.rs``).
 #[allow(clippy::too_many_arguments)]
 pub fn q4_linear(
     x: &[f32],
@@ -249,6 +280,7 @@ pub fn q4_linear(
     n: usize,
     k: usize,
     gemm_min_rows: usize,
+    int16_activations: bool,
     on: Threads,
 ) {
     if m == 0 || n == 0 {
@@ -285,6 +317,19 @@ pub fn q4_linear(
         n,
         k,
     };
+    #[cfg(target_arch = "x86_64")]
+    if path == KernelPath::Avx2Fma && int16_activations && m <= INT16_MAX_ROWS {
+        let activations = unsafe { q4_i16::quantize(x, m, k) };
+        let vnni = vnni();
+        for_row_chunks_on(on, n, 16, |r0, r1| unsafe {
+            if vnni {
+                q4_i16::rows_vnni(&job, &activations, out_ptr, r0, r1)
+            } else {
+                q4_i16::rows_avx2(&job, &activations, out_ptr, r0, r1)
+            }
+        });
+        return;
+    }
     for_row_chunks_on(on, n, 16, |r0, r1| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe { x86::q4_rows(&job, out_ptr, r0, r1) },

@@ -34,7 +34,8 @@ fn check_group(group: usize) -> PyResult<()> {
 }
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none. From
-/// ``gemm_min_rows`` rows of ``x`` on, panels of the weight are dequantised and multiplied.
+/// ``gemm_min_rows`` rows of ``x`` on, panels of the weight are dequantised and multiplied;
+/// ``int16_activations`` lets one- and two-row products round activations to 16 bits.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q4_linear(
@@ -48,6 +49,7 @@ fn q4_linear(
     n: usize,
     k: usize,
     gemm_min_rows: usize,
+    int16_activations: bool,
     openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
@@ -62,6 +64,7 @@ fn q4_linear(
             n,
             k,
             gemm_min_rows,
+            int16_activations,
             crate::Threads::pool_or_openmp(openmp_threads),
         )
     })
@@ -413,6 +416,18 @@ fn threads() -> usize {
     crate::threads_now()
 }
 
+/// Whether AVX-512 VNNI integer dot products are in use.
+#[pyfunction]
+fn vnni() -> bool {
+    crate::vnni()
+}
+
+/// Switch VNNI off (``True``) or back on where detected.
+#[pyfunction]
+fn force_no_vnni(on: bool) {
+    crate::force_no_vnni(on)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q4_linear, m)?)?;
@@ -425,6 +440,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(force_scalar, m)?)?;
+    m.add_function(wrap_pyfunction!(vnni, m)?)?;
+    m.add_function(wrap_pyfunction!(force_no_vnni, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
     m.add_function(wrap_pyfunction!(set_openmp, m)?)?;

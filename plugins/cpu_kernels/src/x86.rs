@@ -144,6 +144,9 @@ unsafe fn q4_rows_one_token(
     for g in 0..groups {
         let xs = load32(x.add(g * 32)); // once for all ROWS weight rows
         for (i, acc) in acc.iter_mut().enumerate() {
+            // As in q4_i16.rs: a few rows ahead, for the interleaved row streams.
+            let ahead = codes.wrapping_add(((i + crate::q4_i16::PREFETCH_ROWS) * groups + g) * 16);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             let w = widen_q4(codes.add((i * groups + g) * 16), mask);
             let s = _mm256_set1_ps(*scales.add(i * groups + g));
             *acc = _mm256_fmadd_ps(dot32(&w, &xs), s, *acc);

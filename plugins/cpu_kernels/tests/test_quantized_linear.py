@@ -3,7 +3,9 @@ times the activations in float64.
 
 Tolerance: float32 results within ``1e-5 * (|x| @ |W|^T + |bias|)`` of the oracle, elementwise
 (the scale of the terms summed, so cancellation cannot make a correct result look wrong);
-bfloat16 results additionally within one bfloat16 rounding (``2**-8 * |oracle|``).
+bfloat16 results additionally within one bfloat16 rounding (``2**-8 * |oracle|``). Products
+whose activations were rounded to 16 bits (``activation_bits=16``) additionally within that
+rounding's bound, ``sum_g max|x_g| / 65534 * sum_j |W_gj|``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,7 +31,10 @@ F32_TOL = 1e-5
 BF16_TOL = 2.0**-8
 
 NATIVE = NativeQuantizedLinear(gemv_max_rows=1 << 30)  # always the native kernel
-TILES = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30)  # codes widened in the dot
+# codes widened in the dot, activations float32
+TILES = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30, activation_bits=32)
+# the same, but one or two rows of activations rounded to 16 bits on AVX2 (src/q4_i16.rs)
+INT16 = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30)
 PANELS = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1)  # dequantised panels (src/gemm.rs)
 DENSE = NativeQuantizedLinear(gemv_max_rows=0)  # always native dequantise + F.linear
 BLOCKED = NativeQuantizedLinear(gemv_max_rows=0, dense_block=544 * 16)  # the same, 16 rows of 544 a block
@@ -45,7 +51,9 @@ def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool) -> Quanti
     return QuantizedWeight(codes=codes, scales=scales, offsets=shifts, format=fmt, group=group, source=f"test {fmt}")
 
 
-def oracle(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def oracle(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation_bits: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 result, and the error each element may have."""
     dense = weight.dequantize(torch.float64)
     x64 = x.to(torch.float64)
@@ -55,9 +63,20 @@ def oracle(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) 
         want = want + bias.to(torch.float64)
         scale = scale + bias.to(torch.float64).abs()
     allowed = F32_TOL * scale + 1e-30
+    if activation_bits == 16:
+        allowed = allowed + int16_rounding_bound(x64, dense)
     if x.dtype == torch.bfloat16:
         allowed = allowed + BF16_TOL * want.abs()
     return want, allowed
+
+
+def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``[m, n]``: how far rounding each 32-column group of ``x`` to 16 bits (a step of
+    ``max|x_g| / 32767``, half of it at most per element) can move each output."""
+    groups = x.shape[-1] // 32
+    group_max = x.abs().reshape(-1, groups, 32).amax(-1)  # [m, groups]
+    weight_mass = dense.abs().reshape(-1, groups, 32).sum(-1)  # [n, groups]
+    return group_max @ weight_mass.T / 65534
 
 
 def check(got: torch.Tensor, x: torch.Tensor, want: torch.Tensor, allowed: torch.Tensor, what: str) -> None:
@@ -84,6 +103,10 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                 x = torch.randn(m, k).to(dtype)
                 bias = torch.randn(n) if with_bias else None
                 want, allowed = oracle(x, weight, bias)
+                want16, allowed16 = oracle(x, weight, bias, activation_bits=16)
+                got = INT16.linear(x, INT16.prepare(weight), bias)
+                what = f"seed={seed} {fmt}/{group} {kernel_path} int16 m={m} n={n} k={k} offsets={offsets} {dtype}"
+                check(got, x, want16, allowed16, what)
                 routes = (
                     (TILES, "native, widened"),
                     (PANELS, "native, panels"),
@@ -192,3 +215,61 @@ def test_torch_openmp_runtime_is_found_where_torch_uses_libgomp() -> None:
     with torch_threads(2):
         assert openmp_team() == 2
     assert _native.openmp_available()
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def integer_dot(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The 16-bit products with AVX-512 VNNI's ``vpdpwssd`` (where this CPU has it) and with
+    AVX2's ``vpmaddwd``."""
+    if _native.best_kernel_path() != "avx2+fma":
+        pytest.skip(f"16-bit activations run on AVX2 (the kernels detected {_native.best_kernel_path()})")
+    _native.force_no_vnni(request.param == "avx2")
+    if request.param == "vnni" and not _native.vnni():
+        _native.force_no_vnni(False)
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    yield request.param
+    _native.force_no_vnni(False)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_int16_activations_stay_within_their_rounding_bound(m: int, integer_dot: str, seed: int) -> None:
+    for n in (1, 3, 4, 5, 37, 257):
+        for k in (32, 96, 544, 1536):
+            for offsets in (False, True):
+                weight = random_weight("q4", 32, n, k, offsets)
+                # activations of mixed magnitudes, as a model's are (outlier columns)
+                x = torch.randn(m, k) * torch.exp(torch.randn(k) * 1.5)
+                got = INT16.linear(x, INT16.prepare(weight), None)
+                what = f"seed={seed} {integer_dot} m={m} n={n} k={k} offsets={offsets}"
+                check(got, x, *oracle(x, weight, None, activation_bits=16), what)
+
+
+def test_int16_activations_that_need_no_rounding_give_float32_results(integer_dot: str, seed: int) -> None:
+    """Each group holding a value of magnitude exactly 32767 steps, and every value a whole
+    number of steps (a power of two), rounds without error: the result must then be as close
+    to the oracle as a float32 product, so a wrong scale or rounding cannot hide in the bound."""
+    for n, k in ((5, 32), (37, 544), (257, 1536)):
+        for m in (1, 2):
+            step = 2.0 ** torch.randint(-12, -4, (m, k // 32, 1)).double()
+            q = torch.randint(-32767, 32768, (m, k // 32, 32)).double()
+            q[:, :, torch.randint(0, 32, ())] = 32767.0 * torch.where(torch.rand(m, k // 32) < 0.5, -1.0, 1.0)
+            x = (q * step).reshape(m, k).float()
+            weight = random_weight("q4", 32, n, k, offsets=True)
+            got = INT16.linear(x, INT16.prepare(weight), None)
+            check(got, x, *oracle(x, weight, None), f"seed={seed} {integer_dot} m={m} n={n} k={k}")
+
+
+def test_int16_activations_carry_nan_and_infinity_to_the_output(integer_dot: str) -> None:
+    weight = random_weight("q4", 32, 9, 96, offsets=True)
+    prepared = INT16.prepare(weight)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 96)
+        x[0, 40] = bad
+        got = INT16.linear(x, prepared, None)
+        assert not got[0].isfinite().any(), f"{integer_dot} {bad}: {got[0]}"
+        assert got[1].isfinite().all(), f"{integer_dot} {bad}: the other row"
+
+
+def test_activation_bits_are_16_or_32() -> None:
+    with pytest.raises(ValueError, match=r"activation_bits must be 16 or 32, got 8"):
+        NativeQuantizedLinear(activation_bits=8)

@@ -164,6 +164,12 @@ class QuantizedLinearKernel(Protocol):
 
     ``prepare`` runs once per weight at load time and may re-lay it out for the kernel (the
     result is only ever handed back to this kernel's ``linear``); ``linear`` runs per step.
+
+    A kernel may also round activations to integers before multiplying, each 32-column group
+    to its own scale (``x ~ scale_g * q``, ``|q| <= 2**(bits - 1) - 1``, nearest), if it says
+    so in an ``activation_bits`` attribute (at least 16: 8-bit rounding changed greedy
+    continuations of SmolLM2-135M where 16 bits did not). Without one, products are those
+    of the activations as given. The conformance kit allows that rounding's error bound.
     """
 
     #: Formats it multiplies (a subset of ``QUANT_FORMATS``).

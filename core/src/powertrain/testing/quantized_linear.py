@@ -56,8 +56,12 @@ def _case_id(case: tuple[str, int, bool]) -> str:
     return f"{case[0]}-g{case[1]}-{'offsets' if case[2] else 'no-offsets'}"
 
 
-def _scaled_errors(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """|got - want| over the sum of the products' magnitudes, |x| @ |W|^T, per output element.
+def _scaled_errors(
+    got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, want: torch.Tensor, activation_bits: int | None = None
+) -> torch.Tensor:
+    """|got - want| over the sum of the products' magnitudes, |x| @ |W|^T, per output element;
+    for a kernel that rounds activations to ``activation_bits``-bit integers (see
+    ``QuantizedLinearKernel``), the part of it that rounding's bound does not explain.
 
     That sum is what rounding scales with: a dot product whose terms cancel has a tiny result
     but the rounding of its large terms, so a relative error of the result would flake on a
@@ -65,7 +69,24 @@ def _scaled_errors(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, want
     correct kernel (and is of order 1 for a wrong scale, offset or nibble).
     """
     magnitude = x.abs() @ dense.abs().T
-    return (got - want).abs() / magnitude.clamp_min(torch.finfo(torch.float32).tiny)
+    error = (got - want).abs()
+    if activation_bits is not None:
+        # Half a step, max|x_g| / (2**(bits - 1) - 1), per activation, times the weights it meets.
+        groups = x.shape[-1] // 32
+        group_max = x.abs().reshape(-1, groups, 32).amax(-1)
+        weight_mass = dense.abs().reshape(-1, groups, 32).sum(-1)
+        bound = group_max @ weight_mass.T / (2 * (2 ** (activation_bits - 1) - 1))
+        error = (error - bound).clamp_min(0)
+    return error / magnitude.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _activation_bits(kernel: QuantizedLinearKernel) -> int | None:
+    """The kernel's declared activation rounding (None: none), refused below 16 bits."""
+    bits = getattr(kernel, "activation_bits", None)
+    if bits is None or bits >= 32:
+        return None
+    assert isinstance(bits, int) and bits >= 16, f"activation_bits {bits!r}: the contract allows 16 or more"
+    return bits
 
 
 class QuantizedLinearSuite(ComponentSuite):
@@ -130,7 +151,7 @@ class QuantizedLinearSuite(ComponentSuite):
         if tokens == 0:
             return
         dense = weight.dequantize(torch.float64)
-        worst = float(_scaled_errors(got.double().cpu(), x.double(), dense, want).max())
+        worst = float(_scaled_errors(got.double().cpu(), x.double(), dense, want, _activation_bits(kernel)).max())
         assert worst < self.tolerances[dtype], (
             f"{format} group {group} offsets={offsets} [{tokens}x{cols}] x [{rows}x{cols}]^T in {dtype}: "
             f"worst scaled error {worst:.2e} > {self.tolerances[dtype]:.0e} (seed {seed})"
@@ -173,7 +194,7 @@ class QuantizedLinearSuite(ComponentSuite):
         for tokens in (7, 1, 40, 2):
             x = torch.randn(tokens, 64, generator=gen)
             got = kernel.linear(x.to(device), prepared, None).double().cpu()
-            errors = _scaled_errors(got, x.double(), dense, x.double() @ dense.T)
+            errors = _scaled_errors(got, x.double(), dense, x.double() @ dense.T, _activation_bits(kernel))
             assert float(errors.max()) < self.tolerances[torch.float32], seed
 
     def test_refuses_formats_it_does_not_declare(self, subject: Subject, seed: int) -> None:

@@ -1,0 +1,177 @@
+//! Decode-sized ``q4`` products with the activations rounded to 16-bit integers (x86_64).
+//!
+//! Widening each 4-bit code to float32 costs two conversions per weight (``x86.rs``); at a
+//! few rows of ``x`` those, not memory, bound the product. Here each 32-column group of a
+//! row of ``x`` is rounded once per call to ``i16`` with its own scale
+//! (``x ~ dx_g * q``, ``|q| <= 32767``), and each code meets its activation in an integer
+//! multiply-add: ``vpmaddwd`` (AVX2) or ``vpdpwssd`` (AVX-512 VNNI) sums pairs of
+//! ``code * q`` into 32-bit lanes, exactly. A group's integer dot is converted once and
+//! scaled by ``scale_g * dx_g``. The offsets' term keeps the float32 group sums of ``x``.
+//!
+//! The rounding moves each activation by at most ``dx_g / 2 = max|x_g| / 65534``: an output
+//! changes by at most ``sum_g max|x_g| / 65534 * sum_j |W_gj|`` (bound checked by the
+//! tests). llama.cpp rounds activations to 8 bits for the same product, 256 times coarser;
+//! on the embedded SmolLM2 that changed greedy continuations where 16 bits did not.
+
+use std::arch::x86_64::*;
+
+use crate::{q4, OutPtr};
+
+/// ``q`` in [-32767, 32767] per group: ``x[t, 32g + j] ~ scales[t, g] * q[t, 32g + j]``.
+pub(crate) struct Activations {
+    pub q: Vec<i16>,
+    pub scales: Vec<f32>,
+}
+
+/// Rounds ``x [m, k]`` (``k`` a multiple of 32) group by group. A group holding a NaN or an
+/// infinity gets a NaN scale, which carries it to every output it meets.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn quantize(x: &[f32], m: usize, k: usize) -> Activations {
+    let groups = m * k / 32;
+    let mut q = vec![0i16; m * k];
+    let mut scales = vec![0.0f32; groups];
+    let sign = _mm256_set1_ps(-0.0);
+    for (g, scale) in scales.iter_mut().enumerate() {
+        let xs = x.as_ptr().add(g * 32);
+        let v = [0, 8, 16, 24].map(|j| _mm256_loadu_ps(xs.add(j)));
+        // max with the accumulator second: a NaN in v is kept (maxps returns its second operand then).
+        let amax = v.iter().fold(_mm256_setzero_ps(), |a, v| {
+            _mm256_max_ps(_mm256_andnot_ps(sign, *v), a)
+        });
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), amax);
+        let amax = lanes
+            .iter()
+            .fold(0.0f32, |a, v| if *v > a || v.is_nan() { *v } else { a });
+        if amax == 0.0 {
+            continue; // q and the scale stay 0
+        }
+        if !amax.is_finite() {
+            *scale = f32::NAN;
+            continue;
+        }
+        *scale = amax / 32767.0;
+        let inverse = _mm256_set1_ps(32767.0 / amax);
+        // cvtps rounds to nearest even; packs interleaves 128-bit lanes, the permute undoes it.
+        let i = v.map(|v| _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse)));
+        let packed = [
+            _mm256_packs_epi32(i[0], i[1]),
+            _mm256_packs_epi32(i[2], i[3]),
+        ];
+        for (half, p) in packed.iter().enumerate() {
+            let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(*p);
+            _mm256_storeu_si256(
+                q.as_mut_ptr().add(g * 32 + half * 16) as *mut __m256i,
+                ordered,
+            );
+        }
+    }
+    Activations { q, scales }
+}
+
+/// Weight rows per pass over a row of ``x``: independent accumulation chains, and each group
+/// of ``x`` loaded once for all of them.
+const ROWS: usize = 4;
+
+/// How many weight rows ahead codes are prefetched (4 to 16 measured alike; without, the
+/// model's q4 weights streamed at 14-15 GB/s, with, at about 25).
+pub(crate) const PREFETCH_ROWS: usize = 8;
+
+/// The integer multiply-add: ``acc + sum of pairs of a * b`` in eight 32-bit lanes.
+trait MulAdd {
+    unsafe fn mul_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+}
+
+struct Avx2;
+struct Vnni;
+
+impl MulAdd for Avx2 {
+    #[inline(always)]
+    unsafe fn mul_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+    }
+}
+
+impl MulAdd for Vnni {
+    #[inline(always)]
+    unsafe fn mul_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpwssd_epi32(acc, a, b)
+    }
+}
+
+/// ``dots[i][t]`` for ``ROWS`` weight rows (``LEN`` of them real) and the row ``t`` of ``x``.
+#[inline(always)]
+unsafe fn rows_dot<M: MulAdd, const LEN: usize>(
+    job: &q4::Job,
+    x: &Activations,
+    r: usize,
+    t: usize,
+) -> [f32; ROWS] {
+    let k = job.k;
+    let groups = k / 32;
+    let nibble = _mm256_set1_epi16(0x0F);
+    let codes = job.codes.as_ptr().add(r * k / 2);
+    let scales = job.scales.as_ptr().add(r * groups);
+    let q = x.q.as_ptr().add(t * k);
+    let dx = x.scales.as_ptr().add(t * groups);
+    let mut acc = [_mm256_setzero_ps(); ROWS];
+    for g in 0..groups {
+        let low = _mm256_loadu_si256(q.add(g * 32) as *const __m256i);
+        let high = _mm256_loadu_si256(q.add(g * 32 + 16) as *const __m256i);
+        let dx = *dx.add(g);
+        for (i, acc) in acc.iter_mut().enumerate().take(LEN) {
+            // The rows after these, a few blocks ahead: the hardware prefetcher alone
+            // follows too few of the interleaved row streams to keep memory busy.
+            _mm_prefetch::<_MM_HINT_T0>(
+                codes.wrapping_add(((i + PREFETCH_ROWS) * groups + g) * 16) as *const i8,
+            );
+            let bytes = _mm_loadu_si128(codes.add((i * groups + g) * 16) as *const __m128i);
+            let words = _mm256_cvtepu8_epi16(bytes);
+            let dot = M::mul_add(
+                M::mul_add(_mm256_setzero_si256(), _mm256_and_si256(words, nibble), low),
+                _mm256_srli_epi16::<4>(words),
+                high,
+            );
+            let scale = _mm256_set1_ps(*scales.add(i * groups + g) * dx);
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
+        }
+    }
+    let mut dots = [0.0f32; ROWS];
+    for i in 0..LEN {
+        dots[i] = crate::x86::hsum(acc[i]);
+    }
+    dots
+}
+
+#[inline(always)]
+unsafe fn rows_with<M: MulAdd>(job: &q4::Job, x: &Activations, out: OutPtr, r0: usize, r1: usize) {
+    let n = job.n;
+    let mut r = r0;
+    while r < r1 {
+        let len = (r1 - r).min(ROWS);
+        for t in 0..job.m {
+            let dots = match len {
+                4 => rows_dot::<M, 4>(job, x, r, t),
+                3 => rows_dot::<M, 3>(job, x, r, t),
+                2 => rows_dot::<M, 2>(job, x, r, t),
+                _ => rows_dot::<M, 1>(job, x, r, t),
+            };
+            for (i, dot) in dots.iter().enumerate().take(len) {
+                *out.0.add(t * n + r + i) = dot + job.offset_term(r + i, t);
+            }
+        }
+        r += len;
+    }
+}
+
+/// Output rows ``r0..r1`` with ``vpmaddwd``.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn rows_avx2(job: &q4::Job, x: &Activations, out: OutPtr, r0: usize, r1: usize) {
+    rows_with::<Avx2>(job, x, out, r0, r1)
+}
+
+/// Output rows ``r0..r1`` with ``vpdpwssd``.
+#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+pub(crate) unsafe fn rows_vnni(job: &q4::Job, x: &Activations, out: OutPtr, r0: usize, r1: usize) {
+    rows_with::<Vnni>(job, x, out, r0, r1)
+}
