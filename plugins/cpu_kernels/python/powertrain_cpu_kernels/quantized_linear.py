@@ -201,33 +201,9 @@ class NativeQuantizedLinear:
         m, rows, cols = x.shape[0], prepared.rows, prepared.cols
         out = torch.empty(m, rows, dtype=torch.float32)  # what the kernels write, whatever torch's default
         codes, scales, offsets = prepared.pointers
+        shared = (x.data_ptr(), codes, scales, offsets, out.data_ptr(), m, rows, cols)
         if prepared.weight.format == "q4":
-            _native.q4_linear(
-                x.data_ptr(),
-                codes,
-                scales,
-                offsets,
-                out.data_ptr(),
-                m,
-                rows,
-                cols,
-                self.gemm_min_rows,
-                self.activation_bits == 16,
-                openmp_team(),
-            )
+            _native.q4_linear(*shared, self.gemm_min_rows, self.activation_bits == 16, openmp_team())
         else:
-            group = prepared.weight.group
-            _native.q8_linear(
-                x.data_ptr(),
-                codes,
-                scales,
-                offsets,
-                out.data_ptr(),
-                m,
-                rows,
-                cols,
-                group,
-                self.gemm_min_rows,
-                openmp_team(),
-            )
+            _native.q8_linear(*shared, prepared.weight.group, self.gemm_min_rows, openmp_team())
         return out
