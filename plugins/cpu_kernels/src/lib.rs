@@ -110,13 +110,17 @@ pub fn kernel_path() -> KernelPath {
 
 static NO_VNNI: AtomicBool = AtomicBool::new(false);
 
-/// Whether AVX-512 VNNI integer dot products are used (detected, unless switched off).
+/// Whether AVX-512 (F, BW, VL) with VNNI integer dot products is used (detected, unless
+/// switched off).
 pub fn vnni() -> bool {
     static DETECTED: OnceLock<bool> = OnceLock::new();
     let detected = *DETECTED.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+            is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512f")
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
