@@ -28,6 +28,7 @@ the top-k cached tokens an indexer picked for it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -370,7 +371,7 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc_host[-1]
 
-    @property
+    @functools.cached_property  # read by every layer of a step
     def query_lens_host(self) -> tuple[int, ...]:
         q = self.query_start_loc_host
         return tuple(q[i + 1] - q[i] for i in range(len(q) - 1))

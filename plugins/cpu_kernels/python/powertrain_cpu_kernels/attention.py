@@ -34,8 +34,8 @@ class NativePagedAttention(BucketedAttention):
     def __init__(self, threads: int | None = None) -> None:
         super().__init__()
         self.threads = torch.get_num_threads() if threads is None else max(1, threads)
-        # The short rows of the step being run, as the kernel takes them (see _short_rows).
-        self._rows: tuple[AttentionMetadata | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.int64))
+        # The step being run and its tensors as the kernel takes them (see _step_tensors).
+        self._rows: tuple[AttentionMetadata | None, tuple[torch.Tensor, ...]] = (None, ())
 
     def _short(
         self,
@@ -47,21 +47,15 @@ class NativePagedAttention(BucketedAttention):
         output: torch.Tensor,  # [tokens, heads, dim]: the short rows' tokens are written
     ) -> None:
         dtype = query.dtype
-        native = dtype in KERNEL_DTYPES and all(
-            t.dtype == dtype and t.device.type == "cpu" for t in (key_cache, value_cache, output)
-        )
+        native = dtype in KERNEL_DTYPES and all(t.dtype == dtype and t.is_cpu for t in (key_cache, value_cache, output))
         if not (native and output.is_contiguous() and output.shape == query.shape):
             super()._short(layer, query, key_cache, value_cache, metadata, output)
             return
-        rows = self._short_rows(metadata)
+        rows, tables, starts, seq_lens = self._step_tensors(metadata)
         if not rows.numel():
             return
         query = query.contiguous()
         key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
-        tables = metadata.block_tables.contiguous()
-        starts, seq_lens = metadata.query_start_loc.contiguous(), metadata.seq_lens.contiguous()
-        if not all(t.dtype == torch.int32 for t in (tables, starts, seq_lens)):
-            raise TypeError("cpu-paged: block_tables, query_start_loc and seq_lens must be int32 (AttentionMetadata)")
         tokens, heads, dim = query.shape
         use_threads(self.threads)
         _native.paged_attention(
@@ -114,7 +108,7 @@ class NativePagedAttention(BucketedAttention):
         per_token = (layer.num_kv_heads, dim)
         if not (
             query.dtype in KERNEL_DTYPES
-            and all(t.dtype == query.dtype and t.device.type == "cpu" for t in tensors)
+            and all(t.dtype == query.dtype and t.is_cpu for t in tensors)
             and key.shape == value.shape == (tokens, *per_token)
             and cos.shape == sin.shape == (tokens, cos.shape[-1])
             and key_cache.is_contiguous()
@@ -160,7 +154,7 @@ class NativePagedAttention(BucketedAttention):
         tensors = (x, weight) if residual is None else (x, weight, residual)
         if not (
             x.dtype in KERNEL_DTYPES
-            and all(t.dtype == x.dtype and t.device.type == "cpu" for t in tensors)
+            and all(t.dtype == x.dtype and t.is_cpu for t in tensors)
             and x.dim() == 2
             and weight.shape == x.shape[1:]
             and (residual is None or residual.shape == x.shape)
@@ -184,10 +178,19 @@ class NativePagedAttention(BucketedAttention):
         )
         return normed, total
 
-    def _short_rows(self, metadata: AttentionMetadata) -> torch.Tensor:
-        """The sequences with at most ``SHORT_QUERY`` new tokens: the same for every layer of
-        a step, so listed once per step."""
+    def _step_tensors(
+        self, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences with at most ``SHORT_QUERY`` new tokens, and the block tables, query
+        starts and sequence lengths checked and made contiguous: the same for every layer of
+        a step, so done once per step."""
         if self._rows[0] is not metadata:
             short = [i for i, n in enumerate(metadata.query_lens_host) if n <= SHORT_QUERY]
-            self._rows = (metadata, torch.tensor(short, dtype=torch.int64))
+            tables = metadata.block_tables.contiguous()
+            starts, seq_lens = metadata.query_start_loc.contiguous(), metadata.seq_lens.contiguous()
+            if not all(t.dtype == torch.int32 for t in (tables, starts, seq_lens)):
+                raise TypeError(
+                    "cpu-paged: block_tables, query_start_loc and seq_lens must be int32 (AttentionMetadata)"
+                )
+            self._rows = (metadata, (torch.tensor(short, dtype=torch.int64), tables, starts, seq_lens))
         return self._rows[1]
