@@ -147,9 +147,19 @@ def test_default_kernel_batches_and_keeps_shape(kernel_path: str, seed: int) -> 
             got = kernel.linear(x, prepared, None)
         assert got.shape == (*shape[:-1], 37)
         x2 = x.reshape(-1, 96)
-        check(got.reshape(-1, 37), x2, *oracle(x2, weight, None), f"seed={seed} {kernel_path} x {list(shape)}")
+        check(
+            got.reshape(-1, 37),
+            x2,
+            *oracle(x2, weight, None, kernel.activation_bits),
+            f"seed={seed} {kernel_path} x {list(shape)}",
+        )
     strided = torch.randn(96, 5).T  # not contiguous
-    check(kernel.linear(strided, prepared, None), strided, *oracle(strided, weight, None), f"seed={seed} strided x")
+    check(
+        kernel.linear(strided, prepared, None),
+        strided,
+        *oracle(strided, weight, None, kernel.activation_bits),
+        f"seed={seed} strided x",
+    )
 
 
 def test_thread_count_does_not_change_results(seed: int) -> None:

@@ -100,6 +100,9 @@ class QuantizedLinearSuite(ComponentSuite):
       from the oracle (the weight values are exact in float32), 1e-5 admits any order over a
       few thousand columns; bfloat16 rounds the output (unit roundoff 3.9e-3), and a kernel may
       round partial sums, hence 2e-2. A wrong scale, offset, nibble order or group is of order 1.
+
+    A kernel that declares ``activation_bits`` (``QuantizedLinearKernel``) is also allowed
+    its rounding's bound, element by element; fewer than 16 bits fail the suite.
     """
 
     kind: ClassVar[str] = "quantized_linear"
