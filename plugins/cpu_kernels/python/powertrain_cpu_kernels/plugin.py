@@ -38,6 +38,12 @@ def build_native(context: QuantizedLinearContext) -> NativeQuantizedLinear:
     return NativeQuantizedLinear()
 
 
+def build_native_float32(context: QuantizedLinearContext) -> NativeQuantizedLinear:
+    from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
+
+    return NativeQuantizedLinear(activation_bits=32)
+
+
 def build_paged(context: AttentionBackendContext) -> NativePagedAttention:
     from powertrain_cpu_kernels.attention import NativePagedAttention
 
@@ -66,20 +72,32 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
 
 @hookimpl
 def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
+    # Calls run on torch's OpenMP team where it is reachable (threads.openmp_team);
+    # elsewhere decode-sized calls run on the kernel's own pool, torch on one thread.
+    own_pool_max_rows = 0 if gomp_parallel_address() else POOL_MAX_ROWS
     return [
         QuantizedLinearRecord(
             name="cpu-native",
             platforms={"cpu"},
             capabilities={"q4", "q8"},
             priority=10,
-            # Calls run on torch's OpenMP team where it is reachable (threads.openmp_team);
-            # elsewhere decode-sized calls run on the kernel's own pool, torch on one thread.
-            own_pool_max_rows=0 if gomp_parallel_address() else POOL_MAX_ROWS,
+            own_pool_max_rows=own_pool_max_rows,
             check=native_available,
             factory=build_native,
             description=(
                 "Rust q4/q8 x float matmul (AVX2+FMA where the CPU has it, else portable); "
-                "few rows read each quantised byte once, more multiply dequantised panels of it"
+                "few rows read each quantised byte once, more multiply dequantised panels of it; "
+                "one- and two-row q4 products round activations to 16 bits on AVX2"
             ),
-        )
+        ),
+        QuantizedLinearRecord(
+            name="cpu-native-f32",
+            platforms={"cpu"},
+            capabilities={"q4", "q8"},
+            priority=5,
+            own_pool_max_rows=own_pool_max_rows,
+            check=native_available,
+            factory=build_native_float32,
+            description="cpu-native with float32 activations everywhere (batch-1 q4 decode 1.5-2x slower)",
+        ),
     ]
