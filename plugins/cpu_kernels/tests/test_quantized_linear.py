@@ -20,6 +20,7 @@ import torch
 
 from powertrain.engine.model_runner import torch_threads
 from powertrain.interfaces.quantized import QuantizedLinearKernel, QuantizedWeight
+from powertrain.testing.quantized_linear import activation_rounding_bound
 from powertrain_cpu_kernels import NativeQuantizedLinear, PreparedWeight, _native
 from powertrain_cpu_kernels.threads import openmp_team
 from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
@@ -64,19 +65,10 @@ def oracle(
         scale = scale + bias.to(torch.float64).abs()
     allowed = F32_TOL * scale + 1e-30
     if activation_bits == 16:
-        allowed = allowed + int16_rounding_bound(x64, dense)
+        allowed = allowed + activation_rounding_bound(x64, dense, 16)
     if x.dtype == torch.bfloat16:
         allowed = allowed + BF16_TOL * want.abs()
     return want, allowed
-
-
-def int16_rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """``[m, n]``: how far rounding each 32-column group of ``x`` to 16 bits (a step of
-    ``max|x_g| / 32767``, half of it at most per element) can move each output."""
-    groups = x.shape[-1] // 32
-    group_max = x.abs().reshape(-1, groups, 32).amax(-1)  # [m, groups]
-    weight_mass = dense.abs().reshape(-1, groups, 32).sum(-1)  # [n, groups]
-    return group_max @ weight_mass.T / 65534
 
 
 def check(got: torch.Tensor, x: torch.Tensor, want: torch.Tensor, allowed: torch.Tensor, what: str) -> None:
@@ -232,10 +224,13 @@ def integer_dot(request: pytest.FixtureRequest) -> Iterator[str]:
     """The 16-bit products with AVX-512 VNNI's ``vpdpwssd`` (where this CPU has it) and with
     AVX2's ``vpmaddwd``."""
     if _native.best_kernel_path() != "avx2+fma":
+        # Absent CPU features are detected, never assumed: elsewhere the products stay float32,
+        # which the oracle test above covers on the scalar path.
         pytest.skip(f"16-bit activations run on AVX2 (the kernels detected {_native.best_kernel_path()})")
     _native.force_no_vnni(request.param == "avx2")
     if request.param == "vnni" and not _native.vnni():
         _native.force_no_vnni(False)
+        # Detected, never assumed: without VNNI the AVX2 parameter runs the route this CPU takes.
         pytest.skip("this CPU has no AVX-512 VNNI")
     yield request.param
     _native.force_no_vnni(False)

@@ -24,7 +24,7 @@ import torch
 from powertrain.interfaces import QuantizedLinearContext, QuantizedLinearKernel, QuantizedWeight
 from powertrain.testing.base import ComponentSuite, Subject, generator
 
-__all__ = ["QuantizedLinearSuite", "random_quantized_weight"]
+__all__ = ["QuantizedLinearSuite", "activation_rounding_bound", "random_quantized_weight"]
 
 #: (format, group, with offsets) cases; a backend runs those whose format it declares.
 WEIGHT_CASES = (("q4", 32, True), ("q4", 32, False), ("q8", 32, False), ("q8", 32, True), ("q8", 16, True))
@@ -71,13 +71,18 @@ def _scaled_errors(
     magnitude = x.abs() @ dense.abs().T
     error = (got - want).abs()
     if activation_bits is not None:
-        # Half a step, max|x_g| / (2**(bits - 1) - 1), per activation, times the weights it meets.
-        groups = x.shape[-1] // 32
-        group_max = x.abs().reshape(-1, groups, 32).amax(-1)
-        weight_mass = dense.abs().reshape(-1, groups, 32).sum(-1)
-        bound = group_max @ weight_mass.T / (2 * (2 ** (activation_bits - 1) - 1))
-        error = (error - bound).clamp_min(0)
+        error = (error - activation_rounding_bound(x, dense, activation_bits)).clamp_min(0)
     return error / magnitude.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def activation_rounding_bound(x: torch.Tensor, dense: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[tokens, rows]``: how far rounding each 32-column group of ``x`` to ``bits``-bit
+    integers can move each output of ``x @ dense.T``: half a step, ``max|x_g| /
+    (2**(bits - 1) - 1)``, per activation, times the weights it meets."""
+    groups = x.shape[-1] // 32
+    group_max = x.abs().reshape(-1, groups, 32).amax(-1)
+    weight_mass = dense.abs().reshape(-1, groups, 32).sum(-1)
+    return group_max @ weight_mass.T / (2 * (2 ** (bits - 1) - 1))
 
 
 def _activation_bits(kernel: QuantizedLinearKernel) -> int | None:

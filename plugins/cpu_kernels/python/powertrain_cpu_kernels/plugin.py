@@ -8,6 +8,7 @@ check and the factory, when assembly (or the conformance kit) asks for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from powertrain import hookimpl
@@ -72,32 +73,33 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
 
 @hookimpl
 def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
-    # Calls run on torch's OpenMP team where it is reachable (threads.openmp_team);
-    # elsewhere decode-sized calls run on the kernel's own pool, torch on one thread.
-    own_pool_max_rows = 0 if gomp_parallel_address() else POOL_MAX_ROWS
+    def record(name: str, priority: int, factory: Callable, description: str) -> QuantizedLinearRecord:
+        return QuantizedLinearRecord(
+            name=name,
+            platforms={"cpu"},
+            capabilities={"q4", "q8"},
+            priority=priority,
+            # Calls run on torch's OpenMP team where it is reachable (threads.openmp_team);
+            # elsewhere decode-sized calls run on the kernel's own pool, torch on one thread.
+            own_pool_max_rows=0 if gomp_parallel_address() else POOL_MAX_ROWS,
+            check=native_available,
+            factory=factory,
+            description=description,
+        )
+
     return [
-        QuantizedLinearRecord(
-            name="cpu-native",
-            platforms={"cpu"},
-            capabilities={"q4", "q8"},
-            priority=10,
-            own_pool_max_rows=own_pool_max_rows,
-            check=native_available,
-            factory=build_native,
-            description=(
-                "Rust q4/q8 x float matmul (AVX2+FMA where the CPU has it, else portable); "
-                "few rows read each quantised byte once, more multiply dequantised panels of it; "
-                "one- and two-row q4 products round activations to 16 bits on AVX2"
-            ),
+        record(
+            "cpu-native",
+            10,
+            build_native,
+            "Rust q4/q8 x float matmul (AVX2+FMA where the CPU has it, else portable); "
+            "few rows read each quantised byte once, more multiply dequantised panels of it; "
+            "one- and two-row q4 products round activations to 16 bits on AVX2",
         ),
-        QuantizedLinearRecord(
-            name="cpu-native-f32",
-            platforms={"cpu"},
-            capabilities={"q4", "q8"},
-            priority=5,
-            own_pool_max_rows=own_pool_max_rows,
-            check=native_available,
-            factory=build_native_float32,
-            description="cpu-native with float32 activations everywhere (batch-1 q4 decode 1.5-2x slower)",
+        record(
+            "cpu-native-f32",
+            5,
+            build_native_float32,
+            "cpu-native with float32 activations everywhere (batch-1 q4 decode 1.5-2x slower)",
         ),
     ]
