@@ -39,6 +39,9 @@ INT16 = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30)
 PANELS = NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1)  # dequantised panels (src/gemm.rs)
 DENSE = NativeQuantizedLinear(gemv_max_rows=0)  # always native dequantise + F.linear
 BLOCKED = NativeQuantizedLinear(gemv_max_rows=0, dense_block=544 * 16)  # the same, 16 rows of 544 a block
+# bfloat16 activations times the weight dequantised to bfloat16 (F.linear in bfloat16), whole and blocked
+BF16_DENSE = NativeQuantizedLinear(bf16_dense_min_rows=1)
+BF16_BLOCKED = NativeQuantizedLinear(bf16_dense_min_rows=1, dense_block=544 * 16)
 
 
 def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool) -> QuantizedWeight:
@@ -53,9 +56,14 @@ def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool) -> Quanti
 
 
 def oracle(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation_bits: int = 32
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    activation_bits: int = 32,
+    weight_rounding: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 result, and the error each element may have."""
+    """The float64 result, and the error each element may have (``weight_rounding``: the
+    relative rounding of a weight the kernel multiplies in a narrower dtype)."""
     dense = weight.dequantize(torch.float64)
     x64 = x.to(torch.float64)
     want = x64 @ dense.T
@@ -63,7 +71,7 @@ def oracle(
     if bias is not None:
         want = want + bias.to(torch.float64)
         scale = scale + bias.to(torch.float64).abs()
-    allowed = F32_TOL * scale + 1e-30
+    allowed = (F32_TOL + weight_rounding) * scale + 1e-30
     if activation_bits == 16:
         allowed = allowed + activation_rounding_bound(x64, dense, 16)
     if x.dtype == torch.bfloat16:
@@ -112,6 +120,13 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                         f"offsets={offsets} bias={with_bias} {dtype}"
                     )
                     check(got, x, want, allowed, what)
+                if dtype == torch.bfloat16:
+                    # Weights and bias rounded to bfloat16 (2**-9 relative), and the product may be
+                    # rounded once more before the bias is added (another 2**-9 of the terms' scale).
+                    want_b, allowed_b = oracle(x, weight, bias, weight_rounding=2.0**-8)
+                    for kernel, route in ((BF16_DENSE, "bfloat16 dequantise"), (BF16_BLOCKED, "bfloat16 blocked")):
+                        got = kernel.linear(x, kernel.prepare(weight), bias)
+                        check(got, x, want_b, allowed_b, f"seed={seed} {fmt}/{group} {route} m={m} n={n} k={k}")
 
 
 @pytest.mark.parametrize(("fmt", "group"), FORMATS)
@@ -273,6 +288,34 @@ def test_int16_activations_carry_nan_and_infinity_to_the_output(integer_dot: str
         got = INT16.linear(x, prepared, None)
         assert not got[0].isfinite().any(), f"{integer_dot} {bad}: {got[0]}"
         assert got[1].isfinite().all(), f"{integer_dot} {bad}: the other row"
+
+
+def test_bfloat16_route_multiplies_the_weight_in_bfloat16(seed: int) -> None:
+    """From ``bf16_dense_min_rows`` rows of bfloat16 activations on, the product is torch's
+    bfloat16 matmul by the dequantised weight (bit for bit); below it, activations are widened
+    for the float32 kernel, which gives other bits."""
+    weight = random_weight("q4", 32, 300, 544, True)
+    kernel = NativeQuantizedLinear(bf16_dense_min_rows=16, dense_block=544 * 128)  # 3 blocks
+    prepared = kernel.prepare(weight)
+    dense = weight.dequantize(torch.float32).to(torch.bfloat16)
+    bias = torch.randn(300).to(torch.bfloat16)
+    for m, taken in ((16, True), (40, True), (15, False)):
+        x = torch.randn(2, m // 2 + m % 2, 544)[:, : m // 2 + m % 2].reshape(-1, 544)[:m].to(torch.bfloat16)
+        got = kernel.linear(x, prepared, bias)
+        blockwise = torch.cat(
+            [torch.nn.functional.linear(x, part, b) for part, b in zip(dense.split(128), bias.split(128), strict=True)],
+            dim=1,
+        )
+        assert torch.equal(got, blockwise) == taken, f"m={m} (seed {seed})"
+
+
+def test_the_bfloat16_route_is_chosen_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from powertrain_cpu_kernels.tuning import BF16_DENSE_MIN_ROWS
+
+    for flags, want in (({"avx512_bf16", "avx2"}, BF16_DENSE_MIN_ROWS), ({"amx_bf16"}, BF16_DENSE_MIN_ROWS), ({"avx2"}, None)):
+        monkeypatch.setattr("powertrain.builtin.platforms.cpu_flags", lambda flags=flags: frozenset(flags))
+        assert NativeQuantizedLinear.for_this_cpu().bf16_dense_min_rows == want, flags
+        assert NativeQuantizedLinear.for_this_cpu(activation_bits=32).activation_bits == 32
 
 
 def test_activation_bits_are_16_or_32() -> None:

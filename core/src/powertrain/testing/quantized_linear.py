@@ -177,7 +177,7 @@ class QuantizedLinearSuite(ComponentSuite):
 
     @pytest.mark.parametrize("case", WEIGHT_CASES[:1] + WEIGHT_CASES[-1:], ids=["q4", "q8-g16"])
     @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
-    @pytest.mark.parametrize("tokens", [1, 33])
+    @pytest.mark.parametrize("tokens", [1, 33, 130])
     def test_other_activation_dtypes(
         self, subject: Subject, case: tuple[str, int, bool], dtype: torch.dtype, tokens: int, seed: int
     ) -> None:

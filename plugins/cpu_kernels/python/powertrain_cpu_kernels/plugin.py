@@ -36,13 +36,13 @@ def native_available(platform: PlatformInfo) -> Availability:
 def build_native(context: QuantizedLinearContext) -> NativeQuantizedLinear:
     from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
 
-    return NativeQuantizedLinear()
+    return NativeQuantizedLinear.for_this_cpu()
 
 
 def build_native_float32(context: QuantizedLinearContext) -> NativeQuantizedLinear:
     from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
 
-    return NativeQuantizedLinear(activation_bits=32)
+    return NativeQuantizedLinear.for_this_cpu(activation_bits=32)
 
 
 def build_paged(context: AttentionBackendContext) -> NativePagedAttention:

@@ -20,3 +20,11 @@ GEMM_MIN_ROWS = 8
 #: multiplied while it is still in cache, and a large weight (an LM head) never needs a
 #: dense copy of its own.
 DENSE_BLOCK = 1 << 20
+#: Rows of bfloat16 activations from which ``linear`` multiplies by the weight dequantised to
+#: bfloat16 (oneDNN's bfloat16 matmul) instead of widening the activations for the float32
+#: kernel, on CPUs with bfloat16 dot-product instructions. 2-core Zen 4 VM (avx512_bf16), a
+#: random q4 weight, widened vs dequantised-to-bfloat16 (``/tmp`` microbenchmark, ms):
+#: 3072x576 at 64 / 128 / 256 / 2048 rows 1.88 / 5.35 / 6.93 / 57.1 vs 1.60 / 3.14 / 3.23 /
+#: 25.9; 576x1536 1.40 / 2.80 / 5.54 / 36.5 vs 1.43 / 1.81 / 2.46 / 11.2; 960x576 at 64 rows
+#: 0.72 vs 0.94. Below 128 rows the dequantisation does not pay on every shape.
+BF16_DENSE_MIN_ROWS = 128
