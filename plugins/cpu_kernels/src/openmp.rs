@@ -149,10 +149,17 @@ mod tests {
         for (threads, chunks) in [(2, 1), (2, 2), (3, 7), (2, 500), (4, 64)] {
             let hits: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
             let seen = Mutex::new(HashSet::new());
+            // Each chunk waits until as many threads as asked have taken one (or 10 s pass),
+            // so a thread that starts late still gets a chunk: a fixed sleep here failed under
+            // load, one thread taking both chunks before the other had started.
+            let want = threads.min(chunks);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             let ran = run(threads, chunks, &|i| {
                 hits[i].fetch_add(1, Ordering::Relaxed);
                 seen.lock().unwrap().insert(std::thread::current().id());
-                std::thread::sleep(std::time::Duration::from_millis(2)); // every thread gets a chunk
+                while seen.lock().unwrap().len() < want && std::time::Instant::now() < deadline {
+                    std::thread::yield_now();
+                }
             });
             assert!(ran);
             assert!(

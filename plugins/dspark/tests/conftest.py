@@ -5,6 +5,11 @@ import pytest
 pytest_plugins = ["powertrain.testing"]
 
 
+def steady_cost(sequences: int, tokens: int) -> float:
+    """Steps per second of the fixed cost model below: a step costs 1 plus 2% per token."""
+    return 1.0 / (1.0 + 0.02 * sequences * tokens)
+
+
 @pytest.fixture
 def steady_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """DSpark's startup profile replaced by a fixed cost model: a step costs 1 plus 2%
@@ -15,6 +20,6 @@ def steady_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
     the one thing mocked: the engine, drafter and verification are real."""
 
     def profile(self: object, seq_counts: Sequence[int], tokens_per_seq: Sequence[int]) -> dict:
-        return {(n, q): 1.0 / (1.0 + 0.02 * n * q) for n in set(seq_counts) for q in set(tokens_per_seq)}
+        return {(n, q): steady_cost(n, q) for n in set(seq_counts) for q in set(tokens_per_seq)}
 
     monkeypatch.setattr("powertrain.engine.speculative.StepsPerSecondProfiler.__call__", profile)

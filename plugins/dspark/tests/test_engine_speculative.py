@@ -77,6 +77,7 @@ def plain() -> list:
     ],
     ids=["dspark", "dspark-lagged", "fixed-2", "fixed-5"],
 )
+@pytest.mark.usefixtures("steady_step_time")  # DSpark verifies the same drafts under any load
 def test_greedy_outputs_equal_plain_decoding(plain: list, speculative: str, dspark: dict) -> None:
     outputs, stats = generate(engine_config(speculative, **dspark))
     assert summary(outputs) == plain
@@ -96,6 +97,7 @@ def test_greedy_outputs_survive_preemption(plain: list) -> None:
     assert summary(outputs) == plain
 
 
+@pytest.mark.usefixtures("steady_step_time")
 def test_seeded_sampling_gives_the_tokens_plain_decoding_gives() -> None:
     """The n-gram drafter's drafts are point masses, and verification draws each token
     with the sampler's own noise from the request's generator: a seeded request gets

@@ -44,6 +44,16 @@ def _in_range(low: int, high: int) -> Any:
     return check
 
 
+def _profile_triples(value: Any) -> tuple[tuple[int, int, float], ...]:
+    triples = []
+    for entry in value:
+        if len(entry) != 3:
+            raise ValueError(f"[dspark] steps_per_second takes [sequences, tokens, steps/s] triples; got {entry!r}")
+        n, q, sps = entry
+        triples.append((int(n), int(q), float(sps)))
+    return tuple(triples)
+
+
 @attrs.frozen(kw_only=True)
 class DSparkConfig:
     """The ``[dspark]`` table of engine.toml."""
@@ -69,6 +79,11 @@ class DSparkConfig:
     profile_sequences: tuple[int, ...] = attrs.field(
         default=(1, 2, 4, 8, 16, 32, 64), converter=lambda v: tuple(int(x) for x in v)
     )
+    #: A steps-per-second profile given instead of measured: ``[sequences, tokens per
+    #: sequence, steps/s]`` triples covering every pair of a grid (the startup log prints
+    #: the measured one). Pins DSpark's choices where the measurement would vary (a
+    #: shared machine, reproducible runs) and skips the startup probe; empty = measure.
+    steps_per_second: tuple[tuple[int, int, float], ...] = attrs.field(default=(), converter=_profile_triples)
     #: The MTP drafter's confidence head (`powertrain-dspark train-confidence-head`);
     #: "" = the draft distribution's own estimate.
     confidence_head: str = ""
@@ -95,12 +110,24 @@ def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
     if rule == "dspark":  # only DSpark weighs tokens against step time
         # probed as the batches it will verify: each sequence a token and its drafts
         widths = range(1, 2 + config.max_draft_tokens)
-        profile = context.measure_steps_per_second(config.profile_sequences, widths)
+        if config.steps_per_second:
+            profile = {(n, q): sps for n, q, sps in config.steps_per_second}
+            if missing := [q for q in widths if not any(w == q for _, w in profile)]:
+                raise ValueError(
+                    f"[dspark] steps_per_second has no entry with {missing} tokens per sequence; "
+                    f"max_draft_tokens={config.max_draft_tokens} needs 1 to {widths[-1]}"
+                )
+        else:
+            profile = context.measure_steps_per_second(config.profile_sequences, widths)
         log.info(
             "dspark steps-per-second profile",
+            given=bool(config.steps_per_second),
             **{f"n={n},q={q}": round(v, 1) for (n, q), v in sorted(profile.items())},
         )
-        sps = StepsPerSecondGrid.from_profile(profile)
+        try:
+            sps = StepsPerSecondGrid.from_profile(profile)
+        except ValueError as error:
+            raise ValueError(f"[dspark] steps_per_second: {error}") from error
     return SpeculativeDecoder(
         drafter,
         rule,
