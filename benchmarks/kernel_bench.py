@@ -45,6 +45,8 @@ class Shapes:
     hidden: int
     intermediate: int
     block_size: int = 16
+    sparse_context: int = 8192  # V3.2 sparse MLA decode: context, and positions listed per token
+    topk: int = 2048
 
 
 FULL = Shapes(
@@ -54,6 +56,7 @@ FULL = Shapes(
 SMOKE = Shapes(
     batch=3, context=40, heads=4, kv_heads=2, head_size=32, prefill_seqs=2, prefill_new=20,
     mla_heads=2, kv_lora_rank=32, rope=16, tokens=6, experts=4, top_k=2, hidden=128, intermediate=128, block_size=4,
+    sparse_context=40, topk=12,
 )  # fmt: skip
 
 
@@ -200,6 +203,44 @@ def bench_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: flo
     return Row(
         "mla decode (absorbed)",
         f"{s.batch} seqs x {s.context}, {s.mla_heads} heads, latent {s.kv_lora_rank}+{s.rope}, bf16",
+        _check(got, want, 2e-2),
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
+def bench_sparse_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
+    """DeepSeek-V3.2 decode: each token attends to ``topk`` distinct random positions of its
+    context (what the indexer would pick); the bytes are the listed latent/rope rows."""
+    s = shapes
+    width = s.kv_lora_rank + s.rope
+    layer = AttentionLayerSpec(
+        kind="mla", num_heads=s.mla_heads, num_kv_heads=1, head_size=width, scale=width**-0.5,
+        kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.rope,
+    )  # fmt: skip
+    meta = _paged(bench, [(s.sparse_context - 1, 1)] * s.batch, s.block_size)
+    num_blocks = int(meta.block_tables.max()) + 1
+    cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)
+    indices = torch.stack(
+        [torch.randperm(s.sparse_context, generator=bench.gen)[: s.topk] for _ in range(s.batch)]
+    ).to(device=bench.device, dtype=torch.int32)
+    args = (
+        bench.randn(s.batch, s.mla_heads, s.kv_lora_rank),
+        bench.randn(s.batch, s.mla_heads, s.rope),
+        bench.randn(s.batch, s.kv_lora_rank),
+        bench.randn(s.batch, s.rope),
+    )
+    got = ours.forward_mla_sparse(layer, *args, cache, meta, indices)
+    want = peer.forward_mla_sparse(layer, *args, peer_cache, meta, indices)
+    ms = bench.time_ms(lambda: ours.forward_mla_sparse(layer, *args, cache, meta, indices))
+    peer_ms = bench.time_ms(lambda: peer.forward_mla_sparse(layer, *args, peer_cache, meta, indices))
+    moved = s.batch * s.topk * width * 2
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    return Row(
+        "sparse mla decode (V3.2)",
+        f"{s.batch} seqs x top-{s.topk} of {s.sparse_context}, {s.mla_heads} heads, latent {s.kv_lora_rank}+{s.rope}, bf16",
         _check(got, want, 2e-2),
         ms,
         "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",

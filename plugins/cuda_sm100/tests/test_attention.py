@@ -24,6 +24,7 @@ from powertrain_cuda_sm100.attention import TritonAttention
 from powertrain_cuda_sm100.kernels.common import INTERPRETER_SM_COUNT, choose_num_splits
 from powertrain_cuda_sm100.kernels.mla import mla_attention
 from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
+from powertrain_cuda_sm100.kernels.sparse_mla import sparse_mla_attention
 
 
 class TestTritonAttention(AttentionBackendSuite):
@@ -197,6 +198,53 @@ def test_mla_split_decode(dtype: torch.dtype) -> None:
         layer, q_latent, q_rope, batch.new_tokens("latent"), batch.new_tokens("rope"), batch.cache, meta
     )
     _check(got, want, dtype, seed)
+
+
+@DTYPES
+def test_sparse_mla_split_lists(dtype: torch.dtype) -> None:
+    """Sparse MLA with each token's list cut into 5 splits: long lists over hundreds of
+    positions, a short one whose later splits hold only -1 padding (they must weigh
+    nothing), padding scattered inside lists, and a row that lists nothing (zeros)."""
+    seed = fresh_seed()
+    rank, rope, heads = 64, 16, 20  # 20 heads: two head tiles, the second mostly padding
+    layer = AttentionLayerSpec(
+        kind="mla",
+        num_heads=heads,
+        num_kv_heads=1,
+        head_size=rank + rope,
+        scale=(rank + rope) ** -0.5,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+    )
+    seq_lens, topk = [430, 7, 260, 50], 150
+    batch = _PagedBatch.random(seq_lens, 16, {"latent": (rank,), "rope": (rope,)}, dtype, seed)
+    gen = generator(seed + 1)
+    indices = torch.full((len(seq_lens), topk), -1, dtype=torch.int32)
+    for row, seq_len in enumerate(seq_lens[:3]):
+        chosen = torch.randperm(seq_len, generator=gen)[: min(seq_len, topk)]
+        indices[row, torch.randperm(topk, generator=gen)[: chosen.numel()]] = chosen.to(torch.int32)
+    # the last row lists nothing
+    q_latent = torch.randn((len(seq_lens), heads, rank), generator=gen).to(dtype)
+    q_rope = torch.randn((len(seq_lens), heads, rope), generator=gen).to(dtype)
+    meta = batch.metadata
+    got = torch.empty_like(q_latent)
+    token_seqs = torch.arange(len(seq_lens), dtype=torch.int32)
+    sparse_mla_attention(
+        q_latent, q_rope, batch.cache["latent"], batch.cache["rope"], meta.block_tables, token_seqs, indices, got,
+        scale=layer.scale, num_splits=5,
+    )
+    # The oracle: each row's listed positions gathered by hand, float64 softmax.
+    for row, table in enumerate(meta.block_tables.tolist()):
+        listed = indices[row][indices[row] >= 0].long()
+        if listed.numel() == 0:
+            assert torch.equal(got[row], torch.zeros_like(got[row])), f"row {row} lists nothing (seed={seed})"
+            continue
+        slots = torch.tensor(table)[listed // 16] * 16 + listed % 16
+        lat = batch.cache["latent"].flatten(0, 1)[slots].double()
+        k_rope = batch.cache["rope"].flatten(0, 1)[slots].double()
+        scores = (q_latent[row].double() @ lat.T + q_rope[row].double() @ k_rope.T) * layer.scale
+        want = torch.softmax(scores, dim=-1) @ lat
+        _check(got[row], want, dtype, seed)
 
 
 # --------------------------------------------------------------------------- inputs as the engine hands them

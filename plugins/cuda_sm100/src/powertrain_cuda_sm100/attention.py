@@ -25,14 +25,15 @@ from powertrain_cuda_sm100.kernels.mla import mla_attention
 from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
 from powertrain_cuda_sm100.kernels.prefill import prefill
 from powertrain_cuda_sm100.kernels.rmsnorm import rms_norm
+from powertrain_cuda_sm100.kernels.sparse_mla import sparse_mla_attention
 
 #: What the kernels load and multiply (tl.dot has no float64 on these targets).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class TritonAttention:
-    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``RotaryAttentionBackend``
-    and ``RMSNormKernel`` (see powertrain.interfaces.attention): where it is the attention backend, the
+    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``,
+    ``RotaryAttentionBackend`` and ``RMSNormKernel`` (see powertrain.interfaces.attention): where it is the attention backend, the
     layers' rotary, cache writes and norms run as this pack's kernels too."""
 
     name = "triton-sm100"
@@ -195,6 +196,51 @@ class TritonAttention:
                 decode=False,
                 **common,
             )
+        return out
+
+    def forward_mla_sparse(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """DeepSeek-V3.2's sparse MLA: write the new latent/rope keys, then each query token
+        attends to the positions its row of ``indices`` lists (decode and prefill rows alike,
+        one launch). Out-of-range indices are refused before the cache is written."""
+        if layer.kind != "mla":
+            raise ValueError(f"forward_mla_sparse() serves MLA layers, got a {layer.kind!r} layer")
+        latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
+        _check_mla(layer, q_latent, q_rope, latent_cache, rope_cache, metadata)
+        metadata.check_sparse_indices(indices)
+        if indices.device != q_latent.device:
+            raise ValueError(f"triton-sm100: sparse indices on {indices.device}, the queries on {q_latent.device}")
+        metadata.store(latent_cache, latent)
+        metadata.store(rope_cache, k_rope)
+        out = _output_like(q_latent, metadata)
+        tokens = metadata.num_tokens
+        if tokens == 0:
+            return out
+        # Each query row's sequence, for its block table (host lengths: no device sync).
+        token_seqs = torch.repeat_interleave(
+            torch.arange(metadata.batch_size, dtype=torch.int32, device=q_latent.device),
+            torch.tensor(metadata.query_lens_host, device=q_latent.device),
+        )
+        sparse_mla_attention(
+            _last_dim_contiguous(q_latent)[:tokens],
+            _last_dim_contiguous(q_rope)[:tokens],
+            _last_dim_contiguous(latent_cache),
+            _last_dim_contiguous(rope_cache),
+            metadata.block_tables,
+            token_seqs,
+            _last_dim_contiguous(indices)[:tokens],
+            out[:tokens],
+            scale=layer.scale,
+        )
         return out
 
 

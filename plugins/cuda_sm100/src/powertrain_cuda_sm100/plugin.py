@@ -47,6 +47,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "gqa",
                 "mha",
                 "mla",
+                "sparse-mla",
                 "paged",
                 "prefill",
                 "decode",
@@ -60,7 +61,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             check=availability,
             factory=build_attention,
             description=(
-                "Triton paged attention: split-KV decode, flash prefill, absorbed MLA; "
+                "Triton paged attention: split-KV decode, flash prefill, absorbed MLA, sparse MLA (V3.2); "
                 "fused rotary + cache write and RMSNorm"
             ),
         )
