@@ -223,9 +223,9 @@ def bench_sparse_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwid
     meta = _paged(bench, [(s.sparse_context - 1, 1)] * s.batch, s.block_size)
     num_blocks = int(meta.block_tables.max()) + 1
     cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)
-    indices = torch.stack(
-        [torch.randperm(s.sparse_context, generator=bench.gen)[: s.topk] for _ in range(s.batch)]
-    ).to(device=bench.device, dtype=torch.int32)
+    indices = torch.stack([torch.randperm(s.sparse_context, generator=bench.gen)[: s.topk] for _ in range(s.batch)]).to(
+        device=bench.device, dtype=torch.int32
+    )
     args = (
         bench.randn(s.batch, s.mla_heads, s.kv_lora_rank),
         bench.randn(s.batch, s.mla_heads, s.rope),
@@ -240,7 +240,8 @@ def bench_sparse_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwid
     achieved = None if ms is None else moved / (ms * 1e-3)
     return Row(
         "sparse mla decode (V3.2)",
-        f"{s.batch} seqs x top-{s.topk} of {s.sparse_context}, {s.mla_heads} heads, latent {s.kv_lora_rank}+{s.rope}, bf16",
+        f"{s.batch} seqs x top-{s.topk} of {s.sparse_context}, {s.mla_heads} heads, "
+        f"latent {s.kv_lora_rank}+{s.rope}, bf16",
         _check(got, want, 2e-2),
         ms,
         "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",

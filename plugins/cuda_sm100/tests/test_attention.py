@@ -230,8 +230,16 @@ def test_sparse_mla_split_lists(dtype: torch.dtype) -> None:
     got = torch.empty_like(q_latent)
     token_seqs = torch.arange(len(seq_lens), dtype=torch.int32)
     sparse_mla_attention(
-        q_latent, q_rope, batch.cache["latent"], batch.cache["rope"], meta.block_tables, token_seqs, indices, got,
-        scale=layer.scale, num_splits=5,
+        q_latent,
+        q_rope,
+        batch.cache["latent"],
+        batch.cache["rope"],
+        meta.block_tables,
+        token_seqs,
+        indices,
+        got,
+        scale=layer.scale,
+        num_splits=5,
     )
     # The oracle: each row's listed positions gathered by hand, float64 softmax.
     for row, table in enumerate(meta.block_tables.tolist()):

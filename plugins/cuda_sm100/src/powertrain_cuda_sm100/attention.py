@@ -33,8 +33,9 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class TritonAttention:
     """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``,
-    ``RotaryAttentionBackend`` and ``RMSNormKernel`` (see powertrain.interfaces.attention): where it is the attention backend, the
-    layers' rotary, cache writes and norms run as this pack's kernels too."""
+    ``RotaryAttentionBackend`` and ``RMSNormKernel`` (see powertrain.interfaces.attention):
+    where it is the attention backend, the layers' rotary, cache writes and norms run as
+    this pack's kernels too."""
 
     name = "triton-sm100"
 

@@ -162,7 +162,9 @@ def sparse_mla_config(num_heads: int, interpreting: bool = False) -> SparseMLACo
     block_h = 64 if num_heads >= 64 else 16
     if interpreting:
         return SparseMLAConfig(block_h=block_h, block_n=16, num_warps=4, num_stages=1, min_split=16)
-    return SparseMLAConfig(block_h=block_h, block_n=32, num_warps=8 if block_h == 64 else 4, num_stages=2, min_split=256)
+    return SparseMLAConfig(
+        block_h=block_h, block_n=32, num_warps=8 if block_h == 64 else 4, num_stages=2, min_split=256
+    )
 
 
 def sparse_mla_attention(
