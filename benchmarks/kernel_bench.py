@@ -178,13 +178,18 @@ def bench_gqa(bench: Bench, shapes: Shapes, ours: Any, peer: Any, decode: bool, 
     return Row(name, where, _check(got, want, 2e-2), ms, shown, fraction, peer_ms)
 
 
-def bench_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
-    s = shapes
+def _mla_layer(s: Shapes) -> AttentionLayerSpec:
     width = s.kv_lora_rank + s.rope
-    layer = AttentionLayerSpec(
+    return AttentionLayerSpec(
         kind="mla", num_heads=s.mla_heads, num_kv_heads=1, head_size=width, scale=width**-0.5,
         kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.rope,
     )  # fmt: skip
+
+
+def bench_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
+    s = shapes
+    width = s.kv_lora_rank + s.rope
+    layer = _mla_layer(s)
     meta = _paged(bench, [(s.context - 1, 1)] * s.batch, s.block_size)
     num_blocks = int(meta.block_tables.max()) + 1
     cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)
@@ -216,10 +221,7 @@ def bench_sparse_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwid
     context (what the indexer would pick); the bytes are the listed latent/rope rows."""
     s = shapes
     width = s.kv_lora_rank + s.rope
-    layer = AttentionLayerSpec(
-        kind="mla", num_heads=s.mla_heads, num_kv_heads=1, head_size=width, scale=width**-0.5,
-        kv_lora_rank=s.kv_lora_rank, qk_rope_head_dim=s.rope,
-    )  # fmt: skip
+    layer = _mla_layer(s)
     meta = _paged(bench, [(s.sparse_context - 1, 1)] * s.batch, s.block_size)
     num_blocks = int(meta.block_tables.max()) + 1
     cache, peer_cache = _caches(bench, ours, peer, layer, s.block_size, num_blocks)

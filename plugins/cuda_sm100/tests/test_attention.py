@@ -157,20 +157,26 @@ def test_backend_chooses_splits_for_few_long_sequences(interpreter_platform: Pla
     _check(got, want, torch.float32, seed)
 
 
-@DTYPES
-def test_mla_split_decode(dtype: torch.dtype) -> None:
-    """MLA decode over long latent contexts in many splits, some of them empty."""
-    seed = fresh_seed()
-    rank, rope, heads = 64, 16, 20  # 20 heads: two head tiles, the second mostly padding
-    layer = AttentionLayerSpec(
+def _split_mla_layer() -> AttentionLayerSpec:
+    """20 heads: two head tiles, the second mostly padding."""
+    rank, rope = 64, 16
+    return AttentionLayerSpec(
         kind="mla",
-        num_heads=heads,
+        num_heads=20,
         num_kv_heads=1,
         head_size=rank + rope,
         scale=(rank + rope) ** -0.5,
         kv_lora_rank=rank,
         qk_rope_head_dim=rope,
     )
+
+
+@DTYPES
+def test_mla_split_decode(dtype: torch.dtype) -> None:
+    """MLA decode over long latent contexts in many splits, some of them empty."""
+    seed = fresh_seed()
+    layer = _split_mla_layer()
+    rank, rope, heads = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.num_heads
     batch = _PagedBatch.random([430, 2, 260], 16, {"latent": (rank,), "rope": (rope,)}, dtype, seed)
     gen = generator(seed + 1)
     q_latent = torch.randn((3, heads, rank), generator=gen).to(dtype)
@@ -206,16 +212,8 @@ def test_sparse_mla_split_lists(dtype: torch.dtype) -> None:
     positions, a short one whose later splits hold only -1 padding (they must weigh
     nothing), padding scattered inside lists, and a row that lists nothing (zeros)."""
     seed = fresh_seed()
-    rank, rope, heads = 64, 16, 20  # 20 heads: two head tiles, the second mostly padding
-    layer = AttentionLayerSpec(
-        kind="mla",
-        num_heads=heads,
-        num_kv_heads=1,
-        head_size=rank + rope,
-        scale=(rank + rope) ** -0.5,
-        kv_lora_rank=rank,
-        qk_rope_head_dim=rope,
-    )
+    layer = _split_mla_layer()
+    rank, rope, heads = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.num_heads
     seq_lens, topk = [430, 7, 260, 50], 150
     batch = _PagedBatch.random(seq_lens, 16, {"latent": (rank,), "rope": (rope,)}, dtype, seed)
     gen = generator(seed + 1)

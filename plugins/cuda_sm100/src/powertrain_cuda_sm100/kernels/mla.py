@@ -29,6 +29,63 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def latent_tile(
+    q_lat,
+    q_rope,
+    lat,
+    k_rope,
+    visible,
+    m,
+    total,
+    acc,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """One key tile of absorbed MLA's online softmax (base 2): the rows' scores
+    ``q_rope·k_rope + q_lat·lat`` (keys not ``visible`` weigh nothing) folded into the
+    running max ``m``, sum ``total`` and latent accumulator ``acc``; the latent tile is
+    key and value. Returns the three updated."""
+    scores = mma(q_rope, tl.trans(k_rope), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
+    scores = mma(q_lat, tl.trans(lat), scores, DOT_F32) * qk_scale
+    scores = tl.where(visible, scores, -float("inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that see nothing yet gain zeros
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    total = total * alpha + tl.sum(p, 1)
+    acc = mma(p.to(lat.dtype), lat, acc * alpha[:, None], DOT_F32)
+    return m_new, total, acc
+
+
+@triton.jit
+def store_latent_rows(
+    out_rows,  # per row: its output row (written when not SPLIT)
+    part_rows,  # per row: its split's float32 partial row (SPLIT)
+    lse_rows,  # per row: its split's log-sum-exp (SPLIT)
+    m,
+    total,
+    acc,
+    rank,
+    row_ok,
+    rank_ok,
+    SPLIT: tl.constexpr,
+):
+    """The rows' latent outputs (zeros for a row that saw no key), or with ``SPLIT`` the
+    split's partial rows and log-sum-exps for ``split_kv.combine_splits``."""
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    out_mask = row_ok[:, None] & rank_ok[None, :]
+    if SPLIT:
+        lse = tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), -float("inf"))
+        tl.store(part_rows[:, None] + rank[None, :], out, mask=out_mask)
+        tl.store(lse_rows, lse, mask=row_ok)
+    else:
+        tl.store(out_rows[:, None] + rank[None, :], out.to(out_rows.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def mla_kernel(
     q_latent_ptr,  # [num_tokens, heads, rank]
     q_rope_ptr,  # [num_tokens, heads, rope]
@@ -136,34 +193,25 @@ def mla_kernel(
             mask=key_ok[:, None] & rope_ok[None, :],
             other=0.0,
         )
-        scores = mma(q_rope, tl.trans(k_rope), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
-        scores = mma(q_lat, tl.trans(lat), scores, DOT_F32) * qk_scale
         visible = key_ok[None, :] & (keys[None, :] <= position[:, None])
         if SLIDING:
             visible &= keys[None, :] > position[:, None] - window
-        scores = tl.where(visible, scores, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that see nothing yet gain zeros
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        acc = mma(p.to(lat.dtype), lat, acc * alpha[:, None], DOT_F32)
-        m = m_new
-
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
-    out_mask = row_ok[:, None] & rank_ok[None, :]
-    if SPLIT:
-        lse = tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), -float("inf"))
-        part_rows = part_out_ptr + flat_token * stride_pt + head * stride_ph + split * stride_ps
-        tl.store(part_rows[:, None] + rank[None, :], out, mask=out_mask)
-        tl.store(part_lse_ptr + flat_token * stride_st + head * stride_sh + split, lse, mask=row_ok)
-    else:
-        tl.store(
-            out_ptr + (flat_token * stride_ot + head * stride_oh)[:, None] + rank[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
+        m, total, acc = latent_tile(
+            q_lat, q_rope, lat, k_rope, visible, m, total, acc, qk_scale, BLOCK_M, BLOCK_N, DOT_F32
         )
+
+    store_latent_rows(
+        out_ptr + flat_token * stride_ot + head * stride_oh,
+        part_out_ptr + flat_token * stride_pt + head * stride_ph + split * stride_ps,
+        part_lse_ptr + flat_token * stride_st + head * stride_sh + split,
+        m,
+        total,
+        acc,
+        rank,
+        row_ok,
+        rank_ok,
+        SPLIT,
+    )
 
 
 @attrs.frozen

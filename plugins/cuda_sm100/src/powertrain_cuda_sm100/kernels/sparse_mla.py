@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, sm_count
+from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, padded, sm_count
+from powertrain_cuda_sm100.kernels.mla import latent_tile, store_latent_rows
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
 LOG2E = 1.4426950408889634
@@ -118,31 +119,23 @@ def sparse_mla_kernel(
             mask=key_ok[:, None] & rope_ok[None, :],
             other=0.0,
         )
-        scores = mma(q_rope, tl.trans(k_rope), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_F32)
-        scores = mma(q_lat, tl.trans(lat), scores, DOT_F32) * qk_scale
-        scores = tl.where(key_ok[None, :], scores, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet gain zeros
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        acc = mma(p.to(lat.dtype), lat, acc * alpha[:, None], DOT_F32)
-        m = m_new
-
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
-    out_mask = head_ok[:, None] & rank_ok[None, :]
-    if SPLIT:
-        lse = tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), -float("inf"))
-        part_rows = part_out_ptr + token * stride_pt + head * stride_ph + split * stride_ps
-        tl.store(part_rows[:, None] + rank[None, :], out, mask=out_mask)
-        tl.store(part_lse_ptr + token * stride_st + head * stride_sh + split, lse, mask=head_ok)
-    else:
-        tl.store(
-            out_ptr + (token * stride_ot + head * stride_oh)[:, None] + rank[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
+        visible = tl.broadcast_to(key_ok[None, :], (BLOCK_H, BLOCK_N))
+        m, total, acc = latent_tile(
+            q_lat, q_rope, lat, k_rope, visible, m, total, acc, qk_scale, BLOCK_H, BLOCK_N, DOT_F32
         )
+
+    store_latent_rows(
+        out_ptr + token * stride_ot + head * stride_oh,
+        part_out_ptr + token * stride_pt + head * stride_ph + split * stride_ps,
+        part_lse_ptr + token * stride_st + head * stride_sh + split,
+        m,
+        total,
+        acc,
+        rank,
+        head_ok,
+        rank_ok,
+        SPLIT,
+    )
 
 
 @attrs.frozen
