@@ -52,12 +52,14 @@ def test_fixed_k_ignores_the_profile() -> None:
 @pytest.mark.parametrize(
     ("table", "error"),
     [
-        ([[1, 1]], r"steps_per_second takes \[sequences, tokens, steps/s\] triples; got \[1, 1\]"),
+        ([[1, 1]], r"steps_per_second takes \[sequences, tokens, steps/s\] triples of numbers; got \[1, 1\]"),
+        ([5.0], r"steps_per_second takes \[sequences, tokens, steps/s\] triples of numbers; got 5.0"),
+        ([[1, "two", 3.0]], r"steps_per_second takes .* triples of numbers; got \[1, 'two', 3.0\]"),
         ([[1, q, 10.0] for q in (1, 2)], r"no entry with \[3\] tokens per sequence; max_draft_tokens=2 needs 1 to 3"),
         ([[1, q, 10.0] for q in (1, 2, 3)] + [[4, 1, 5.0]], r"steps_per_second: .*missing \[\(4, 2\), \(4, 3\)\]"),
         ([[1, q, 10.0 - 5 * q] for q in (1, 2, 3)], r"steps_per_second: .*needs positive rates"),
     ],
-    ids=["pair", "missing-width", "incomplete-grid", "non-positive"],
+    ids=["pair", "number", "not-a-number", "missing-width", "incomplete-grid", "non-positive"],
 )
 def test_a_bad_profile_is_refused_naming_the_option(table: list, error: str) -> None:
     with pytest.raises(ValueError, match=error):

@@ -47,10 +47,15 @@ def _in_range(low: int, high: int) -> Any:
 def _profile_triples(value: Any) -> tuple[tuple[int, int, float], ...]:
     triples = []
     for entry in value:
-        if len(entry) != 3:
-            raise ValueError(f"[dspark] steps_per_second takes [sequences, tokens, steps/s] triples; got {entry!r}")
-        n, q, sps = entry
-        triples.append((int(n), int(q), float(sps)))
+        try:
+            if not isinstance(entry, list | tuple) or len(entry) != 3:
+                raise ValueError
+            n, q, sps = entry
+            triples.append((int(n), int(q), float(sps)))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"[dspark] steps_per_second takes [sequences, tokens, steps/s] triples of numbers; got {entry!r}"
+            ) from None
     return tuple(triples)
 
 
@@ -127,6 +132,8 @@ def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
         try:
             sps = StepsPerSecondGrid.from_profile(profile)
         except ValueError as error:
+            if not config.steps_per_second:
+                raise
             raise ValueError(f"[dspark] steps_per_second: {error}") from error
     return SpeculativeDecoder(
         drafter,
