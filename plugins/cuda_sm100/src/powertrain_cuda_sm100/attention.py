@@ -226,10 +226,12 @@ class TritonAttention:
         tokens = metadata.num_tokens
         if tokens == 0:
             return out
-        # Each query row's sequence, for its block table (host lengths: no device sync).
+        # Each query row's sequence, for its block table (host lengths and the output size
+        # given: no device sync).
         token_seqs = torch.repeat_interleave(
             torch.arange(metadata.batch_size, dtype=torch.int32, device=q_latent.device),
             torch.tensor(metadata.query_lens_host, device=q_latent.device),
+            output_size=tokens,
         )
         sparse_mla_attention(
             _last_dim_contiguous(q_latent)[:tokens],
