@@ -1,4 +1,4 @@
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -8,6 +8,17 @@ pytest_plugins = ["powertrain.testing"]
 def steady_cost(sequences: int, tokens: int) -> float:
     """Steps per second of the fixed cost model below: a step costs 1 plus 2% per token."""
     return 1.0 / (1.0 + 0.02 * sequences * tokens)
+
+
+@pytest.fixture(scope="session")
+def steady_steps_per_second() -> Callable[[Sequence[int], int], list[list[float]]]:
+    """The same cost model as a ``[dspark] steps_per_second`` table for sequence counts
+    ``seq_counts`` and drafts up to ``max_draft_tokens``: given in the config, not measured."""
+
+    def table(seq_counts: Sequence[int], max_draft_tokens: int) -> list[list[float]]:
+        return [[n, q, steady_cost(n, q)] for n in seq_counts for q in range(1, 2 + max_draft_tokens)]
+
+    return table
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ streamed and not, and /metrics shows the drafts that were verified and accepted.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import httpx
@@ -34,11 +34,11 @@ def metric(base_url: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
+def base_url(steady_steps_per_second: Callable[[Sequence[int], int], list]) -> Iterator[str]:
     config = apply_overrides(EngineConfig(), {"dtype": "float32", "speculative": "dspark"})
     # The step times are given, not measured (a loaded machine can make DSpark rightly verify
-    # nothing): the steady cost model of conftest.py, as [dspark] steps_per_second.
-    profile = [[n, q, 1.0 / (1.0 + 0.02 * n * q)] for n in (1, 4) for q in range(1, 7)]
+    # nothing): conftest's steady cost model, as [dspark] steps_per_second (5 drafts at most).
+    profile = steady_steps_per_second([1, 4], 5)
     config = attrs.evolve(config, sections={"dspark": {"steps_per_second": profile}})
     plugins = PluginManager.load(config.plugins)
     engine = AsyncEngine(build_engine(config, plugins))

@@ -46,6 +46,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def bf16_dot_flags() -> list[str]:
+    """This CPU's bfloat16 dot-product flags (``BF16_DOT_FLAGS`` it has), sorted."""
+    return sorted(set(BF16_DOT_FLAGS) & cpu_flags())
+
+
 def onednn_bf16_supported() -> bool:
     """Whether this CPU runs oneDNN's bfloat16 kernels, as torch itself decides before it
     refuses a bfloat16 weight reorder (x86: avx512bw + avx512vl + avx512dq, or
@@ -84,7 +89,7 @@ def detect_cpu() -> PlatformInfo:
     except (ValueError, OSError, AttributeError):  # not every OS exposes these
         memory = 0
     packed, note = cpu_linear_packing()
-    bf16_dot = sorted(set(BF16_DOT_FLAGS) & cpu_flags())
+    bf16_dot = bf16_dot_flags()
     return PlatformInfo(
         name="cpu",
         device_type="cpu",

@@ -376,6 +376,17 @@ class AttentionMetadata:
         q = self.query_start_loc_host
         return tuple(q[i + 1] - q[i] for i in range(len(q) - 1))
 
+    @functools.cached_property  # read by every sparse-attention layer of a step
+    def token_sequences(self) -> torch.Tensor:
+        """int32 ``[num_tokens]``: the sequence each of the step's new tokens belongs to, on
+        ``seq_lens``' device (built from the host lengths, so no device sync)."""
+        device = self.seq_lens.device
+        return torch.repeat_interleave(
+            torch.arange(self.batch_size, dtype=torch.int32, device=device),
+            torch.tensor(self.query_lens_host, device=device),
+            output_size=self.num_tokens,
+        )
+
     @property
     def context_lens_host(self) -> tuple[int, ...]:
         """Tokens already cached before this step, per sequence."""
@@ -414,10 +425,7 @@ class AttentionMetadata:
         if indices.dtype != torch.int32:
             raise ValueError(f"sparse indices must be int32 token positions, got {indices.dtype}")
         real = indices[: self.num_tokens]
-        lengths = torch.repeat_interleave(
-            self.seq_lens.to(device=real.device, dtype=torch.int32),
-            torch.tensor(self.query_lens_host, device=real.device),
-        )[:, None]
+        lengths = self.seq_lens[self.token_sequences].to(device=real.device, dtype=torch.int32)[:, None]
         bad = (real >= lengths) | (real < -1)
         if bool(bad.any()):  # the one device sync
             row, column = (int(x) for x in bad.nonzero()[0].tolist())

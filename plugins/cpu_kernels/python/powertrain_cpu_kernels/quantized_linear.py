@@ -101,9 +101,9 @@ class NativeQuantizedLinear:
     def for_this_cpu(cls, activation_bits: int = 16) -> NativeQuantizedLinear:
         """The kernel as the plugin builds it: the bfloat16 route only where the CPU has
         bfloat16 dot-product instructions (elsewhere bfloat16 matmuls are slower than float32)."""
-        from powertrain.builtin.platforms import BF16_DOT_FLAGS, cpu_flags
+        from powertrain.builtin.platforms import bf16_dot_flags
 
-        fast_bf16 = bool(set(BF16_DOT_FLAGS) & cpu_flags())
+        fast_bf16 = bool(bf16_dot_flags())
         return cls(activation_bits=activation_bits, bf16_dense_min_rows=BF16_DENSE_MIN_ROWS if fast_bf16 else None)
 
     def prepare(self, weight: QuantizedWeight) -> PreparedWeight:
@@ -216,8 +216,8 @@ class NativeQuantizedLinear:
         use_threads(self.threads)
         rows, cols = prepared.rows, prepared.cols
         block_rows = min(rows, max(1, self.dense_block // cols))
-        out = torch.empty((x.shape[0], rows), dtype=x.dtype)
         buffer = torch.empty((block_rows, cols), dtype=torch.float32)
+        out = None  # one block's product is the output itself
         for start in range(0, rows, block_rows):
             stop = min(start + block_rows, rows)
             block = buffer[: stop - start]
@@ -225,6 +225,8 @@ class NativeQuantizedLinear:
             product = F.linear(x, block.to(x.dtype), None if bias is None else bias[start:stop])
             if block_rows == rows:
                 return product
+            if out is None:
+                out = torch.empty((x.shape[0], rows), dtype=x.dtype)
             out[:, start:stop] = product
         return out
 

@@ -226,20 +226,13 @@ class TritonAttention:
         tokens = metadata.num_tokens
         if tokens == 0:
             return out
-        # Each query row's sequence, for its block table (host lengths and the output size
-        # given: no device sync).
-        token_seqs = torch.repeat_interleave(
-            torch.arange(metadata.batch_size, dtype=torch.int32, device=q_latent.device),
-            torch.tensor(metadata.query_lens_host, device=q_latent.device),
-            output_size=tokens,
-        )
         sparse_mla_attention(
             _last_dim_contiguous(q_latent)[:tokens],
             _last_dim_contiguous(q_rope)[:tokens],
             _last_dim_contiguous(latent_cache),
             _last_dim_contiguous(rope_cache),
             metadata.block_tables,
-            token_seqs,
+            metadata.token_sequences,  # each query row's sequence, built once per step
             _last_dim_contiguous(indices)[:tokens],
             out[:tokens],
             scale=layer.scale,
