@@ -47,6 +47,15 @@ class Shapes:
     block_size: int = 16
     sparse_context: int = 8192  # V3.2 sparse MLA decode: context, and positions listed per token
     topk: int = 2048
+    # DeepSeek-V4-Flash attention decode over sparse_context: heads of one shared K=V head,
+    # the sliding window, CSA's rate and indexer top-k, HCA's rate; blocks of v4_block tokens.
+    v4_heads: int = 64
+    v4_head: int = 512
+    v4_window: int = 128
+    v4_csa_rate: int = 4
+    v4_topk: int = 512
+    v4_hca_rate: int = 128
+    v4_block: int = 128
 
 
 FULL = Shapes(
@@ -56,7 +65,8 @@ FULL = Shapes(
 SMOKE = Shapes(
     batch=3, context=40, heads=4, kv_heads=2, head_size=32, prefill_seqs=2, prefill_new=20,
     mla_heads=2, kv_lora_rank=32, rope=16, tokens=6, experts=4, top_k=2, hidden=128, intermediate=128, block_size=4,
-    sparse_context=40, topk=12,
+    sparse_context=40, topk=12, v4_heads=4, v4_head=32, v4_window=6, v4_csa_rate=4, v4_topk=5, v4_hca_rate=8,
+    v4_block=8,
 )  # fmt: skip
 
 
@@ -244,6 +254,50 @@ def bench_sparse_mla(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwid
         "sparse mla decode (V3.2)",
         f"{s.batch} seqs x top-{s.topk} of {s.sparse_context}, {s.mla_heads} heads, "
         f"latent {s.kv_lora_rank}+{s.rope}, bf16",
+        _check(got, want, 2e-2),
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
+def bench_v4_attention(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float, csa: bool) -> Row:
+    """DeepSeek-V4 decode: each token over its window of raw keys and its compressed entries
+    (CSA: ``v4_topk`` random ones, what the indexer would pick; HCA: every closed one), with
+    sinks; the bytes are the keys read, each once (shared by the heads)."""
+    s = shapes
+    rate = s.v4_csa_rate if csa else s.v4_hca_rate
+    layer = AttentionLayerSpec(
+        kind="custom", num_heads=s.v4_heads, num_kv_heads=1, head_size=s.v4_head, scale=s.v4_head**-0.5
+    )
+    blocks = math.ceil(s.sparse_context / s.v4_block)
+    tables = torch.randperm(s.batch * blocks, generator=bench.gen).view(s.batch, blocks).tolist()
+    lengths = dict(query_lens=[1] * s.batch, seq_lens=[s.sparse_context] * s.batch, block_size=s.v4_block)
+    meta = AttentionMetadata.build(**lengths, block_tables={s.v4_window: tables, None: tables}, device=bench.device)
+    cache = {
+        "kv": bench.randn(s.batch * blocks, s.v4_block, s.v4_head),
+        "compressed": bench.randn(s.batch * blocks, s.v4_block // rate, s.v4_head),
+    }
+    entries = s.sparse_context // rate
+    indices = None
+    if csa:
+        picks = [torch.randperm(entries, generator=bench.gen)[: s.v4_topk] for _ in range(s.batch)]
+        indices = torch.stack(picks).to(device=bench.device, dtype=torch.int32)
+    query, sinks = bench.randn(s.batch, s.v4_heads, s.v4_head), bench.randn(s.v4_heads, dtype=torch.float32)
+    options = dict(window=s.v4_window, compress_rate=rate, entry_indices=indices)
+    got = ours.forward_v4(layer, query, cache, meta, sinks, **options)
+    want = peer.forward_v4(layer, query, cache, meta, sinks, **options)
+    ms = bench.time_ms(lambda: ours.forward_v4(layer, query, cache, meta, sinks, **options))
+    peer_ms = bench.time_ms(lambda: peer.forward_v4(layer, query, cache, meta, sinks, **options))
+    read = min(s.v4_window, s.sparse_context) + (min(s.v4_topk, entries) if csa else entries)
+    moved = s.batch * read * s.v4_head * 2
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    picked = f"top-{s.v4_topk} of {entries} entries" if csa else f"all {entries} entries"
+    return Row(
+        f"v4 {'csa' if csa else 'hca'} attention decode",
+        f"{s.batch} seqs x ctx {s.sparse_context}: window {s.v4_window} + {picked}, "
+        f"{s.v4_heads} heads of {s.v4_head}, bf16",
         _check(got, want, 2e-2),
         ms,
         "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",

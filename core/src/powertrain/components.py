@@ -59,6 +59,7 @@ ATTENTION_CAPABILITIES = frozenset(
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
         # Extra forward paths:
         "sparse-mla",  # SparseMLAAttentionBackend: MLA over indexer-picked top-k tokens (DSA)
+        "v4-attention",  # V4AttentionBackend: sliding window + compressed entries + sinks (DeepSeek-V4)
     }
 )
 

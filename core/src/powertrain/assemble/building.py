@@ -68,6 +68,7 @@ def build_attention(
             (interfaces.AttentionBackend, {"gqa", "mha"}),
             (interfaces.MLAAttentionBackend, {"mla"}),
             (interfaces.SparseMLAAttentionBackend, {"sparse-mla"}),
+            (interfaces.V4AttentionBackend, {"v4-attention"}),
             (interfaces.RotaryAttentionBackend, {"fused-rotary"}),
             (interfaces.RMSNormKernel, {"fused-rmsnorm"}),
         )

@@ -58,6 +58,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "mha",
                 "mla",
                 "sparse-mla",
+                "v4-attention",
                 "paged",
                 "prefill",
                 "decode",
@@ -66,6 +67,6 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             },
             priority=0,
             factory=build_reference,
-            description="plain-torch paged attention (GQA/MHA/MLA, sparse MLA); the oracle, not fast",
+            description="plain-torch paged attention (GQA/MHA/MLA, sparse MLA, V4); the oracle, not fast",
         ),
     ]

@@ -19,11 +19,12 @@ from powertrain.interfaces import (
     KVCacheSpec,
     LayerKVCache,
 )
+from powertrain.layers.compressed_attention import attend_window_and_entries
 
 
 class TorchReferenceAttention:
-    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend`` and
-    ``SparseMLAAttentionBackend`` (see interfaces.attention)."""
+    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``
+    and ``V4AttentionBackend`` (see interfaces.attention)."""
 
     name = "torch-reference"
 
@@ -160,6 +161,30 @@ class TorchReferenceAttention:
         probs = torch.where(valid.any(dim=-1)[:, None, None], probs, 0.0)  # all -1: softmax of -inf is NaN
         output[:real] = torch.einsum("thk,tkr->thr", probs, selected_latent).to(output.dtype)
         return output
+
+    def forward_v4(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        sinks: torch.Tensor,
+        *,
+        window: int,
+        compress_rate: int | None = None,
+        entry_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """DeepSeek-V4 attention: V4's own torch computation, which transformers is checked against."""
+        return attend_window_and_entries(
+            layer,
+            query,
+            kv_cache,
+            metadata,
+            sinks,
+            window=window,
+            compress_rate=compress_rate,
+            entry_indices=entry_indices,
+        )
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

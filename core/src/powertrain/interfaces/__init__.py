@@ -38,6 +38,7 @@ from powertrain.interfaces.attention import (
     RMSNormKernel,
     RotaryAttentionBackend,
     SparseMLAAttentionBackend,
+    V4AttentionBackend,
 )
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
@@ -107,6 +108,7 @@ __all__ = [
     "RMSNormKernel",
     "RotaryAttentionBackend",
     "SparseMLAAttentionBackend",
+    "V4AttentionBackend",
     # moe
     "ExpertWeights",
     "MoEBackend",

@@ -23,7 +23,9 @@ MLA: ``forward_mla`` is the weight-absorbed form. Ascend's rope-split path and
 FlashMLA serve it for decode only; a backend declares ``decode``/``prefill``
 alongside ``mla`` to say which phases it serves. Sparse MLA (DeepSeek-V3.2's DSA,
 capability ``sparse-mla``): ``forward_mla_sparse`` attends each query token only to
-the top-k cached tokens an indexer picked for it.
+the top-k cached tokens an indexer picked for it. DeepSeek-V4 attention (capability
+``v4-attention``): ``forward_v4`` attends over a sliding window of raw keys plus
+compressed entries, with per-head sinks.
 """
 
 from __future__ import annotations
@@ -407,11 +409,13 @@ class AttentionMetadata:
         real = self.num_tokens
         rows.index_copy_(0, self.slot_mapping[:real], new[:real].to(cache.dtype))
 
-    def check_sparse_indices(self, indices: torch.Tensor) -> None:
+    def check_sparse_indices(self, indices: torch.Tensor, tokens_per_entry: int = 1) -> None:
         """Refuse sparse-attention ``indices`` that do not fit this batch (see
         ``SparseMLAAttentionBackend``): the wrong shape or dtype, or a position
         ``>= seq_len`` of its query's sequence or ``< -1``, with a ValueError naming
-        the query row, the index and the length.
+        the query row, the index and the length. With ``tokens_per_entry`` ``m`` the
+        indices are compressed entries (``V4AttentionBackend``), and a sequence of
+        ``seq_len`` tokens holds ``seq_len // m`` of them.
 
         The range check reads one flag back to the host, a device sync per call; a
         kernel that wants to avoid it may check on the device instead, as long as a bad
@@ -426,13 +430,19 @@ class AttentionMetadata:
             raise ValueError(f"sparse indices must be int32 token positions, got {indices.dtype}")
         real = indices[: self.num_tokens]
         lengths = self.seq_lens[self.token_sequences].to(device=real.device, dtype=torch.int32)[:, None]
-        bad = (real >= lengths) | (real < -1)
+        bad = (real >= lengths // tokens_per_entry) | (real < -1)
         if bool(bad.any()):  # the one device sync
             row, column = (int(x) for x in bad.nonzero()[0].tolist())
+            seq_len = int(lengths[row, 0])
+            if tokens_per_entry == 1:
+                bound, what = "positions must be 0 <= p < seq_len", "cached tokens"
+            else:
+                bound = f"entries must be 0 <= e < seq_len // {tokens_per_entry} = {seq_len // tokens_per_entry}"
+                what = "closed compressed entries"
             raise ValueError(
                 f"sparse index {int(real[row, column])} at query row {row} (column {column}) is out of range "
-                f"for its sequence of seq_len={int(lengths[row, 0])}: positions must be 0 <= p < seq_len, "
-                "or -1 for padding; the indexer must pick only this sequence's cached tokens"
+                f"for its sequence of seq_len={seq_len}: {bound}, or -1 for padding; the indexer must pick "
+                f"only this sequence's {what}"
             )
 
     @classmethod
@@ -658,4 +668,50 @@ class SparseMLAAttentionBackend(Protocol):
         metadata: AttentionMetadata,
         indices: torch.Tensor,  # int32 [num_tokens, topk]: positions in the sequence, -1 = padding
     ) -> torch.Tensor:  # [num_tokens, num_heads, kv_lora_rank]
+        ...
+
+
+@runtime_checkable
+class V4AttentionBackend(Protocol):
+    """DeepSeek-V4 attention (capability ``v4-attention``): shared-KV multi-query attention
+    over a sliding window of raw keys plus compressed entries, with one sink logit per head.
+
+    The layer has already stored this step's keys and entries (its cache groups are its
+    own: ``kv`` in the sliding class ``window``, ``compressed`` in the full-history class,
+    ``block_size // compress_rate`` entries per block), so ``forward_v4`` only reads.
+    Query token ``t`` of a sequence sits at position ``p`` (its context length plus its
+    offset among the step's new tokens) and attends to:
+
+    * the raw keys at positions ``max(0, p - window + 1) .. p`` (``kv``, through
+      ``metadata.for_window(window)``);
+    * with ``compress_rate`` ``m`` and no ``entry_indices`` (HCA): every entry whose
+      window closed by ``p``, ``e < (p + 1) // m`` (``compressed``, through
+      ``metadata.for_window(None)``);
+    * with ``entry_indices`` (CSA): the entries its row lists, int32
+      ``[num_tokens, k]``, ``-1`` padding anywhere in the row, attended as listed (the
+      indexer chose visible ones). An entry ``>= seq_len // m`` or below -1 is refused
+      with a ValueError naming the row, the entry and the length, before any output
+      (``AttentionMetadata.check_sparse_indices(indices, m)``).
+
+    Each key is also its value (one shared head of ``head_size``). Scores are
+    ``scale * q·k``; the softmax runs over the attended keys and ``sinks[h]``, whose
+    share is dropped, so a row's weights may sum to less than one. The output
+    ``[num_tokens, heads, head_size]`` is in the query's dtype (rows past ``num_tokens``
+    unspecified); V4 de-rotates it afterwards, in the layer.
+    """
+
+    name: str
+
+    def forward_v4(
+        self,
+        layer: AttentionLayerSpec,  # kind "custom": num_heads, head_size, scale
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        sinks: torch.Tensor,  # float32 [num_heads]
+        *,
+        window: int,
+        compress_rate: int | None = None,
+        entry_indices: torch.Tensor | None = None,  # int32 [num_tokens, k]: entries, -1 = padding
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         ...

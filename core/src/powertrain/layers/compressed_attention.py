@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
 from powertrain.layers.linear import Linear
 
 
@@ -166,6 +167,62 @@ def attend_with_sinks(
     combined = torch.cat((logits, sink), dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+
+
+def read_entries(store: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Entries ``[start, end)`` of one sequence from a paged group tensor
+    ``[blocks, entries_per_block, *shape]`` through its block-table row ``table``."""
+    per_block = store.shape[1]
+    first, last = start // per_block, -(-end // per_block)
+    rows = store[table[first:last].long()].reshape(-1, *store.shape[2:])
+    return rows[start - first * per_block : end - first * per_block]
+
+
+def attend_window_and_entries(
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,
+    kv_cache: LayerKVCache,
+    metadata: AttentionMetadata,
+    sinks: torch.Tensor,
+    *,
+    window: int,
+    compress_rate: int | None = None,
+    entry_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``V4AttentionBackend.forward_v4`` in plain torch (see there), one sequence at a time:
+    its window's keys and its closed entries gathered densely, a mask saying which each
+    query attends, then ``attend_with_sinks``. What the reference backend runs, and what a
+    V4 layer runs on a backend without the capability."""
+    if entry_indices is not None:
+        if compress_rate is None:
+            raise ValueError("entry_indices name compressed entries, but compress_rate is None")
+        metadata.check_sparse_indices(entry_indices, compress_rate)
+    windowed, full = metadata.for_window(window), metadata.for_window(None)
+    out = torch.zeros_like(query)
+    for seq, seq_len in enumerate(metadata.seq_lens_host):
+        start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
+        query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        lo = max(0, seq_len - (end - start) - window + 1)
+        keys = read_entries(kv_cache["kv"], windowed.block_tables[seq], lo, seq_len)
+        key_positions = torch.arange(lo, seq_len, device=query.device)
+        allowed = (key_positions[None, :] <= query_positions[:, None]) & (
+            key_positions[None, :] > query_positions[:, None] - window
+        )
+        if compress_rate is not None:
+            count = seq_len // compress_rate
+            entries = read_entries(kv_cache["compressed"], full.block_tables[seq], 0, count)
+            if entry_indices is None:  # HCA: every closed window
+                closed = (query_positions + 1) // compress_rate
+                chosen = torch.arange(count, device=query.device)[None, :] < closed[:, None]
+            else:  # CSA: the listed entries (-1 lands in a spare column)
+                picks = entry_indices[start:end].to(device=query.device, dtype=torch.long)
+                chosen = torch.zeros(end - start, count + 1, dtype=torch.bool, device=query.device)
+                chosen.scatter_(1, picks.masked_fill(picks < 0, count), True)
+                chosen = chosen[:, :count]
+            keys = torch.cat((keys, entries))
+            allowed = torch.cat((allowed, chosen), dim=1)
+        out[start:end] = attend_with_sinks(query[start:end], keys, allowed, sinks, layer.scale)
+    return out
 
 
 class GroupedLinear(nn.Module):

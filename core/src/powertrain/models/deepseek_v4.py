@@ -39,6 +39,7 @@ from powertrain.interfaces import (
     KVTensorSpec,
     LayerKVCache,
     ModelContext,
+    V4AttentionBackend,
 )
 from powertrain.interfaces.moe import RoutingConfig
 from powertrain.layers.activation import swiglu
@@ -47,7 +48,8 @@ from powertrain.layers.compressed_attention import (
     Compressor,
     GroupedLinear,
     V4RMSNorm,
-    attend_with_sinks,
+    attend_window_and_entries,
+    read_entries,
     rotate_trailing,
     unweighted_rms_norm,
 )
@@ -206,15 +208,6 @@ def _rope_tables(config: Mapping[str, Any], partial: float) -> tuple[RopeParamet
 # --------------------------------------------------------------------------- attention
 
 
-def _read(store: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Entries ``[start, end)`` of one sequence from a paged group tensor
-    ``[blocks, entries_per_block, *shape]`` through its block-table row ``table``."""
-    per_block = store.shape[1]
-    first, last = start // per_block, -(-end // per_block)
-    rows = store[table[first:last].long()].reshape(-1, *store.shape[2:])
-    return rows[start - first * per_block : end - first * per_block]
-
-
 def _write(store: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
     """Entries ``first, first + 1, ...`` of one sequence into a paged group tensor."""
     per_block = store.shape[1]
@@ -226,9 +219,12 @@ def _write(store: torch.Tensor, table: torch.Tensor, first: int, values: torch.T
 class V4Attention(nn.Module):
     """One V4 attention layer (see the module docstring), over its own cache groups."""
 
-    def __init__(self, args: V4Args, layer: int) -> None:
+    def __init__(self, args: V4Args, layer: int, backend: object) -> None:
         super().__init__()
         self.args, self.kind = args, args.layer_types[layer]
+        # The backend's kernel where it declares ``v4-attention``; the same computation in
+        # torch where it does not (any other backend still serves the rest of the engine).
+        self.attend = backend.forward_v4 if isinstance(backend, V4AttentionBackend) else attend_window_and_entries
         h, heads, d = args.hidden_size, args.num_heads, args.head_dim
         self.wq_a = Linear(h, args.q_lora_rank, bias=False)
         self.q_norm = V4RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -301,13 +297,19 @@ class V4Attention(nn.Module):
             self._compress(
                 self.indexer.compressor, "indexer", "index_keys", hidden, positions, table, kv_cache, metadata
             )
-        out = torch.empty_like(q)
-        for seq in range(metadata.batch_size):
-            start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
-            if start < end:
-                out[start:end] = self._attend(
-                    seq, q[start:end], hidden, q_resid, positions, cos, sin, kv_cache, metadata
-                )
+        entry_indices = None
+        if self.indexer is not None:
+            entry_indices = self._pick_entries(hidden, q_resid, positions, cos, sin, kv_cache, metadata)
+        out = self.attend(
+            self.spec,
+            q,
+            kv_cache,
+            metadata,
+            self.attn_sink,
+            window=a.sliding_window,
+            compress_rate=None if self.compressor is None else self.compressor.rate,
+            entry_indices=entry_indices,
+        )
         out = rotate_trailing(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         return self.wo_b(self.wo_a(out.flatten(1)))
 
@@ -333,16 +335,14 @@ class V4Attention(nn.Module):
             if first >= last:
                 continue
             start = max(first - 1, 0) * rate if compressor.overlap else first * rate
-            rows = _read(kv_cache[f"{name}_rows"], rows_view.block_tables[seq], start, last * rate)
+            rows = read_entries(kv_cache[f"{name}_rows"], rows_view.block_tables[seq], start, last * rate)
             made = compressor.entries(rows, first, hidden.dtype)
             window_starts = torch.arange(first, last, device=hidden.device) * rate
             cos, sin = table(window_starts, metadata.max_seq_len, hidden.dtype)
             _write(kv_cache[entries], full.block_tables[seq], first, rotate_trailing(made, cos, sin))
 
-    def _attend(
+    def _pick_entries(
         self,
-        seq: int,
-        q: torch.Tensor,
         hidden: torch.Tensor,
         q_resid: torch.Tensor,
         positions: torch.Tensor,
@@ -351,36 +351,22 @@ class V4Attention(nn.Module):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """One sequence's queries over its raw window and its compressed entries."""
-        a = self.args
-        start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
-        seq_len = metadata.seq_lens_host[seq]
-        query_positions = positions[start:end]
-        lo = max(0, seq_len - (end - start) - a.sliding_window + 1)
-        window = metadata.for_window(a.sliding_window)
-        keys = _read(kv_cache["kv"], window.block_tables[seq], lo, seq_len)
-        key_positions = torch.arange(lo, seq_len, device=q.device)
-        allowed = (key_positions[None, :] <= query_positions[:, None]) & (
-            key_positions[None, :] > query_positions[:, None] - a.sliding_window
-        )
-        if self.compressor is not None:
-            full = metadata.for_window(None)
-            count = seq_len // self.compressor.rate
-            entries = _read(kv_cache["compressed"], full.block_tables[seq], 0, count)
-            visible = (query_positions + 1) // self.compressor.rate
-            if self.indexer is None:  # HCA: every closed window
-                chosen = torch.arange(count, device=q.device)[None, :] < visible[:, None]
-            else:  # CSA: the indexer's picks
-                index_keys = _read(kv_cache["index_keys"], full.block_tables[seq], 0, count)
-                picks = self.indexer.select(
-                    hidden[start:end], q_resid[start:end], query_positions, cos[start:end], sin[start:end], index_keys
-                )
-                chosen = torch.zeros(end - start, count + 1, dtype=torch.bool, device=q.device)
-                chosen.scatter_(1, picks.masked_fill(picks < 0, count), True)
-                chosen = chosen[:, :count]
-            keys = torch.cat((keys, entries))
-            allowed = torch.cat((allowed, chosen), dim=1)
-        return attend_with_sinks(q, keys, allowed, self.attn_sink, self.spec.scale)
+        """CSA: the indexer's picks for every query token, int32 ``[n, index_topk]``, -1
+        where a sequence has fewer closed entries."""
+        assert self.indexer is not None
+        full = metadata.for_window(None)
+        picks = torch.full((hidden.shape[0], self.indexer.topk), -1, dtype=torch.int32, device=hidden.device)
+        for seq, seq_len in enumerate(metadata.seq_lens_host):
+            start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
+            count = seq_len // self.indexer.compressor.rate
+            if start == end or count == 0:
+                continue
+            keys = read_entries(kv_cache["index_keys"], full.block_tables[seq], 0, count)
+            chosen = self.indexer.select(
+                hidden[start:end], q_resid[start:end], positions[start:end], cos[start:end], sin[start:end], keys
+            )
+            picks[start:end, : chosen.shape[1]] = chosen.to(torch.int32)
+        return picks
 
 
 # --------------------------------------------------------------------------- MoE and blocks
@@ -441,7 +427,7 @@ class V4Block(nn.Module):
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
         self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = V4Attention(args, layer)
+        self.attn = V4Attention(args, layer, ctx.attention)
         self.ffn = V4MoE(args, layer, ctx)
 
     def forward(

@@ -46,11 +46,13 @@ from powertrain.interfaces import (
     RMSNormKernel,
     RotaryAttentionBackend,
     SparseMLAAttentionBackend,
+    V4AttentionBackend,
 )
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import apply_rotary
 from powertrain.plugins import Provided
 from powertrain.testing.base import ComponentSuite, Subject, find_component, generator
+from powertrain.testing.v4_attention import V4_LAYER_KINDS, check_v4_attention, check_v4_attention_refuses
 
 __all__ = [
     "AttentionBackendSuite",
@@ -799,6 +801,56 @@ class AttentionBackendSuite(ComponentSuite):
             candidate,
             layer=self._mla_layer(),
             lengths=_mixed_lengths(block_size, gen),
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            bad_row=where,
+        )
+
+    def _v4_candidate(self, subject: Subject, dtype: torch.dtype, block_size: int) -> tuple[Any, torch.device]:
+        candidate, _, device = self._build(subject, dtype, block_size)
+        assert isinstance(candidate, V4AttentionBackend), (
+            f"{subject.provided.record.name} declares v4-attention, but its factory returned {candidate!r}, "
+            "which has no forward_v4 (V4AttentionBackend)"
+        )
+        return candidate, device
+
+    @pytest.mark.parametrize("kind", V4_LAYER_KINDS)
+    @pytest.mark.parametrize("scenario", ["decode", "mixed", "verify"])
+    def test_v4_attention(
+        self, subject: Subject, kind: str, scenario: str, dtype: torch.dtype, block_size: int, seed: int
+    ) -> None:
+        """forward_v4 against the float64 oracle: a sliding window across block edges over
+        garbage-filled pages, sinks, and every closed (HCA) or listed (CSA, -1 padding,
+        rows of none and of all) compressed entry."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(subject.provided, "v4-attention", *capabilities)
+        candidate, device = self._v4_candidate(subject, dtype, block_size)
+        check_v4_attention(
+            candidate,
+            kind=kind,
+            lengths=lengths_of(block_size, generator(seed)),
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            tolerance=self.tolerances[dtype],
+            what=f"{scenario} batch, {_dtype_id(dtype)}",
+        )
+
+    @pytest.mark.parametrize("where", ["decode", "prefill", "below-minus-one"])
+    def test_v4_attention_refuses_out_of_range(
+        self, subject: Subject, where: str, dtype: torch.dtype, seed: int
+    ) -> None:
+        """A CSA entry past its sequence's closed entries (or below -1) is a ValueError
+        naming the row, the entry and the length."""
+        self.require(subject.provided, "v4-attention", "decode", "prefill")
+        block_size = self.block_sizes[0]
+        candidate, device = self._v4_candidate(subject, dtype, block_size)
+        check_v4_attention_refuses(
+            candidate,
+            lengths=_mixed_lengths(block_size, generator(seed)),
             block_size=block_size,
             dtype=dtype,
             seed=seed,

@@ -26,6 +26,7 @@ from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
 from powertrain_cuda_sm100.kernels.prefill import prefill
 from powertrain_cuda_sm100.kernels.rmsnorm import rms_norm
 from powertrain_cuda_sm100.kernels.sparse_mla import sparse_mla_attention
+from powertrain_cuda_sm100.kernels.v4_attention import v4_attention
 
 #: What the kernels load and multiply (tl.dot has no float64 on these targets).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -33,7 +34,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class TritonAttention:
     """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``,
-    ``RotaryAttentionBackend`` and ``RMSNormKernel`` (see powertrain.interfaces.attention):
+    ``V4AttentionBackend``, ``RotaryAttentionBackend`` and ``RMSNormKernel`` (see powertrain.interfaces.attention):
     where it is the attention backend, the layers' rotary, cache writes and norms run as
     this pack's kernels too."""
 
@@ -236,6 +237,60 @@ class TritonAttention:
             _last_dim_contiguous(indices)[:tokens],
             out[:tokens],
             scale=layer.scale,
+        )
+        return out
+
+    def forward_v4(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        sinks: torch.Tensor,
+        *,
+        window: int,
+        compress_rate: int | None = None,
+        entry_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """DeepSeek-V4 attention: each token over its window of raw keys and its compressed
+        entries (all closed ones, or the listed ones), with the heads' sinks; one launch
+        for decode and prefill rows. Listed entries are range-checked before the launch."""
+        _check_dtype(layer, query.dtype)
+        kv = kv_cache["kv"]
+        entries = None if compress_rate is None else kv_cache["compressed"]
+        if window < 1:
+            raise ValueError(f"triton-sm100: V4 window={window}; a window holds at least the token itself (>= 1)")
+        if entry_indices is not None:
+            if entries is None:
+                raise ValueError("triton-sm100: entry_indices name compressed entries, but compress_rate is None")
+            metadata.check_sparse_indices(entry_indices, compress_rate)
+        windowed, full = metadata.for_window(window), metadata.for_window(None)
+        _check_metadata(kv, windowed)
+        if entries is not None and entries.shape[1] * compress_rate != metadata.block_size:
+            raise ValueError(
+                f"triton-sm100: compressed cache blocks hold {entries.shape[1]} entries, but blocks of "
+                f"{metadata.block_size} tokens hold {metadata.block_size // compress_rate} at rate {compress_rate}"
+            )
+        out = _output_like(query, metadata)
+        tokens = metadata.num_tokens
+        if tokens == 0:
+            return out
+        v4_attention(
+            _last_dim_contiguous(query)[:tokens],
+            _last_dim_contiguous(kv),
+            None if entries is None else _last_dim_contiguous(entries),
+            windowed.block_tables,
+            full.block_tables,
+            metadata.token_sequences,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            None if entry_indices is None else _last_dim_contiguous(entry_indices)[:tokens],
+            sinks.float().contiguous(),
+            out[:tokens],
+            scale=layer.scale,
+            window=window,
+            rate=compress_rate,
+            max_seq_len=metadata.max_seq_len,
         )
         return out
 

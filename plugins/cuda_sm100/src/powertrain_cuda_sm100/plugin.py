@@ -48,6 +48,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "mha",
                 "mla",
                 "sparse-mla",
+                "v4-attention",
                 "paged",
                 "prefill",
                 "decode",
@@ -61,7 +62,8 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             check=availability,
             factory=build_attention,
             description=(
-                "Triton paged attention: split-KV decode, flash prefill, absorbed MLA, sparse MLA (V3.2); "
+                "Triton paged attention: split-KV decode, flash prefill, absorbed MLA, sparse MLA (V3.2), "
+                "V4 window + compressed entries + sinks; "
                 "fused rotary + cache write and RMSNorm"
             ),
         )

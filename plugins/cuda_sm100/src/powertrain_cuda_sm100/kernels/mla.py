@@ -49,13 +49,21 @@ def latent_tile(
     key and value. Returns the three updated."""
     scores = mma(q_rope, tl.trans(k_rope), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
     scores = mma(q_lat, tl.trans(lat), scores, DOT_F32) * qk_scale
+    return shared_kv_softmax_tile(scores, lat, visible, m, total, acc, DOT_F32)
+
+
+@triton.jit
+def shared_kv_softmax_tile(scores, kv, visible, m, total, acc, DOT_F32: tl.constexpr):
+    """One tile of an online softmax (base-2 ``scores``) whose key tile ``kv`` is also the
+    value tile (absorbed MLA's latent, V4's shared K=V head): keys not ``visible`` weigh
+    nothing. Returns the running max ``m``, sum ``total`` and accumulator ``acc``, updated."""
     scores = tl.where(visible, scores, -float("inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that see nothing yet gain zeros
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     total = total * alpha + tl.sum(p, 1)
-    acc = mma(p.to(lat.dtype), lat, acc * alpha[:, None], DOT_F32)
+    acc = mma(p.to(kv.dtype), kv, acc * alpha[:, None], DOT_F32)
     return m_new, total, acc
 
 

@@ -1,0 +1,301 @@
+"""Conformance checks for DeepSeek-V4 attention (``V4AttentionBackend``, capability ``v4-attention``).
+
+One random step per check, against a float64 oracle that knows nothing of paging: each
+sequence's raw keys and compressed entries are kept densely, and each query token's softmax
+runs over exactly the keys the contract names (its window, its closed or listed entries)
+plus its head's sink. The paged cache the backend reads is filled so that a wrong read
+shows: every slot starts as random garbage, the window class's tables point the blocks
+wholly before a sequence's window at a garbage block, and the window crosses block edges.
+
+``AttentionBackendSuite.test_v4_attention*`` call these for a declared backend; a pack's
+own tests may call them on any backend object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+
+__all__ = ["V4_LAYER_KINDS", "check_v4_attention", "check_v4_attention_refuses", "v4_layer"]
+
+#: The three V4 layer types: the window alone, + every closed entry (HCA), + listed entries (CSA).
+V4_LAYER_KINDS = ("sliding", "hca", "csa")
+
+
+def v4_layer(num_heads: int, head_size: int) -> AttentionLayerSpec:
+    """A V4 attention layer as the model declares it (its cache groups are the check's own)."""
+    return AttentionLayerSpec(
+        kind="custom", num_heads=num_heads, num_kv_heads=1, head_size=head_size, scale=head_size**-0.5
+    )
+
+
+@attrs.frozen
+class _V4Case:
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    metadata: AttentionMetadata
+    cache: dict[str, torch.Tensor]
+    query: torch.Tensor  # [num_tokens, heads, d], on the CPU
+    sinks: torch.Tensor  # float32 [heads]
+    keys: list[torch.Tensor]  # per sequence: raw keys [seq_len, d]
+    entries: list[torch.Tensor]  # per sequence: compressed entries [seq_len // rate, d]
+    entry_indices: torch.Tensor | None  # int32 [num_tokens, k], on the CPU
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(c + q for c, q in zip(self.context_lens, self.query_lens, strict=True))
+
+
+def _randint(gen: torch.Generator, low: int, high: int) -> int:
+    return int(torch.randint(low, high + 1, (1,), generator=gen).item())
+
+
+def _tables(needed: Sequence[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
+    """Shuffled block lists from a pool twice the size (unused blocks hold garbage)."""
+    pool_size = 2 * sum(needed) + 3
+    pool = torch.randperm(pool_size, generator=gen).tolist()
+    tables, used = [], 0
+    for count in needed:
+        tables.append(pool[used : used + count])
+        used += count
+    return tables, pool_size
+
+
+def _v4_case(
+    kind: str,
+    layer: AttentionLayerSpec,
+    lengths: Sequence[tuple[int, int]],
+    *,
+    block_size: int,
+    window: int,
+    rate: int,
+    topk: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    gen: torch.Generator,
+) -> _V4Case:
+    if kind not in V4_LAYER_KINDS:
+        raise ValueError(f"V4 layer kind {kind!r}; one of {V4_LAYER_KINDS}")
+    d = layer.head_size
+    context_lens = tuple(c for c, _ in lengths)
+    query_lens = tuple(q for _, q in lengths)
+    seq_lens = [c + q for c, q in lengths]
+    needed = [-(-s // block_size) for s in seq_lens]
+    full_tables, full_blocks = _tables(needed, gen)
+    window_tables, window_blocks = _tables(needed, gen)
+    stale = window_blocks  # one more block, of garbage: what the engine's null block stands for
+    for table, context in zip(window_tables, context_lens, strict=True):
+        gone = max(0, (context - window + 1) // block_size)  # wholly before the first query's window
+        table[:gone] = [stale] * gone
+
+    def garbage(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    keys = [garbage(s, d) for s in seq_lens]
+    entries = [garbage(s // rate, d) for s in seq_lens]
+    kv = garbage(window_blocks + 1, block_size, d)
+    per_block = block_size // rate
+    compressed = garbage(full_blocks, per_block, d)
+    for seq, (table, context) in enumerate(zip(window_tables, context_lens, strict=True)):
+        for position in range(max(0, context - window + 1), seq_lens[seq]):
+            kv[table[position // block_size], position % block_size] = keys[seq][position]
+    for seq, table in enumerate(full_tables):
+        for entry in range(seq_lens[seq] // rate):
+            compressed[table[entry // per_block], entry % per_block] = entries[seq][entry]
+    cache = {"kv": kv.to(device)}
+    if kind != "sliding":
+        cache["compressed"] = compressed.to(device)
+    metadata = AttentionMetadata.build(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables={window: window_tables, None: full_tables},
+        block_size=block_size,
+        device=device,
+    )
+    num_tokens = sum(query_lens)
+    return _V4Case(
+        context_lens=context_lens,
+        query_lens=query_lens,
+        metadata=metadata,
+        cache=cache,
+        query=garbage(num_tokens, layer.num_heads, d),
+        sinks=torch.randn(layer.num_heads, generator=gen) * 2,
+        keys=keys,
+        entries=entries,
+        entry_indices=_entry_indices(seq_lens, query_lens, rate, topk, gen) if kind == "csa" else None,
+    )
+
+
+def _entry_indices(
+    seq_lens: Sequence[int], query_lens: Sequence[int], rate: int, topk: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Random duplicate-free entries per query token, -1 scattered over the unused columns.
+    Rows cycle (from a random offset) through none, every entry the row can hold, and
+    random counts, over all the sequence's entries (later ones too: no mask is applied)."""
+    indices = torch.full((sum(query_lens), topk), -1, dtype=torch.int32)
+    offset, row = _randint(gen, 0, 2), 0
+    for seq_len, query_len in zip(seq_lens, query_lens, strict=True):
+        count_max = seq_len // rate
+        for _ in range(query_len):
+            most = min(topk, count_max)
+            kind = (row + offset) % 3
+            count = 0 if kind == 0 or most == 0 else most if kind == 1 else _randint(gen, 1, most)
+            chosen = torch.randperm(count_max, generator=gen)[:count]
+            columns = torch.randperm(topk, generator=gen)[:count]
+            indices[row, columns] = chosen.to(torch.int32)
+            row += 1
+    return indices
+
+
+def _oracle(kind: str, layer: AttentionLayerSpec, case: _V4Case, window: int, rate: int) -> torch.Tensor:
+    """Token by token in float64: softmax over the attended keys and the sink, the sink's share dropped."""
+    out = torch.zeros(case.query.shape, dtype=torch.float64)
+    starts = [0, *itertools.accumulate(case.query_lens)]
+    for seq, context in enumerate(case.context_lens):
+        for j in range(case.query_lens[seq]):
+            token, position = starts[seq] + j, context + j
+            attended = [case.keys[seq][max(0, position - window + 1) : position + 1]]
+            if kind == "hca":
+                attended.append(case.entries[seq][: (position + 1) // rate])
+            elif kind == "csa":
+                listed = [e for e in case.entry_indices[token].tolist() if e >= 0]
+                attended.append(case.entries[seq][listed])
+            keys = torch.cat(attended).double()  # [k, d]: keys and values
+            scores = layer.scale * (case.query[token].double() @ keys.T)  # [heads, k]
+            sink = case.sinks.double()[:, None]
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            weights = torch.exp(scores - top)
+            out[token] = (weights @ keys) / (weights.sum(-1, keepdim=True) + torch.exp(sink - top))
+    return out
+
+
+def _call(backend: Any, kind: str, layer: AttentionLayerSpec, case: _V4Case, window: int, rate: int, indices: Any):
+    device = case.cache["kv"].device
+    return backend.forward_v4(
+        layer,
+        case.query.to(device),
+        case.cache,
+        case.metadata,
+        case.sinks.to(device),
+        window=window,
+        compress_rate=None if kind == "sliding" else rate,
+        entry_indices=None if indices is None else indices.to(device),
+    )
+
+
+def check_v4_attention(
+    backend: Any,
+    *,
+    kind: str,
+    lengths: Sequence[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    tolerance: tuple[float, float],
+    device: torch.device | str = "cpu",
+    num_heads: int = 20,
+    head_size: int = 48,
+    rate: int = 4,
+    window: int | None = None,
+    topk: int = 7,
+    what: str = "V4 attention",
+) -> None:
+    """Run ``backend.forward_v4`` on one random step of a ``kind`` layer (``V4_LAYER_KINDS``)
+    and assert it matches the float64 oracle and left the cache as it was.
+
+    ``lengths`` are ``(context_len, query_len)`` per sequence, decodes first. ``window``
+    defaults to ``block_size + 3``, so windows start and end inside blocks; ``rate`` must
+    divide ``block_size``. The defaults cross a 16-head tile and a power-of-two width.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    window = block_size + 3 if window is None else window
+    layer = v4_layer(num_heads, head_size)
+    case = _v4_case(
+        kind,
+        layer,
+        lengths,
+        block_size=block_size,
+        window=window,
+        rate=rate,
+        topk=topk,
+        dtype=dtype,
+        device=device,
+        gen=gen,
+    )
+    where = (
+        f"{what}, {kind} layer: context_lens={case.context_lens} query_lens={case.query_lens} window={window} "
+        f"rate={rate} block_size={block_size} (seed={seed})"
+    )
+    before = {name: tensor.clone() for name, tensor in case.cache.items()}
+    got = _call(backend, kind, layer, case, window, rate, case.entry_indices)
+    shape = tuple(case.query.shape)
+    assert isinstance(got, torch.Tensor), f"forward_v4 returned {type(got).__name__}, not a tensor: {where}"
+    assert tuple(got.shape[1:]) == shape[1:] and got.shape[0] >= shape[0], (
+        f"output shape {tuple(got.shape)}, expected {shape}: {where}"
+    )
+    assert got.dtype == dtype, f"output dtype {got.dtype}, expected the query's {dtype}: {where}"
+    atol, rtol = tolerance
+    torch.testing.assert_close(
+        got[: shape[0]].detach().cpu().double(),
+        _oracle(kind, layer, case, window, rate),
+        atol=atol,
+        rtol=rtol,
+        msg=lambda detail: f"V4 attention differs from the float64 oracle: {where}\n{detail}",
+    )
+    for name, tensor in case.cache.items():
+        assert torch.equal(tensor, before[name]), f"forward_v4 wrote the {name!r} cache; it only reads: {where}"
+
+
+def check_v4_attention_refuses(
+    backend: Any,
+    *,
+    lengths: Sequence[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: torch.device | str = "cpu",
+    bad_row: str = "prefill",
+    rate: int = 4,
+) -> None:
+    """Plant one entry past its sequence's ``seq_len // rate`` in a ``decode`` or ``prefill``
+    row (or ``below-minus-one``) of a CSA layer and assert ``forward_v4`` raises a
+    ValueError naming the row, the entry and the length. ``lengths``: a decode first, a
+    prefill last."""
+    gen = torch.Generator().manual_seed(seed)
+    layer, window = v4_layer(20, 48), block_size + 3
+    case = _v4_case(
+        "csa",
+        layer,
+        lengths,
+        block_size=block_size,
+        window=window,
+        rate=rate,
+        topk=7,
+        dtype=dtype,
+        device=device,
+        gen=gen,
+    )
+    assert case.query_lens[0] == 1 and case.query_lens[-1] > 1, f"need a decode first and a prefill last: {lengths}"
+    starts = [0, *itertools.accumulate(case.query_lens)]
+    sequence = 0 if bad_row == "decode" else len(case.query_lens) - 1
+    row = starts[sequence] if bad_row == "decode" else _randint(gen, starts[sequence], starts[sequence + 1] - 1)
+    seq_len = case.seq_lens[sequence]
+    bad = -2 - _randint(gen, 0, 5) if bad_row == "below-minus-one" else seq_len // rate + _randint(gen, 0, 3)
+    indices = case.entry_indices.clone()
+    indices[row, _randint(gen, 0, indices.shape[1] - 1)] = bad
+    where = f"entry {bad} in query row {row} of a sequence of {seq_len} tokens ({bad_row}) (seed={seed})"
+    with pytest.raises(ValueError) as refused:
+        _call(backend, "csa", layer, case, window, rate, indices)
+    message = str(refused.value)
+    for number, name in ((row, "row"), (bad, "entry"), (seq_len, "length")):
+        assert re.search(rf"(?<![\d-]){number}(?!\d)", message), (
+            f"the ValueError should name the {name} {number}, it says {message!r}: {where}"
+        )
