@@ -56,6 +56,9 @@ class Shapes:
     v4_topk: int = 512
     v4_hca_rate: int = 128
     v4_block: int = 128
+    # The Lightning Indexer over sparse_context per-token keys (V3.2): heads of index_dim.
+    index_heads: int = 64
+    index_dim: int = 128
 
 
 FULL = Shapes(
@@ -66,7 +69,7 @@ SMOKE = Shapes(
     batch=3, context=40, heads=4, kv_heads=2, head_size=32, prefill_seqs=2, prefill_new=20,
     mla_heads=2, kv_lora_rank=32, rope=16, tokens=6, experts=4, top_k=2, hidden=128, intermediate=128, block_size=4,
     sparse_context=40, topk=12, v4_heads=4, v4_head=32, v4_window=6, v4_csa_rate=4, v4_topk=5, v4_hca_rate=8,
-    v4_block=8,
+    v4_block=8, index_heads=4, index_dim=32,
 )  # fmt: skip
 
 
@@ -299,6 +302,33 @@ def bench_v4_attention(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandw
         f"{s.batch} seqs x ctx {s.sparse_context}: window {s.v4_window} + {picked}, "
         f"{s.v4_heads} heads of {s.v4_head}, bf16",
         _check(got, want, 2e-2),
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
+def bench_indexer(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
+    """DeepSeek-V3.2's Lightning Indexer at decode: each token scores every cached key of
+    its sequence and keeps the top ``topk``; the bytes are the keys read. The check is the
+    share of picks both agree on (bf16 inputs, float32 sums: near-ties may swap)."""
+    s = shapes
+    meta = _paged(bench, [(s.sparse_context - 1, 1)] * s.batch, s.block_size)
+    keys = bench.randn(int(meta.block_tables.max()) + 1, s.block_size, s.index_dim)
+    query = bench.randn(s.batch, s.index_heads, s.index_dim)
+    weights = bench.randn(s.batch, s.index_heads, dtype=torch.float32)
+    got = ours.index_topk(query, weights, keys, meta, topk=s.topk)
+    want = peer.index_topk(query, weights, keys, meta, topk=s.topk)
+    agree = sum(len(set(a) & set(b)) for a, b in zip(got.tolist(), want.tolist(), strict=True)) / want.numel()
+    ms = bench.time_ms(lambda: ours.index_topk(query, weights, keys, meta, topk=s.topk))
+    peer_ms = bench.time_ms(lambda: peer.index_topk(query, weights, keys, meta, topk=s.topk))
+    moved = s.batch * s.sparse_context * s.index_dim * 2
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    return Row(
+        "lightning indexer decode (V3.2)",
+        f"{s.batch} seqs x {s.sparse_context} keys, top-{s.topk}, {s.index_heads} heads of {s.index_dim}, bf16",
+        f"ok ({agree:.4f} of picks agree)" if agree >= 0.99 else f"FAIL ({agree:.4f} of picks agree < 0.99)",
         ms,
         "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
         None if achieved is None else achieved / bandwidth,

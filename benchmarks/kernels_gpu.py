@@ -3,12 +3,12 @@ against what the device can do.
 
 Each kernel runs through the pack's backends (the same calls the engine makes), is
 checked against the builtin torch implementation on the same inputs, and is timed
-with ``triton.testing.do_bench`` (median). Memory-bound kernels (decode attention,
-MLA decode, sparse MLA and V4 attention decode, RMSNorm, rotary + cache write) report
-achieved bandwidth as a fraction of the device's measured copy bandwidth; compute-bound
-ones (prefill, MoE GEMMs) report TFLOP/s as a fraction of the measured bf16 (or FP8) matmul
-peak. Each row
-also gives the time of the builtin torch peer on the same inputs.
+with ``triton.testing.do_bench`` (median). Memory-bound kernels (decode attention, MLA
+decode, sparse MLA, indexer and V4 attention decode, RMSNorm, rotary + cache write)
+report achieved bandwidth as a fraction of the device's measured copy bandwidth;
+compute-bound ones (prefill, MoE GEMMs) report TFLOP/s as a fraction of the measured bf16
+(or FP8) matmul peak. Each row also gives the time of the builtin torch peer on the same
+inputs.
 
     uv run python benchmarks/kernels_gpu.py                 # on a machine with an NVIDIA GPU
     TRITON_INTERPRET=1 uv run python benchmarks/kernels_gpu.py --smoke
@@ -30,6 +30,7 @@ from kernel_bench import (
     SMOKE,
     Bench,
     bench_gqa,
+    bench_indexer,
     bench_mla,
     bench_moe,
     bench_rmsnorm,
@@ -87,6 +88,7 @@ def main() -> int:
         bench_gqa(bench, shapes, attention, bucketed, False, bandwidth, peak_bf16),
         bench_mla(bench, shapes, attention, reference, bandwidth),
         bench_sparse_mla(bench, shapes, attention, reference, bandwidth),
+        bench_indexer(bench, shapes, attention, reference, bandwidth),
         bench_v4_attention(bench, shapes, attention, reference, bandwidth, csa=True),
         bench_v4_attention(bench, shapes, attention, reference, bandwidth, csa=False),
         bench_rotary(bench, shapes, attention, bucketed, bandwidth),

@@ -305,3 +305,18 @@ def test_mla_only_backend_builds_through_the_mla_protocol() -> None:
     manager.register(Provider())
     backend = build_attention(plan(config(attention="mla-only"), manager, strict=False), torch.float32)
     assert isinstance(backend, MLAAttentionBackend) and not isinstance(backend, AttentionBackend)
+
+
+def test_absent_capabilities_are_known_tags_not_declared_ones_each_with_a_reason() -> None:
+    def record(**absent: str) -> AttentionBackendRecord:
+        return AttentionBackendRecord(
+            name="partial", platforms={"cpu"}, capabilities={"gqa"}, factory=lambda c: None, absent=absent
+        )
+
+    assert record(**{"v4-attention": "no operator for it"}).absent == {"v4-attention": "no operator for it"}
+    with pytest.raises(ValueError, match="unknown tags"):
+        record(**{"v5-attention": "no such tag"})
+    with pytest.raises(ValueError, match="both declared and listed as absent"):
+        record(gqa="declared after all")
+    with pytest.raises(ValueError, match="say why"):
+        record(**{"v4-attention": " "})

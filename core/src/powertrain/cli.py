@@ -83,8 +83,9 @@ def describe_plugins(manager: PluginManager) -> dict[str, Any]:
                     if name in by_name
                     else (Availability.no("shadowed by a conflicting plugin"))
                 )
+                absent = dict(getattr(by_name.get(name), "absent", {}))
                 provides[kind].append(
-                    {"name": name, "available": availability.available, "reason": availability.reason}
+                    {"name": name, "available": availability.available, "reason": availability.reason, "absent": absent}
                 )
         plugins.append({**_plugin_status(info, provides), "provides": provides})
     platforms = {
@@ -174,6 +175,11 @@ def _print_plugins(report: dict[str, Any]) -> None:
             f"[{styles[plugin['status']]}]{status}[/]",
         )
     console.print(table)
+    for plugin in report["plugins"]:
+        for kind, items in plugin["provides"].items():
+            for item in items:
+                for tag, why in item["absent"].items():
+                    console.print(f"{kind} {item['name']}: no {tag}: {why}", highlight=False)
     for name, platform in report["platforms"].items():
         state = "available" if platform["available"] else "unavailable"
         console.print(f"platform {name}: {state}: {platform['reason']}", highlight=False)

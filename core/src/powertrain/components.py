@@ -60,6 +60,7 @@ ATTENTION_CAPABILITIES = frozenset(
         # Extra forward paths:
         "sparse-mla",  # SparseMLAAttentionBackend: MLA over indexer-picked top-k tokens (DSA)
         "v4-attention",  # V4AttentionBackend: sliding window + compressed entries + sinks (DeepSeek-V4)
+        "lightning-indexer",  # LightningIndexerBackend: the indexer's scores and top-k (V3.2 DSA, V4 CSA)
     }
 )
 
@@ -96,6 +97,21 @@ def _known_tags(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute, froz
             raise ValueError(
                 f"{type(instance).__name__}.{attribute.name}: unknown tags {sorted(unknown)}; known: {sorted(allowed)}"
             )
+
+    return check
+
+
+def _absent_tags(allowed: frozenset[str]) -> Callable[[Any, attrs.Attribute, Mapping[str, str]], None]:
+    """``absent`` names known tags the record does not declare, each with a reason."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Mapping[str, str]) -> None:
+        _known_tags(allowed)(instance, attribute, frozenset(value))
+        declared = set(value) & set(instance.capabilities)
+        if declared:
+            raise ValueError(f"{type(instance).__name__}: {sorted(declared)} both declared and listed as absent")
+        for tag, why in value.items():
+            if not isinstance(why, str) or not why.strip():
+                raise ValueError(f"{type(instance).__name__}.absent[{tag!r}]: say why the capability is absent")
 
     return check
 
@@ -263,6 +279,12 @@ class AttentionBackendRecord(_Implementation):
         validator=_callable
     )
     capabilities: frozenset[str] = attrs.field(converter=frozenset, validator=_known_tags(ATTENTION_CAPABILITIES))
+    #: Capabilities deliberately not declared, with why (an operator the vendor does not
+    #: document, semantics that cannot be pinned down): ``powertrain plugins`` and a
+    #: refused selection say so, instead of the backend guessing.
+    absent: Mapping[str, str] = attrs.field(
+        factory=dict, converter=dict, validator=_absent_tags(ATTENTION_CAPABILITIES)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -271,6 +293,8 @@ class MoEBackendRecord(_Implementation):
 
     factory: Callable[[MoEBackendContext], MoEBackend] = attrs.field(validator=_callable)
     capabilities: frozenset[str] = attrs.field(converter=frozenset, validator=_known_tags(MOE_CAPABILITIES))
+    #: As ``AttentionBackendRecord.absent``.
+    absent: Mapping[str, str] = attrs.field(factory=dict, converter=dict, validator=_absent_tags(MOE_CAPABILITIES))
 
 
 @attrs.frozen(kw_only=True)

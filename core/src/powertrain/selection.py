@@ -41,7 +41,9 @@ class Candidate:
         if not self.availability.available:
             return f"{self.name} ({self.availability.reason})"
         if self.missing:
-            return f"{self.name} (lacks {', '.join(sorted(self.missing))})"
+            absent = getattr(self.record, "absent", {})
+            why = "".join(f"; {tag}: {absent[tag]}" for tag in sorted(self.missing) if tag in absent)
+            return f"{self.name} (lacks {', '.join(sorted(self.missing))}{why})"
         return self.name
 
 

@@ -90,6 +90,43 @@ def test_plugins_command_reports_the_pack_unavailable_with_the_reason() -> None:
     assert row["reason"].count("torch_npu is not installed") == 1
 
 
+def test_plugins_command_says_which_deepseek_capabilities_are_absent_and_why() -> None:
+    """V3.2's sparse MLA and indexer and V4's attention are not mapped to torch_npu yet; the
+    pack says so (with the reason) rather than declaring them, in the table and the JSON."""
+    done = subprocess.run(
+        [sys.executable, "-m", "powertrain.cli", "plugins", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = [p for p in json.loads(done.stdout)["plugins"] if p["name"] == "cann_ascend"]
+    (attention,) = row["provides"]["attention"]
+    assert set(attention["absent"]) == {"sparse-mla", "lightning-indexer", "v4-attention"}
+    assert "npu_sparse_flash_attention" in attention["absent"]["sparse-mla"]
+    (moe,) = row["provides"]["moe"]
+    assert set(moe["absent"]) == {"fp4", "swiglu-limit"}
+    table = subprocess.run(
+        [sys.executable, "-m", "powertrain.cli", "plugins"], capture_output=True, text=True, timeout=120
+    )
+    assert "attention ascend-cann: no v4-attention: no documented torch_npu operator" in table.stdout
+
+
+def test_a_refused_selection_names_the_absent_capability_and_its_reason() -> None:
+    from powertrain.interfaces import Availability
+    from powertrain.selection import Candidate
+
+    (record,) = plugin.powertrain_attention_backends()
+    candidate = Candidate(
+        record=record,
+        plugin="cann_ascend",
+        distribution="powertrain-cann-ascend",
+        availability=Availability.yes(),
+        missing=frozenset({"v4-attention", "batch-invariant"}),
+    )
+    described = candidate.describe()
+    assert "lacks batch-invariant, v4-attention" in described
+    assert f"v4-attention: {record.absent['v4-attention']}" in described
+    assert "batch-invariant:" not in described  # not listed as absent: nothing more to say
+
+
 def assert_npu_facts(info: object) -> None:
     """What core does on an NPU comes from these facts, found NPU or not (no platform branches in core)."""
     assert info.dist_backend == "hccl" and info.device_per_rank and not info.host

@@ -1,8 +1,8 @@
 """Tiny DeepSeek-V3.2 with ``triton-sm100`` attention against the builtin torch backend.
 
 The model runs as assembly builds it, its MLA layers through the backend's
-``forward_mla_sparse`` (the Lightning Indexer's top-k positions, decode and prefill rows
-in one launch), over a paged cache with the indexer's keys as a second cache group.
+``forward_mla_sparse`` over the top-k positions the backend's ``index_topk`` picks
+(decode and prefill rows in one launch each), over a paged cache with the indexer's keys as a second cache group.
 The kernels run under the Triton interpreter (no GPU here); the oracle is the same
 model over ``TorchReferenceAttention``, same weights, same batches, float32.
 """
@@ -57,6 +57,15 @@ def test_tiny_deepseek_v32_through_the_triton_backend(tmp_path, interpreter_plat
         return real_sparse(*args, **kwargs)
 
     triton_backend.forward_mla_sparse = counting_sparse
+    index_calls = 0
+    real_index = triton_backend.index_topk
+
+    def counting_index(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a spy on the real kernel path
+        nonlocal index_calls
+        index_calls += 1
+        return real_index(*args, **kwargs)
+
+    triton_backend.index_topk = counting_index
 
     def build(attention: object) -> DeepseekV32ForCausalLM:
         context = ModelContext(
@@ -80,7 +89,7 @@ def test_tiny_deepseek_v32_through_the_triton_backend(tmp_path, interpreter_plat
     ours = _run(build(triton_backend), triton_backend, prompts, steps)
     reference_backend = TorchReferenceAttention()
     reference = _run(build(reference_backend), reference_backend, prompts, steps)
-    assert sparse_calls == checkpoint.config["num_hidden_layers"] * (1 + steps)
+    assert sparse_calls == index_calls == checkpoint.config["num_hidden_layers"] * (1 + steps)
     for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
         error = ((got - want).abs().max() / want.abs().max()).item()
         assert error <= RELATIVE_TOLERANCE, f"output {i}: logits off by {error:.2e} of the largest (seed={seed})"

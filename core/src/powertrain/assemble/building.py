@@ -69,6 +69,7 @@ def build_attention(
             (interfaces.MLAAttentionBackend, {"mla"}),
             (interfaces.SparseMLAAttentionBackend, {"sparse-mla"}),
             (interfaces.V4AttentionBackend, {"v4-attention"}),
+            (interfaces.LightningIndexerBackend, {"lightning-indexer"}),
             (interfaces.RotaryAttentionBackend, {"fused-rotary"}),
             (interfaces.RMSNormKernel, {"fused-rmsnorm"}),
         )

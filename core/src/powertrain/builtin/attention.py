@@ -59,6 +59,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "mla",
                 "sparse-mla",
                 "v4-attention",
+                "lightning-indexer",
                 "paged",
                 "prefill",
                 "decode",
@@ -67,6 +68,6 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             },
             priority=0,
             factory=build_reference,
-            description="plain-torch paged attention (GQA/MHA/MLA, sparse MLA, V4); the oracle, not fast",
+            description="plain-torch paged attention (GQA/MHA/MLA, sparse MLA, V4, the indexer); the oracle, not fast",
         ),
     ]

@@ -20,11 +20,12 @@ from powertrain.interfaces import (
     LayerKVCache,
 )
 from powertrain.layers.compressed_attention import attend_window_and_entries
+from powertrain.layers.indexer import index_topk_reference
 
 
 class TorchReferenceAttention:
-    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``
-    and ``V4AttentionBackend`` (see interfaces.attention)."""
+    """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``,
+    ``V4AttentionBackend`` and ``LightningIndexerBackend`` (see interfaces.attention)."""
 
     name = "torch-reference"
 
@@ -185,6 +186,19 @@ class TorchReferenceAttention:
             compress_rate=compress_rate,
             entry_indices=entry_indices,
         )
+
+    def index_topk(
+        self,
+        query: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        topk: int,
+        tokens_per_entry: int = 1,
+    ) -> torch.Tensor:
+        """The Lightning Indexer's scores and top-k, sequence by sequence in torch."""
+        return index_topk_reference(query, weights, keys, metadata, topk=topk, tokens_per_entry=tokens_per_entry)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

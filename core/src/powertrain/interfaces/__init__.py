@@ -34,6 +34,7 @@ from powertrain.interfaces.attention import (
     KVLayout,
     KVTensorSpec,
     LayerKVCache,
+    LightningIndexerBackend,
     MLAAttentionBackend,
     RMSNormKernel,
     RotaryAttentionBackend,
@@ -109,6 +110,7 @@ __all__ = [
     "RotaryAttentionBackend",
     "SparseMLAAttentionBackend",
     "V4AttentionBackend",
+    "LightningIndexerBackend",
     # moe
     "ExpertWeights",
     "MoEBackend",

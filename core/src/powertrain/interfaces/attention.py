@@ -25,7 +25,9 @@ alongside ``mla`` to say which phases it serves. Sparse MLA (DeepSeek-V3.2's DSA
 capability ``sparse-mla``): ``forward_mla_sparse`` attends each query token only to
 the top-k cached tokens an indexer picked for it. DeepSeek-V4 attention (capability
 ``v4-attention``): ``forward_v4`` attends over a sliding window of raw keys plus
-compressed entries, with per-head sinks.
+compressed entries, with per-head sinks. The Lightning Indexer (capability
+``lightning-indexer``): ``index_topk`` scores each query token against a sequence's
+cached indexer keys and returns the best positions (V3.2) or entries (V4's CSA).
 """
 
 from __future__ import annotations
@@ -714,4 +716,39 @@ class V4AttentionBackend(Protocol):
         compress_rate: int | None = None,
         entry_indices: torch.Tensor | None = None,  # int32 [num_tokens, k]: entries, -1 = padding
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        ...
+
+
+@runtime_checkable
+class LightningIndexerBackend(Protocol):
+    """The Lightning Indexer's scoring and top-k (capability ``lightning-indexer``):
+    which cached tokens (V3.2's DSA) or compressed entries (V4's CSA) each query attends.
+
+    The layer has projected and rotated the index queries, computed the head weights
+    (every scale folded in) and stored this step's keys in its own cache group,
+    ``keys`` ``[num_blocks, block_size // tokens_per_entry, head_dim]`` read through
+    ``metadata``'s tables (the full-history view). Query token ``t`` at position ``p``
+    of its sequence scores key ``s`` of that sequence
+
+        I[t, s] = sum_h weights[t, h] * ReLU(query[t, h] . keys[s])
+
+    in float32, over the keys visible to it, ``s < (p + 1) // tokens_per_entry`` (for
+    V3.2's per-token keys, ``s <= p``), and returns int32 ``[num_tokens, width]``: its
+    ``min(topk, visible)`` best keys, best first, ``-1`` in the columns left. ``width``
+    is ``min(topk, max_seq_len // tokens_per_entry)``, at least 1. Ties between equal
+    scores may come in any order.
+    """
+
+    name: str
+
+    def index_topk(
+        self,
+        query: torch.Tensor,  # [num_tokens, n_heads, head_dim], rotated
+        weights: torch.Tensor,  # float32 [num_tokens, n_heads]
+        keys: torch.Tensor,  # [num_blocks, block_size // tokens_per_entry, head_dim]
+        metadata: AttentionMetadata,
+        *,
+        topk: int,
+        tokens_per_entry: int = 1,
+    ) -> torch.Tensor:  # int32 [num_tokens, width]
         ...

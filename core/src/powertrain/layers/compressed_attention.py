@@ -23,6 +23,7 @@ from torch import nn
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
 from powertrain.layers.linear import Linear
+from powertrain.layers.paged import read_entries
 
 
 def rotate_trailing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,30 +124,16 @@ class CompressedIndexer(nn.Module):
         self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = Linear(hidden_size, n_heads, bias=False)
 
-    def select(
-        self,
-        hidden: torch.Tensor,  # [n, hidden]: this sequence's new tokens
-        q_resid: torch.Tensor,  # [n, q_lora_rank]
-        positions: torch.Tensor,  # [n]
-        cos: torch.Tensor,  # [n, r/2]: the "compress" table at the query positions
-        sin: torch.Tensor,
-        keys: torch.Tensor,  # [entries, head_dim]: the sequence's indexer keys so far
-    ) -> torch.Tensor:
-        """int64 ``[n, min(topk, entries)]``: each query's best visible entries (entry ``s``
-        is visible from position ``t`` once its window closed: ``s < (t + 1) // rate``),
-        -1 where fewer are visible."""
-        width = min(self.topk, keys.shape[0])
-        if width == 0:
-            return torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
+    def queries(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotated index queries ``[n, n_heads, head_dim]`` from the q-LoRA residual; ``cos``/``sin``
+        ``[n, r/2]``, the "compress" table at the query positions."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        q = rotate_trailing(q, cos.unsqueeze(1), sin.unsqueeze(1)).float()
-        per_head = torch.relu(torch.einsum("nhd,sd->nhs", q, keys.float())) * self.head_dim**-0.5
-        weights = self.weights_proj(hidden).float() * self.n_heads**-0.5
-        scores = torch.einsum("nh,nhs->ns", weights, per_head)
-        visible = (positions + 1) // self.compressor.rate
-        future = torch.arange(keys.shape[0], device=keys.device)[None, :] >= visible[:, None]
-        best, chosen = scores.masked_fill(future, float("-inf")).topk(width, dim=-1)
-        return chosen.masked_fill(best == float("-inf"), -1)
+        return rotate_trailing(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, n_heads]``: ``weights_proj(x) * n_heads**-0.5 * head_dim**-0.5``, every
+        scale of the score folded in (the ReLU commutes with a positive scale)."""
+        return self.weights_proj(hidden).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
 
 
 def attend_with_sinks(
@@ -167,15 +154,6 @@ def attend_with_sinks(
     combined = torch.cat((logits, sink), dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
-
-
-def read_entries(store: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Entries ``[start, end)`` of one sequence from a paged group tensor
-    ``[blocks, entries_per_block, *shape]`` through its block-table row ``table``."""
-    per_block = store.shape[1]
-    first, last = start // per_block, -(-end // per_block)
-    rows = store[table[first:last].long()].reshape(-1, *store.shape[2:])
-    return rows[start - first * per_block : end - first * per_block]
 
 
 def attend_window_and_entries(

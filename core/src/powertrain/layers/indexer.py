@@ -9,7 +9,9 @@ with ``n_heads`` cheap query heads, ONE key per token (shared by the heads, so t
 computed from the hidden state; the MLA attention then reads only the ``index_topk`` best tokens.
 
 The split follows what the engine needs: ``keys`` turns the new tokens into the keys to store
-(a cache group, later), ``select`` reads the keys a sequence has stored and returns positions.
+(a cache group), ``queries`` and ``head_weights`` give what ``LightningIndexerBackend.index_topk``
+scores them with (a backend's kernel, or ``index_topk_reference`` here); ``select`` does the same
+over dense per-sequence keys.
 
 Followed from transformers 5.24 ``DeepseekV32Indexer`` (the oracle; parameter names are its own,
 so ``model.layers.{i}.self_attn.indexer.<name>`` maps 1:1):
@@ -44,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from powertrain.interfaces import AttentionMetadata
+from powertrain.layers.paged import read_entries
 from powertrain.layers.rotary import apply_rotary
 
 
@@ -94,14 +98,18 @@ class LightningIndexer(nn.Module):
         q = self.wq_b(q_resid).view(q_resid.shape[0], self.n_heads, self.head_dim)
         return apply_rotary(q, cos, sin)
 
+    def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, n_heads]``: ``weights_proj(x) * n_heads**-0.5 * softmax_scale``, every
+        scale of the score folded in (the ReLU commutes with a positive scale), as
+        ``LightningIndexerBackend.index_topk`` takes them."""
+        weights = self.weights_proj(hidden.to(self.weights_proj.weight.dtype)).float()
+        return weights * (self.n_heads**-0.5 * self.softmax_scale)
+
     def scores(
         self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
         """float32 index scores ``[n, T]`` of ``n`` queries against ``keys`` ``[T, head_dim]``, unmasked."""
-        q = self.queries(q_resid, cos, sin).float()
-        per_head = torch.relu(torch.einsum("nhd,td->nht", q, keys.float()) * self.softmax_scale)
-        weights = self.weights_proj(hidden.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        return torch.einsum("nh,nht->nt", weights, per_head)
+        return index_scores(self.queries(q_resid, cos, sin), self.head_weights(hidden), keys)
 
     def select(
         self,
@@ -120,23 +128,63 @@ class LightningIndexer(nn.Module):
 
         Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i + 1]`` (host ints) and its
         keys are ``cached_keys[i]`` ``[seq_len, head_dim]``, row ``t`` the key of position ``t``, the
-        new tokens' own keys included. A query at position ``p`` sees rows ``0..p``.
+        new tokens' own keys included. A query at position ``p`` sees rows ``0..p``. (The engine
+        reads the keys from its paged cache instead: ``index_topk_reference``.)
         """
         if len(query_start_loc) != len(cached_keys) + 1:
             raise ValueError(f"{len(cached_keys)} sequences of keys but query_start_loc {tuple(query_start_loc)}")
-        width = min(self.topk, max((keys.shape[0] for keys in cached_keys), default=1))
-        indices = torch.full((hidden.shape[0], max(width, 1)), -1, dtype=torch.int32, device=hidden.device)
+        width = max(1, min(self.topk, max((keys.shape[0] for keys in cached_keys), default=1)))
+        indices = torch.full((hidden.shape[0], width), -1, dtype=torch.int32, device=hidden.device)
         for seq, keys in enumerate(cached_keys):
             start, end = query_start_loc[seq], query_start_loc[seq + 1]
             if start == end or keys.shape[0] == 0:
                 continue
             scores = self.scores(hidden[start:end], q_resid[start:end], cos[start:end], sin[start:end], keys)
-            key_positions = torch.arange(keys.shape[0], device=keys.device)
-            visible = key_positions[None, :] <= positions[start:end, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            best, chosen = scores.topk(min(self.topk, keys.shape[0]), dim=-1)
-            indices[start:end, : chosen.shape[1]] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
+            indices[start:end] = best_visible(scores, positions[start:end], width, tokens_per_entry=1)
         return indices
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, head_dim={self.head_dim}, rope_head_dim={self.rope_head_dim}, topk={self.topk}"
+
+
+def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n, T]``: ``sum_h weights[:, h] * ReLU(query[:, h] . keys[t])`` for rotated
+    queries ``[n, n_heads, d]``, folded head weights ``[n, n_heads]`` and keys ``[T, d]``."""
+    per_head = torch.relu(torch.einsum("nhd,td->nht", query.float(), keys.float()))
+    return torch.einsum("nh,nht->nt", weights.float(), per_head)
+
+
+def best_visible(scores: torch.Tensor, positions: torch.Tensor, width: int, tokens_per_entry: int) -> torch.Tensor:
+    """int32 ``[n, width]``: each row's best keys among those visible from its position
+    (``s < (p + 1) // tokens_per_entry``), best first, -1 in the columns left."""
+    visible = (positions[:, None] + 1) // tokens_per_entry > torch.arange(scores.shape[1], device=scores.device)
+    best, chosen = scores.masked_fill(~visible, float("-inf")).topk(min(width, scores.shape[1]), dim=-1)
+    picked = torch.full((scores.shape[0], width), -1, dtype=torch.int32, device=scores.device)
+    picked[:, : chosen.shape[1]] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
+    return picked
+
+
+def index_topk_reference(
+    query: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    metadata: AttentionMetadata,
+    *,
+    topk: int,
+    tokens_per_entry: int = 1,
+) -> torch.Tensor:
+    """``LightningIndexerBackend.index_topk`` in plain torch (see there), one sequence at a
+    time: its keys gathered densely, scored, masked, top-k. What the reference backend
+    runs, and what an indexer runs on a backend without the capability."""
+    width = max(1, min(topk, metadata.max_seq_len // tokens_per_entry))
+    picked = torch.full((query.shape[0], width), -1, dtype=torch.int32, device=query.device)
+    for seq, seq_len in enumerate(metadata.seq_lens_host):
+        start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
+        count = seq_len // tokens_per_entry
+        if start == end or count == 0:
+            continue
+        cached = read_entries(keys, metadata.block_tables[seq], 0, count)
+        scores = index_scores(query[start:end], weights[start:end], cached)
+        positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        picked[start:end] = best_visible(scores, positions, width, tokens_per_entry)
+    return picked

@@ -2,7 +2,8 @@
 
 Everything but attention is ``deepseek_v3.py``'s. Each MLA layer gains a Lightning
 Indexer (``layers/indexer.py``) that picks, per query token, the ``index_topk`` cached
-tokens its attention reads; the MLA itself then runs through the backend's
+tokens its attention reads (the backend's ``index_topk`` where it declares
+``lightning-indexer``); the MLA itself then runs through the backend's
 ``forward_mla_sparse`` over exactly those positions, always (with few tokens the
 indices simply list every visible one).
 
@@ -32,9 +33,16 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, CacheGroupSpec, KVTensorSpec, LayerKVCache, ModelContext
+from powertrain.interfaces import (
+    AttentionMetadata,
+    CacheGroupSpec,
+    KVTensorSpec,
+    LayerKVCache,
+    LightningIndexerBackend,
+    ModelContext,
+)
 from powertrain.layers.attention import SparseMLAAttention
-from powertrain.layers.indexer import LightningIndexer
+from powertrain.layers.indexer import LightningIndexer, index_topk_reference
 from powertrain.models.deepseek_v3 import MLA, DeepseekArgs, DeepseekV3ForCausalLM, mla_layer_spec
 
 ARCHITECTURES = frozenset({"DeepseekV32ForCausalLM"})
@@ -78,6 +86,9 @@ class IndexedMLA(MLA):
         keys = KVTensorSpec(name=INDEX_KEYS, shape=(self.indexer.head_dim,))
         spec = attrs.evolve(mla_layer_spec(args), cache_groups=(CacheGroupSpec(name="indexer", tensors=(keys,)),))
         self.attn = SparseMLAAttention(spec, ctx.attention)
+        # The backend's kernel where it declares ``lightning-indexer``, else the same in torch.
+        backend = ctx.attention
+        self.index_topk = backend.index_topk if isinstance(backend, LightningIndexerBackend) else index_topk_reference
 
     def forward(
         self,
@@ -109,24 +120,8 @@ class IndexedMLA(MLA):
         store = kv_cache[INDEX_KEYS]
         metadata = metadata.for_window(None)  # the indexer group keeps the full history
         metadata.store(store, self.indexer.keys(hidden, cos, sin))
-        cached = gather_sequences(store, metadata)
-        positions = torch.cat(
-            [
-                torch.arange(context, seq_len, device=hidden.device)
-                for context, seq_len in zip(metadata.context_lens_host, metadata.seq_lens_host, strict=True)
-            ]
-        )
-        return self.indexer.select(hidden, q_resid, positions, cos, sin, metadata.query_start_loc_host, cached)
-
-
-def gather_sequences(store: torch.Tensor, metadata: AttentionMetadata) -> list[torch.Tensor]:
-    """Each sequence's rows ``[0, seq_len)`` of a block-token-major cache tensor, in position order."""
-    block_size = metadata.block_size
-    out = []
-    for seq, seq_len in enumerate(metadata.seq_lens_host):
-        blocks = metadata.block_tables[seq, : -(-seq_len // block_size)].long()
-        out.append(store[blocks].reshape(-1, *store.shape[2:])[:seq_len])
-    return out
+        queries, weights = self.indexer.queries(q_resid, cos, sin), self.indexer.head_weights(hidden)
+        return self.index_topk(queries, weights, store, metadata, topk=self.indexer.topk)
 
 
 def indexed_mla(args: DeepseekArgs, ctx: ModelContext) -> IndexedMLA:
@@ -150,4 +145,4 @@ def _with_config(ctx: ModelContext, config: Mapping[str, Any]) -> ModelContext:
     return attrs.evolve(ctx, config=config)
 
 
-__all__: Sequence[str] = ["ARCHITECTURES", "INDEX_KEYS", "DeepseekV32ForCausalLM", "IndexedMLA", "gather_sequences"]
+__all__: Sequence[str] = ["ARCHITECTURES", "INDEX_KEYS", "DeepseekV32ForCausalLM", "IndexedMLA"]

@@ -38,6 +38,7 @@ from powertrain.interfaces import (
     CacheGroupSpec,
     KVTensorSpec,
     LayerKVCache,
+    LightningIndexerBackend,
     ModelContext,
     V4AttentionBackend,
 )
@@ -49,13 +50,14 @@ from powertrain.layers.compressed_attention import (
     GroupedLinear,
     V4RMSNorm,
     attend_window_and_entries,
-    read_entries,
     rotate_trailing,
     unweighted_rms_norm,
 )
 from powertrain.layers.hyper_connections import HyperConnection, HyperHead
+from powertrain.layers.indexer import index_topk_reference
 from powertrain.layers.linear import Linear
 from powertrain.layers.moe import MoE
+from powertrain.layers.paged import read_entries
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import check_complete, copy_checked
@@ -225,6 +227,7 @@ class V4Attention(nn.Module):
         # The backend's kernel where it declares ``v4-attention``; the same computation in
         # torch where it does not (any other backend still serves the rest of the engine).
         self.attend = backend.forward_v4 if isinstance(backend, V4AttentionBackend) else attend_window_and_entries
+        self.index_topk = backend.index_topk if isinstance(backend, LightningIndexerBackend) else index_topk_reference
         h, heads, d = args.hidden_size, args.num_heads, args.head_dim
         self.wq_a = Linear(h, args.q_lora_rank, bias=False)
         self.q_norm = V4RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -298,8 +301,15 @@ class V4Attention(nn.Module):
                 self.indexer.compressor, "indexer", "index_keys", hidden, positions, table, kv_cache, metadata
             )
         entry_indices = None
-        if self.indexer is not None:
-            entry_indices = self._pick_entries(hidden, q_resid, positions, cos, sin, kv_cache, metadata)
+        if self.indexer is not None:  # CSA: the indexer picks which closed entries each query reads
+            entry_indices = self.index_topk(
+                self.indexer.queries(q_resid, cos, sin),
+                self.indexer.head_weights(hidden),
+                kv_cache["index_keys"],
+                metadata.for_window(None),
+                topk=self.indexer.topk,
+                tokens_per_entry=self.indexer.compressor.rate,
+            )
         out = self.attend(
             self.spec,
             q,
@@ -340,33 +350,6 @@ class V4Attention(nn.Module):
             window_starts = torch.arange(first, last, device=hidden.device) * rate
             cos, sin = table(window_starts, metadata.max_seq_len, hidden.dtype)
             _write(kv_cache[entries], full.block_tables[seq], first, rotate_trailing(made, cos, sin))
-
-    def _pick_entries(
-        self,
-        hidden: torch.Tensor,
-        q_resid: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: LayerKVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """CSA: the indexer's picks for every query token, int32 ``[n, index_topk]``, -1
-        where a sequence has fewer closed entries."""
-        assert self.indexer is not None
-        full = metadata.for_window(None)
-        picks = torch.full((hidden.shape[0], self.indexer.topk), -1, dtype=torch.int32, device=hidden.device)
-        for seq, seq_len in enumerate(metadata.seq_lens_host):
-            start, end = metadata.query_start_loc_host[seq], metadata.query_start_loc_host[seq + 1]
-            count = seq_len // self.indexer.compressor.rate
-            if start == end or count == 0:
-                continue
-            keys = read_entries(kv_cache["index_keys"], full.block_tables[seq], 0, count)
-            chosen = self.indexer.select(
-                hidden[start:end], q_resid[start:end], positions[start:end], cos[start:end], sin[start:end], keys
-            )
-            picks[start:end, : chosen.shape[1]] = chosen.to(torch.int32)
-        return picks
 
 
 # --------------------------------------------------------------------------- MoE and blocks

@@ -42,6 +42,7 @@ from powertrain.interfaces import (
     AttentionMetadata,
     KVCacheSpec,
     KVTensorSpec,
+    LightningIndexerBackend,
     MLAAttentionBackend,
     RMSNormKernel,
     RotaryAttentionBackend,
@@ -52,6 +53,7 @@ from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import apply_rotary
 from powertrain.plugins import Provided
 from powertrain.testing.base import ComponentSuite, Subject, find_component, generator
+from powertrain.testing.indexer import check_index_topk
 from powertrain.testing.v4_attention import V4_LAYER_KINDS, check_v4_attention, check_v4_attention_refuses
 
 __all__ = [
@@ -856,6 +858,31 @@ class AttentionBackendSuite(ComponentSuite):
             seed=seed,
             device=device,
             bad_row=where,
+        )
+
+    @pytest.mark.parametrize("tokens_per_entry", [1, 4], ids=["per-token", "per-4-tokens"])
+    @pytest.mark.parametrize("scenario", ["decode", "mixed", "verify"])
+    def test_index_topk(
+        self, subject: Subject, scenario: str, tokens_per_entry: int, dtype: torch.dtype, block_size: int, seed: int
+    ) -> None:
+        """index_topk against the float64 oracle: per-token keys (V3.2) and one per 4 tokens
+        (V4's CSA) over a garbage-filled paged cache, rows with fewer visible keys than topk."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(subject.provided, "lightning-indexer", *capabilities)
+        candidate, _, device = self._build(subject, dtype, block_size)
+        assert isinstance(candidate, LightningIndexerBackend), (
+            f"{subject.provided.record.name} declares lightning-indexer, but its factory returned {candidate!r}, "
+            "which has no index_topk (LightningIndexerBackend)"
+        )
+        check_index_topk(
+            candidate,
+            lengths=lengths_of(block_size, generator(seed)),
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            tokens_per_entry=tokens_per_entry,
+            what=f"{scenario} batch, {_dtype_id(dtype)}",
         )
 
 

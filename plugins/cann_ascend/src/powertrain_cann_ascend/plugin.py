@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord, CommunicatorRecord, MoEBackendRecord, PlatformRecord
-from powertrain_cann_ascend.capabilities import MOE_CAPABILITIES
+from powertrain_cann_ascend.capabilities import ABSENT_ATTENTION, MOE_ABSENT, MOE_CAPABILITIES
 from powertrain_cann_ascend.support import detect_npu
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             name=NAME,
             platforms={"npu"},
             capabilities={"gqa", "mha", "mla", "paged", "prefill", "decode", "chunked-prefill"},
+            absent=ABSENT_ATTENTION,
             priority=50,
             factory=build_attention,
             description="npu_fused_infer_attention_score over the paged cache (GQA, and MLA with query/key rope)",
@@ -85,6 +86,7 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
             name=NAME,
             platforms={"npu"},
             capabilities=MOE_CAPABILITIES,
+            absent=MOE_ABSENT,
             priority=50,
             factory=build_moe,
             description="npu_moe_gating_top_k routing, npu_grouped_matmul experts",

@@ -21,6 +21,7 @@ from powertrain.interfaces import (
     LayerKVCache,
 )
 from powertrain_cuda_sm100.kernels.cache_write import rotary_cache_write
+from powertrain_cuda_sm100.kernels.indexer import index_scores
 from powertrain_cuda_sm100.kernels.mla import mla_attention
 from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
 from powertrain_cuda_sm100.kernels.prefill import prefill
@@ -34,7 +35,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class TritonAttention:
     """Satisfies ``AttentionBackend``, ``MLAAttentionBackend``, ``SparseMLAAttentionBackend``,
-    ``V4AttentionBackend``, ``RotaryAttentionBackend`` and ``RMSNormKernel`` (see powertrain.interfaces.attention):
+    ``V4AttentionBackend``, ``LightningIndexerBackend``, ``RotaryAttentionBackend`` and
+    ``RMSNormKernel`` (see powertrain.interfaces.attention):
     where it is the attention backend, the layers' rotary, cache writes and norms run as
     this pack's kernels too."""
 
@@ -293,6 +295,49 @@ class TritonAttention:
             max_seq_len=metadata.max_seq_len,
         )
         return out
+
+    def index_topk(
+        self,
+        query: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        topk: int,
+        tokens_per_entry: int = 1,
+    ) -> torch.Tensor:
+        """The Lightning Indexer: every token's scores over its sequence's cached keys in one
+        launch (``-inf`` where it cannot see), then ``torch.topk`` over each row."""
+        if query.dtype not in SUPPORTED_DTYPES or keys.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"triton-sm100: indexer queries in {query.dtype}, keys in {keys.dtype}; the kernel takes "
+                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            )
+        if keys.shape[1] * tokens_per_entry != metadata.block_size:
+            raise ValueError(
+                f"triton-sm100: indexer key blocks hold {keys.shape[1]} keys, but blocks of {metadata.block_size} "
+                f"tokens hold {metadata.block_size // tokens_per_entry} at one key per {tokens_per_entry} tokens"
+            )
+        tokens = metadata.num_tokens
+        columns = metadata.max_seq_len // tokens_per_entry
+        width = max(1, min(topk, columns))
+        picked = torch.full((query.shape[0], width), -1, dtype=torch.int32, device=query.device)
+        if tokens == 0 or columns == 0:
+            return picked
+        scores = index_scores(
+            _last_dim_contiguous(query)[:tokens],
+            weights.float()[:tokens],
+            _last_dim_contiguous(keys),
+            metadata.block_tables,
+            metadata.token_sequences,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            columns=columns,
+            tokens_per_entry=tokens_per_entry,
+        )
+        best, chosen = scores.topk(width, dim=-1)
+        picked[:tokens] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
+        return picked
 
 
 # --------------------------------------------------------------------------- checks

@@ -49,6 +49,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "mla",
                 "sparse-mla",
                 "v4-attention",
+                "lightning-indexer",
                 "paged",
                 "prefill",
                 "decode",
@@ -63,7 +64,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             factory=build_attention,
             description=(
                 "Triton paged attention: split-KV decode, flash prefill, absorbed MLA, sparse MLA (V3.2), "
-                "V4 window + compressed entries + sinks; "
+                "V4 window + compressed entries + sinks, the Lightning Indexer's scores; "
                 "fused rotary + cache write and RMSNorm"
             ),
         )

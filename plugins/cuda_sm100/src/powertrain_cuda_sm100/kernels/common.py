@@ -65,6 +65,16 @@ def paged_kv_tile(
     return keys, key_ok, k, v
 
 
+@triton.jit
+def paged_rows(base, table, index, ok, PER_BLOCK: tl.constexpr, stride_b, stride_t, dims, dim_ok):
+    """Rows ``index`` (masked by ``ok``) of a paged tensor ``[blocks, PER_BLOCK, dim]`` read
+    through one sequence's block-table row ``table``; masked rows are zeros."""
+    index = tl.where(ok, index, 0)
+    block = tl.load(table + index // PER_BLOCK, mask=ok, other=0).to(tl.int64)
+    rows = base + block * stride_b + (index % PER_BLOCK) * stride_t
+    return tl.load(rows[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
+
+
 def padded(n: int) -> int:
     """``n`` rounded up to a power of two that ``tl.dot`` accepts (masks cover the rest)."""
     return max(MIN_DOT, triton.next_power_of_2(n))

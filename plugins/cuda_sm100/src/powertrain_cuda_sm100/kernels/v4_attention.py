@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, sm_count
+from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, paged_rows, sm_count
 from powertrain_cuda_sm100.kernels.mla import shared_kv_softmax_tile, store_latent_rows
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
@@ -35,15 +35,6 @@ NO_ENTRIES, ALL_CLOSED, LISTED = 0, 1, 2
 # The same, as the kernel reads globals.
 _ALL_CLOSED, _LISTED, _NO_ENTRIES = tl.constexpr(ALL_CLOSED), tl.constexpr(LISTED), tl.constexpr(NO_ENTRIES)
 _LOG2E = tl.constexpr(LOG2E)
-
-
-@triton.jit
-def _kv_rows(base, table, index, ok, PER_BLOCK: tl.constexpr, stride_b, stride_t, dims, dim_ok):
-    """Rows ``index`` (masked by ``ok``) of a paged tensor read through a sequence's table."""
-    index = tl.where(ok, index, 0)
-    block = tl.load(table + index // PER_BLOCK, mask=ok, other=0).to(tl.int64)
-    rows = base + block * stride_b + (index % PER_BLOCK) * stride_t
-    return tl.load(rows[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -127,7 +118,7 @@ def v4_attention_kernel(
     for tile in range(start, tl.minimum(end, in_window), BLOCK_N):
         column = tile + tl.arange(0, BLOCK_N)
         ok = column < tl.minimum(end, in_window)
-        keys = _kv_rows(kv_ptr, window_table, lo + column, ok, BLOCK_SIZE, stride_kb, stride_kt, dims, dim_ok)
+        keys = paged_rows(kv_ptr, window_table, lo + column, ok, BLOCK_SIZE, stride_kb, stride_kt, dims, dim_ok)
         scores = mma(q, tl.trans(keys), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_F32) * qk_scale
         visible = tl.broadcast_to(ok[None, :], (BLOCK_H, BLOCK_N))
         m, total, acc = shared_kv_softmax_tile(scores, keys, visible, m, total, acc, DOT_F32)
@@ -143,7 +134,7 @@ def v4_attention_kernel(
                 ok = entry >= 0
             else:
                 entry = column
-            keys = _kv_rows(entries_ptr, full_table, entry, ok, ENTRIES_PER_BLOCK, stride_eb, stride_et, dims, dim_ok)
+            keys = paged_rows(entries_ptr, full_table, entry, ok, ENTRIES_PER_BLOCK, stride_eb, stride_et, dims, dim_ok)
             scores = mma(q, tl.trans(keys), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_F32) * qk_scale
             visible = tl.broadcast_to(ok[None, :], (BLOCK_H, BLOCK_N))
             m, total, acc = shared_kv_softmax_tile(scores, keys, visible, m, total, acc, DOT_F32)
