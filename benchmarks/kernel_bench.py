@@ -22,8 +22,10 @@ from powertrain.interfaces import (
 )
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import apply_rotary
+from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
 from powertrain.testing.attention import read_tokens, write_tokens
+from powertrain.testing.checkpoints import quantize_fp4
 from powertrain.testing.moe import row_errors
 
 
@@ -336,11 +338,19 @@ def bench_indexer(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth:
     )
 
 
-def bench_moe(bench: Bench, shapes: Shapes, ours: Any, peer: Any, fp8: bool, peak: float) -> Row:
+def bench_moe(bench: Bench, shapes: Shapes, ours: Any, peer: Any, fp8: bool, peak: float, fp4: bool = False) -> Row:
     s = shapes
     w13 = bench.randn(s.experts, 2 * s.intermediate, s.hidden, dtype=torch.float32, scale=s.hidden**-0.5)
     w2 = bench.randn(s.experts, s.hidden, s.intermediate, dtype=torch.float32, scale=s.intermediate**-0.5)
-    if fp8:
+    if fp4:  # DeepSeek-V4's packed experts: e2m1, ue8m0 scales per 32 columns
+        (q13, s13), (q2, s2) = quantize_fp4(w13.cpu()), quantize_fp4(w2.cpu())
+        q13, q2 = q13.view(torch.uint8), q2.view(torch.uint8)
+        weights = ExpertWeights(
+            w13=q13.to(bench.device), w2=q2.to(bench.device), num_experts=s.experts,
+            w13_scale=s13.to(bench.device), w2_scale=s2.to(bench.device), fp4=True,
+        )  # fmt: skip
+        w13, w2 = dequantize_fp4(q13, s13).to(bench.device), dequantize_fp4(q2, s2).to(bench.device)
+    elif fp8:
         block = (128, 128)
         (w13q, w13s), (w2q, w2s) = quantize_blocks(w13, block), quantize_blocks(w2, block)
         weights = ExpertWeights(
@@ -353,7 +363,9 @@ def bench_moe(bench: Bench, shapes: Shapes, ours: Any, peer: Any, fp8: bool, pea
     scores = torch.rand(s.tokens, s.experts, generator=bench.gen)
     topk_ids = scores.topk(s.top_k, dim=-1).indices.to(torch.int32).to(bench.device)
     topk_weights = (0.1 + torch.rand(s.tokens, s.top_k, generator=bench.gen)).to(bench.device)
-    prepared, peer_prepared = ours.prepare(weights), peer.prepare(weights)
+    # The peer multiplies what it can run: the FP4 experts dequantised to bf16.
+    peer_weights = ExpertWeights(w13=w13.bfloat16(), w2=w2.bfloat16(), num_experts=s.experts) if fp4 else weights
+    prepared, peer_prepared = ours.prepare(weights), peer.prepare(peer_weights)
     got = ours.forward(hidden, topk_ids, topk_weights, prepared)
     # The oracle: the same (dequantized) experts in float32 through the torch backend.
     oracle = peer.prepare(ExpertWeights(w13=w13.float(), w2=w2.float(), num_experts=s.experts))
@@ -363,9 +375,9 @@ def bench_moe(bench: Bench, shapes: Shapes, ours: Any, peer: Any, fp8: bool, pea
     flops = 2 * s.tokens * s.top_k * 3 * s.hidden * s.intermediate
     achieved = None if ms is None else flops / (ms * 1e-3)
     return Row(
-        f"moe grouped gemm ({'fp8 e4m3 128-block' if fp8 else 'bf16'})",
+        f"moe grouped gemm ({'fp4 e2m1 experts' if fp4 else 'fp8 e4m3 128-block' if fp8 else 'bf16'})",
         f"{s.tokens} tokens, top-{s.top_k} of {s.experts}, hidden {s.hidden}, intermediate {s.intermediate}",
-        _check(got, want, 0.1 if fp8 else 3e-2),
+        _check(got, want, 0.1 if fp8 else 3e-2),  # FP4: the oracle has its dequantised weights
         ms,
         "" if achieved is None else f"{achieved / 1e12:.1f} TFLOP/s",
         None if achieved is None else achieved / peak,

@@ -95,6 +95,7 @@ def main() -> int:
         bench_rmsnorm(bench, shapes, attention, bandwidth),
         bench_moe(bench, shapes, moe, grouped, False, peak_bf16),
         bench_moe(bench, shapes, moe, grouped, True, peak_fp8),
+        bench_moe(bench, shapes, moe, grouped, False, peak_bf16, fp4=True),
     ]
     results: dict[str, Any] = {}
     if not args.smoke:

@@ -12,6 +12,10 @@ FP8 experts (e4m3, 128x128 float32 block scales) stay FP8: activations are
 quantised per token and 128 columns before the gate/up GEMM, and the gate/up
 epilogue quantises its own output the same way for the down GEMM.
 
+FP4 experts (DeepSeek-V4's e2m1 with ue8m0 scales per 32 columns) stay packed, a
+quarter of bf16's bytes: each GEMM dequantises its weight tile to the activations'
+dtype in registers (weight-only: the activations are not quantised).
+
 DeepSeek-V4's clamped SwiGLU (``ExpertWeights.swiglu_limit``) is applied in the gate/up
 epilogue, before the activation.
 """
@@ -46,10 +50,13 @@ class PreparedExperts:
     num_experts: int
     first_expert: int
     swiglu_limit: float | None = None
+    #: Packed e2m1 ``w13`` ``[E, 2I, H / 2]`` / ``w2`` ``[E, H, I / 2]`` (uint8) with ue8m0
+    #: scale bytes (uint8) per 32 columns.
+    fp4: bool = False
 
     @property
     def fp8(self) -> bool:
-        return self.w13_scale is not None
+        return self.w13_scale is not None and not self.fp4
 
     @property
     def local_experts(self) -> int:
@@ -57,11 +64,11 @@ class PreparedExperts:
 
     @property
     def hidden_size(self) -> int:
-        return self.w13.shape[2]
+        return self.w13.shape[2] * (2 if self.fp4 else 1)
 
 
 class TritonMoE:
-    """``interfaces.MoEBackend`` in Triton, for bf16/fp16 activations and bf16/fp16 or FP8 experts."""
+    """``interfaces.MoEBackend`` in Triton, for bf16/fp16 activations and bf16/fp16, FP8 or FP4 experts."""
 
     name = "triton-sm100"
 
@@ -78,6 +85,18 @@ class TritonMoE:
         weights.refuse_unsupported(self.name, MOE_CAPABILITIES)
         if weights.local_experts == 0:
             raise ValueError("triton-sm100 MoE: ExpertWeights holds no experts")
+        if weights.fp4:
+            assert weights.w13_scale is not None and weights.w2_scale is not None
+            return PreparedExperts(
+                weights.w13.contiguous(),
+                weights.w2.contiguous(),
+                weights.w13_scale.view(torch.uint8).contiguous(),
+                weights.w2_scale.view(torch.uint8).contiguous(),
+                weights.num_experts,
+                weights.first_expert,
+                weights.swiglu_limit,
+                fp4=True,
+            )
         if weights.block_shape is None:
             w13, w2 = weights.w13.to(self.dtype).contiguous(), weights.w2.to(self.dtype).contiguous()
             return PreparedExperts(w13, w2, None, None, weights.num_experts, weights.first_expert, weights.swiglu_limit)
@@ -172,7 +191,7 @@ class TritonMoE:
     def _check_hidden(self, hidden: torch.Tensor, weights: PreparedExperts) -> None:
         if hidden.dtype not in HALF_DTYPES:
             raise ValueError(f"triton-sm100 MoE takes bfloat16 or float16 hidden states, got {hidden.dtype}")
-        if not weights.fp8 and hidden.dtype != weights.w13.dtype:
+        if not weights.fp8 and not weights.fp4 and hidden.dtype != weights.w13.dtype:
             raise ValueError(
                 f"hidden states are {hidden.dtype} but the experts were prepared in {weights.w13.dtype}; "
                 "build the backend with the model's dtype"
@@ -207,8 +226,19 @@ class TritonMoE:
                 weights.swiglu_limit,
             )
             moe_gemm.down(act, act_scale, weights.w2, weights.w2_scale, align, topk_weights, out, configs.down)
-        else:
+        else:  # bf16/fp16 experts, or FP4 ones dequantised tile by tile (their scales ride along)
             act, _ = moe_gemm.gate_up_silu(
-                hidden, None, weights.w13, None, align, top_k, configs.gate_up, hidden.dtype, weights.swiglu_limit
+                hidden,
+                None,
+                weights.w13,
+                weights.w13_scale,
+                align,
+                top_k,
+                configs.gate_up,
+                hidden.dtype,
+                weights.swiglu_limit,
+                fp4=weights.fp4,
             )
-            moe_gemm.down(act, None, weights.w2, None, align, topk_weights, out, configs.down)
+            moe_gemm.down(
+                act, None, weights.w2, weights.w2_scale, align, topk_weights, out, configs.down, fp4=weights.fp4
+            )

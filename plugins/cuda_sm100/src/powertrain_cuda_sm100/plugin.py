@@ -83,7 +83,7 @@ def powertrain_moe_backends() -> list[MoEBackendRecord]:
             factory=build_moe,
             description=(
                 "Triton fused MoE: expert-sorted grouped GEMM with SiLU-and-mul and the routing combine fused; "
-                "bf16 and FP8 e4m3 128-block"
+                "bf16, FP8 e4m3 128-block and packed FP4 (e2m1, ue8m0 per 32) experts"
             ),
         )
     ]

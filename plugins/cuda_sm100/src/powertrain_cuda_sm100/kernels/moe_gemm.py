@@ -42,6 +42,47 @@ MIN_SCALE = tl.constexpr(1e-10)
 
 
 @triton.jit
+def _e2m1(code):
+    """The values of 4-bit e2m1 codes (sign, 2 exponent bits, 1 mantissa bit; no bias trick:
+    0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), in float32."""
+    exponent = ((code >> 1) & 3).to(tl.float32)
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, tl.exp2(exponent - 1.0) * (1.0 + 0.5 * mantissa))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _fp4_tile(w_rows, scale_rows, kb, K, n_ok, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """One K tile of FP4 weight rows (``w_rows``/``scale_rows``: per output column, its
+    packed row and its ue8m0 scale row), dequantised to ``DTYPE`` as its even and its odd
+    K columns, each ``[BLOCK_K / 2, BLOCK_N]``: a byte holds columns 2j (low nibble) and
+    2j + 1, so multiplying even and odd activation columns separately needs no interleave."""
+    half = tl.arange(0, BLOCK_K // 2)
+    even = kb * BLOCK_K + 2 * half
+    ok = (even < K)[:, None] & n_ok[None, :]
+    packed = tl.load(w_rows[None, :] + (even // 2)[:, None], mask=ok, other=0).to(tl.int32)
+    exponent = tl.load(scale_rows[None, :] + (even // 32)[:, None], mask=ok, other=127).to(tl.float32)
+    scale = tl.exp2(exponent - 127.0)
+    low = (_e2m1(packed & 15) * scale).to(DTYPE)
+    high = (_e2m1(packed >> 4) * scale).to(DTYPE)
+    return low, high
+
+
+@triton.jit
+def _fp4_dot(a_rows, row_ok, w_rows, scale_rows, kb, K, n_ok, acc, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc`` plus one K tile of activations (row pointers ``a_rows``) times FP4 weights."""
+    half = tl.arange(0, BLOCK_K // 2)
+    even = kb * BLOCK_K + 2 * half
+    a_mask = row_ok[:, None] & (even < K)[None, :]
+    a_even = tl.load(a_rows[:, None] + even[None, :], mask=a_mask, other=0.0)
+    a_odd = tl.load(a_rows[:, None] + even[None, :] + 1, mask=a_mask, other=0.0)
+    dtype = tl.float32 if DOT_F32 else a_even.dtype
+    w_even, w_odd = _fp4_tile(w_rows, scale_rows, kb, K, n_ok, BLOCK_K, dtype)
+    acc = tl.dot(a_even.to(dtype), w_even, acc)
+    return tl.dot(a_odd.to(dtype), w_odd, acc)
+
+
+@triton.jit
 def _tile_order(pid, num_padded, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of this program, M-blocks grouped by ``GROUP_M`` so neighbouring
     programs share weight tiles in L2; -1 past the rows in use."""
@@ -88,6 +129,7 @@ def gate_up_silu_kernel(
     QUANT_OUT: tl.constexpr,
     DOT_F32: tl.constexpr,
     SWIGLU_LIMIT: tl.constexpr = None,  # DeepSeek-V4's clamp of gate and up; None: plain SwiGLU
+    FP4: tl.constexpr = False,  # w packed e2m1 [E, 2N, K / 2], w_scale ue8m0 bytes [E, 2N, K / 32]
 ):
     pid_m, pid_n = _tile_order(tl.program_id(0), tl.load(num_padded_ptr), N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m < 0:
@@ -111,28 +153,39 @@ def gate_up_silu_kernel(
 
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        w_up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            w_gate = w_gate.to(tl.float32)
-            w_up = w_up.to(tl.float32)
-        if FP8:
-            group = (kb * BLOCK_K) // QUANT_GROUP
-            a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
-            gate_scale = tl.load(gate_scale_ptrs + group, mask=n_ok, other=0.0)
-            up_scale = tl.load(up_scale_ptrs + group, mask=n_ok, other=0.0)
-            gate += tl.dot(a, w_gate) * (a_scale[:, None] * gate_scale[None, :])
-            up += tl.dot(a, w_up) * (a_scale[:, None] * up_scale[None, :])
-        else:
-            gate = tl.dot(a, w_gate, gate)
-            up = tl.dot(a, w_up, up)
-        a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+    if FP4:
+        a_rows = a_ptr + tokens * stride_am
+        gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+        gate_scales = w_scale_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            gate = _fp4_dot(a_rows, row_ok, gate_rows, gate_scales, kb, K, n_ok, gate, BLOCK_K, DOT_F32)
+            up = _fp4_dot(
+                a_rows, row_ok, gate_rows + N * stride_wn, gate_scales + N * stride_wsn, kb, K, n_ok, up, BLOCK_K,
+                DOT_F32,
+            )  # fmt: skip
+    else:
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w_up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                w_gate = w_gate.to(tl.float32)
+                w_up = w_up.to(tl.float32)
+            if FP8:
+                group = (kb * BLOCK_K) // QUANT_GROUP
+                a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
+                gate_scale = tl.load(gate_scale_ptrs + group, mask=n_ok, other=0.0)
+                up_scale = tl.load(up_scale_ptrs + group, mask=n_ok, other=0.0)
+                gate += tl.dot(a, w_gate) * (a_scale[:, None] * gate_scale[None, :])
+                up += tl.dot(a, w_up) * (a_scale[:, None] * up_scale[None, :])
+            else:
+                gate = tl.dot(a, w_gate, gate)
+                up = tl.dot(a, w_up, up)
+            a_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
 
     if SWIGLU_LIMIT is not None:
         gate = tl.minimum(gate, SWIGLU_LIMIT)
@@ -181,6 +234,7 @@ def down_kernel(
     FP8: tl.constexpr,
     WEIGHTED: tl.constexpr,
     DOT_F32: tl.constexpr,
+    FP4: tl.constexpr = False,  # as gate_up_silu_kernel's
 ):
     pid_m, pid_n = _tile_order(tl.program_id(0), tl.load(num_padded_ptr), N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m < 0:
@@ -201,22 +255,28 @@ def down_kernel(
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // QUANT_GROUP) * stride_wsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        if FP8:
-            group = (kb * BLOCK_K) // QUANT_GROUP
-            a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
-            w_scale = tl.load(w_scale_ptrs + group, mask=n_ok, other=0.0)
-            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
-        else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if FP4:
+        w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+        scale_rows = w_scale_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            acc = _fp4_dot(a_ptr + rows * stride_am, row_ok, w_rows, scale_rows, kb, K, n_ok, acc, BLOCK_K, DOT_F32)
+    else:
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            if FP8:
+                group = (kb * BLOCK_K) // QUANT_GROUP
+                a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
+                w_scale = tl.load(w_scale_ptrs + group, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
     if WEIGHTED:
         acc *= tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
@@ -293,14 +353,17 @@ def gate_up_silu(
     config: GemmConfig,
     out_dtype: torch.dtype,
     swiglu_limit: float | None = None,
+    fp4: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``silu(a @ gate.T) * (a @ up.T)`` per sorted row, ``[capacity, I]`` in ``out_dtype``;
     with ``swiglu_limit``, gate is clamped above and up on both sides first (DeepSeek-V4).
 
     Rows gather token ``pair // top_k`` of ``a``. With ``out_dtype`` e4m3 the result is
-    quantised per row and 128 columns, and its float32 scales come back too.
+    quantised per row and 128 columns, and its float32 scales come back too. With ``fp4``
+    ``w13`` holds packed e2m1 codes and ``w13_scale`` their ue8m0 bytes (per 32 columns),
+    dequantised tile by tile to ``a``'s dtype.
     """
-    intermediate, hidden = w13.shape[1] // 2, w13.shape[2]
+    intermediate, hidden = w13.shape[1] // 2, w13.shape[2] * (2 if fp4 else 1)
     fp8_in = a_scale is not None
     quant_out = out_dtype == torch.float8_e4m3fn
     if quant_out and config.block_n != 128:
@@ -314,7 +377,7 @@ def gate_up_silu(
     if align.capacity == 0:
         return out, out_scale
     a_scale_t = a_scale if fp8_in else a
-    w_scale_t = w13_scale if fp8_in else w13
+    w_scale_t = w13_scale if fp8_in or fp4 else w13
     out_scale_t = out_scale if quant_out else out
     gate_up_silu_kernel[_grid(align, config.block_n, intermediate)](
         a, a_scale_t, w13, w_scale_t, out, out_scale_t,
@@ -324,7 +387,7 @@ def gate_up_silu(
         out.stride(0), out_scale_t.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         FP8=fp8_in, QUANT_OUT=quant_out, DOT_F32=interpreting(),
-        SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),
+        SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit), FP4=fp4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, out_scale
@@ -339,15 +402,17 @@ def down(
     topk_weights: torch.Tensor | None,
     out: torch.Tensor,
     config: GemmConfig,
+    fp4: bool = False,
 ) -> torch.Tensor:
     """``a @ w2.T`` per sorted row (times its routing weight, when given) into row
-    ``pair`` of ``out`` ``[num_pairs, H]``; rows of dropped pairs are not written."""
-    hidden, intermediate = w2.shape[1], w2.shape[2]
+    ``pair`` of ``out`` ``[num_pairs, H]``; rows of dropped pairs are not written.
+    ``fp4``: packed FP4 ``w2``, as ``gate_up_silu``'s."""
+    hidden, intermediate = w2.shape[1], w2.shape[2] * (2 if fp4 else 1)
     if align.capacity == 0:
         return out
     fp8 = a_scale is not None
     a_scale_t = a_scale if fp8 else a
-    w_scale_t = w2_scale if fp8 else w2
+    w_scale_t = w2_scale if fp8 or fp4 else w2
     weights_t = topk_weights if topk_weights is not None else align.sorted_pairs
     down_kernel[_grid(align, config.block_n, hidden)](
         a, a_scale_t, w2, w_scale_t, out, weights_t,
@@ -356,7 +421,7 @@ def down(
         a.stride(0), a_scale_t.stride(0), w2.stride(0), w2.stride(1), w_scale_t.stride(0), w_scale_t.stride(1),
         out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FP8=fp8, WEIGHTED=topk_weights is not None, DOT_F32=interpreting(),
+        FP8=fp8, WEIGHTED=topk_weights is not None, DOT_F32=interpreting(), FP4=fp4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -421,6 +486,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
                         "QUANT_OUT": fp8,
                         "DOT_F32": False,
                         "SWIGLU_LIMIT": None,
+                        "FP4": False,
                     },
                     g,
                 )  # fmt: skip
@@ -448,8 +514,36 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
                         "FP8": fp8,
                         "WEIGHTED": True,
                         "DOT_F32": False,
+                        "FP4": False,
                     },
                     d,
                 )  # fmt: skip
             )
+    for load, rows_per_expert in (("small", 1.0), ("large", 1024.0)):
+        configs = pick_configs(capability, False, rows_per_expert)
+        common = {"sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_padded_ptr": "*i32"}
+        packed = {"a_scale_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": "*u8"}
+        g, d = configs.gate_up, configs.down
+        gate_up = {"BLOCK_M": g.block_m, "BLOCK_N": g.block_n, "BLOCK_K": g.block_k, "GROUP_M": g.group_m}
+        specs.append(
+            _spec(
+                f"gate_up_silu_fp4_{load}",
+                gate_up_silu_kernel,
+                {"a_ptr": "*bf16", **packed, "out_ptr": "*bf16", "out_scale_ptr": "*bf16", **common},
+                (*_INTS, "top_k", "stride_om", "stride_osm"),
+                {**gate_up, "FP8": False, "QUANT_OUT": False, "DOT_F32": False, "SWIGLU_LIMIT": 10.0, "FP4": True},
+                g,
+            )
+        )
+        down_tiles = {"BLOCK_M": d.block_m, "BLOCK_N": d.block_n, "BLOCK_K": d.block_k, "GROUP_M": d.group_m}
+        specs.append(
+            _spec(
+                f"down_fp4_{load}",
+                down_kernel,
+                {"a_ptr": "*bf16", **packed, "out_ptr": "*bf16", "topk_weights_ptr": "*fp32", **common},
+                (*_INTS, "stride_om"),
+                {**down_tiles, "FP8": False, "WEIGHTED": True, "DOT_F32": False, "FP4": True},
+                d,
+            )
+        )
     return specs
