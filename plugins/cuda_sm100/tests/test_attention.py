@@ -447,3 +447,27 @@ def test_each_entry_point_checks_its_inputs_once(
     q_latent, q_rope = torch.randn((tokens, 2, 16)), torch.randn((tokens, 2, 8))
     backend.forward_mla(mla, q_latent, q_rope, torch.randn((tokens, 16)), torch.randn((tokens, 8)), mla_cache, metadata)
     assert calls == {"_check_gqa": 2, "_check_cache_write": 2, "_check_mla": 1}
+
+
+# --------------------------------------------------------------------------- Lightning Indexer
+
+
+@pytest.mark.parametrize("tokens_per_entry", [1, 4])
+def test_index_topk_in_row_slices(
+    monkeypatch: pytest.MonkeyPatch, interpreter_platform: PlatformInfo, tokens_per_entry: int
+) -> None:
+    """A long prefill at long context is scored a slice of rows at a time (``SCORE_BYTES``):
+    forced here down to 3 rows a slice, slices start mid-sequence and the picks stay the
+    oracle's."""
+    from powertrain.layers import indexer
+    from powertrain.testing.indexer import check_index_topk
+
+    lengths = [(5, 1), (3, 1), (0, 23), (9, 8)]
+    columns = max(c + q for c, q in lengths) // tokens_per_entry
+    monkeypatch.setattr(indexer, "SCORE_BYTES", 3 * 4 * columns)
+    assert indexer.score_rows(columns) == 3
+    seed = fresh_seed()
+    for backend in (_backend(interpreter_platform, torch.float32, 8), TorchReferenceAttention()):
+        check_index_topk(
+            backend, lengths=lengths, block_size=8, dtype=torch.float32, seed=seed, tokens_per_entry=tokens_per_entry
+        )

@@ -147,6 +147,16 @@ class LightningIndexer(nn.Module):
         return f"n_heads={self.n_heads}, head_dim={self.head_dim}, rope_head_dim={self.rope_head_dim}, topk={self.topk}"
 
 
+#: Most bytes of float32 scores one pass holds: a long prefill chunk at long context
+#: (8k queries x 128k keys is 4 GiB) is scored and cut to its top-k a slice of rows at a time.
+SCORE_BYTES = 256 * 2**20
+
+
+def score_rows(columns: int) -> int:
+    """How many query rows of ``columns`` float32 scores fit in ``SCORE_BYTES`` (at least one)."""
+    return max(1, SCORE_BYTES // (4 * max(columns, 1)))
+
+
 def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """float32 ``[n, T]``: ``sum_h weights[:, h] * ReLU(query[:, h] . keys[t])`` for rotated
     queries ``[n, n_heads, d]``, folded head weights ``[n, n_heads]`` and keys ``[T, d]``."""
@@ -184,7 +194,10 @@ def index_topk_reference(
         if start == end or count == 0:
             continue
         cached = read_entries(keys, metadata.block_tables[seq], 0, count)
-        scores = index_scores(query[start:end], weights[start:end], cached)
         positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        picked[start:end] = best_visible(scores, positions, width, tokens_per_entry)
+        step = score_rows(count)
+        for first in range(start, end, step):
+            last = min(first + step, end)
+            scores = index_scores(query[first:last], weights[first:last], cached)
+            picked[first:last] = best_visible(scores, positions[first - start : last - start], width, tokens_per_entry)
     return picked

@@ -20,6 +20,7 @@ from powertrain.interfaces import (
     KVCacheSpec,
     LayerKVCache,
 )
+from powertrain.layers.indexer import score_rows
 from powertrain_cuda_sm100.kernels.cache_write import rotary_cache_write
 from powertrain_cuda_sm100.kernels.indexer import index_scores
 from powertrain_cuda_sm100.kernels.mla import mla_attention
@@ -324,19 +325,24 @@ class TritonAttention:
         picked = torch.full((query.shape[0], width), -1, dtype=torch.int32, device=query.device)
         if tokens == 0 or columns == 0:
             return picked
-        scores = index_scores(
-            _last_dim_contiguous(query)[:tokens],
-            weights.float()[:tokens],
-            _last_dim_contiguous(keys),
-            metadata.block_tables,
-            metadata.token_sequences,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            columns=columns,
-            tokens_per_entry=tokens_per_entry,
-        )
-        best, chosen = scores.topk(width, dim=-1)
-        picked[:tokens] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
+        query, weights, keys = _last_dim_contiguous(query), weights.float(), _last_dim_contiguous(keys)
+        step = score_rows(columns)  # a long prefill at long context is scored a slice of rows at a time
+        for first in range(0, tokens, step):
+            last = min(first + step, tokens)
+            scores = index_scores(
+                query[first:last],
+                weights[first:last],
+                keys,
+                metadata.block_tables,
+                metadata.token_sequences[first:last],
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                columns=columns,
+                tokens_per_entry=tokens_per_entry,
+                first_token=first,
+            )
+            best, chosen = scores.topk(width, dim=-1)
+            picked[first:last] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
         return picked
 
 

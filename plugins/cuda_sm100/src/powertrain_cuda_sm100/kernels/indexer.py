@@ -22,14 +22,15 @@ from powertrain_cuda_sm100.kernels.common import aot_spec, mma, padded, paged_ro
 
 @triton.jit
 def index_scores_kernel(
-    q_ptr,  # [num_tokens, heads, dim]
-    weights_ptr,  # float32 [num_tokens, heads]
+    q_ptr,  # [rows, heads, dim]: the step's tokens first_token, first_token + 1, ...
+    weights_ptr,  # float32 [rows, heads]
     keys_ptr,  # [num_blocks, per_block, dim]
     tables_ptr,  # int32 [batch, max_blocks]
-    token_seqs_ptr,  # int32 [num_tokens]
+    token_seqs_ptr,  # int32 [rows]: each row's sequence
     query_start_ptr,  # int32 [batch + 1]
     seq_lens_ptr,  # int32 [batch]
-    scores_ptr,  # float32 [num_tokens, columns]
+    scores_ptr,  # float32 [rows, columns]
+    first_token,  # the step token of row 0
     num_heads,
     columns,
     tokens_per_entry,
@@ -47,27 +48,27 @@ def index_scores_kernel(
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
     column = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seq = tl.load(token_seqs_ptr + token).to(tl.int64)
-    position = tl.load(seq_lens_ptr + seq) - (tl.load(query_start_ptr + seq + 1) - token)
+    seq = tl.load(token_seqs_ptr + row).to(tl.int64)
+    position = tl.load(seq_lens_ptr + seq) - (tl.load(query_start_ptr + seq + 1) - (first_token + row))
     visible = column < (position + 1) // tokens_per_entry
     head = tl.arange(0, BLOCK_H)
     head_ok = head < num_heads
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < DIM
     q = tl.load(
-        q_ptr + (token * stride_qt + head * stride_qh)[:, None] + dims[None, :],
+        q_ptr + (row * stride_qt + head * stride_qh)[:, None] + dims[None, :],
         mask=head_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
-    weights = tl.load(weights_ptr + token * stride_wt + head, mask=head_ok, other=0.0)
+    weights = tl.load(weights_ptr + row * stride_wt + head, mask=head_ok, other=0.0)
     keys = paged_rows(
         keys_ptr, tables_ptr + seq * stride_bt, column, visible, PER_BLOCK, stride_kb, stride_kt, dims, dim_ok
     )
     per_head = tl.maximum(mma(q, tl.trans(keys), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_F32), 0.0)
     scores = tl.sum(weights[:, None] * per_head, 0)
-    tl.store(scores_ptr + token * stride_st + column, tl.where(visible, scores, -float("inf")), mask=column < columns)
+    tl.store(scores_ptr + row * stride_st + column, tl.where(visible, scores, -float("inf")), mask=column < columns)
 
 
 @attrs.frozen
@@ -95,9 +96,11 @@ def index_scores(
     *,
     columns: int,
     tokens_per_entry: int,
+    first_token: int = 0,
 ) -> torch.Tensor:
-    """float32 ``[num_tokens, columns]``: each token's score for keys ``0 .. columns - 1`` of
-    its sequence, ``-inf`` for those it cannot see (see the module doc)."""
+    """float32 ``[rows, columns]``: for the step's tokens ``first_token ..`` (``query``'s rows,
+    ``token_seqs`` their sequences), each one's score for keys ``0 .. columns - 1`` of its
+    sequence, ``-inf`` for those it cannot see (see the module doc)."""
     num_tokens, num_heads, dim = query.shape
     scores = torch.empty((num_tokens, columns), dtype=torch.float32, device=query.device)
     if num_tokens == 0 or columns == 0:
@@ -112,6 +115,7 @@ def index_scores(
         query_start_loc,
         seq_lens,
         scores,
+        first_token,
         num_heads,
         columns,
         tokens_per_entry,
@@ -148,6 +152,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
         "scores_ptr": "*fp32",
         **dict.fromkeys(
             (
+                "first_token",
                 "num_heads",
                 "columns",
                 "tokens_per_entry",
