@@ -19,7 +19,7 @@ from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.components import PlatformInfo
 from powertrain.interfaces import AttentionBackendContext, AttentionLayerSpec, AttentionMetadata
 from powertrain.testing.attention import AttentionBackendSuite
-from powertrain.testing.base import fresh_seed, generator
+from powertrain.testing.base import fresh_seed, generator, shuffled_block_tables
 from powertrain_cuda_sm100.attention import TritonAttention
 from powertrain_cuda_sm100.kernels.common import INTERPRETER_SM_COUNT, choose_num_splits
 from powertrain_cuda_sm100.kernels.mla import mla_attention
@@ -59,13 +59,7 @@ class _PagedBatch:
         cls, seq_lens: list[int], block_size: int, widths: dict[str, tuple[int, ...]], dtype: torch.dtype, seed: int
     ) -> _PagedBatch:
         gen = generator(seed)
-        needed = [math.ceil(s / block_size) for s in seq_lens]
-        num_blocks = 2 * sum(needed) + 1
-        pool = torch.randperm(num_blocks, generator=gen).tolist()
-        tables, used = [], 0
-        for count in needed:
-            tables.append(pool[used : used + count])
-            used += count
+        tables, num_blocks = shuffled_block_tables([math.ceil(s / block_size) for s in seq_lens], gen)
         metadata = AttentionMetadata.build(
             query_lens=[1] * len(seq_lens), seq_lens=seq_lens, block_tables=tables, block_size=block_size
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -20,6 +22,27 @@ def fresh_seed() -> int:
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def shuffled_block_tables(needed: Sequence[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
+    """Block lists of ``needed[i]`` blocks each, drawn without repeats from a shuffled pool
+    twice their total (non-contiguous, out of order, with unused blocks between them), and
+    the pool's size: where a kernel reads the wrong block, it reads another sequence's or garbage."""
+    pool_size = 2 * sum(needed) + 1
+    pool = torch.randperm(pool_size, generator=gen).tolist()
+    tables, used = [], 0
+    for count in needed:
+        tables.append(pool[used : used + count])
+        used += count
+    return tables, pool_size
+
+
+def assert_names_numbers(message: str, numbers: Sequence[tuple[int, str]], where: str) -> None:
+    """An error message must name each ``(number, what)`` as a whole number of its own."""
+    for number, what in numbers:
+        assert re.search(rf"(?<![\d-]){number}(?!\d)", message), (
+            f"the ValueError should name the {what} {number}, it says {message!r}: {where}"
+        )
 
 
 def find_component(manager: PluginManager, kind: str, name: str) -> Provided:

@@ -20,18 +20,9 @@ from typing import Any
 import torch
 
 from powertrain.interfaces import AttentionMetadata
+from powertrain.testing.base import shuffled_block_tables
 
 __all__ = ["check_index_topk"]
-
-
-def _tables(needed: Sequence[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
-    pool_size = 2 * sum(needed) + 3
-    pool = torch.randperm(pool_size, generator=gen).tolist()
-    tables, used = [], 0
-    for count in needed:
-        tables.append(pool[used : used + count])
-        used += count
-    return tables, pool_size
 
 
 def check_index_topk(
@@ -59,7 +50,7 @@ def check_index_topk(
     query_lens = [q for _, q in lengths]
     seq_lens = [c + q for c, q in lengths]
     per_block = block_size // tokens_per_entry
-    tables, num_blocks = _tables([math.ceil(s / block_size) for s in seq_lens], gen)
+    tables, num_blocks = shuffled_block_tables([math.ceil(s / block_size) for s in seq_lens], gen)
     keys = [torch.randn(s // tokens_per_entry, head_dim, generator=gen).to(dtype) for s in seq_lens]
     cache = torch.randn(num_blocks, per_block, head_dim, generator=gen).to(dtype)  # garbage where unused
     for table, seq_keys in zip(tables, keys, strict=True):

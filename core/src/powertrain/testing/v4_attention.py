@@ -14,7 +14,6 @@ own tests may call them on any backend object.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
+from powertrain.testing.base import assert_names_numbers, shuffled_block_tables
 
 __all__ = ["V4_LAYER_KINDS", "check_v4_attention", "check_v4_attention_refuses", "v4_layer"]
 
@@ -58,17 +58,6 @@ def _randint(gen: torch.Generator, low: int, high: int) -> int:
     return int(torch.randint(low, high + 1, (1,), generator=gen).item())
 
 
-def _tables(needed: Sequence[int], gen: torch.Generator) -> tuple[list[list[int]], int]:
-    """Shuffled block lists from a pool twice the size (unused blocks hold garbage)."""
-    pool_size = 2 * sum(needed) + 3
-    pool = torch.randperm(pool_size, generator=gen).tolist()
-    tables, used = [], 0
-    for count in needed:
-        tables.append(pool[used : used + count])
-        used += count
-    return tables, pool_size
-
-
 def _v4_case(
     kind: str,
     layer: AttentionLayerSpec,
@@ -89,8 +78,8 @@ def _v4_case(
     query_lens = tuple(q for _, q in lengths)
     seq_lens = [c + q for c, q in lengths]
     needed = [-(-s // block_size) for s in seq_lens]
-    full_tables, full_blocks = _tables(needed, gen)
-    window_tables, window_blocks = _tables(needed, gen)
+    full_tables, full_blocks = shuffled_block_tables(needed, gen)
+    window_tables, window_blocks = shuffled_block_tables(needed, gen)
     stale = window_blocks  # one more block, of garbage: what the engine's null block stands for
     for table, context in zip(window_tables, context_lens, strict=True):
         gone = max(0, (context - window + 1) // block_size)  # wholly before the first query's window
@@ -294,8 +283,4 @@ def check_v4_attention_refuses(
     where = f"entry {bad} in query row {row} of a sequence of {seq_len} tokens ({bad_row}) (seed={seed})"
     with pytest.raises(ValueError) as refused:
         _call(backend, "csa", layer, case, window, rate, indices)
-    message = str(refused.value)
-    for number, name in ((row, "row"), (bad, "entry"), (seq_len, "length")):
-        assert re.search(rf"(?<![\d-]){number}(?!\d)", message), (
-            f"the ValueError should name the {name} {number}, it says {message!r}: {where}"
-        )
+    assert_names_numbers(str(refused.value), ((row, "row"), (bad, "entry"), (seq_len, "length")), where)
