@@ -325,7 +325,8 @@ class TritonAttention:
         picked = torch.full((query.shape[0], width), -1, dtype=torch.int32, device=query.device)
         if tokens == 0 or columns == 0:
             return picked
-        query, weights, keys = _last_dim_contiguous(query), weights.float(), _last_dim_contiguous(keys)
+        query, keys = _last_dim_contiguous(query), _last_dim_contiguous(keys)
+        weights = _last_dim_contiguous(weights.float())
         step = score_rows(columns)  # a long prefill at long context is scored a slice of rows at a time
         for first in range(0, tokens, step):
             last = min(first + step, tokens)
