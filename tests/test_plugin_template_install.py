@@ -81,7 +81,7 @@ def test_discovered_through_its_entry_point(venv: Path) -> None:
         "entry-point",
         "powertrain-sdpa-example",
     )
-    assert found["provides"] == {"attention": [{"name": "sdpa", "available": True, "reason": "on cpu"}]}
+    assert found["provides"] == {"attention": [{"name": "sdpa", "available": True, "reason": "on cpu", "absent": {}}]}
     # ... and it is the copy installed in this environment, not the workspace's source tree.
     assert str(venv) in str(installed_plugin_module(venv))
 

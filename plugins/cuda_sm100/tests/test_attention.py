@@ -453,13 +453,13 @@ def test_index_topk_in_row_slices(
     """A long prefill at long context is scored a slice of rows at a time (``SCORE_BYTES``):
     forced here down to 3 rows a slice, slices start mid-sequence and the picks stay the
     oracle's."""
-    from powertrain.layers import indexer
+    from powertrain.interfaces import attention as contract
     from powertrain.testing.indexer import check_index_topk
 
     lengths = [(5, 1), (3, 1), (0, 23), (9, 8)]
     columns = max(c + q for c, q in lengths) // tokens_per_entry
-    monkeypatch.setattr(indexer, "SCORE_BYTES", 3 * 4 * columns)
-    assert indexer.score_rows(columns) == 3
+    monkeypatch.setattr(contract, "SCORE_BYTES", 3 * 4 * columns)
+    assert contract.score_rows(columns) == 3
     seed = fresh_seed()
     for backend in (_backend(interpreter_platform, torch.float32, 8), TorchReferenceAttention()):
         check_index_topk(

@@ -72,8 +72,9 @@ def build_deepseek_v4(context: ModelContext) -> DeepseekV4ForCausalLM:
 
 
 def deepseek_v4_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
-    """A MoE backend with the clamped SwiGLU; the model computes its window + compressed
-    attention itself (``custom`` layers), so any attention backend will do."""
+    """A MoE backend with the clamped SwiGLU. Any attention backend will do: the layers use its
+    ``forward_v4`` / ``index_topk`` where it declares ``v4-attention`` / ``lightning-indexer``,
+    and compute the same in torch where it does not."""
     needs = {"moe": set()}
     if config.get("swiglu_limit") is not None:
         needs["moe"].add("swiglu-limit")

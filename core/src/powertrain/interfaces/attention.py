@@ -719,6 +719,17 @@ class V4AttentionBackend(Protocol):
         ...
 
 
+#: Most bytes of float32 scores an ``index_topk`` pass should hold: a long prefill chunk at
+#: long context (8k queries x 128k keys is 4 GiB) is scored and cut to its top-k a slice of
+#: rows at a time, ``score_rows(columns)`` rows a slice.
+SCORE_BYTES = 256 * 2**20
+
+
+def score_rows(columns: int) -> int:
+    """How many query rows of ``columns`` float32 scores fit in ``SCORE_BYTES`` (at least one)."""
+    return max(1, SCORE_BYTES // (4 * max(columns, 1)))
+
+
 @runtime_checkable
 class LightningIndexerBackend(Protocol):
     """The Lightning Indexer's scoring and top-k (capability ``lightning-indexer``):
@@ -736,7 +747,7 @@ class LightningIndexerBackend(Protocol):
     V3.2's per-token keys, ``s <= p``), and returns int32 ``[num_tokens, width]``: its
     ``min(topk, visible)`` best keys, best first, ``-1`` in the columns left. ``width``
     is ``min(topk, max_seq_len // tokens_per_entry)``, at least 1. Ties between equal
-    scores may come in any order.
+    scores may come in any order. Score a long batch in slices of ``score_rows`` rows.
     """
 
     name: str

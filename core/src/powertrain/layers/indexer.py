@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from powertrain.interfaces import AttentionMetadata
+from powertrain.interfaces.attention import score_rows
 from powertrain.layers.paged import read_entries
 from powertrain.layers.rotary import apply_rotary
 
@@ -145,16 +146,6 @@ class LightningIndexer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, head_dim={self.head_dim}, rope_head_dim={self.rope_head_dim}, topk={self.topk}"
-
-
-#: Most bytes of float32 scores one pass holds: a long prefill chunk at long context
-#: (8k queries x 128k keys is 4 GiB) is scored and cut to its top-k a slice of rows at a time.
-SCORE_BYTES = 256 * 2**20
-
-
-def score_rows(columns: int) -> int:
-    """How many query rows of ``columns`` float32 scores fit in ``SCORE_BYTES`` (at least one)."""
-    return max(1, SCORE_BYTES // (4 * max(columns, 1)))
 
 
 def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ Read docs/deepseek_v4_notes.md first; this follows transformers 5.24's
   (CSA) layers add one compressed entry per ``m`` tokens, of which the Lightning Indexer picks
   ``index_topk`` per query; ``heavily_compressed_attention`` (HCA) layers one per ``m'`` tokens,
   all read. Sliding layers rotate with the "main" RoPE table, CSA/HCA layers (compressors and
-  indexer included) with the "compress" one (YaRN).
+  indexer included) with the "compress" one (YaRN). The attention and the indexer's top-k go
+  through the backend's ``forward_v4`` and ``index_topk`` where it declares ``v4-attention``
+  and ``lightning-indexer`` (the Triton pack, the reference), else through the same torch code.
 - **Caches are declarations** (``AttentionLayerSpec.cache_groups``, kind ``custom``): the raw
   window (``kv``, sliding ``W``), each compressor's per-token rows (sliding over the rows an
   entry reads: ``2m`` for CSA, ``m'`` for HCA; float32), and the compressed entries and

@@ -20,7 +20,7 @@ from powertrain.interfaces import (
     KVCacheSpec,
     LayerKVCache,
 )
-from powertrain.layers.indexer import score_rows
+from powertrain.interfaces.attention import score_rows
 from powertrain_cuda_sm100.kernels.cache_write import rotary_cache_write
 from powertrain_cuda_sm100.kernels.indexer import index_scores
 from powertrain_cuda_sm100.kernels.mla import mla_attention
