@@ -27,13 +27,8 @@ RELATIVE_TOLERANCE = 1e-4
 
 
 def _run(model: object, backend: object, prompts: dict[str, list[int]], decode_steps: int) -> list[torch.Tensor]:
-    """Prefill every prompt in one step, then decode a fixed token stream; all logits."""
     runner = PagedRunner(model, backend, dtype=torch.float32, block_size=BLOCK_SIZE, num_blocks=48)
-    outputs = runner.step(list(prompts.items()))
-    stream = torch.Generator().manual_seed(len(prompts))
-    for _ in range(decode_steps):
-        outputs += runner.step([(name, torch.randint(0, 100, (1,), generator=stream).tolist()) for name in prompts])
-    return outputs
+    return runner.prefill_then_decode(prompts, decode_steps)
 
 
 def test_tiny_deepseek_v32_through_the_triton_backend(tmp_path, interpreter_platform: PlatformInfo) -> None:  # noqa: ANN001

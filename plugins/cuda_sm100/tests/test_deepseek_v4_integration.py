@@ -28,11 +28,6 @@ BLOCK_SIZE = 8
 RELATIVE_TOLERANCE = 1e-4
 
 
-def _run(model: object, backend: object, prompts: dict[str, list[int]], decode_steps: int) -> list[torch.Tensor]:
-    """Prefill every prompt in one step, then decode a fixed token stream; all logits."""
-    return _run_in(model, backend, prompts, decode_steps, torch.float32)
-
-
 def test_tiny_deepseek_v4_through_the_triton_backend(tmp_path, interpreter_platform: PlatformInfo) -> None:  # noqa: ANN001
     from powertrain_cuda_sm100.attention import TritonAttention
 
@@ -80,9 +75,9 @@ def test_tiny_deepseek_v4_through_the_triton_backend(tmp_path, interpreter_platf
     assert (5 * window + 3) // rates["heavily_compressed_attention"] >= 2
     prompts = {name: torch.randint(0, config["vocab_size"], (n,), generator=gen).tolist() for name, n in lengths}
     steps = 3
-    ours = _run(build(triton_backend), triton_backend, prompts, steps)
+    ours = _run(build(triton_backend), triton_backend, prompts, steps, torch.float32)
     reference_backend = TorchReferenceAttention()
-    reference = _run(build(reference_backend), reference_backend, prompts, steps)
+    reference = _run(build(reference_backend), reference_backend, prompts, steps, torch.float32)
     layers = config["num_hidden_layers"]
     assert calls.count("index") == calls.count("csa") > 0, calls  # CSA layers pick through the indexer kernel
     assert len(calls) - calls.count("index") == layers * (1 + steps), calls
@@ -124,8 +119,8 @@ def test_tiny_deepseek_v4_fp4_experts_through_the_triton_moe(tmp_path, interpret
 
     gen = torch.Generator().manual_seed(seed)
     prompts = {"a": torch.randint(0, config["vocab_size"], (2 * config["sliding_window"] + 5,), generator=gen).tolist()}
-    packed = _run_in(build(packed=True), attention, prompts, 2, dtype)
-    dequantised = _run_in(build(packed=False), attention, prompts, 2, dtype)
+    packed = _run(build(packed=True), attention, prompts, 2, dtype)
+    dequantised = _run(build(packed=False), attention, prompts, 2, dtype)
     for i, (got, want) in enumerate(zip(packed, dequantised, strict=True)):
         error = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"output {i}: packed FP4 off by {error:.2e} (relative RMS) from the dequantised experts")
@@ -133,13 +128,8 @@ def test_tiny_deepseek_v4_fp4_experts_through_the_triton_moe(tmp_path, interpret
         assert error <= 1e-3, f"output {i}: packed FP4 logits off by {error:.2e} (seed={seed})"
 
 
-def _run_in(
+def _run(
     model: object, backend: object, prompts: dict[str, list[int]], decode_steps: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    """Prefill every prompt in one step, then decode a fixed token stream in ``dtype``; all logits."""
     runner = PagedRunner(model, backend, dtype=dtype, block_size=BLOCK_SIZE, num_blocks=48)
-    outputs = runner.step(list(prompts.items()))
-    stream = torch.Generator().manual_seed(len(prompts))
-    for _ in range(decode_steps):
-        outputs += runner.step([(name, torch.randint(0, 100, (1,), generator=stream).tolist()) for name in prompts])
-    return outputs
+    return runner.prefill_then_decode(prompts, decode_steps)

@@ -51,7 +51,14 @@ from powertrain.interfaces import (
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import apply_rotary
 from powertrain.plugins import Provided
-from powertrain.testing.base import ComponentSuite, Subject, assert_names_numbers, find_component, generator
+from powertrain.testing.base import (
+    ComponentSuite,
+    Subject,
+    assert_names_numbers,
+    find_component,
+    generator,
+    random_index_rows,
+)
 from powertrain.testing.indexer import check_index_topk
 from powertrain.testing.v4_attention import V4_LAYER_KINDS, check_v4_attention, check_v4_attention_refuses
 
@@ -1016,32 +1023,8 @@ def _sparse_case(
         q_rope=_random((num_tokens, layer.num_heads, layer.qk_rope_head_dim), gen, dtype),
         new=new,
         history=history,
-        indices=_sparse_indices(batch, topk, gen),
+        indices=random_index_rows(batch.seq_lens, batch.query_lens, topk, gen),
     )
-
-
-def _sparse_indices(batch: _Batch, topk: int, gen: torch.Generator) -> torch.Tensor:
-    """Random duplicate-free positions per query token, -1 in the unused columns (which
-    are scattered over the row, not only at its end).
-
-    Rows cycle (from a random offset) through: all -1; every position the row can hold;
-    and random counts. Positions range over the whole sequence, including after the
-    query's own: the backend must attend to what is listed and apply no causal mask.
-    """
-    num_tokens = sum(batch.query_lens)
-    indices = torch.full((num_tokens, topk), -1, dtype=torch.int32)
-    offset = _randint(gen, 0, 3)
-    row = 0
-    for seq_len, query_len in zip(batch.seq_lens, batch.query_lens, strict=True):
-        for _ in range(query_len):
-            most = min(topk, seq_len)
-            kind = (row + offset) % 4
-            count = 0 if kind == 0 else most if kind == 1 else _randint(gen, 1, most)
-            positions = torch.randperm(seq_len, generator=gen)[:count]
-            columns = torch.randperm(topk, generator=gen)[:count]
-            indices[row, columns] = positions.to(torch.int32)
-            row += 1
-    return indices
 
 
 def _sparse_oracle(layer: AttentionLayerSpec, case: _SparseCase) -> torch.Tensor:

@@ -37,6 +37,32 @@ def shuffled_block_tables(needed: Sequence[int], gen: torch.Generator) -> tuple[
     return tables, pool_size
 
 
+def random_index_rows(
+    available: Sequence[int], query_lens: Sequence[int], topk: int, gen: torch.Generator
+) -> torch.Tensor:
+    """int32 ``[sum(query_lens), topk]``: per query token, duplicate-free indices below its
+    sequence's ``available[i]``, ``-1`` in the unused columns (scattered over the row, not
+    only at its end). Rows cycle (from a random offset) through: all -1; as many as the row
+    can hold; and random counts. Indices range over all that is available, including what
+    the query could not see yet: a sparse backend attends to what is listed, no more."""
+    indices = torch.full((sum(query_lens), topk), -1, dtype=torch.int32)
+    offset = int(torch.randint(0, 4, (1,), generator=gen).item())
+    row = 0
+    for count_max, query_len in zip(available, query_lens, strict=True):
+        for _ in range(query_len):
+            most = min(topk, count_max)
+            kind = (row + offset) % 4
+            if kind == 0 or most == 0:
+                count = 0
+            else:
+                count = most if kind == 1 else int(torch.randint(1, most + 1, (1,), generator=gen).item())
+            chosen = torch.randperm(count_max, generator=gen)[:count]
+            columns = torch.randperm(topk, generator=gen)[:count]
+            indices[row, columns] = chosen.to(torch.int32)
+            row += 1
+    return indices
+
+
 def assert_names_numbers(message: str, numbers: Sequence[tuple[int, str]], where: str) -> None:
     """An error message must name each ``(number, what)`` as a whole number of its own."""
     for number, what in numbers:

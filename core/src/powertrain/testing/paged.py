@@ -80,6 +80,15 @@ class PagedRunner:
         assert logits.dtype == torch.float32 and logits.shape[0] == len(input_ids)
         return list(logits.split(metadata.query_lens_host))
 
+    def prefill_then_decode(self, prompts: dict[str, list[int]], decode_steps: int) -> list[torch.Tensor]:
+        """Prefill every prompt in one step, then feed each ``decode_steps`` tokens of a fixed
+        stream (the same for any backend, so two runs compare step by step); every step's logits."""
+        outputs = self.step(list(prompts.items()))
+        stream = torch.Generator().manual_seed(len(prompts))
+        for _ in range(decode_steps):
+            outputs += self.step([(name, torch.randint(0, 100, (1,), generator=stream).tolist()) for name in prompts])
+        return outputs
+
     def greedy_beside_a_neighbour(
         self,
         prompt: Sequence[int],

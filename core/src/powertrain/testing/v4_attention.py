@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
-from powertrain.testing.base import assert_names_numbers, shuffled_block_tables
+from powertrain.testing.base import assert_names_numbers, random_index_rows, shuffled_block_tables
 
 __all__ = ["V4_LAYER_KINDS", "check_v4_attention", "check_v4_attention_refuses", "v4_layer"]
 
@@ -119,29 +119,10 @@ def _v4_case(
         sinks=torch.randn(layer.num_heads, generator=gen) * 2,
         keys=keys,
         entries=entries,
-        entry_indices=_entry_indices(seq_lens, query_lens, rate, topk, gen) if kind == "csa" else None,
+        entry_indices=random_index_rows([s // rate for s in seq_lens], query_lens, topk, gen)
+        if kind == "csa"
+        else None,
     )
-
-
-def _entry_indices(
-    seq_lens: Sequence[int], query_lens: Sequence[int], rate: int, topk: int, gen: torch.Generator
-) -> torch.Tensor:
-    """Random duplicate-free entries per query token, -1 scattered over the unused columns.
-    Rows cycle (from a random offset) through none, every entry the row can hold, and
-    random counts, over all the sequence's entries (later ones too: no mask is applied)."""
-    indices = torch.full((sum(query_lens), topk), -1, dtype=torch.int32)
-    offset, row = _randint(gen, 0, 2), 0
-    for seq_len, query_len in zip(seq_lens, query_lens, strict=True):
-        count_max = seq_len // rate
-        for _ in range(query_len):
-            most = min(topk, count_max)
-            kind = (row + offset) % 3
-            count = 0 if kind == 0 or most == 0 else most if kind == 1 else _randint(gen, 1, most)
-            chosen = torch.randperm(count_max, generator=gen)[:count]
-            columns = torch.randperm(topk, generator=gen)[:count]
-            indices[row, columns] = chosen.to(torch.int32)
-            row += 1
-    return indices
 
 
 def _oracle(kind: str, layer: AttentionLayerSpec, case: _V4Case, window: int, rate: int) -> torch.Tensor:
