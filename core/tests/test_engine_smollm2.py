@@ -108,8 +108,9 @@ def test_memory_pressure_preempts_and_outputs_are_unchanged(llm: LLM) -> None:
     prompts = _mixed_prompts(seed)[:8]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    # 12 blocks of 16 tokens: enough for any one request, far too few for eight at once.
-    with LLM(dtype="float32", num_blocks=12, prefix_caching=False) as tight:
+    # 12 blocks of 16 tokens: enough for any one request, far too few for eight at once. The
+    # same weights as the fixture's (dequantised): only the preemptions may differ.
+    with LLM(dtype="float32", quantization="dequantize", num_blocks=12, prefix_caching=False) as tight:
         outputs = tight.generate(prompts, params)
         assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected, f"seed {seed}"
