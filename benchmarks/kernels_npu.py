@@ -4,7 +4,8 @@ same shape as ``kernels_gpu.py``.
 
 Each operator runs through the pack's backends (the calls the engine makes), is
 checked against the builtin torch implementation on the same inputs, and is timed
-with NPU events (median of repeated runs after warm-up). Decode attention reports
+with NPU events (median of repeated runs after warm-up). Decode attention (dense and
+DeepSeek-V3.2's sparse MLA) and the Lightning Indexer report
 achieved bandwidth as a fraction of the measured copy bandwidth; prefill and MoE
 report TFLOP/s as a fraction of the measured bf16 matmul peak; each row also gives
 the torch peer's time.
@@ -25,7 +26,19 @@ from typing import Any
 import attrs
 import torch
 from common import report
-from kernel_bench import FULL, SMOKE, Bench, Row, Shapes, bench_gqa, bench_mla, bench_moe, results_table
+from kernel_bench import (
+    FULL,
+    SMOKE,
+    Bench,
+    Row,
+    Shapes,
+    bench_gqa,
+    bench_indexer,
+    bench_mla,
+    bench_moe,
+    bench_sparse_mla,
+    results_table,
+)
 
 from powertrain.components import Availability, PlatformInfo
 from powertrain.interfaces import AttentionBackendContext, MoEBackendContext
@@ -102,8 +115,9 @@ def main() -> int:
         if not platform_info.available:
             parser.error(f"no usable Ascend NPU: {platform_info.availability.reason} (or use --smoke)")
         ops, device, shapes, timer = npu_ops(), torch.device("npu"), FULL, _npu_timer
-    # The fused attention op's documented limits: paged blocks of 128, MLA latent 512 + rope 64.
-    shapes = attrs.evolve(shapes, block_size=128, kv_lora_rank=512, rope=64)
+    # The operators' documented limits: paged blocks of 128, MLA latent 512 + rope 64, the
+    # indexer's 64 heads of 128.
+    shapes = attrs.evolve(shapes, block_size=128, kv_lora_rank=512, rope=64, index_heads=64, index_dim=128)
     platform = PlatformInfo(name="npu", device_type=device.type, availability=Availability.yes("benchmark"))
     dtype = torch.bfloat16
     attention = AscendAttention(
@@ -119,6 +133,8 @@ def main() -> int:
         bench_gqa(bench, shapes, attention, bucketed, True, bandwidth, peak),
         bench_gqa(bench, shapes, attention, bucketed, False, bandwidth, peak),
         bench_mla(bench, shapes, attention, reference, bandwidth),
+        bench_sparse_mla(bench, shapes, attention, reference, bandwidth),
+        bench_indexer(bench, shapes, attention, reference, bandwidth),
         bench_moe(bench, shapes, moe, grouped, False, peak),
         bench_routing(bench, shapes, moe),
     ]

@@ -1,11 +1,12 @@
 """ascend-cann attention: the metadata -> operator mapping, and the conformance kit.
 
 What is mocked is the Ascend NPU and torch_npu: ``powertrain_cann_ascend.ops.npu_ops``
-returns ``FusedInferAttentionStandIn`` (``powertrain_cann_ascend.testing.standins``), plain-torch
-versions of ``npu_fused_infer_attention_score`` and ``npu_scatter_nd_update_`` written
-from torch_npu's documentation that check their arguments as the documentation
-constrains them. Everything around the operators -- cache layout, cache writes,
-argument mapping, padding, MLA pieces -- runs for real.
+returns ``AttentionOpsStandIn`` (``powertrain_cann_ascend.testing.standins``), plain-torch
+versions of ``npu_fused_infer_attention_score``, ``npu_scatter_nd_update_``,
+``npu_sparse_flash_attention`` and ``npu_lightning_indexer`` written from their
+documentation that check their arguments as the documentation constrains them.
+Everything around the operators -- cache layout, cache writes, argument mapping,
+padding, MLA pieces, one batch per token for the V3.2 operators -- runs for real.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from powertrain_cann_ascend.attention import (
     prefill_args,
     prefill_rows,
 )
-from powertrain_cann_ascend.testing.standins import FusedInferAttentionStandIn
+from powertrain_cann_ascend.sparse import (
+    TokenBatches,
+    compact_indices,
+    indexer_args,
+    sparse_padded_heads,
+    visible_keys,
+    visible_picks,
+)
+from powertrain_cann_ascend.testing.standins import AttentionOpsStandIn, FusedInferAttentionStandIn
 
 #: The NPU is mocked: an ``npu`` platform whose tensors live on the CPU.
 STANDIN_PLATFORM = PlatformInfo(
@@ -302,6 +311,89 @@ def test_standin_scatter_checks_shapes() -> None:
         ops.npu_scatter_nd_update_(cache, torch.tensor([[-1]]), torch.ones((1, 4)))
 
 
+# --------------------------------------------------------------------------- DeepSeek-V3.2 mapping
+
+
+def test_token_batches_give_every_token_its_own_batch() -> None:
+    # A decode (context 5), a chunk of 3 after 128 cached tokens, a fresh prompt of 2.
+    metadata = _meta([1, 3, 2], [6, 131, 2], [[4], [0, 7], [2]])
+    batches = TokenBatches.of(metadata)
+    assert batches.query_ends.tolist() == [1, 2, 3, 4, 5, 6]
+    assert batches.positions.tolist() == [5, 128, 129, 130, 0, 1]
+    assert batches.seq_lens.tolist() == [6, 131, 131, 131, 2, 2]
+    assert batches.block_table[:, 0].tolist() == [4, 0, 0, 0, 2, 2]
+    assert batches.block_table.dtype == torch.int32
+    # V4's CSA: one key per 4 tokens, clamped to one for the call, picks past it dropped.
+    visible = visible_keys(batches, 4)
+    assert visible.tolist() == [1, 32, 32, 32, 0, 0]
+    args = indexer_args(batches, visible, width=8)
+    assert args["actual_seq_lengths_key"].tolist() == [1, 32, 32, 32, 1, 1]
+    assert (args["layout_query"], args["layout_key"], args["sparse_mode"], args["sparse_count"]) == (
+        "TND", "PA_BSND", 3, 8
+    )  # fmt: skip
+    picked = torch.tensor([[0, -1], [31, 32], [3, 5], [7, 1], [0, -1], [0, -1]], dtype=torch.int32)[:, None]
+    assert visible_picks(picked, visible).tolist() == [[0, -1], [31, -1], [3, 5], [7, 1], [-1, -1], [-1, -1]]
+    with pytest.raises(ValueError, match="at most 2048 keys"):
+        indexer_args(batches, visible, width=4096)
+
+
+def test_sparse_indices_are_compacted_for_the_operator() -> None:
+    indices = torch.tensor([[-1, 7, -1, 2], [3, 1, 0, 5], [-1, -1, -1, -1], [4, -1, -1, -1]], dtype=torch.int32)
+    compact, empty = compact_indices(indices)
+    assert compact.tolist() == [[7, 2, -1, -1], [3, 1, 0, 5], [0, -1, -1, -1], [4, -1, -1, -1]]
+    assert empty.tolist() == [False, False, True, False]
+    assert sparse_padded_heads(3) == 4 and sparse_padded_heads(128) == 128
+    with pytest.raises(ValueError, match="at most 128 query heads"):
+        sparse_padded_heads(129)
+
+
+def test_indexer_refuses_widths_the_operator_does_not_take() -> None:
+    attention = AscendAttention(
+        AttentionBackendContext(
+            platform=STANDIN_PLATFORM, device=torch.device("cpu"), dtype=torch.bfloat16, block_size=128
+        ),
+        AttentionOpsStandIn(),
+    )
+    metadata = _meta([2], [2], [[0]])
+    query = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="64 index heads of 128"):
+        attention.index_topk(query, torch.randn(2, 16), torch.randn(1, 128, 64, dtype=torch.bfloat16), metadata, topk=4)
+
+
+def test_sparse_standin_refuses_what_the_documentation_leaves_open() -> None:
+    ops = AttentionOpsStandIn()
+    latent = torch.randn(2, 128, 1, 512, dtype=torch.bfloat16)
+    rope = torch.randn(2, 128, 1, 64, dtype=torch.bfloat16)
+    query, query_rope = torch.randn(1, 4, 512, dtype=torch.bfloat16), torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    one = torch.tensor([1], dtype=torch.int32)
+    common = {
+        "block_table": torch.tensor([[0]], dtype=torch.int32), "actual_seq_lengths_query": one,
+        "actual_seq_lengths_kv": torch.tensor([10], dtype=torch.int32), "query_rope": query_rope, "key_rope": rope,
+        "layout_query": "TND", "layout_kv": "PA_BSND", "attention_mode": 2,
+    }  # fmt: skip
+
+    def attend(row: list[int], **overrides: object) -> torch.Tensor:
+        indices = torch.tensor(row, dtype=torch.int32).view(1, 1, -1)
+        return ops.npu_sparse_flash_attention(query, latent, latent, indices, 0.1, **{**common, **overrides})[0]
+
+    assert attend([3, 0, -1]).dtype == torch.bfloat16  # documented: the output is bfloat16
+    with pytest.raises(ValueError, match="valid values must come first"):
+        attend([-1, 3])
+    with pytest.raises(NotImplementedError, match="no valid index"):
+        attend([-1, -1])
+    with pytest.raises(NotImplementedError, match="beyond kv length 10"):
+        attend([10])
+    with pytest.raises(ValueError, match="attention_mode=2"):
+        attend([3], attention_mode=0)
+    keys = torch.randn(1, 128, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="every input must be"):  # query, key and weights: one dtype
+        ops.npu_lightning_indexer(
+            torch.randn(1, 64, 128, dtype=torch.bfloat16), keys, torch.randn(1, 64), actual_seq_lengths_query=one,
+            actual_seq_lengths_key=one, block_table=torch.tensor([[0]], dtype=torch.int32), layout_query="TND",
+            layout_key="PA_BSND", sparse_count=4,
+        )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- the conformance kit
 
 
@@ -314,6 +406,12 @@ class TestAscendAttention(AttentionBackendSuite):
     # The rope (MLA) path takes DeepSeek's widths only.
     kv_lora_rank = 512
     qk_rope_head_dim = 64
+    # npu_lightning_indexer takes 64 heads of 128, and query, key and weights in one dtype:
+    # the float32 head weights are rounded to it, so a pick's score may be off by about
+    # 2^-8 of the terms (64 of them, of either sign) rather than float32's sums.
+    index_heads = 64
+    index_head_dim = 128
+    index_tolerance = 2e-2
 
     @pytest.fixture
     def platform_info(self) -> PlatformInfo:
@@ -324,4 +422,4 @@ class TestAscendAttention(AttentionBackendSuite):
     def _standin_ops(self, monkeypatch: pytest.MonkeyPatch) -> None:
         # Mocked: torch_npu (and the NPU under it). The factory asks ops.npu_ops() for
         # torch_npu's operators and gets the documented-semantics stand-ins instead.
-        monkeypatch.setattr(ops_module, "npu_ops", FusedInferAttentionStandIn)
+        monkeypatch.setattr(ops_module, "npu_ops", AttentionOpsStandIn)

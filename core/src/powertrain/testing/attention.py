@@ -283,6 +283,9 @@ class AttentionBackendSuite(ComponentSuite):
       that only support some;
     * ``tolerances``: dtype -> (atol, rtol). Loosen only with a reason you can state
       (e.g. TF32 matmuls), since this is what "conformant" means.
+    * ``index_heads``, ``index_head_dim``: the Lightning Indexer's widths, for kernels that
+      only support some; ``index_tolerance``: how far (relative to a row's largest score)
+      a pick's score may be from the oracle's, the same rule.
     """
 
     kind: ClassVar[str] = "attention"
@@ -291,6 +294,9 @@ class AttentionBackendSuite(ComponentSuite):
     head_size: ClassVar[int] = 32
     kv_lora_rank: ClassVar[int] = 32
     qk_rope_head_dim: ClassVar[int] = 16
+    index_heads: ClassVar[int] = 12
+    index_head_dim: ClassVar[int] = 40
+    index_tolerance: ClassVar[float] = 1e-3
     tolerances: ClassVar[Mapping[torch.dtype, tuple[float, float]]] = {
         torch.float32: (1e-4, 1e-4),
         torch.float16: (5e-3, 5e-3),
@@ -888,6 +894,9 @@ class AttentionBackendSuite(ComponentSuite):
             seed=seed,
             device=device,
             tokens_per_entry=tokens_per_entry,
+            num_heads=self.index_heads,
+            head_dim=self.index_head_dim,
+            relative_tolerance=self.index_tolerance,
             what=f"{scenario} batch, {_dtype_id(dtype)}",
         )
 

@@ -56,6 +56,16 @@ from powertrain.interfaces import (
     KVTensorSpec,
     LayerKVCache,
 )
+from powertrain_cann_ascend.sparse import (
+    TokenBatches,
+    check_indexer_widths,
+    compact_indices,
+    indexer_args,
+    sparse_attention_args,
+    sparse_padded_heads,
+    visible_keys,
+    visible_picks,
+)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 #: sparse_mode 2/3/4 take an "optimised" causal mask of exactly this size.
@@ -215,7 +225,8 @@ def mla_args(
 
 
 class AscendAttention:
-    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` with torch_npu's fused op.
+    """Satisfies ``AttentionBackend`` and ``MLAAttentionBackend`` with torch_npu's fused op,
+    ``SparseMLAAttentionBackend`` and ``LightningIndexerBackend`` with its DeepSeek-V3.2 ops.
 
     ``ops`` is the ``torch_npu`` module (or, in tests, stand-ins with the same calls).
     """
@@ -376,6 +387,74 @@ class AscendAttention:
             )
             output[start:end] = out[:, : layer.num_heads]
         return output
+
+    # ----------------------------------------------------------------------- DeepSeek-V3.2 (sparse.py maps them)
+
+    def forward_mla_sparse(
+        self,
+        layer: AttentionLayerSpec,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sparse MLA through ``npu_sparse_flash_attention``, one query batch per token."""
+        if layer.kind != "mla":
+            raise ValueError(f"forward_mla_sparse() serves MLA layers, got a {layer.kind!r} layer")
+        _check_mla_widths(layer)
+        metadata.check_sparse_indices(indices)  # before the cache write: a refused step leaves it as it was
+        latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
+        self._store(latent_cache, latent, metadata)
+        self._store(rope_cache, k_rope, metadata)
+
+        tokens = metadata.num_tokens
+        output = q_latent.new_zeros(q_latent.shape)
+        if not tokens:
+            return output
+        heads = sparse_padded_heads(layer.num_heads)
+        batches = self._cached(metadata, "token_batches", lambda: TokenBatches.of(metadata))
+        compact, empty = compact_indices(indices[:tokens])
+        blocks, block_size = latent_cache.shape[:2]
+        out, _, _ = self.ops.npu_sparse_flash_attention(
+            _pad_heads(q_latent[:tokens], heads),
+            latent_cache.view(blocks, block_size, 1, -1),
+            latent_cache.view(blocks, block_size, 1, -1),
+            compact.view(tokens, 1, -1),
+            query_rope=_pad_heads(q_rope[:tokens], heads),
+            key_rope=rope_cache.view(blocks, block_size, 1, -1),
+            **sparse_attention_args(batches, layer.scale),
+        )
+        output[:tokens] = out[:, : layer.num_heads].masked_fill(empty[:, None, None], 0).to(output.dtype)
+        return output
+
+    def index_topk(
+        self,
+        query: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        topk: int,
+        tokens_per_entry: int = 1,
+    ) -> torch.Tensor:
+        """The Lightning Indexer through ``npu_lightning_indexer``, one query batch per token."""
+        check_indexer_widths(query)
+        tokens = metadata.num_tokens
+        width = max(1, min(topk, metadata.max_seq_len // tokens_per_entry))
+        if not tokens:
+            return torch.full((0, width), -1, dtype=torch.int32, device=query.device)
+        batches = self._cached(metadata, "token_batches", lambda: TokenBatches.of(metadata))
+        visible = visible_keys(batches, tokens_per_entry)
+        picked, _ = self.ops.npu_lightning_indexer(
+            query[:tokens].contiguous(),
+            keys.view(keys.shape[0], keys.shape[1], 1, keys.shape[2]),
+            weights[:tokens].to(query.dtype).contiguous(),
+            **indexer_args(batches, visible, width),
+        )
+        return visible_picks(picked, visible)
 
 
 def _check_mla_widths(layer: AttentionLayerSpec) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from powertrain import hookimpl
 from powertrain.components import AttentionBackendRecord, CommunicatorRecord, MoEBackendRecord, PlatformRecord
-from powertrain_cann_ascend.capabilities import ABSENT_ATTENTION, MOE_ABSENT, MOE_CAPABILITIES
+from powertrain_cann_ascend.capabilities import ABSENT_ATTENTION, ATTENTION_CAPABILITIES, MOE_ABSENT, MOE_CAPABILITIES
 from powertrain_cann_ascend.support import detect_npu
 
 if TYPE_CHECKING:
@@ -70,11 +70,14 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name=NAME,
             platforms={"npu"},
-            capabilities={"gqa", "mha", "mla", "paged", "prefill", "decode", "chunked-prefill"},
+            capabilities=ATTENTION_CAPABILITIES,
             absent=ABSENT_ATTENTION,
             priority=50,
             factory=build_attention,
-            description="npu_fused_infer_attention_score over the paged cache (GQA, and MLA with query/key rope)",
+            description=(
+                "npu_fused_infer_attention_score over the paged cache (GQA, and MLA with query/key rope); "
+                "npu_sparse_flash_attention and npu_lightning_indexer for DeepSeek-V3.2"
+            ),
         )
     ]
 

@@ -15,13 +15,22 @@ from typing import Any
 
 from powertrain_cann_ascend.testing.standins.attention import FusedInferAttentionStandIn
 from powertrain_cann_ascend.testing.standins.moe import MoEOpsStandIn
+from powertrain_cann_ascend.testing.standins.sparse import SparseAttentionStandIn
 
-__all__ = ["FusedInferAttentionStandIn", "MoEOpsStandIn", "StandInOps"]
+__all__ = ["AttentionOpsStandIn", "FusedInferAttentionStandIn", "MoEOpsStandIn", "SparseAttentionStandIn", "StandInOps"]
 
 
-class StandInOps(FusedInferAttentionStandIn, MoEOpsStandIn):
+class AttentionOpsStandIn(FusedInferAttentionStandIn, SparseAttentionStandIn):
+    """The operators the attention backend calls, on one object."""
+
+    def __init__(self) -> None:
+        FusedInferAttentionStandIn.__init__(self)
+        SparseAttentionStandIn.__init__(self)
+
+
+class StandInOps(AttentionOpsStandIn, MoEOpsStandIn):
     """Every stand-in operator on one object, as the ``torch_npu`` module has them."""
 
     def __init__(self, group: Any = None, group_name: str | None = None) -> None:
-        FusedInferAttentionStandIn.__init__(self)
+        AttentionOpsStandIn.__init__(self)
         MoEOpsStandIn.__init__(self, group, group_name)
