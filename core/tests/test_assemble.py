@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -320,3 +321,26 @@ def test_absent_capabilities_are_known_tags_not_declared_ones_each_with_a_reason
         record(gqa="declared after all")
     with pytest.raises(ValueError, match="say why"):
         record(**{"v4-attention": " "})
+
+
+def test_batch_invariant_switch_requires_the_capability_of_attention_and_moe() -> None:
+    from types import SimpleNamespace
+
+    from powertrain.assemble.engine import model_requirements
+    from powertrain.builtin.models import deepseek_requirements
+    from powertrain.config import EngineOptionsConfig
+
+    deepseek = SimpleNamespace(record=SimpleNamespace(requirements=deepseek_requirements))
+    checkpoint = SimpleNamespace(config={"kv_lora_rank": 32, "n_routed_experts": 8}, quantized_formats=())
+    switched = EngineConfig(engine=EngineOptionsConfig(batch_invariant=True))
+    needs = model_requirements(deepseek, checkpoint, switched)
+    assert {"mla", "batch-invariant"} <= needs["attention"] and "batch-invariant" in needs["moe"]
+    assert "batch-invariant" not in model_requirements(deepseek, checkpoint, EngineConfig())["attention"]
+    # auto finds the backends that declare it; a named one that does not is refused by name.
+    chosen = plan(switched, requirements=needs, strict=False).resolutions
+    assert (chosen["attention"].name, chosen["moe"].name) == ("torch-reference", "torch-grouped-invariant")
+    named = attrs.evolve(switched, components=ComponentsConfig(moe="torch-grouped", attention="sdpa"))
+    refused = plan(named, requirements=needs, strict=False).resolutions
+    assert "torch-grouped" in refused["moe"].error and "lacks batch-invariant" in refused["moe"].error
+    assert "sdpa" in refused["attention"].error and "batch-invariant" in refused["attention"].error
+    assert parse_config({"engine": {"batch_invariant": True}}).engine.batch_invariant

@@ -45,6 +45,25 @@ class TestTorchGrouped(MoEBackendSuite):
     fp4_tolerances: ClassVar = MoEBackendSuite.tolerances
 
 
+class TestTorchGroupedInvariant(TestTorchGrouped):
+    """The tiled variant: the whole kit again (its padding and tiling must not change any
+    result beyond float rounding), and its declared batch invariance."""
+
+    component = "torch-grouped-invariant"
+
+
+def test_tiled_linear_gives_a_row_the_same_bits_in_any_row_count(seed: int) -> None:
+    """What torch-grouped-invariant rests on; and tiling changes nothing but rounding."""
+    from powertrain.builtin.grouped_moe import tiled_linear
+
+    gen = torch.Generator().manual_seed(seed)
+    weight, rows = torch.randn(96, 64, generator=gen), torch.randn(37, 64, generator=gen)
+    together = tiled_linear(rows, weight, 16)
+    for count in (1, 2, 5, 16, 17):
+        assert torch.equal(tiled_linear(rows[:count], weight, 16), together[:count]), f"{count} rows (seed={seed})"
+    torch.testing.assert_close(together, rows @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def same_routing(
     ids: torch.Tensor, weights: torch.Tensor, want_ids: torch.Tensor, want_weights: torch.Tensor, atol: float = 1e-6
 ) -> None:

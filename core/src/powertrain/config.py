@@ -144,6 +144,14 @@ class ParallelConfig:
 
 
 @attrs.frozen(kw_only=True)
+class EngineOptionsConfig:
+    #: Only backends that declare "batch-invariant" may serve attention and MoE (a selected
+    #: one that does not is refused, by name): a request's rows then get the same
+    #: arithmetic in the backends however the scheduler batches it.
+    batch_invariant: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class PluginsConfig:
     #: If set, only these external (entry-point) plugins load; builtins always do.
     allow: tuple[str, ...] | None = attrs.field(default=None, validator=_names)
@@ -157,6 +165,7 @@ CORE_SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "engine": EngineOptionsConfig,
     "plugins": PluginsConfig,
 }
 
@@ -168,6 +177,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    engine: EngineOptionsConfig = EngineOptionsConfig()
     plugins: PluginsConfig = PluginsConfig()
     #: Plugin-owned tables, raw until ``validate_sections``.
     sections: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)

@@ -10,6 +10,13 @@ whatever order threads arrive).
 FP8 block-scaled and packed FP4 experts stay so in memory; an expert's weights are
 dequantized (``loader.fp8.dequantize_blocks``, ``loader.fp4.dequantize_fp4``) only in a
 step that routes tokens to it.
+
+With ``row_tile`` (``torch-grouped-invariant``) each group's rows are padded to whole
+tiles of that many and multiplied tile by tile in one batched matmul: every row then goes
+through a matmul of the same shape however many tokens the expert got, which makes a
+token's output independent of the batch (a plain matmul's kernel, and with it the
+rounding, changes with the row count: MKL's float32 gemm gives other bits for 1, 2 and 5
+rows). The padding costs up to ``row_tile - 1`` rows of work per active expert.
 """
 
 from __future__ import annotations
@@ -40,12 +47,23 @@ def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> t
     )
 
 
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """``F.linear(x, weight)``; with ``tile``, as whole ``tile``-row matmuls (zero-padded),
+    so each row's arithmetic does not depend on how many rows there are."""
+    if tile is None:
+        return F.linear(x, weight)
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % tile)).view(-1, tile, x.shape[1])
+    return torch.bmm(padded, weight.t().expand(padded.shape[0], -1, -1)).view(-1, weight.shape[0])[:rows]
+
+
 def _run_experts(
     rows: torch.Tensor,
     counts: list[int],
     weights: ExpertWeights,
     out: torch.Tensor,
     destinations: torch.Tensor | None,
+    row_tile: int | None = None,
 ) -> None:
     """Rows grouped by local expert (``counts`` per expert) through their experts.
 
@@ -58,8 +76,8 @@ def _run_experts(
             continue
         end = start + count
         w13, w2 = expert_matrices(weights, local, rows.dtype)
-        gate, up = F.linear(rows[start:end], w13).float().chunk(2, dim=-1)
-        result = F.linear(swiglu(gate, up, weights.swiglu_limit).to(rows.dtype), w2)
+        gate, up = tiled_linear(rows[start:end], w13, row_tile).float().chunk(2, dim=-1)
+        result = tiled_linear(swiglu(gate, up, weights.swiglu_limit).to(rows.dtype), w2, row_tile)
         if destinations is None:
             out[start:end] = result
         else:
@@ -78,9 +96,11 @@ class TorchGroupedMoE:
 
     name = "torch-grouped"
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, row_tile: int | None = None) -> None:
         #: What quantised activations (``forward_grouped`` with scales) are computed in.
         self.dtype = dtype
+        #: Rows per matmul tile, for batch invariance (see the module doc); None: one matmul per group.
+        self.row_tile = row_tile
 
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
         # The loader's layout is already what this backend multiplies with: keep it
@@ -108,7 +128,7 @@ class TorchGroupedMoE:
 
         per_pair = torch.zeros(num_tokens * top_k, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         rows = hidden[torch.div(local_pairs, top_k, rounding_mode="floor")]
-        _run_experts(rows, counts[:local_experts], weights, per_pair, local_pairs)
+        _run_experts(rows, counts[:local_experts], weights, per_pair, local_pairs, self.row_tile)
         per_slot = per_pair.view(num_tokens, top_k, hidden.shape[1]).mul_(topk_weights.float().unsqueeze(-1))
         return per_slot.sum(dim=1).to(hidden.dtype)
 
@@ -135,5 +155,5 @@ class TorchGroupedMoE:
         if scales is not None:
             hidden = dequantize_row_groups(hidden, scales).to(self.dtype)
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        _run_experts(hidden, counts, weights, out, None)
+        _run_experts(hidden, counts, weights, out, None, self.row_tile)
         return out

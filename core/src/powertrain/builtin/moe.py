@@ -1,4 +1,5 @@
-"""The builtin MoE backend, registered like any plugin: ``torch-grouped``.
+"""The builtin MoE backends, registered like any plugin: ``torch-grouped`` and its
+batch-invariant variant ``torch-grouped-invariant``.
 
 Importing this module stays cheap: the implementation is imported by the factory,
 when assembly (or the conformance kit) actually builds a backend.
@@ -26,17 +27,41 @@ def build_grouped(context: MoEBackendContext) -> TorchGroupedMoE:
     return TorchGroupedMoE(dtype=context.dtype)
 
 
+#: Rows per matmul tile of ``torch-grouped-invariant``: a multiple of the CPU GEMM kernels' row blocks.
+INVARIANT_ROW_TILE = 16
+
+
+def build_grouped_invariant(context: MoEBackendContext) -> TorchGroupedMoE:
+    from powertrain.builtin.grouped_moe import TorchGroupedMoE
+
+    return TorchGroupedMoE(dtype=context.dtype, row_tile=INVARIANT_ROW_TILE)
+
+
+GROUPED_CAPABILITIES = frozenset({"fp32", "bf16", "fp16", "fp8-block", "fp4", "swiglu-limit"})
+
+
 @hookimpl
 def powertrain_moe_backends() -> list[MoEBackendRecord]:
     return [
         MoEBackendRecord(
             name="torch-grouped",
             platforms={"cpu", "cuda"},
-            capabilities={"fp32", "bf16", "fp16", "fp8-block", "fp4", "swiglu-limit"},
+            capabilities=GROUPED_CAPABILITIES,
             priority=0,
             factory=build_grouped,
             description=(
                 "plain-torch MoE: one matmul per active expert over its grouped tokens; FP8/FP4 dequantized on use"
             ),
-        )
+        ),
+        MoEBackendRecord(
+            name="torch-grouped-invariant",
+            platforms={"cpu", "cuda"},
+            capabilities=GROUPED_CAPABILITIES | {"batch-invariant"},
+            priority=-10,  # chosen by "auto" only where batch invariance is required
+            factory=build_grouped_invariant,
+            description=(
+                f"torch-grouped in whole {INVARIANT_ROW_TILE}-row matmul tiles: a token's output does not "
+                "depend on its batch ([engine] batch_invariant)"
+            ),
+        ),
     ]

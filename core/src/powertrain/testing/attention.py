@@ -40,7 +40,6 @@ from powertrain.interfaces import (
     AttentionLayerSpec,
     AttentionMetadata,
     KVCacheSpec,
-    KVTensorSpec,
     LightningIndexerBackend,
     MLAAttentionBackend,
     RMSNormKernel,
@@ -60,6 +59,8 @@ from powertrain.testing.base import (
     random_index_rows,
 )
 from powertrain.testing.indexer import check_index_topk
+from powertrain.testing.invariance import check_batch_invariant
+from powertrain.testing.kv_access import read_tokens, token_major, write_tokens
 from powertrain.testing.v4_attention import V4_LAYER_KINDS, check_v4_attention, check_v4_attention_refuses
 
 __all__ = [
@@ -72,45 +73,6 @@ __all__ = [
 ]
 
 REFERENCE = "torch-reference"
-
-# --------------------------------------------------------------------------- cache access by token
-
-
-def token_major(spec: KVCacheSpec, tensor: torch.Tensor) -> torch.Tensor:
-    """A ``[num_blocks, block_size, *per_token_shape]`` view of one cache tensor.
-
-    A view, not a copy, so writing through it writes the cache.
-    """
-    if spec.layout == "block-head-major":
-        return tensor.movedim(2, 1)  # [blocks, heads, block_size, ...] -> [blocks, block_size, heads, ...]
-    return tensor
-
-
-def _tensor_spec(spec: KVCacheSpec, name: str) -> KVTensorSpec:
-    for tensor in spec.tensors:
-        if tensor.name == name:
-            return tensor
-    raise KeyError(f"KVCacheSpec has no tensor {name!r}; it declares {[t.name for t in spec.tensors]}")
-
-
-def write_tokens(
-    spec: KVCacheSpec, cache: Mapping[str, torch.Tensor], name: str, slots: torch.Tensor, values: torch.Tensor
-) -> None:
-    """Store ``values[i]`` (any shape with the per-token element count) at ``slots[i]``."""
-    view = token_major(spec, cache[name])
-    slots = slots.to(device=view.device, dtype=torch.long)
-    per_token = _tensor_spec(spec, name).shape
-    view[slots // spec.block_size, slots % spec.block_size] = values.reshape(len(slots), *per_token).to(
-        device=view.device, dtype=spec.dtype
-    )
-
-
-def read_tokens(spec: KVCacheSpec, cache: Mapping[str, torch.Tensor], name: str, slots: torch.Tensor) -> torch.Tensor:
-    """The tokens at ``slots``, ``[len(slots), *per_token_shape]``."""
-    view = token_major(spec, cache[name])
-    slots = slots.to(device=view.device, dtype=torch.long)
-    return view[slots // spec.block_size, slots % spec.block_size]
-
 
 # --------------------------------------------------------------------------- batches
 
@@ -765,6 +727,33 @@ class AttentionBackendSuite(ComponentSuite):
         gen = generator(seed)
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         self._run_mla(pair, layer, batch, dtype, block_size, seed, f"MLA {scenario} batch, {_dtype_id(dtype)}")
+
+    @pytest.mark.parametrize("target", ["decode", "chunk"])
+    @pytest.mark.parametrize("kind", ["gqa", "mla"])
+    def test_batch_invariant(
+        self, subject: Subject, kind: str, target: str, dtype: torch.dtype, block_size: int, seed: int
+    ) -> None:
+        """A declared 'batch-invariant' backend gives a sequence's rows the same bits alone
+        and at a random place in a batch of 16 (other blocks, other neighbours): a decode
+        row, or a chunk of new tokens after a cached context."""
+        capabilities = ("mla",) if kind == "mla" else ()
+        self.require(subject.provided, "batch-invariant", "paged", "decode", "prefill", *capabilities)
+        layer = self._mla_layer() if kind == "mla" else self._gqa_layer(*self._gqa_heads(subject.provided))
+        pair = self._pair(subject, layer, dtype, block_size)
+        gen = generator(seed)
+        context = int(torch.randint(1, 3 * block_size + 2, (1,), generator=gen))
+        lengths = (context, 1) if target == "decode" else (context, int(torch.randint(2, 12, (1,), generator=gen)))
+        check_batch_invariant(
+            pair.candidate,
+            layer,
+            pair.candidate_spec,
+            target=lengths,
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=pair.device,
+            what=f"{kind.upper()} {target}, {_dtype_id(dtype)}",
+        )
 
     def _sparse_candidate(self, subject: Subject, dtype: torch.dtype, block_size: int) -> tuple[Any, torch.device]:
         candidate, _, device = self._build(subject, dtype, block_size)

@@ -321,6 +321,30 @@ class MoEBackendSuite(ComponentSuite):
 
         self._routed_case(subject, dtype, seed, f"experts {sorted(pool.tolist())} only", ids_of, num_tokens, top_k)
 
+    def test_batch_invariant(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
+        """A declared 'batch-invariant' backend gives a token the same output bits alone and
+        at a random place among 15 others, whose routes crowd its experts or not."""
+        self.require(subject.provided, "batch-invariant")
+        backend, device = self._build(subject, dtype)
+        gen = generator(seed)
+        top_k, others = 4, 15
+        w13, w2 = self._float_experts(gen, self.num_experts, dtype, self.hidden_size, self.intermediate_size)
+        prepared = self._prepare(backend, device, w13, w2, self.num_experts)
+        hidden = torch.randn(others + 1, self.hidden_size, generator=gen).to(dtype)
+        ids = _distinct_ids(gen, others + 1, top_k, torch.arange(self.num_experts))
+        weights = _routing_weights(gen, others + 1, top_k)
+        place = _randint(gen, 0, others)
+        order = [*range(1, place + 1), 0, *range(place + 1, others + 1)]  # token 0 at ``place``
+        alone = backend.forward(hidden[:1].to(device), ids[:1].to(device), weights[:1].to(device), prepared)
+        batch = backend.forward(hidden[order].to(device), ids[order].to(device), weights[order].to(device), prepared)[
+            place : place + 1
+        ]
+        assert torch.equal(alone.cpu(), batch.cpu()), (
+            f"a token's output differs alone and at position {place} of {others + 1} (largest difference "
+            f"{(alone.float() - batch.float()).abs().max().item():.3e}, {_dtype_id(dtype)}, seed={seed}): a backend "
+            "declaring 'batch-invariant' must not let the batch change a token's arithmetic"
+        )
+
     def test_one_busy_expert(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
         """Nearly every token picks the same expert (in a random slot), the rest spread thin."""
         num_tokens, top_k = 41, 3

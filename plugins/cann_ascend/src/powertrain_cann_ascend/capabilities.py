@@ -13,7 +13,8 @@ ATTENTION_CAPABILITIES = frozenset(
 ABSENT_ATTENTION = {
     "v4-attention": (
         "no documented torch_npu operator found for attention with per-head sinks over a sliding window "
-        "plus compressed entries (DeepSeek-V4); V4 layers on this backend compute it in torch"
+        "plus compressed entries (DeepSeek-V4; vllm-ascend's own npu_sparse_attn_sharedkv serves it, but it is "
+        "not torch_npu's and has no documented semantics); V4 layers on this backend compute it in torch"
     ),
 }
 MOE_ABSENT = {

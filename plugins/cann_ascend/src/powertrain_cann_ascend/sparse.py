@@ -1,8 +1,8 @@
 """DeepSeek-V3.2's sparse attention and Lightning Indexer on ``torch_npu`` operators.
 
 ``npu_sparse_flash_attention`` (sparse MLA) and ``npu_lightning_indexer`` (scores and
-top-k), as documented by CANN ops-transformer and MindSpore for the same operators
-(the stand-ins in ``testing/standins/sparse.py`` name the pages). How the engine's
+top-k), as torch_npu documents them (Ascend/op-plugin ``docs/context``; the stand-ins in
+``testing/standins/sparse.py`` name the pages and what else pinned the semantics down). How the engine's
 step maps onto them:
 
 * **One batch per token.** Both operators take TND queries with prefix-sum query
@@ -24,7 +24,7 @@ step maps onto them:
 
 Documented constraints this therefore requires: sparse attention with the MLA-absorb
 widths (latent 512, rope 64, one KV head, up to 128 query heads, padded to a power of
-two), outputs in bfloat16 (cast back to the query's dtype); the indexer with 64 heads of
+two); the indexer with 64 heads of
 128, query/key/weights of one dtype (the float32 head weights are rounded to it), and
 top-k at most 2048. Both take block sizes a multiple of 16 up to 1024.
 """

@@ -4,20 +4,21 @@
 operators' documentation, for the argument combinations the backend uses (TND queries,
 a paged ``PA_BSND`` cache, ``sparse_block_size`` 1), refusing anything else by name:
 
-* ``torch_npu.npu_sparse_flash_attention``: CANN ops-transformer
-  ``attention/sparse_flash_attention/README.md`` (``custom.npu_sparse_flash_attention``)
-  and MindSpore's ``ops.sparse_flash_attention`` page (the same operator; it adds
-  ``attention_mode`` and ``return_softmax_lse`` and the three outputs), with the
-  CPU golden function of the operator's own test
-  (``tests/python/sgl_kernel_npu/test_sparse_flash_attention.py`` in sgl-kernel-npu) for
-  what the prose leaves out: the valid indices of a row come first and a ``-1`` ends
-  them; ``sparse_mode=3`` (rightDownCausal) masks a listed position ``>= kv_len - q_len
-  + i + 1`` for the ``i``-th query row of a batch; value is the key (MLA-absorb).
-* ``torch_npu.npu_lightning_indexer``: ops-transformer ``attention/lightning_indexer``
-  and MindSpore's ``ops.lightning_indexer`` page, with the CPU golden function of
-  ``test_lightning_indexer.py`` (same repository): scores ``sum_h W * ReLU(Q K^T)``,
-  rightDownCausal masking, the best ``sparse_count`` per row, ``-1`` in an output row's
-  columns past its key count.
+* ``torch_npu.npu_sparse_flash_attention``: Ascend/op-plugin
+  ``docs/context/torch_npu-npu_sparse_flash_attention.md`` (signature, three outputs,
+  ``attention_mode=2`` only, a row's valid indices first and invalid ones after, outputs
+  in the query's dtype), with CANN ops-transformer's
+  ``attention/sparse_flash_attention/README.md`` and the CPU golden function of the
+  operator's own test (``tests/python/sgl_kernel_npu/test_sparse_flash_attention.py`` in
+  sgl-kernel-npu) for what the prose leaves out: a ``-1`` ends a row's list;
+  ``sparse_mode=3`` (rightDownCausal) masks a listed position ``>= kv_len - q_len + i + 1``
+  for the ``i``-th query row of a batch; value is the key (MLA-absorb).
+* ``torch_npu.npu_lightning_indexer``: Ascend/op-plugin
+  ``docs/context/torch_npu-npu_lightning_indexer.md`` (query, key and weights of one
+  dtype; 64 heads of 128; ``sparse_count`` 1..2048; two outputs), with the CPU golden
+  function of ``test_lightning_indexer.py`` (same repository as above): scores
+  ``sum_h W * ReLU(Q K^T)``, rightDownCausal masking, the best ``sparse_count`` per row,
+  ``-1`` in an output row's columns past its key count.
 
 What the documentation does not pin down is refused here rather than guessed: a row
 whose valid indices do not all come before its first ``-1``, a row with no valid index,
@@ -137,7 +138,7 @@ class SparseAttentionStandIn:
                     scores = scores.masked_fill(listed[None, :] >= kv_len - q_len + i + 1, float("-inf"))
                 out[row] = torch.softmax(scores, dim=-1) @ latent
         empty = torch.empty(0, dtype=torch.float32, device=query.device)
-        return out.to(torch.bfloat16), empty, empty  # "out: bfloat16"
+        return out.to(query.dtype), empty, empty
 
     # ----------------------------------------------------------------------- lightning indexer
 
