@@ -68,7 +68,7 @@ def test_requirements_filter_candidates_and_make_kinds_needed() -> None:
     result = plan(config(), requirements={"attention": {"mla"}, "moe": set()}, strict=False)
     assert result.resolutions["attention"].name == "torch-reference"
     assert result.resolutions["moe"].name == "torch-grouped"
-    moe = plan(config(), requirements={"moe": {"batch-invariant"}}, strict=False).resolutions["moe"]
+    moe = plan(config(), requirements={"moe": {"fp8-block", "fused-routing"}}, strict=False).resolutions["moe"]
     assert moe.error.startswith("moe = 'auto': no moe implementation is usable here")
     sdpa_only = plan(config(attention="sdpa"), requirements={"attention": {"mla"}}, strict=False)
     assert "lacks mla" in sdpa_only.resolutions["attention"].error

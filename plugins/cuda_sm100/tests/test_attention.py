@@ -36,6 +36,17 @@ class TestTritonAttention(AttentionBackendSuite):
         return interpreter_platform
 
 
+class TestTritonAttentionInvariant(TestTritonAttention):
+    """The fixed-split variant: the kit once more on its decode (float32, one block size, to
+    keep the interpreter's time down) and its declared batch invariance. triton-sm100
+    itself picks its splits from the batch, and a decode row alone and among 16 then
+    differs in the last bit (seen under the interpreter: 1.2e-7, GQA and MLA)."""
+
+    component = "triton-sm100-invariant"
+    dtypes = (torch.float32, torch.bfloat16)
+    block_sizes = (16,)
+
+
 # --------------------------------------------------------------------------- split-KV decode
 #
 # The kit's decode batches are short; these take the split path on purpose: long

@@ -43,9 +43,13 @@ class TritonAttention:
 
     name = "triton-sm100"
 
-    def __init__(self, context: AttentionBackendContext) -> None:
+    def __init__(self, context: AttentionBackendContext, num_splits: int | None = None) -> None:
         self.context = context
         self.device = context.device
+        #: KV splits of the decode launches: None picks them per launch to fill the GPU (so
+        #: they follow the batch); a fixed count (``triton-sm100-invariant``) cuts each row's
+        #: keys by its own length only, so its bits do not depend on the batch.
+        self.num_splits = num_splits
         # The platform's capability picks tile configs; the interpreter reports 10.0.
         self.capability = context.platform.capability or (10, 0)
 
@@ -123,6 +127,7 @@ class TritonAttention:
                 max_seq_len=max(metadata.seq_lens_host[:decodes]),
                 sliding_window=layer.sliding_window,
                 capability=self.capability,
+                num_splits=self.num_splits,
             )
         if metadata.batch_size > decodes:
             prefill(
@@ -184,6 +189,7 @@ class TritonAttention:
                 max_query_len=1,
                 max_seq_len=max(metadata.seq_lens_host[:decodes]),
                 decode=True,
+                num_splits=self.num_splits,
                 **common,
             )
         if metadata.batch_size > decodes:

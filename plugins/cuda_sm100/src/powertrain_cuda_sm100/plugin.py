@@ -31,6 +31,16 @@ def build_attention(context: AttentionBackendContext) -> TritonAttention:
     return TritonAttention(context)
 
 
+#: The invariant variant's fixed KV splits per decode row (enough to fill an H200 from ~16 rows).
+INVARIANT_SPLITS = 8
+
+
+def build_invariant_attention(context: AttentionBackendContext) -> TritonAttention:
+    from powertrain_cuda_sm100.attention import TritonAttention
+
+    return TritonAttention(context, num_splits=INVARIANT_SPLITS)
+
+
 def build_moe(context: MoEBackendContext) -> TritonMoE:
     from powertrain_cuda_sm100.moe import TritonMoE
 
@@ -67,7 +77,30 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "V4 window + compressed entries + sinks, the Lightning Indexer's scores; "
                 "fused rotary + cache write and RMSNorm"
             ),
-        )
+        ),
+        AttentionBackendRecord(
+            name=f"{NAME}-invariant",
+            platforms={"cuda"},
+            # Its GQA/MLA decode cuts each row's keys into INVARIANT_SPLITS by the row's own
+            # length; sparse MLA, V4 and the indexer are left to the invariant torch backend.
+            capabilities={
+                "gqa",
+                "mha",
+                "mla",
+                "paged",
+                "prefill",
+                "decode",
+                "chunked-prefill",
+                "sliding-window",
+                "fused-rotary",
+                "fused-rmsnorm",
+                "batch-invariant",
+            },
+            priority=40,  # below triton-sm100: "auto" takes it where batch invariance is required
+            check=availability,
+            factory=build_invariant_attention,
+            description=f"triton-sm100 with {INVARIANT_SPLITS} fixed KV splits per decode row: batch-invariant",
+        ),
     ]
 
 
