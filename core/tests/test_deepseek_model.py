@@ -140,25 +140,31 @@ def test_engine_greedy_continuations_equal_hf(checkpoints: dict[str, Path], pref
 def test_batch_invariant_engine_gives_a_request_the_same_tokens_alone_and_among_16(
     checkpoints: dict[str, Path], seed: int
 ) -> None:
-    """``[engine] batch_invariant``: MLA through torch-reference and the experts through
-    torch-grouped-invariant, both kit-checked for bit-equal rows; greedy and seeded tokens
-    alone equal those in a batch of 16 mixed prompts."""
+    """``[engine] batch_invariant``: MLA through torch-reference, the experts through
+    torch-grouped-invariant (both kit-checked for bit-equal rows) and the model's own
+    matmuls in row tiles: greedy and seeded tokens, and their logprobs bit for bit, alone
+    equal those in a batch of 16 mixed prompts."""
     path = checkpoints["v3"]
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab(path), (int(torch.randint(1, 40, (1,), generator=gen)),)).tolist()
                for _ in range(16)]  # fmt: skip
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     sampled = [SamplingParams(temperature=1.0, max_tokens=8, seed=seed + i, ignore_eos=True) for i in range(16)]
-    with LLM(str(path), dtype="float32", batch_invariant=True, block_size=8, num_blocks=256) as llm:
+    # No prefix cache: a hit would cut the prompt's prefill into another chunk, which is a
+    # different computation (the attention's query rows in other matmul shapes), not another batch.
+    with LLM(
+        str(path), dtype="float32", batch_invariant=True, prefix_caching=False, block_size=8, num_blocks=256
+    ) as llm:
         modules = list(llm.engine.runner.model.modules())
         backends = {type(getattr(m, "backend", None)).__name__ for m in modules}
         tiles = {getattr(m.backend, "row_tile", None) for m in modules if hasattr(m, "backend")}
         assert {"TorchReferenceAttention", "TorchGroupedMoE"} <= backends and 16 in tiles, (backends, tiles)
-        together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        together = [o.outputs[0] for o in llm.generate(prompts, greedy)]
         together_sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
         for i in (0, 7, 15):
             [alone] = llm.generate([prompts[i]], greedy)
-            assert alone.outputs[0].token_ids == together[i], f"greedy, prompt {i} (seed={seed})"
+            assert alone.outputs[0].token_ids == together[i].token_ids, f"greedy, prompt {i} (seed={seed})"
+            assert alone.outputs[0].logprobs == together[i].logprobs, f"logprobs, prompt {i} (seed={seed})"
             [alone] = llm.generate([prompts[i]], sampled[i])
             assert alone.outputs[0].token_ids == together_sampled[i], f"seeded, prompt {i} (seed={seed})"
 

@@ -127,12 +127,13 @@ def describe_kv_cache(config: EngineConfig, plugins: PluginManager | None = None
 def model_requirements(architecture: Any, checkpoint: Any, config: EngineConfig) -> dict[str, frozenset[str]]:
     """Capabilities the model needs per component kind: its architecture's, with
     ``quantization = "keep"`` a quantised-linear backend for the checkpoint's formats, and
-    with ``[engine] batch_invariant`` batch invariance from its attention and MoE backends."""
+    with ``[engine] batch_invariant`` batch invariance from its attention, MoE and
+    quantised-linear backends."""
     requirements = dict(architecture.record.requirements(checkpoint.config) if architecture.record.requirements else {})
     if checkpoint.quantized_formats and config.model.quantization == "keep":
         requirements["quantized_linear"] = frozenset(checkpoint.quantized_formats)
     if config.engine.batch_invariant:
-        for kind in ("attention", *(["moe"] if "moe" in requirements else [])):
+        for kind in ("attention", *(kind for kind in ("moe", "quantized_linear") if kind in requirements)):
             requirements[kind] = frozenset(requirements.get(kind, ())) | {"batch-invariant"}
     return requirements
 

@@ -19,7 +19,7 @@ from powertrain.assemble.planning import AssemblyError, Plan
 from powertrain.components import PlatformInfo
 from powertrain.config import EngineConfig
 from powertrain.engine.cache_layout import CacheLayout, cache_layout
-from powertrain.layers.linear import pack_for_platform
+from powertrain.layers.linear import make_batch_invariant, pack_for_platform
 from powertrain.layers.norm import use_norm_kernel
 from powertrain.parallel.expert import ExpertParallel
 from powertrain.plugins import Provided
@@ -157,6 +157,10 @@ def kept_quantized(plan: Plan, checkpoint: Any, dtype: torch.dtype) -> interface
         if formats:
             log.info("quantised weights dequantized at load", dtype=str(dtype), why="[model] quantization = dequantize")
         return None
+    if mode == "auto" and plan.config.engine.batch_invariant:
+        why = "[engine] batch_invariant: no quantised-linear kernel declares batch invariance"
+        log.info("quantised weights dequantized at load", dtype=str(dtype), why=why)
+        return None
     resolution = plan.resolutions["quantized_linear"]
     record = resolution.provided.record if resolution.provided else None
     if mode == "auto" and (record is None or record.expands_weights or not formats <= record.capabilities):
@@ -181,8 +185,13 @@ def kept_quantized(plan: Plan, checkpoint: Any, dtype: torch.dtype) -> interface
 
 def _prepare_for_platform(model: interfaces.CausalLM, plan: Plan, attention: Any, dtype: torch.dtype) -> None:
     """Once-at-load changes that make the forward faster here: packed CPU weights, the
-    attention pack's fused RMSNorm."""
-    pack_for_platform(model, plan.platform, dtype)
+    attention pack's fused RMSNorm; with ``[engine] batch_invariant`` row-tiled matmuls
+    instead of packed weights."""
+    if plan.config.engine.batch_invariant:
+        tiled = make_batch_invariant(model)
+        log.info("matmuls in row tiles, weights not packed", modules=tiled, why="[engine] batch_invariant")
+    else:
+        pack_for_platform(model, plan.platform, dtype)
     if isinstance(attention, interfaces.RMSNormKernel):
         log.info("rmsnorm through the attention backend's kernel", norms=use_norm_kernel(model, attention))
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from powertrain.interfaces import ExpertWeights, dequantize_row_groups
 from powertrain.layers.activation import swiglu
+from powertrain.layers.linear import tiled_matmul
 from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import dequantize_blocks
 
@@ -48,13 +49,8 @@ def expert_matrices(weights: ExpertWeights, local: int, dtype: torch.dtype) -> t
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int | None) -> torch.Tensor:
-    """``F.linear(x, weight)``; with ``tile``, as whole ``tile``-row matmuls (zero-padded),
-    so each row's arithmetic does not depend on how many rows there are."""
-    if tile is None:
-        return F.linear(x, weight)
-    rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -rows % tile)).view(-1, tile, x.shape[1])
-    return torch.bmm(padded, weight.t().expand(padded.shape[0], -1, -1)).view(-1, weight.shape[0])[:rows]
+    """``F.linear(x, weight)``; with ``tile``, in whole ``tile``-row matmuls (``tiled_matmul``)."""
+    return F.linear(x, weight) if tile is None else tiled_matmul(x, weight.t(), tile)
 
 
 def _run_experts(

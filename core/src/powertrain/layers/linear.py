@@ -11,6 +11,11 @@ MKL can win, so ``pack_for_platform`` packs a weight only where timing its shape
 this machine says so (``linear_choice``). Results agree with ``F.linear`` to float32
 rounding (a different summation order), not bit for bit.
 
+With ``[engine] batch_invariant`` nothing is packed and every ``Linear`` multiplies in
+whole ``ROW_TILE``-row tiles (``tiled_matmul``): a CPU gemm's rounding follows its row
+count (MKL's float32 sgemm gives other bits for 1, 2 and 5 rows of the same weight), a
+batched matmul of fixed tiles gives each row the same arithmetic in any batch.
+
 Whether a dtype is packed is the platform's fact (``PlatformInfo.packed_linear_dtypes``,
 which the CPU platform derives from what this CPU can run): bfloat16 packing, for one,
 needs CPU features that many CPUs lack, and torch refuses it there.
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from powertrain.layers import linear_choice
@@ -33,6 +39,31 @@ if TYPE_CHECKING:
     from powertrain.layers.linear_choice import ShapeTimer
 
 log = structlog.get_logger(__name__)
+
+
+#: Rows per matmul tile in a batch-invariant engine (a multiple of the CPU gemm kernels' row blocks).
+ROW_TILE = 16
+
+
+def tiled_matmul(x: torch.Tensor, weight_t: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """``x @ weight_t`` for ``x`` ``[rows, K]``, ``weight_t`` ``[K, N]``; with ``tile``, as a
+    batched matmul of zero-padded ``tile``-row tiles, so no row's arithmetic depends on
+    how many rows there are (the weight is broadcast, not copied)."""
+    if tile is None:
+        return x @ weight_t
+    rows = x.shape[0]
+    tiles = F.pad(x, (0, 0, 0, -rows % tile)).view(-1, tile, x.shape[1])
+    return torch.bmm(tiles, weight_t.expand(tiles.shape[0], -1, -1)).view(-1, weight_t.shape[1])[:rows]
+
+
+def make_batch_invariant(model: nn.Module, tile: int = ROW_TILE) -> int:
+    """Switch every module of ``model`` that multiplies by rows (a ``row_tile`` attribute:
+    ``Linear``, the MoE router, MLA's absorbed projections) to ``tile``-row tiles; returns
+    how many were switched."""
+    modules = [module for module in model.modules() if hasattr(module, "row_tile")]
+    for module in modules:
+        module.row_tile = tile
+    return len(modules)
 
 
 def onednn_packing_ops() -> bool:
@@ -56,6 +87,8 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    #: Rows per matmul tile (``make_batch_invariant``); None: one matmul of all rows.
+    row_tile: int | None = None
     #: ``kernel.prepare(weight)`` of a weight kept quantised, and its kernel.
     quantized: Any = None
     kernel: QuantizedLinearKernel | None = None
@@ -86,7 +119,11 @@ class Linear(nn.Linear):
         if self.kernel is not None:
             return self.kernel.linear(x, self.quantized, self.bias)
         if self.packed is None:
-            return super().forward(x)
+            if self.row_tile is None:
+                return super().forward(x)
+            out = tiled_matmul(x.reshape(-1, x.shape[-1]), self.weight.t(), self.row_tile)
+            out = out if self.bias is None else out + self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

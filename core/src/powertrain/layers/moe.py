@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from powertrain.interfaces import ExpertWeights, MoEBackend, MoERouter, RoutingConfig
+from powertrain.layers.linear import tiled_matmul
 from powertrain.loader.fp4 import FP4_GROUP, PACKED_DTYPES, SCALE_DTYPES
 from powertrain.loader.fp8 import FP8_DTYPE
 
@@ -74,7 +75,8 @@ def route(
     if config.limits_groups:
         grouped = choice.view(-1, config.n_group, config.experts_per_group)
         if config.topk_method == "noaux_tc":
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best_two = grouped.topk(2, dim=-1).values
+            group_scores = best_two[..., 0] + best_two[..., 1]
         else:
             group_scores = grouped.amax(dim=-1)
         kept_groups = group_scores.topk(config.topk_group, dim=-1).indices
@@ -96,8 +98,18 @@ def _weights(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> 
     """The chosen experts' scores, renormalised if the config says so, times the scaling."""
     weights = scores.gather(1, ids)
     if config.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (_row_sums(weights) + 1e-20)
     return weights * config.routed_scaling_factor
+
+
+def _row_sums(values: torch.Tensor) -> torch.Tensor:
+    """``values.sum(dim=-1, keepdim=True)`` for a few columns, added left to right: torch's
+    reduction picks its order by the tensor's shape (measured: one row and 300 rows of the
+    same 8 weights sum 1.2e-7 apart), and a token's routing weights must not depend on its batch."""
+    total = values[:, :1].clone()
+    for column in range(1, values.shape[1]):
+        total += values[:, column : column + 1]
+    return total
 
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|scale)$")
@@ -105,6 +117,9 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class MoE(nn.Module):
+    #: Rows per router matmul tile (``linear.make_batch_invariant``); None: one matmul.
+    row_tile: int | None = None
+
     """The routed experts of one layer: router + the chosen ``MoEBackend``.
 
     Weight names are relative to the layer's ``mlp.`` prefix, in either checkpoint
@@ -397,20 +412,32 @@ class MoE(nn.Module):
 
     # ----------------------------------------------------------------------- running
 
+    def _route(self, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and weights. With ``row_tile`` the router runs on whole tiles
+        of rows (zero rows pad the last): torch's elementwise kernels take a scalar path for
+        a tensor's last few elements, whose rounding (of the sigmoid's exp, say) differs from
+        the vector lanes', so a token's weights would otherwise follow its place in the batch."""
+        if self.tid2eid is not None and (token_ids is None or token_ids.shape != hidden.shape[:1]):
+            got = None if token_ids is None else tuple(token_ids.shape)
+            raise ValueError(f"a hash-routed MoE layer needs one token id per row of hidden, got {got}")
+        rows = hidden.shape[0]
+        pad = 0 if self.row_tile is None else -rows % self.row_tile
+        inputs = hidden.float() if not pad else F.pad(hidden.float(), (0, 0, 0, pad))
+        router_logits = tiled_matmul(inputs, self.gate_weight.T, self.row_tile)
+        if self.tid2eid is not None:
+            expert_ids = self.tid2eid[token_ids] if not pad else F.pad(self.tid2eid[token_ids], (0, 0, 0, pad))
+            topk_ids, topk_weights = route(router_logits, self.routing, expert_ids=expert_ids)
+        else:
+            choose = self.backend.route if self.backend_routes else route
+            topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
+        return topk_ids[:rows], topk_weights[:rows]
+
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, H]`` -> the routed experts' weighted sum, ``[T, H]`` in ``hidden``'s dtype.
         Hash routing needs the tokens' ids (``[T]``); other layers ignore them."""
         if self.prepared is None:
             raise RuntimeError("MoE.forward before finish_loading(): the backend has no weights yet")
-        router_logits = hidden.float() @ self.gate_weight.T
-        if self.tid2eid is not None:
-            if token_ids is None or token_ids.shape != hidden.shape[:1]:
-                got = None if token_ids is None else tuple(token_ids.shape)
-                raise ValueError(f"a hash-routed MoE layer needs one token id per row of hidden, got {got}")
-            topk_ids, topk_weights = route(router_logits, self.routing, expert_ids=self.tid2eid[token_ids])
-        else:
-            choose = self.backend.route if self.backend_routes else route
-            topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
+        topk_ids, topk_weights = self._route(hidden, token_ids)
         if self.dispatcher is None:
             return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
         rows, tokens_per_expert, scales, handle = self.dispatcher.dispatch(

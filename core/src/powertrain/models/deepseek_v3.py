@@ -38,7 +38,7 @@ from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKV
 from powertrain.interfaces.moe import RoutingConfig
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import MLAAttention
-from powertrain.layers.linear import Linear
+from powertrain.layers.linear import Linear, tiled_matmul
 from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary, yarn_mscale
@@ -159,6 +159,9 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLA(nn.Module):
+    #: Rows per tile of the absorbed projections (``linear.make_batch_invariant``); None: one einsum.
+    row_tile: int | None = None
+
     def __init__(self, args: DeepseekArgs, backend: Any) -> None:
         super().__init__()
         self.args = args
@@ -222,10 +225,16 @@ class MLA(nn.Module):
         """Absorbed attention over the latent cache (``extra``: what ``self.attn`` takes
         beyond MLA's inputs, e.g. V3.2's sparse indices), then the output projection."""
         w_key, w_value = self._absorbed()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_key)  # queries in the latent space
+        q_latent = self._per_head(q_nope, w_key)  # queries in the latent space
         out_latent = self.attn(q_latent, q_rope, latent, k_rope, kv_cache, metadata, *extra)
-        out = torch.einsum("thr,hvr->thv", out_latent, w_value)  # back up to value heads
+        out = self._per_head(out_latent, w_value.transpose(1, 2))  # back up to value heads
         return self.o_proj(out.flatten(1))
+
+    def _per_head(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``[T, h, a] x [h, a, b] -> [T, h, b]``, head by head in row tiles where batch invariance asks."""
+        if self.row_tile is None:
+            return torch.einsum("tha,hab->thb", x, weights)
+        return torch.stack([tiled_matmul(x[:, i], weights[i], self.row_tile) for i in range(x.shape[1])], dim=1)
 
 
 class DenseMLP(nn.Module):

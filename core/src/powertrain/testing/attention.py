@@ -729,16 +729,18 @@ class AttentionBackendSuite(ComponentSuite):
         self._run_mla(pair, layer, batch, dtype, block_size, seed, f"MLA {scenario} batch, {_dtype_id(dtype)}")
 
     @pytest.mark.parametrize("target", ["decode", "chunk"])
-    @pytest.mark.parametrize("kind", ["gqa", "mla"])
+    @pytest.mark.parametrize("kind", ["gqa", "mla", "sparse-mla"])
     def test_batch_invariant(
         self, subject: Subject, kind: str, target: str, dtype: torch.dtype, block_size: int, seed: int
     ) -> None:
         """A declared 'batch-invariant' backend gives a sequence's rows the same bits alone
         and at a random place in a batch of 16 (other blocks, other neighbours): a decode
-        row, or a chunk of new tokens after a cached context."""
-        capabilities = ("mla",) if kind == "mla" else ()
+        row, or a chunk of new tokens after a cached context; sparse MLA over random index
+        rows (-1 padded, some empty)."""
+        capabilities = {"gqa": (), "mla": ("mla",), "sparse-mla": ("sparse-mla",)}[kind]
         self.require(subject.provided, "batch-invariant", "paged", "decode", "prefill", *capabilities)
-        layer = self._mla_layer() if kind == "mla" else self._gqa_layer(*self._gqa_heads(subject.provided))
+        mla = kind != "gqa"
+        layer = self._mla_layer() if mla else self._gqa_layer(*self._gqa_heads(subject.provided))
         pair = self._pair(subject, layer, dtype, block_size)
         gen = generator(seed)
         context = int(torch.randint(1, 3 * block_size + 2, (1,), generator=gen))
@@ -752,6 +754,7 @@ class AttentionBackendSuite(ComponentSuite):
             dtype=dtype,
             seed=seed,
             device=pair.device,
+            sparse_topk=9 if kind == "sparse-mla" else None,
             what=f"{kind.upper()} {target}, {_dtype_id(dtype)}",
         )
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
+from powertrain.testing.base import random_index_rows
 from powertrain.testing.kv_access import write_tokens
 
 __all__ = ["check_batch_invariant"]
@@ -37,11 +38,13 @@ def check_batch_invariant(
     dtype: torch.dtype,
     seed: int,
     device: torch.device | str = "cpu",
+    sparse_topk: int | None = None,
     what: str = "attention",
 ) -> None:
     """The ``target`` sequence's ``(context_len, query_len)`` rows through ``backend``
-    (``forward`` for a GQA/MHA ``layer``, ``forward_mla`` for MLA) alone and in a batch of
-    ``BATCH`` must be equal bit for bit."""
+    (``forward`` for a GQA/MHA ``layer``, ``forward_mla`` for MLA, ``forward_mla_sparse``
+    over random index rows of ``sparse_topk`` columns) alone and in a batch of ``BATCH``
+    must be equal bit for bit."""
     gen = torch.Generator().manual_seed(seed)
     others = sorted((_random_lengths(gen) for _ in range(BATCH - 1)), key=lambda s: s[1] > 1)  # decodes first
     decodes = sum(1 for _, q in others if q == 1)
@@ -49,9 +52,10 @@ def check_batch_invariant(
     place = int(torch.randint(low, high + 1, (1,), generator=gen))  # among its own kind
     batch = [*others[:place], target, *others[place:]]
 
-    target_inputs = _inputs(layer, target, gen, dtype)
-    alone = _run(backend, layer, spec, [target], 0, target_inputs, block_size, dtype, device, gen)
-    together = _run(backend, layer, spec, batch, place, target_inputs, block_size, dtype, device, gen)
+    target_inputs = _inputs(layer, target, gen, dtype, sparse_topk)
+    run = (backend, layer, spec, block_size, dtype, device, gen, sparse_topk)
+    alone = _run(*run, [target], 0, target_inputs)
+    together = _run(*run, batch, place, target_inputs)
     if not torch.equal(alone, together):
         diff = (alone.float() - together.float()).abs().max().item()
         raise AssertionError(
@@ -69,8 +73,11 @@ def _random_lengths(gen: torch.Generator) -> tuple[int, int]:
     return context, int(torch.randint(2, 24, (1,), generator=gen))
 
 
-def _inputs(layer: AttentionLayerSpec, lengths: tuple[int, int], gen: torch.Generator, dtype: torch.dtype) -> dict:
-    """A sequence's context tokens (per cache tensor) and new-token inputs."""
+def _inputs(
+    layer: AttentionLayerSpec, lengths: tuple[int, int], gen: torch.Generator, dtype: torch.dtype, topk: int | None
+) -> dict:
+    """A sequence's context tokens (per cache tensor), new-token inputs and (sparse MLA)
+    index rows."""
     context, query = lengths
 
     def rand(*shape: int) -> torch.Tensor:
@@ -82,6 +89,7 @@ def _inputs(layer: AttentionLayerSpec, lengths: tuple[int, int], gen: torch.Gene
             "context": {"latent": rand(context, rank), "rope": rand(context, rope)},
             "new": (rand(query, layer.num_heads, rank), rand(query, layer.num_heads, rope), rand(query, rank),
                     rand(query, rope)),
+            "indices": None if topk is None else random_index_rows([context + query], [query], topk, gen),
         }  # fmt: skip
     kv = (layer.num_kv_heads, layer.head_size)
     return {
@@ -94,13 +102,14 @@ def _run(
     backend: Any,
     layer: AttentionLayerSpec,
     spec: KVCacheSpec,
-    lengths: Sequence[tuple[int, int]],
-    target: int,
-    target_inputs: dict,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
     gen: torch.Generator,
+    topk: int | None,
+    lengths: Sequence[tuple[int, int]],
+    target: int,
+    target_inputs: dict,
 ) -> torch.Tensor:
     """One step over ``lengths`` in freshly shuffled blocks (garbage elsewhere); the
     target's output rows."""
@@ -114,7 +123,7 @@ def _run(
     cache = spec.allocate(num_blocks, device)
     for tensor in cache.values():
         tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
-    inputs = [target_inputs if i == target else _inputs(layer, s, gen, dtype) for i, s in enumerate(lengths)]
+    inputs = [target_inputs if i == target else _inputs(layer, s, gen, dtype, topk) for i, s in enumerate(lengths)]
     for table, (context, _), sequence in zip(tables, lengths, inputs, strict=True):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(context)])
         for name, values in sequence["context"].items():
@@ -127,7 +136,10 @@ def _run(
         block_size=block_size,
         device=device,
     )
-    if layer.kind == "mla":
+    if topk is not None:
+        indices = torch.cat([s["indices"] for s in inputs]).to(device)
+        out = backend.forward_mla_sparse(layer, *new, cache, metadata, indices)
+    elif layer.kind == "mla":
         out = backend.forward_mla(layer, *new, cache, metadata)
     else:
         out = backend.forward(layer, *new, cache, metadata)
