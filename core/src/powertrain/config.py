@@ -145,9 +145,10 @@ class ParallelConfig:
 
 @attrs.frozen(kw_only=True)
 class EngineOptionsConfig:
-    #: Only backends that declare "batch-invariant" may serve attention and MoE (a selected
-    #: one that does not is refused, by name): a request's rows then get the same
-    #: arithmetic in the backends however the scheduler batches it.
+    #: A request's rows get the same arithmetic however the scheduler batches them: only
+    #: backends that declare "batch-invariant" serve attention, MoE and kept-quantised
+    #: linears (a named one that does not is refused, by name), and the model's own
+    #: matmuls run in whole row tiles (``layers.linear.make_batch_invariant``).
     batch_invariant: bool = False
 
 

@@ -75,8 +75,7 @@ def route(
     if config.limits_groups:
         grouped = choice.view(-1, config.n_group, config.experts_per_group)
         if config.topk_method == "noaux_tc":
-            best_two = grouped.topk(2, dim=-1).values
-            group_scores = best_two[..., 0] + best_two[..., 1]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         else:
             group_scores = grouped.amax(dim=-1)
         kept_groups = group_scores.topk(config.topk_group, dim=-1).indices
@@ -98,18 +97,8 @@ def _weights(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> 
     """The chosen experts' scores, renormalised if the config says so, times the scaling."""
     weights = scores.gather(1, ids)
     if config.norm_topk_prob:
-        weights = weights / (_row_sums(weights) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * config.routed_scaling_factor
-
-
-def _row_sums(values: torch.Tensor) -> torch.Tensor:
-    """``values.sum(dim=-1, keepdim=True)`` for a few columns, added left to right: torch's
-    reduction picks its order by the tensor's shape (measured: one row and 300 rows of the
-    same 8 weights sum 1.2e-7 apart), and a token's routing weights must not depend on its batch."""
-    total = values[:, :1].clone()
-    for column in range(1, values.shape[1]):
-        total += values[:, column : column + 1]
-    return total
 
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|scale)$")
@@ -117,9 +106,6 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class MoE(nn.Module):
-    #: Rows per router matmul tile (``linear.make_batch_invariant``); None: one matmul.
-    row_tile: int | None = None
-
     """The routed experts of one layer: router + the chosen ``MoEBackend``.
 
     Weight names are relative to the layer's ``mlp.`` prefix, in either checkpoint
@@ -143,6 +129,9 @@ class MoE(nn.Module):
     ``swiglu_limit`` (DeepSeek-V4) clamps the experts' SwiGLU (``ExpertWeights.swiglu_limit``);
     the backend must declare ``swiglu-limit``, or its ``prepare`` refuses the experts.
     """
+
+    #: Rows per router matmul tile (``linear.make_batch_invariant``); None: one matmul.
+    row_tile: int | None = None
 
     def __init__(
         self,

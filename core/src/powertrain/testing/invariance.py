@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
-from powertrain.testing.base import random_index_rows
+from powertrain.testing.base import random_index_rows, shuffled_block_tables
 from powertrain.testing.kv_access import write_tokens
 
 __all__ = ["check_batch_invariant"]
@@ -113,13 +113,7 @@ def _run(
 ) -> torch.Tensor:
     """One step over ``lengths`` in freshly shuffled blocks (garbage elsewhere); the
     target's output rows."""
-    needed = [math.ceil((c + q) / block_size) for c, q in lengths]
-    num_blocks = 2 * sum(needed) + 1
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for count in needed:
-        tables.append(pool[used : used + count])
-        used += count
+    tables, num_blocks = shuffled_block_tables([math.ceil((c + q) / block_size) for c, q in lengths], gen)
     cache = spec.allocate(num_blocks, device)
     for tensor in cache.values():
         tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))

@@ -31,6 +31,14 @@ def build_attention(context: AttentionBackendContext) -> TritonAttention:
     return TritonAttention(context)
 
 
+ATTENTION_CAPABILITIES = frozenset(
+    {
+        "gqa", "mha", "mla", "sparse-mla", "v4-attention", "lightning-indexer", "paged", "prefill", "decode",
+        "chunked-prefill", "sliding-window", "fused-rotary", "fused-rmsnorm",
+    }
+)  # fmt: skip
+#: Paths whose launches still size their KV splits from the batch: not in the invariant variant.
+SPLITS_FROM_THE_BATCH = frozenset({"sparse-mla", "v4-attention", "lightning-indexer"})
 #: The invariant variant's fixed KV splits per decode row (enough to fill an H200 from ~16 rows).
 INVARIANT_SPLITS = 8
 
@@ -53,21 +61,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name=NAME,
             platforms={"cuda"},
-            capabilities={
-                "gqa",
-                "mha",
-                "mla",
-                "sparse-mla",
-                "v4-attention",
-                "lightning-indexer",
-                "paged",
-                "prefill",
-                "decode",
-                "chunked-prefill",
-                "sliding-window",
-                "fused-rotary",
-                "fused-rmsnorm",
-            },
+            capabilities=ATTENTION_CAPABILITIES,
             # Above the builtin torch backends (10, 0): "auto" prefers the kernels where they run.
             priority=50,
             check=availability,
@@ -83,19 +77,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             platforms={"cuda"},
             # Its GQA/MLA decode cuts each row's keys into INVARIANT_SPLITS by the row's own
             # length; sparse MLA, V4 and the indexer are left to the invariant torch backend.
-            capabilities={
-                "gqa",
-                "mha",
-                "mla",
-                "paged",
-                "prefill",
-                "decode",
-                "chunked-prefill",
-                "sliding-window",
-                "fused-rotary",
-                "fused-rmsnorm",
-                "batch-invariant",
-            },
+            capabilities=(ATTENTION_CAPABILITIES - SPLITS_FROM_THE_BATCH) | {"batch-invariant"},
             priority=40,  # below triton-sm100: "auto" takes it where batch invariance is required
             check=availability,
             factory=build_invariant_attention,

@@ -53,6 +53,11 @@ class SparseAttentionStandIn:
     def __init__(self) -> None:
         self.sparse_calls: list[tuple[str, dict[str, Any]]] = []
 
+    def _record_sparse(self, operator: str, query: torch.Tensor, **arguments: Any) -> None:
+        """One call in ``sparse_calls``: the query's shape and the arguments, tensors as host lists."""
+        host = {k: _host(v) if isinstance(v, torch.Tensor) else v for k, v in arguments.items()}
+        self.sparse_calls.append((operator, {"query_shape": tuple(query.shape), **host}))
+
     # ----------------------------------------------------------------------- sparse attention
 
     def npu_sparse_flash_attention(
@@ -79,19 +84,15 @@ class SparseAttentionStandIn:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(attention_out, softmax_max, softmax_sum)``; the last two are empty without
         ``return_softmax_lse`` (inference with a paged cache does not support it)."""
-        self.sparse_calls.append(
-            (
-                "npu_sparse_flash_attention",
-                {
-                    "query_shape": tuple(query.shape),
-                    "layout_query": layout_query,
-                    "layout_kv": layout_kv,
-                    "sparse_mode": sparse_mode,
-                    "sparse_block_size": sparse_block_size,
-                    "actual_seq_lengths_query": _host(actual_seq_lengths_query),
-                    "actual_seq_lengths_kv": _host(actual_seq_lengths_kv),
-                },
-            )
+        self._record_sparse(
+            "npu_sparse_flash_attention",
+            query,
+            layout_query=layout_query,
+            layout_kv=layout_kv,
+            sparse_mode=sparse_mode,
+            sparse_block_size=sparse_block_size,
+            actual_seq_lengths_query=actual_seq_lengths_query,
+            actual_seq_lengths_kv=actual_seq_lengths_kv,
         )
         if (layout_query, layout_kv) != ("TND", "PA_BSND"):
             raise NotImplementedError(f"stand-in: layouts {layout_query}/{layout_kv} (served: TND / PA_BSND)")
@@ -161,19 +162,15 @@ class SparseAttentionStandIn:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sparse_indices int32 [T, 1, sparse_count], sparse_values)``; values are
         empty unless ``return_value``."""
-        self.sparse_calls.append(
-            (
-                "npu_lightning_indexer",
-                {
-                    "query_shape": tuple(query.shape),
-                    "layout_query": layout_query,
-                    "layout_key": layout_key,
-                    "sparse_mode": sparse_mode,
-                    "sparse_count": sparse_count,
-                    "actual_seq_lengths_query": _host(actual_seq_lengths_query),
-                    "actual_seq_lengths_key": _host(actual_seq_lengths_key),
-                },
-            )
+        self._record_sparse(
+            "npu_lightning_indexer",
+            query,
+            layout_query=layout_query,
+            layout_key=layout_key,
+            sparse_mode=sparse_mode,
+            sparse_count=sparse_count,
+            actual_seq_lengths_query=actual_seq_lengths_query,
+            actual_seq_lengths_key=actual_seq_lengths_key,
         )
         if (layout_query, layout_key) != ("TND", "PA_BSND"):
             raise NotImplementedError(f"stand-in: layouts {layout_query}/{layout_key} (served: TND / PA_BSND)")
