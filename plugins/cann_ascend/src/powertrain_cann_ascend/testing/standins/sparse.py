@@ -94,6 +94,9 @@ class SparseAttentionStandIn:
             actual_seq_lengths_query=actual_seq_lengths_query,
             actual_seq_lengths_kv=actual_seq_lengths_kv,
         )
+        # The NotImplementedError refusals here are deliberate, not gaps: the backend never
+        # passes these arguments, and a stand-in guessing their semantics would let a mapping
+        # that started passing them compute something plausible instead of failing here.
         if (layout_query, layout_kv) != ("TND", "PA_BSND"):
             raise NotImplementedError(f"stand-in: layouts {layout_query}/{layout_kv} (served: TND / PA_BSND)")
         if sparse_block_size != 1:
@@ -172,6 +175,7 @@ class SparseAttentionStandIn:
             actual_seq_lengths_query=actual_seq_lengths_query,
             actual_seq_lengths_key=actual_seq_lengths_key,
         )
+        # Deliberate refusals as above: arguments the backend never passes are not guessed at.
         if (layout_query, layout_key) != ("TND", "PA_BSND"):
             raise NotImplementedError(f"stand-in: layouts {layout_query}/{layout_key} (served: TND / PA_BSND)")
         if (pre_tokens, next_tokens) != (MAX_INT64, MAX_INT64) or return_value:
@@ -283,7 +287,7 @@ def _listed(row: torch.Tensor, where: int, kv_len: int) -> torch.Tensor:
     listed = values[:count]
     if bool((values[count:] != -1).any()):
         raise ValueError(f"sparse_indices row {where}: valid values must come first and -1 after, got {row.tolist()}")
-    if count == 0:
+    if count == 0:  # undocumented for the operator: the mapping must never send it (a test checks)
         raise NotImplementedError(f"stand-in: sparse_indices row {where} has no valid index (output not documented)")
     if bool(((listed < 0) | (listed >= kv_len)).any()):
         raise NotImplementedError(
