@@ -210,14 +210,17 @@ def test_drafts_equal_a_from_scratch_mtp_run(
         (index,) = [i for i, tokens in enumerate(sequences) if tokens[: len(history)] == history]
         h = hidden[index][: len(history) - 1]
         expected, expected_confidences, margins = from_scratch_drafts(model.mtp, h, history, len(drafts))
+        # Compared up to the first near tie (its confidence included): there either token is
+        # right, and the drafts after it continue different sequences.
+        tie = next((k for k, margin in enumerate(margins) if margin < TIE), len(drafts))
         # Recomputed entries (preemption) may differ from the oracle's in the last float32
         # bits, which the mimic's sharpened head turns into ~0.3% at draft 3 (seen once in
         # CI); an entry the catch-up missed would be NaN (the cache was filled with it).
-        assert confidences == pytest.approx(expected_confidences, rel=5e-3, abs=1e-5), (len(history), seed)
-        for k, (ours, theirs, margin) in enumerate(zip(drafts, expected, margins, strict=True)):
-            if margin < TIE:  # a near tie: either token is right, and what follows differs
-                break
-            assert ours == theirs, (len(history), k, seed)
+        assert confidences[: tie + 1] == pytest.approx(expected_confidences[: tie + 1], rel=5e-3, abs=1e-5), (
+            len(history),
+            seed,
+        )
+        assert drafts[:tie] == expected[:tie], (len(history), seed)
 
 
 # --------------------------------------------------------------------------- sampling
