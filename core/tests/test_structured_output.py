@@ -284,9 +284,9 @@ def test_masks_are_computed_on_the_grammar_worker(llm: LLM, monkeypatch: pytest.
     threads: list[str] = []
     fill = type(structured)._fill
 
-    def recording_fill(self, states, tokens):  # type: ignore[no-untyped-def]
+    def recording_fill(self, states, tokens, drafts):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread().name)
-        fill(self, states, tokens)
+        fill(self, states, tokens, drafts)
 
     monkeypatch.setattr(type(structured), "_fill", recording_fill)
     schema = JSON_SCHEMAS["flat person"]

@@ -14,10 +14,12 @@ test, which shows the test can tell.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from powertrain.engine.speculative import grammar_cut
 from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.speculative import DraftSlot, VerifyBatch
 from powertrain_dspark.drafter import DraftBatch
@@ -111,22 +113,51 @@ class PeekingRule(SpeculativeDecoder):
         return [1 if tokens and tokens[0] == 0 else 0 for tokens in proposal.tokens]
 
 
-def _exact_law(target: ExactTarget, prompt: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+def forbidden(prefix: tuple[int, ...]) -> int | None:
+    """A grammar over the 3-token vocabulary: no token may repeat the one before it."""
+    return prefix[-1]
+
+
+def _masked(logits: torch.Tensor, prefix: tuple[int, ...]) -> torch.Tensor:
+    """The sampler's view of a constrained row: the forbidden token's logit at -inf."""
+    masked = logits.clone()
+    masked[forbidden(prefix)] = float("-inf")
+    return masked
+
+
+def _exact_law(target: ExactTarget, prompt: tuple[int, ...], constrained: bool = False) -> dict[tuple[int, ...], float]:
     law = {}
     for outcome in itertools.product(range(VOCAB), repeat=GENERATED):
         p, prefix = 1.0, prompt
         for token in outcome:
-            p *= float(target.probs(prefix)[token])
+            logits = _masked(target.logits(prefix), prefix) if constrained else target.logits(prefix)
+            p *= float(torch.softmax(logits.double(), dim=-1)[token])
             prefix = (*prefix, token)
-        law[outcome] = p
+        if p > 0:
+            law[outcome] = p
     return law
 
 
+def _allowed(prefix: tuple[int, ...], drafts: list[int]) -> int:
+    """How many of ``drafts``, from the start, the grammar allows after ``prefix``."""
+    for count, token in enumerate(drafts):
+        if token == forbidden((*prefix, *drafts[:count])):
+            return count
+    return len(drafts)
+
+
 def _run(
-    policy: SpeculativeDecoder, target: ExactTarget, prompt: tuple[int, ...], runs: int, batch: int
+    policy: SpeculativeDecoder,
+    target: ExactTarget,
+    prompt: tuple[int, ...],
+    runs: int,
+    batch: int,
+    cut: Callable[[int, int, bool], int] | None = None,
 ) -> tuple[dict, set[int]]:
     """Generate ``GENERATED`` tokens for ``runs`` seeded requests, ``batch`` at a time,
-    the way the engine does: propose, choose lengths, verify, keep. Returns the counts of
+    the way the engine does: propose, choose lengths, verify, keep. With ``cut`` the
+    requests are constrained by ``forbidden``, as the engine constrains them: lengths cut
+    by the grammar, the rows up to the last allowed draft masked. Returns the counts of
     the outcomes and the set of lengths the rule chose."""
     chosen: set[int] = set()
     params = SamplingParams(temperature=1.0, max_tokens=GENERATED)
@@ -153,8 +184,13 @@ def _run(
             chosen.update(lengths)
             logits, plain = [], []
             for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
-                prefix = tuple(slot.token_ids)
-                rows = [target.logits(prefix + tuple(proposal.tokens[i][:j])) for j in range(n + 1)]
+                prefix, drafts = tuple(slot.token_ids), proposal.tokens[i]
+                allowed = _allowed(prefix, drafts[:n]) if cut else n
+                if cut:
+                    lengths[i] = n = cut(n, allowed, proposal.draft_probs[i] is not None)
+                rows = [target.logits(prefix + tuple(drafts[:j])) for j in range(n + 1)]
+                if cut:
+                    rows = [_masked(r, prefix + tuple(drafts[:j])) if j <= allowed else r for j, r in enumerate(rows)]
                 (logits if n else plain).append(torch.stack(rows))
             kept = iter(policy.verify(proposal, lengths, logits))
             for slot, n in zip(slots, lengths, strict=True):
@@ -162,7 +198,9 @@ def _run(
                 if n:
                     new = next(kept)
                 else:  # no drafts: the engine's sampler draws from the target
-                    new = [int(torch.multinomial(target.probs(tuple(tokens)).float(), 1, generator=generator))]
+                    prefix = tuple(tokens)
+                    row = _masked(target.logits(prefix), prefix) if cut else target.logits(prefix)
+                    new = [int(torch.multinomial(torch.softmax(row.double(), -1).float(), 1, generator=generator))]
                 tokens.extend(new)
                 if len(tokens) - len(prompt) >= GENERATED:
                     outcome = tuple(tokens[len(prompt) : len(prompt) + GENERATED])
@@ -218,4 +256,35 @@ def test_a_length_rule_that_peeks_at_the_draft_is_caught() -> None:
     runs = 4000
     counts, _ = _run(policy, target, prompt, runs, batch=16)
     p_value = _chi_square_p(counts, _exact_law(target, prompt), runs)
+    assert p_value < SIGNIFICANCE, f"the biased control passed (p = {p_value:.2e}): the test has no power"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["stochastic-drafts", "point-mass-drafts"])
+def test_constrained_speculation_matches_the_masked_target_distribution(deterministic: bool) -> None:
+    """Under a grammar the engine cuts drafts where the grammar first forbids one
+    (``grammar_cut``) and masks the verified rows; the output must follow the masked
+    target exactly."""
+    target = ExactTarget(seed=3)
+    prompt = (1, 2)
+    drafter = StochasticDrafter(target, depth=3, position2_depends_on_draft1=True, deterministic=deterministic)
+    runs = 4000
+    counts, _ = _run(_policy("fixed", drafter), target, prompt, runs, batch=16, cut=grammar_cut)
+    assert sum(counts.values()) == runs
+    p_value = _chi_square_p(counts, _exact_law(target, prompt, constrained=True), runs)
+    assert p_value > SIGNIFICANCE, f"output law differs from the masked target's: chi-square p = {p_value:.2e}"
+
+
+def test_cutting_a_stochastic_draft_before_the_forbidden_one_is_caught() -> None:
+    """The control: cutting stochastic drafts before the first forbidden one, as is exact
+    for point masses, draws the next token from the target instead of the residual."""
+    target = ExactTarget(seed=3)
+    prompt = (1, 2)
+    drafter = StochasticDrafter(target, depth=3, position2_depends_on_draft1=True)
+    runs = 4000
+
+    def cut_before(length: int, allowed: int, stochastic: bool) -> int:
+        return grammar_cut(length, allowed, stochastic=False)
+
+    counts, _ = _run(_policy("fixed", drafter), target, prompt, runs, batch=16, cut=cut_before)
+    p_value = _chi_square_p(counts, _exact_law(target, prompt, constrained=True), runs)
     assert p_value < SIGNIFICANCE, f"the biased control passed (p = {p_value:.2e}): the test has no power"

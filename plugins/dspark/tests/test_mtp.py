@@ -25,6 +25,7 @@ from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
 from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.sampling import StructuredOutput
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import mimic_mtp_layers, write_tiny_deepseek
@@ -121,6 +122,37 @@ def test_greedy_outputs_equal_plain_decoding(
     assert stats.speculative_verified_tokens > 0  # type: ignore[attr-defined]
     if checkpoint == "mimic":
         assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]
+
+
+REGEX = r"[a-m ]{4,40}\."  # a language the tiny vocabulary's words partly fit
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_constrained_requests_speculate(checkpoints: dict[str, Path], temperature: float, seed: int) -> None:
+    """Constrained requests take MTP drafts too (a greedy draft is a point mass, a sampled
+    one comes with its distribution, whose first forbidden draft is verified and rejected):
+    the outputs follow the grammar, greedy ones are what constrained decoding gives without
+    speculation, and drafts were verified."""
+    path = checkpoints["mimic"]
+    generator = torch.Generator().manual_seed(seed)
+    constraint = StructuredOutput.regex(REGEX)
+    batch = [
+        (
+            torch.randint(2, 500, (n,), generator=generator).tolist(),
+            SamplingParams(temperature=temperature, seed=seed + n, max_tokens=24, structured=constraint),
+        )
+        for n in (5, 17, 9)
+    ]
+    speculated, stats = generate(engine_config(path, "fixed-k", dspark={"max_draft_tokens": 3}), batch)
+    assert stats.speculative_verified_tokens > 0  # type: ignore[attr-defined]
+    with LLM(config=engine_config(path, "none")) as llm:
+        texts = [llm.tokenizer.decode(tokens) for tokens in speculated]
+        if temperature == 0:
+            assert speculated == [
+                o.outputs[0].token_ids for o in llm.generate([p for p, _ in batch], [s for _, s in batch])
+            ]
+    for text in texts:
+        assert re.fullmatch(REGEX, text) or re.fullmatch(r"[a-m ]{0,40}\.?", text), text
 
 
 # --------------------------------------------------------------------------- drafts against an oracle

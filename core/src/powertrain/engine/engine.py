@@ -28,13 +28,13 @@ from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.model_runner import ModelRunner, Speculation, StepResult
 from powertrain.engine.sequence import PLACEHOLDER, Request
 from powertrain.engine.sequence import Sequence as Seq
-from powertrain.engine.speculative import can_speculate
+from powertrain.engine.speculative import can_speculate, grammar_cut
 from powertrain.interfaces.engine import EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.scheduling import ScheduledBatch, Scheduler, SequenceStatus
-from powertrain.interfaces.speculative import DraftSlot, VerifyBatch
+from powertrain.interfaces.speculative import DraftSlot, Proposal, VerifyBatch
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -242,7 +242,7 @@ class LLMEngine:
             zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True)
         ):
             produced = seq.num_output_tokens
-            if not samples or count != 1 or not can_speculate(seq.params, produced, seq.grammar is not None):
+            if not samples or count != 1 or not can_speculate(seq.params, produced):
                 continue
             room = min(seq.params.max_tokens - produced, self.max_model_len - seq.num_tokens) - 1
             if room <= 0:
@@ -270,6 +270,8 @@ class LLMEngine:
             ):
                 drafted = [len(t) for t in proposal.tokens]
                 raise RuntimeError(f"the speculative policy returned lengths {lengths} for drafts of {drafted}")
+            allowed = self._grammar_allowed(batch, members, proposal, lengths)
+            constrained: list[tuple[int, int]] = []  # (slot, drafts its verified rows are masked after)
             for slot_index, index in enumerate(members):
                 seq = batch.seqs[index]
                 length = lengths[slot_index]
@@ -278,11 +280,18 @@ class LLMEngine:
                 while length and not self.block_manager.can_grow(seq, seq.num_computed_tokens + length):
                     length -= 1  # the cache is nearly full: verify what fits
                 lengths[slot_index] = length
+                if length and seq.grammar is not None:
+                    constrained.append((slot_index, min(length, allowed[slot_index])))
                 if length:
                     self.block_manager.grow(seq, seq.num_computed_tokens + length)
                     seq.token_ids.extend(proposal.tokens[slot_index][:length])
                     seq.num_computed_tokens += length
                     counts[index] += length
+            if constrained:  # computed on the grammar worker while the forward runs
+                self.runner.structured.draft_masks(  # type: ignore[union-attr]
+                    [batch.seqs[members[slot]].grammar for slot, _ in constrained],
+                    [proposal.tokens[slot][:masked] for slot, masked in constrained],
+                )
             self._speculative_counts[0] += len(slots)
             self._speculative_counts[1] += sum(lengths)
         slot_by_seq = {batch.seqs[index].seq_id: slot for slot, index in enumerate(members)}
@@ -303,6 +312,22 @@ class LLMEngine:
             seq_ids=[seq.seq_id for seq in seqs],
             num_drafts=num_drafts,
         )
+
+    def _grammar_allowed(
+        self, batch: ScheduledBatch[Seq], members: list[int], proposal: Proposal, lengths: list[int]
+    ) -> list[int]:
+        """Cut each constrained slot's length where its grammar first forbids a draft (in
+        place, ``grammar_cut``); returns, per slot, how many of its chosen drafts the
+        grammar allows."""
+        allowed = list(lengths)
+        for slot, index in enumerate(members):
+            grammar = batch.seqs[index].grammar
+            if grammar is None or not lengths[slot]:
+                continue
+            drafts = proposal.tokens[slot][: lengths[slot]]
+            allowed[slot] = self.runner.structured.allowed_drafts(grammar, drafts)  # type: ignore[union-attr]
+            lengths[slot] = grammar_cut(lengths[slot], allowed[slot], proposal.draft_probs[slot] is not None)
+        return allowed
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
         output = flight.future.result()

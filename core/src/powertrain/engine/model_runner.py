@@ -208,13 +208,18 @@ class ModelRunner:
                 banned=[inputs.banned[i] for i in rows],
             )
         masks = None
-        grammar_rows = [rows.index(g) for g in step.grammar_rows]  # constrained rows never verify drafts
-        if step.grammars:  # the worker computed these while this step's forward ran
-            masks = TokenMasks(rows=grammar_rows, disallowed=self.structured.masks(step.grammars))  # type: ignore[union-attr]
+        # The constrained ones among ``rows`` (a constrained row that verified drafts is not).
+        constrained = [
+            (rows.index(g), state) for g, state in zip(step.grammar_rows, step.grammars, strict=True) if g in rows
+        ]
+        grammar_rows = [row for row, _ in constrained]
+        grammars = [state for _, state in constrained]
+        if grammars:  # the worker computed these while this step's forward ran
+            masks = TokenMasks(rows=grammar_rows, disallowed=self.structured.masks(grammars))  # type: ignore[union-attr]
         output = self.sampler(logits, inputs, masks)
         tokens = output.tokens.tolist()
-        if step.grammars:  # and now the next masks, while the next step's forward runs
-            self.structured.advance(step.grammars, [tokens[row] for row in grammar_rows])  # type: ignore[union-attr]
+        if grammars:  # and now the next masks, while the next step's forward runs
+            self.structured.advance(grammars, [[tokens[row]] for row in grammar_rows])  # type: ignore[union-attr]
         return tokens, output.logprobs
 
     def _verify(self, step: PreparedStep, hidden: torch.Tensor) -> StepResult:
@@ -237,9 +242,16 @@ class ModelRunner:
         if verified:
             assert spec.proposal is not None  # a slot verifies drafts only if it was proposed some
             chunks = logits[len(plain) :].split([drafts[i] + 1 for i in verified])
+            grammar_of = dict(zip(step.grammar_rows, step.grammars, strict=True))
+            constrained = [(i, grammar_of[i]) for i in verified if i in grammar_of]
+            for i, state in constrained:  # the masks before each draft and after the last
+                _mask_verified_rows(chunks[verified.index(i)], self.structured.masks([state]))  # type: ignore[union-attr]
             kept = self.speculative.verify(spec.proposal, spec.lengths, list(chunks))
             for i, accepted in zip(verified, kept, strict=True):
                 tokens[i] = accepted
+            if constrained:
+                states = [state for _, state in constrained]
+                self.structured.advance(states, [tokens[i] for i, _ in constrained])  # type: ignore[union-attr]
         self._previous_tokens = {seq_id: kept[-1] for seq_id, kept in zip(step.sampled_seq_ids, tokens, strict=True)}
         return StepResult(tokens=tokens, logprobs=logprobs)
 
@@ -272,6 +284,14 @@ def torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _mask_verified_rows(logits: torch.Tensor, disallowed: torch.Tensor) -> None:
+    """Mask a constrained slot's verified rows in place. After a stochastic draft the
+    grammar forbids (verified as the last, ``engine.speculative.grammar_cut``) comes a row
+    that is never sampled, and it has no mask."""
+    rows = disallowed.shape[0]
+    TokenMasks(rows=list(range(rows)), disallowed=disallowed).apply(logits[:rows])
 
 
 def _banned(stop_ids: tuple[int, ...], produced: int, min_tokens: int) -> tuple[int, ...]:

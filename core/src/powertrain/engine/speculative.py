@@ -15,18 +15,34 @@ from powertrain.interfaces.model import CausalLM
 from powertrain.interfaces.sampling import SamplingParams
 
 
-def can_speculate(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
-    """Whether a sequence's next tokens come from the plain sampling distribution
-    (``interfaces.speculative``: the verifier does not replay per-token state)."""
+def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a sequence's next tokens come from the plain sampling distribution, masked
+    by its grammar if it has one (``interfaces.speculative``: the verifier does not replay
+    other per-token state)."""
     return not (
-        constrained
-        or params.logprobs is not None
+        params.logprobs is not None
         or params.repetition_penalty != 1
         or params.presence_penalty
         or params.frequency_penalty
         or params.logit_bias
         or num_output_tokens < params.min_tokens
     )
+
+
+def grammar_cut(length: int, allowed: int, stochastic: bool) -> int:
+    """How many of a constrained slot's ``length`` chosen drafts to verify, when its grammar
+    allows the first ``allowed`` of them.
+
+    Cutting before the first forbidden draft depends on that draft itself. That is exact
+    for a deterministic drafter: the target's masked draw there can never be the draft,
+    so verification would have rejected it and drawn from the target all the same. A
+    stochastic draft's rejection draws from the residual max(p - q, 0) instead, which
+    losslessness needs, so its first forbidden draft is verified as the last one: it is
+    rejected for certain (p is 0 there).
+    """
+    if allowed >= length:
+        return length
+    return allowed + 1 if stochastic else allowed
 
 
 #: The profile computes logits this many rows at a time: the time is the same, and a

@@ -11,6 +11,12 @@ on to step N+1's forward; the worker feeds each matcher its token and computes i
 meanwhile (llguidance releases the GIL), and only N+1's sampler waits for those masks. A
 constrained row thus costs a step nothing unless its mask takes longer than the forward, and a
 batch without constrained rows touches none of this.
+
+A constrained sequence may speculate (speculative steps run synchronously). Between steps the
+engine thread asks ``allowed_drafts`` how many of its drafts the grammar accepts, so a draft the
+grammar forbids is not verified; ``draft_masks`` then computes, on the worker while the forward
+runs, one mask per verified row: before each draft and after the last. Verification samples
+from the masked logits, and ``advance`` feeds the matcher every token the sequence kept.
 """
 
 from __future__ import annotations
@@ -37,15 +43,18 @@ if TYPE_CHECKING:
 class GrammarState:
     """One sequence's matcher and the tokens it may not sample next.
 
-    After the engine thread creates it, only the device thread (between steps) and the grammar
-    worker (inside one job, which ``ready`` completes) touch it, never both at once.
+    After the engine thread creates it, only the device thread (between steps), the engine
+    thread (between synchronous speculative steps) and the grammar worker (inside one job,
+    which ``ready`` completes) touch it, never two at once.
     """
 
     __slots__ = ("matcher", "disallowed", "ready")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
-        self.disallowed: torch.Tensor = torch.empty(0, dtype=torch.bool)  # [llguidance's vocab size]
+        #: bool [1 + drafts, llguidance's vocab size]: the next token's mask, then one after
+        #: each draft the step verifies (none without speculation).
+        self.disallowed: torch.Tensor = torch.empty(0, 0, dtype=torch.bool)
         self.ready: Future[None] | None = None  # the job that writes ``disallowed``
 
 
@@ -121,39 +130,71 @@ class StructuredOutputs:
         return states
 
     def masks(self, states: Sequence[GrammarState]) -> torch.Tensor:
-        """What ``states`` may not sample next (a bool row each), once the jobs computing it are done."""
+        """What ``states`` may not sample (their rows, in order: one per state, or one per
+        verified row), once the jobs computing it are done."""
         for state in states:
             state.ready.result()  # type: ignore[union-attr]  # every state has a job from start()
-        return torch.stack([state.disallowed for state in states])
+        return torch.cat([state.disallowed for state in states])
 
-    def advance(self, states: Sequence[GrammarState], tokens: Sequence[int]) -> None:
-        """Feed each state its sampled token and compute its next mask, on the worker."""
+    def advance(self, states: Sequence[GrammarState], tokens: Sequence[Sequence[int]]) -> None:
+        """Feed each state the tokens it kept (one, or accepted drafts and one) and compute
+        its next mask, on the worker."""
         self._submit(states, tokens)
 
-    def _submit(self, states: Sequence[GrammarState], tokens: Sequence[int] | None) -> None:
+    def allowed_drafts(self, state: GrammarState, drafts: Sequence[int]) -> int:
+        """How many of ``drafts``, from the start, the grammar accepts after the tokens fed so
+        far (engine thread, between steps: it waits for the state's job)."""
+        state.ready.result()  # type: ignore[union-attr]
+        return state.matcher.validate_tokens(list(drafts))
+
+    def draft_masks(self, states: Sequence[GrammarState], drafts: Sequence[Sequence[int]]) -> None:
+        """Compute each state's masks before each of its ``drafts`` (which the grammar accepts)
+        and after the last, on the worker; the matchers are left where they were."""
+        self._submit(states, None, drafts)
+
+    def _submit(
+        self,
+        states: Sequence[GrammarState],
+        tokens: Sequence[Sequence[int]] | None,
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         assert self._worker is not None
-        job = self._worker.submit(self._fill, list(states), tokens)
+        job = self._worker.submit(self._fill, list(states), tokens, drafts)
         for state in states:
             state.ready = job
 
-    def _fill(self, states: list[GrammarState], tokens: Sequence[int] | None) -> None:
+    def _fill(
+        self,
+        states: list[GrammarState],
+        tokens: Sequence[Sequence[int]] | None,
+        drafts: Sequence[Sequence[int]] | None,
+    ) -> None:
         """The worker's job. No torch op runs here (a second thread computing with torch starts
         a second OpenMP team, see device_thread.py): llguidance and numpy do the work."""
         executor, ll_tokenizer = self._executor, self._ll_tokenizer
         assert executor is not None and ll_tokenizer is not None
         matchers = [state.matcher for state in states]
-        if tokens is not None:
-            # A token a matcher refuses leaves it in an error state, whose mask allows only EOS,
-            # so the sequence ends; that is also what a finished sequence's last moot token does.
-            executor.consume_token_par(list(zip(matchers, tokens, strict=True)))
+        # A token a matcher refuses leaves it in an error state, whose mask allows only EOS,
+        # so the sequence ends; that is also what a finished sequence's last moot token does.
+        if tokens is not None and all(len(kept) == 1 for kept in tokens):
+            executor.consume_token_par([(matcher, kept[0]) for matcher, kept in zip(matchers, tokens, strict=True)])
+        elif tokens is not None:
+            for matcher, kept in zip(matchers, tokens, strict=True):
+                matcher.consume_tokens(list(kept))
+        drafts = drafts or [[] for _ in states]
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
         # One bit per token: bit t % 32 of the little-endian 32-bit word t // 32.
-        bits = np.empty((len(states), (ll_tokenizer.vocab_size + 31) // 32), dtype=np.int32)
-        executor.unsafe_compute_mask_ptr(
-            [(matcher, i) for i, matcher in enumerate(matchers)], bits.ctypes.data, bits.shape[1] * 4, len(states)
-        )
-        disallowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0
-        for state, row in zip(states, torch.from_numpy(disallowed), strict=True):
-            state.disallowed = row
+        bits = np.empty((starts[-1], (ll_tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        row_bytes = bits.shape[1] * 4
+        rows = list(zip(matchers, starts[:-1], drafts, strict=True))
+        if plain := [(matcher, start) for matcher, start, d in rows if not d]:
+            executor.unsafe_compute_mask_ptr(plain, bits.ctypes.data, row_bytes, starts[-1])
+        if drafted := [(matcher, start, list(d)) for matcher, start, d in rows if d]:
+            # The mask before each draft and after the last; the matcher rolls back.
+            executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bits.ctypes.data, row_bytes, starts[-1])
+        disallowed = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0)
+        for state, start, end in zip(states, starts[:-1], starts[1:], strict=True):
+            state.disallowed = disallowed[start:end]
 
     def shutdown(self) -> None:
         if self._worker is not None:

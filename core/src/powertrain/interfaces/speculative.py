@@ -17,10 +17,16 @@ is what an overlapped engine would need.
 
 Which sequences may speculate: those whose next token comes from the plain sampling
 distribution (temperature, top-k, top-p, min-p: ``sampling.target_probs``), because
-verification must compare draft and target distributions exactly. Penalties,
-structured output, logprobs and not-yet-reached ``min_tokens`` make the distribution
-depend on per-token state the verifier does not replay, so such sequences decode one
-token at a time.
+verification must compare draft and target distributions exactly. Penalties, logprobs
+and not-yet-reached ``min_tokens`` make the distribution depend on per-token state the
+verifier does not replay, so such sequences decode one token at a time.
+
+A constrained sequence (structured output) does speculate: the engine checks its drafts
+against the grammar before the step, and verifies none the grammar forbids (a stochastic
+drafter's first forbidden draft excepted, see ``engine.speculative.grammar_cut``); the
+target's logits handed to ``verify`` are masked at each verified row as the sampler
+masks them, so the kept tokens follow the grammar and are the tokens non-speculative
+constrained decoding gives.
 """
 
 from __future__ import annotations
