@@ -13,6 +13,7 @@ entry read before it was written shows).
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import attrs
@@ -24,7 +25,6 @@ from safetensors.torch import save_file
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
-from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.sampling import StructuredOutput
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
@@ -335,10 +335,36 @@ def test_training_command_trains_a_head_the_engine_uses(
     assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]
 
 
-def test_mtp_drafting_is_refused_under_expert_parallelism(checkpoints: dict[str, Path]) -> None:
-    """Its MoE layers would exchange tokens on drafting ranks only: every worker refuses
-    at startup, and the front end reports why instead of hanging."""
-    config = engine_config(checkpoints["random"], "dspark", memory_gib=0.05, data_parallel=2, expert_parallel=2)
-    refusal = r'failed while starting: ValueError: \[dspark\] drafter = "mtp" does not run with expert_parallel=2'
-    with pytest.raises(EngineDeadError, match=refusal):
-        LLM(config=config)
+def test_mtp_under_expert_parallelism_gives_the_tokens_of_one_process(checkpoints: dict[str, Path], seed: int) -> None:
+    """(DP, EP) = (2, 2): each rank's MTP forwards run in drafter rounds, its peer replays
+    the MTP's MoE layer with no tokens meanwhile (parallel.lockstep), and the tokens are
+    those of one process, for a batch over both ranks and for one request (one rank
+    drafts, the other only serves its experts)."""
+    path = checkpoints["mimic"]
+    batch = requests(seed)
+    single = [(batch[1][0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))]
+    reference, _ = generate(engine_config(path, "none"), batch)
+    reference_single, _ = generate(engine_config(path, "none"), single)
+    config = engine_config(
+        path, "fixed-k", memory_gib=0.05, data_parallel=2, expert_parallel=2, dspark={"max_draft_tokens": 3}
+    )
+    with LLM(config=config) as llm:
+        outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        before = llm.engine.counters()  # type: ignore[attr-defined]
+        [output] = llm.generate([single[0][0]], [single[0][1]])
+        assert [output.outputs[0].token_ids] == reference_single
+        stats = llm.engine.stats()
+        drafting = llm.engine.counters()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the idle rank reports on its heartbeat
+            llm.engine.step()
+            after = llm.engine.counters()  # type: ignore[attr-defined]
+            if all(after[r]["rounds"] > drafting[r]["rounds"] for r in after):
+                break
+    assert stats.speculative_accepted_tokens > 0
+    drafted = {rank: after[rank]["busy_draft_rounds"] - before[rank]["busy_draft_rounds"] for rank in after}
+    served = {rank: after[rank]["draft_rounds"] - before[rank]["draft_rounds"] for rank in after}
+    assert sorted(drafted.values())[0] == 0 and sorted(drafted.values())[1] > 0, drafted
+    idle = min(drafted, key=drafted.__getitem__)
+    assert served[idle] > max(drafted.values()), (served, drafted)  # it joined every drafter round

@@ -165,9 +165,11 @@ def build_speculative(
     device_thread: DeviceThread,
     vocab_size: int,
     expert_parallel_size: int = 1,
+    lockstep: Any = None,
 ) -> Any:
     """The chosen speculative policy, built on the device thread (it profiles the
-    target there), or None when speculation is off."""
+    target there), or None when speculation is off. ``lockstep``: the runner's, under
+    expert parallelism (a drafter with MoE layers joins its drafter rounds)."""
     resolution = plan.resolutions.get("speculative")
     if resolution is None or resolution.provided is None:
         return None
@@ -193,6 +195,7 @@ def build_speculative(
         ),
         allocate_kv_caches=allocate,
         expert_parallel_size=expert_parallel_size,
+        join_expert_rounds=lockstep.join_draft_rounds if lockstep is not None else None,
     )
     policy = device_thread.run(record.factory, context)
     log.info("speculative decoding", policy=record.name)

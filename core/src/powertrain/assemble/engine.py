@@ -78,6 +78,7 @@ def build_engine(
             device_thread,
             int(checkpoint.config["vocab_size"]),
             experts.placement.layout.expert_parallel if experts else 1,
+            runner.lockstep,
         )
     block_manager = BlockManager(loaded.num_blocks, config.cache.block_size, config.cache.prefix_caching)
     hooks = plugins.hook

@@ -72,6 +72,8 @@ def counters(engine: Any) -> dict[str, float]:
     return {
         "rounds": lockstep.rounds,
         "busy_rounds": lockstep.busy_rounds,
+        "draft_rounds": lockstep.draft_rounds,
+        "busy_draft_rounds": lockstep.busy_draft_rounds,
         "exchange_s": getattr(dispatcher, "exchange_seconds", 0.0),
     }
 

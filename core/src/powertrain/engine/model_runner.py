@@ -187,6 +187,8 @@ class ModelRunner:
             result = self._sample(step, self.model.compute_logits(hidden[step.sample_rows]).cpu())
         if self.speculative is not None:
             self._observe(step, input_ids, hidden, result)
+        if self.lockstep is not None:  # peers may still run a drafter's MoE layers
+            self.lockstep.finish_drafts()
         return result
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor) -> StepResult:

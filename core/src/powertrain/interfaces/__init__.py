@@ -86,6 +86,7 @@ from powertrain.interfaces.scheduling import (
 from powertrain.interfaces.speculative import (
     DraftSlot,
     ExecutedStep,
+    ExpertRounds,
     KVCacheAllocator,
     Proposal,
     SpeculativeContext,
@@ -134,6 +135,7 @@ __all__ = [
     # speculative
     "DraftSlot",
     "ExecutedStep",
+    "ExpertRounds",
     "KVCacheAllocator",
     "Proposal",
     "SpeculativeContext",

@@ -31,7 +31,7 @@ constrained decoding gives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -124,6 +124,12 @@ class StepsPerSecondProbe(Protocol):
     def __call__(self, seq_counts: Sequence[int], tokens_per_seq: Sequence[int]) -> dict[tuple[int, int], float]: ...
 
 
+class ExpertRounds(Protocol):
+    """``(MoE layers) -> (the call to make before each forward that runs them)``."""
+
+    def __call__(self, layers: Sequence[Any]) -> Callable[[], None]: ...
+
+
 class KVCacheAllocator(Protocol):
     """A cache like the target's for extra attention layers (an MTP drafter's), one per
     layer, filled through the same block tables. The ``extra_blocks`` blocks after the
@@ -147,9 +153,14 @@ class SpeculativeContext:
     block_size: int
     measure_steps_per_second: StepsPerSecondProbe
     allocate_kv_caches: KVCacheAllocator
-    #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none). A
-    #: drafter that runs MoE layers outside the target's forward cannot run above 1.
+    #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none).
     expert_parallel_size: int = 1
+    #: Under expert parallelism (None: one process): a policy that runs MoE layers outside
+    #: the target's forward (an MTP drafter) passes them here, in the order its forward runs
+    #: them, and calls the function it gets back before each such forward, on the device
+    #: thread (``observe``) only. Peers then run those layers with no tokens meanwhile, so
+    #: the token exchanges pair up (``powertrain.parallel.lockstep``).
+    join_expert_rounds: ExpertRounds | None = None
 
 
 @runtime_checkable

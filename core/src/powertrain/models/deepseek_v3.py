@@ -394,6 +394,12 @@ class DeepseekMTP(nn.Module):
     def compute_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
         return self._model[0].compute_logits(self.layers[depth].head_norm(hidden))
 
+    def routed_expert_layers(self, depth: int) -> list[MoE]:
+        """The MoE layers depth ``depth``'s forward runs (under expert parallelism a peer
+        replays them with no tokens while this rank drafts)."""
+        mlp = self.layers[depth].block.mlp
+        return [mlp.experts] if isinstance(mlp, DeepseekMoE) else []
+
 
 class DeepseekModel(nn.Module):
     def __init__(

@@ -20,9 +20,10 @@ go to private scratch blocks, so no other sequence's entries are touched. All se
 draft together, one MTP forward per draft depth. Drafts are made at the end of
 ``observe`` for the sequences that speculated in the step (their sampling settings are
 known); ``propose`` drafts the others (a sequence's first decode after its prompt) on
-the spot. Greedy requests draft the argmax; sampling requests draw from the MTP's
-distribution processed like the target's (temperature, top-k/p, min-p) with the
-request's generator, and verification gets that distribution as q.
+the spot, except under expert parallelism (see ``MTPDrafter._expert_round``). Greedy
+requests draft the argmax; sampling requests draw from the MTP's distribution processed
+like the target's (temperature, top-k/p, min-p) with the request's generator, and
+verification gets that distribution as q.
 
 Confidence of draft k: the confidence head's (``confidence_head.py``) over the hidden
 state that produced draft k's distribution and the token before draft k, or without a
@@ -36,7 +37,7 @@ may not have. Its drafts can then be worse, never wrong: verification decides.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -136,6 +137,7 @@ class MTPDrafter:
         device: torch.device,
         max_draft_tokens: int,
         head: ConfidenceHead | None = None,
+        expert_round: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.mtp = model.mtp
@@ -152,6 +154,11 @@ class MTPDrafter:
         self._slots: dict[int, DraftSlot] = {}  # this step's proposal's slots
         self._drafted: list[_Sequence] = []  # sequences drafted for at the end of the last step
         self._step = 0
+        #: Under expert parallelism: opens a drafter round before each MTP forward (its MoE
+        #: layer exchanges tokens with every rank), which happens in ``observe`` only: a
+        #: sequence's first decode after its prompt then has no drafts (none are made on the
+        #: spot in ``propose``, on the engine thread, where no round can pair with the peers').
+        self._expert_round = expert_round
 
     @classmethod
     def from_context(cls, context: Any, config: Any) -> MTPDrafter:
@@ -159,13 +166,9 @@ class MTPDrafter:
         mtp = getattr(context.model, "mtp", None)
         if mtp is None:
             raise ValueError(NO_MTP)
-        if context.expert_parallel_size > 1:
-            # Its MoE layers would exchange tokens on the drafting ranks only, out of
-            # step with the others (powertrain.parallel.lockstep).
-            raise ValueError(
-                f'[dspark] drafter = "mtp" does not run with expert_parallel={context.expert_parallel_size}; '
-                'use drafter = "ngram", or expert_parallel = 1'
-            )
+        expert_round = None
+        if context.join_expert_rounds is not None:
+            expert_round = context.join_expert_rounds(mtp.routed_expert_layers(0))
         # Only depth 0 drafts (recursively), so only its cache is kept.
         (cache,) = context.allocate_kv_caches(mtp.attention_layers[:1], extra_blocks=SCRATCH_BLOCKS)
         for tensor in cache.values():
@@ -183,6 +186,7 @@ class MTPDrafter:
             device=context.device,
             max_draft_tokens=config.max_draft_tokens,
             head=head,
+            expert_round=expert_round,
         )
 
     # -- engine thread ------------------------------------------------------------------
@@ -198,7 +202,7 @@ class MTPDrafter:
                 continue  # nothing to draft from (cannot happen after a step that sampled it)
             if state.ready is not None:
                 chosen[i] = state.ready
-            else:
+            elif self._expert_round is None:
                 lazy.append(i)
         for state in self._drafted:  # drafts nobody asked for (finished or not scheduled)
             state.ready = None
@@ -293,8 +297,7 @@ class MTPDrafter:
         )
         hidden = torch.cat([step.hidden, torch.stack(deferred)]) if deferred else step.hidden
         sources = torch.tensor([r for rows in work for r in rows.sources], device=self.device)
-        output = self.mtp(
-            0,
+        output = self._forward(
             torch.tensor([t for rows in work for t in rows.next_tokens], device=self.device),
             torch.tensor([p for rows in work for p in range(rows.first, rows.end)], device=self.device),
             hidden[sources],
@@ -372,8 +375,8 @@ class MTPDrafter:
             )
             previous = torch.tensor([chosen[row] for row in going], device=self.device)
             index = torch.tensor(going, device=self.device)
-            hidden = self.mtp(
-                0, previous, torch.tensor(positions, device=self.device), hidden[index], self.kv_cache, metadata
+            hidden = self._forward(
+                previous, torch.tensor(positions, device=self.device), hidden[index], self.kv_cache, metadata
             )
         return [
             _Drafts(
@@ -384,6 +387,12 @@ class MTPDrafter:
             )
             for i in range(len(jobs))
         ]
+
+    def _forward(self, *args: Any) -> torch.Tensor:
+        """Depth 0 of the MTP, in a drafter round of its own under expert parallelism."""
+        if self._expert_round is not None:
+            self._expert_round()
+        return self.mtp(0, *args)
 
     def _choose(
         self, logits: torch.Tensor, jobs: Sequence[_Job]
