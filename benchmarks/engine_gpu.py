@@ -1,62 +1,186 @@
-"""The whole engine on an NVIDIA GPU: powertrain-cuda-sm100 against the builtin torch backends.
+"""The whole engine on a GPU against HF transformers' batched ``generate`` on the same device.
 
-A tiny random DeepSeek-V3 (MLA + MoE, written here) serves 16 requests of 4-300 prompt
-tokens, 24 greedy tokens each, four ways: float32 with the torch backends (the
-reference), float32 with Triton attention, bfloat16 with the torch backends and
-bfloat16 with Triton attention and MoE. Printed: the wall time of each (after a
-warm-up that compiles the kernels) and how many outputs equal the reference, whole and
-at the first token. bfloat16 runs diverge from float32 on a random model's near-ties;
-the torch bfloat16 row says how much of that is rounding.
+Two models, random weights or the embedded checkpoint, so nothing is downloaded:
 
-    uv run python benchmarks/engine_gpu.py        # on a machine with an NVIDIA GPU (sm_90+)
+* ``deepseek-v3``: DeepSeek-V3's shape (hidden 7168, 128 MLA heads with q/kv LoRA 1536/512,
+  experts of 2048, 8 of them per token in 8 groups, one shared) with fewer layers
+  (``--layers``, the first dense) and routed experts (``--experts``), written by
+  ``powertrain.testing.checkpoints`` in bfloat16; the tiny tokenizer's 512-token vocabulary.
+  ``--shape tiny`` writes the test suite's tiny model instead (a smoke run on a CPU).
+* ``smollm2``: the embedded SmolLM2-135M GGUF, which both engines dequantise.
+
+Each engine serves ``c`` requests at once (``--concurrency``, default 1, 16 and 64) of
+``--prompt-len`` random prompt tokens and ``--max-tokens`` greedy output tokens (EOS
+ignored; equal prompt lengths, so HF needs no padding). Printed per row: output tokens/s
+of each engine and powertrain's ratio to HF, after a warm-up run of each shape. CUDA
+graphs are not implemented yet (issue 25, item 5), so powertrain runs eager.
+
+Where powertrain's step time goes, at the largest concurrency: the wall time of the run,
+the device thread's share of it (``ModelRunner.execute``: inputs to the device, forward,
+sampling, which ends in a host copy that waits for the GPU) and, on CUDA, the GPU's
+kernel time from ``torch.profiler``. Wall time the device thread did not cover is host
+work the engine did not overlap; device-thread time the kernels did not cover is Python
+launching kernels and moving small inputs.
+
+    uv run python benchmarks/engine_gpu.py                    # an NVIDIA GPU (sm_90+)
+    uv run python benchmarks/engine_gpu.py --shape tiny --concurrency 1 4 --max-tokens 8   # smoke, CPU
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from common import report
 
 from powertrain import LLM, SamplingParams
+from powertrain.loader import resolve_model_path
 from powertrain.log_setup import configure_logging
 from powertrain.testing.checkpoints import write_tiny_deepseek
 
-RUNS = {
-    "fp32 torch": {"dtype": "float32", "attention": "torch-reference", "moe": "torch-grouped"},
-    "fp32 triton attention": {"dtype": "float32", "attention": "triton-sm100", "moe": "torch-grouped"},
-    "bf16 torch": {"dtype": "bfloat16", "attention": "torch-reference", "moe": "torch-grouped"},
-    "bf16 triton": {"dtype": "bfloat16", "attention": "triton-sm100", "moe": "triton-sm100"},
-}
+
+def deepseek_v3_shape(layers: int, experts: int) -> dict[str, Any]:
+    """DeepSeek-V3's config values, but ``layers`` layers and ``experts`` routed experts."""
+    return {
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 4096,
+    }
+
+
+def model_folder(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(what ``LLM`` and HF load, HF ``from_pretrained`` keywords)."""
+    if args.model == "smollm2":
+        path = resolve_model_path("smollm2-135m").path
+        return str(path), {"gguf_file": path.name}
+    folder = Path(tempfile.mkdtemp(prefix="powertrain-engine-gpu-"))
+    shape = deepseek_v3_shape(args.layers, args.experts) if args.shape == "v3" else {}
+    started = time.perf_counter()
+    write_tiny_deepseek(folder, num_nextn_predict_layers=0, dtype=torch.bfloat16, **shape)
+    print(f"wrote {args.shape}-shaped DeepSeek-V3 in {time.perf_counter() - started:.1f} s: {folder}")
+    return str(folder), {}
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (count, length), generator=g).tolist()
+
+
+def run_powertrain(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results: dict[str, Any] = {}
+    with LLM(path, dtype=args.dtype, prefix_caching=False) as llm:
+        runner = llm.engine.runner
+        execute, busy = runner.execute, [0.0]
+
+        def timed(step: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return execute(step)
+            finally:
+                busy[0] += time.perf_counter() - started
+
+        runner.execute = timed  # the device thread looks it up per step
+        for count in args.concurrency:
+            batch = prompts(count, args.prompt_len)
+            llm.generate(batch, params)  # warm-up: every shape this run meets (Triton compiles)
+            busy[0] = 0.0
+            started = time.perf_counter()
+            outputs = llm.generate(batch, params)
+            wall = time.perf_counter() - started
+            assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
+            results[f"c={count} powertrain tok/s"] = count * args.max_tokens / wall
+            if count == max(args.concurrency):
+                results[f"c={count} wall s"] = wall
+                results[f"c={count} device thread share"] = busy[0] / wall
+                if torch.cuda.is_available():
+                    results[f"c={count} GPU kernel share"] = kernel_seconds(llm, batch, params) / wall
+    return results
+
+
+def kernel_seconds(llm: LLM, batch: list[list[int]], params: SamplingParams) -> float:
+    """The GPU's kernel time over one more run of ``batch`` (torch.profiler, one stream)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(batch, params)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time_total for e in kernels) / 1e6
+
+
+def run_hf(path: str, hf_kwargs: dict[str, Any], args: argparse.Namespace, device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    folder = str(Path(path).parent) if hf_kwargs else path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **hf_kwargs).to(device).eval()
+    results: dict[str, Any] = {}
+    for count in args.concurrency:
+        ids = torch.tensor(prompts(count, args.prompt_len), device=device)
+        for _ in range(2):  # the first is a warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.max_tokens,
+                    min_new_tokens=args.max_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            if device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+        assert out.shape == (count, args.prompt_len + args.max_tokens)
+        results[f"c={count} HF tok/s"] = count * args.max_tokens / wall
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return results
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("needs an NVIDIA GPU")
-    path = str(write_tiny_deepseek(tempfile.mkdtemp(prefix="powertrain-engine-gpu-")))
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(4, 300, (16,), generator=g).tolist()
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens: dict[str, list[list[int]]] = {}
-    results: dict[str, object] = {}
-    for name, settings in RUNS.items():
-        with LLM(path, memory_gib=2.0, **settings) as llm:
-            llm.generate(prompts, params)  # compiles the kernels for every shape the run meets
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            outputs = llm.generate(prompts, params)
-            results[f"{name} seconds"] = round(time.perf_counter() - started, 3)
-        tokens[name] = [o.outputs[0].token_ids for o in outputs]
-    reference = tokens["fp32 torch"]
-    for name in list(RUNS)[1:]:
-        same = sum(a == b for a, b in zip(tokens[name], reference, strict=True))
-        first = sum(a[0] == b[0] for a, b in zip(tokens[name], reference, strict=True))
-        results[f"{name} vs fp32 torch"] = f"{same}/16 outputs identical, {first}/16 first tokens"
-    report("powertrain engine on a GPU, tiny DeepSeek-V3: triton-sm100 vs torch backends", results)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("deepseek-v3", "smollm2"), default="deepseek-v3")
+    parser.add_argument("--shape", choices=("v3", "tiny"), default="v3")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    configure_logging("warning")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path, hf_kwargs = model_folder(args)
+    results = {"model": args.model, "shape": args.shape if args.model == "deepseek-v3" else "gguf", "device": device}
+    results |= run_powertrain(path, args)
+    results |= run_hf(path, hf_kwargs, args, device)
+    for count in args.concurrency:
+        results[f"c={count} powertrain / HF"] = results[f"c={count} powertrain tok/s"] / results[f"c={count} HF tok/s"]
+        results[f"c={count} powertrain with CUDA graphs"] = "not implemented (issue 25, item 5)"
+    report(f"powertrain engine vs HF transformers batched generate ({device})", results)
 
 
 if __name__ == "__main__":
-    configure_logging("warning")  # a script is the application: LLM leaves logging to it
     main()
