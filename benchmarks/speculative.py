@@ -2,7 +2,9 @@
 
 The workload is one where drafts are useful: each request asks the model to repeat a
 paragraph of its prompt, so prompt lookup finds what the model writes next. For each
-policy — no speculation, fixed-k (k = 1..5) and DSpark — one engine serves the same
+policy — no speculation, fixed-k (k = 1..5), DSpark, and DSpark with synchronous steps
+(``dspark-sync``: ``async_scheduling = false``; every other row overlaps the engine
+thread's scheduling and output work with the step on the device) — one engine serves the same
 requests at concurrency 1, 4, 16 and 64 (a closed loop: a new request starts when one
 finishes; greedy, 64 output tokens each), after the same warm-up on other prompts. The
 engines stay loaded and take turns; each cell is the median of ``--repeats`` runs.
@@ -114,7 +116,9 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests = max(8, this × concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--policies", nargs="+", default=["none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark"]
+        "--policies",
+        nargs="+",
+        default=["none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark", "dspark-sync"],
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--warmup-requests", type=int, default=16)
@@ -128,16 +132,18 @@ def main() -> None:
         help="DSpark on raw confidences instead of ones calibrated on held-out prompts first",
     )
     args = parser.parse_args()
-    calibration = calibrate(args) if args.calibrate and "dspark" in args.policies else ""
+    dspark_rows = {"dspark", "dspark-sync"} & set(args.policies)
+    calibration = calibrate(args) if args.calibrate and dspark_rows else ""
 
     engines: dict[str, LLM] = {}
     for policy in args.policies:
         speculative, section = "none", {}
         if policy.startswith("fixed-"):
             speculative, section = "fixed-k", {"max_draft_tokens": int(policy.split("-")[1])}
-        elif policy == "dspark":
+        elif policy in ("dspark", "dspark-sync"):
             speculative, section = "dspark", {"calibration": calibration} if calibration else {}
         overrides = {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
+        overrides["async_scheduling"] = policy != "dspark-sync"
         config = apply_overrides(EngineConfig(), {**overrides, "memory_gib": args.kv_gib})
         if section:
             config = attrs.evolve(config, sections={"dspark": section})
@@ -166,15 +172,18 @@ def main() -> None:
 
     flat: dict[str, object] = {}
     for concurrency in args.concurrency:
-        best_other = max(results[p][concurrency]["tok/s"] for p in results if p != "dspark")
+        others = [results[p][concurrency]["tok/s"] for p in results if p not in ("dspark", "dspark-sync")]
         for policy in results:
             row = results[policy][concurrency]
             flat[f"c={concurrency} {policy}"] = (
                 f"{row['tok/s']:.1f} tok/s, verified {row['verified/req-step']:.2f}, "
                 f"accepted {row['accepted/req-step']:.2f} per request-step"
             )
-        if "dspark" in results:
-            flat[f"c={concurrency} dspark / best other"] = results["dspark"][concurrency]["tok/s"] / best_other
+        if "dspark" in results and others:
+            flat[f"c={concurrency} dspark / best other"] = results["dspark"][concurrency]["tok/s"] / max(others)
+        if {"dspark", "dspark-sync"} <= set(results):
+            overlapped, synchronous = (results[p][concurrency]["tok/s"] for p in ("dspark", "dspark-sync"))
+            flat[f"c={concurrency} dspark overlapped / synchronous"] = overlapped / synchronous
     report("speculative decoding policies, n-gram drafter, SmolLM2 (repeat-the-paragraph workload)", flat)
 
 

@@ -111,3 +111,26 @@ def test_seeded_sampling_gives_the_tokens_plain_decoding_gives() -> None:
                 assert llm.engine.stats().speculative_accepted_tokens > 0
     assert results["dspark"] == results["none"]
     assert results["fixed-k"] == results["none"]
+
+
+@pytest.mark.usefixtures("steady_step_time")
+def test_overlapped_steps_give_the_tokens_of_synchronous_ones() -> None:
+    """With async scheduling the engine thread schedules step N+1 while N runs, and the
+    device thread drafts for N+1 once N has run (interfaces/speculative.py). Greedy and
+    seeded requests (n-gram drafts are point masses) get the tokens synchronous
+    speculative steps give them, with DSpark's lagged budget choosing the lengths."""
+    seeded = [
+        (prompt, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11 + i))
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    batch = REQUESTS + seeded
+    results = {}
+    for overlapped in (False, True):
+        config = apply_overrides(engine_config("dspark", lagged_budget=True), {"async_scheduling": overlapped})
+        with LLM(config=config) as llm:
+            outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
+            results[overlapped] = (summary(outputs), llm.engine.stats(), llm.engine.runner.overlapped_steps)
+    (synchronous, _, no_overlaps), (overlapped_outputs, stats, overlaps) = results[False], results[True]
+    assert overlapped_outputs == synchronous
+    assert no_overlaps == 0 and overlaps > 0
+    assert stats.speculative_accepted_tokens > 0

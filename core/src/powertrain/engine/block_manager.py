@@ -11,8 +11,9 @@ sequence's groups.
 
 *Sliding release.* ``append`` runs before the step's tokens count in
 ``num_computed_tokens``: the step's first query sits at ``c = num_computed_tokens``,
-its later queries further on, and rejected drafts never roll back below ``c``
-(speculative steps are synchronous). So a sliding pool's blocks wholly before
+its later queries further on, and rejected drafts never roll back below ``c`` (with a
+speculative step in flight, ``c`` counts none of its accepted drafts yet: the device thread's
+first query comes at or after it). So a sliding pool's blocks wholly before
 ``c - W + 1`` are never read again: they go back to the pool (keeping their prefix
 hash) and the table points them at the pool's null block, a zeroed block no sequence
 owns. A long sequence so holds at most ``ceil((W - 1) / block_size) + 1`` blocks of a

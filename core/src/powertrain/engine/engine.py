@@ -7,7 +7,10 @@ device thread fills from N's result; a sequence that N finishes may already be i
 whose token for it is then dropped; stop checks and detokenization run here, on N's
 result, while N+1 computes. A constrained sequence's (structured output) matcher eats N's
 token and computes N+1's mask on the grammar worker while N+1's forward runs; see
-``structured.py``.
+``structured.py``. With speculative decoding, N+1's drafts follow from the tokens N keeps:
+the device thread drafts and prepares N+1 from snapshots once N has run (``ModelRunner.
+execute_speculative``), and a sequence's placeholder here stands for all the tokens N
+keeps (``interfaces/speculative.py``).
 """
 
 from __future__ import annotations
@@ -25,16 +28,15 @@ import structlog
 from powertrain.engine.admission import admit
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
-from powertrain.engine.model_runner import ModelRunner, Speculation, StepResult
-from powertrain.engine.sequence import PLACEHOLDER, Request
+from powertrain.engine.model_runner import ModelRunner, StepResult
+from powertrain.engine.sequence import PLACEHOLDER, Request, SequenceSnapshot
 from powertrain.engine.sequence import Sequence as Seq
-from powertrain.engine.speculative import can_speculate, grammar_cut
+from powertrain.engine.speculative import can_speculate
 from powertrain.interfaces.engine import EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.scheduling import ScheduledBatch, Scheduler, SequenceStatus
-from powertrain.interfaces.speculative import DraftSlot, Proposal, VerifyBatch
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -55,11 +57,7 @@ class StepStats:
 class _InFlight:
     batch: ScheduledBatch[Seq]
     future: Future[StepResult]
-    #: For each sampling sequence (in sample order): the index its token goes to.
-    token_positions: list[int]
     started: float
-    #: For each sampling sequence: how many drafts it verifies (empty without speculation).
-    num_drafts: list[int] = attrs.field(factory=list)
 
 
 class LLMEngine:
@@ -86,9 +84,7 @@ class LLMEngine:
         self.block_manager = block_manager
         self.runner = runner
         self.max_model_len = max_model_len
-        # Speculative steps run synchronously: a step's drafts follow from the tokens the
-        # step before accepted (interfaces/speculative.py).
-        self.async_scheduling = async_scheduling and runner.speculative is None
+        self.async_scheduling = async_scheduling
         self.model_name = model_name
         #: The checkpoint's config (config.json semantics): protocol adapters read the
         #: model family from it.
@@ -209,149 +205,67 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        speculation = self._speculate(batch) if self.runner.speculative is not None else None
-        if speculation is not None:
-            batch = speculation[0]
-        prepared = self.runner.prepare(batch, speculation[1] if speculation else None)
-        positions = []
-        num_drafts = []
-        drafts_of = dict(zip(speculation[1].seq_ids, speculation[1].num_drafts, strict=True)) if speculation else {}
-        for seq, samples in zip(batch.seqs, batch.samples, strict=True):
-            if samples:  # this step will sample the sequence's next token
-                positions.append(len(seq.token_ids))
-                seq.token_ids.append(PLACEHOLDER)
-                num_drafts.append(drafts_of.get(seq.seq_id, 0))
-        future = self._device_thread.submit(self.runner.execute, prepared)
-        self.launched_steps += 1
-        return _InFlight(
-            batch=batch,
-            future=future,
-            token_positions=positions,
-            started=time.perf_counter(),
-            num_drafts=num_drafts if speculation else [],
-        )
-
-    def _speculate(self, batch: ScheduledBatch[Seq]) -> tuple[ScheduledBatch[Seq], Speculation]:
-        """Ask the policy for drafts and lengths, and make each chosen sequence compute
-        its drafts this step (see interfaces/speculative.py)."""
-        policy = self.runner.speculative
-        assert policy is not None
-        slots: list[DraftSlot] = []
-        members: list[int] = []
-        for index, (seq, count, samples) in enumerate(
-            zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True)
-        ):
-            produced = seq.num_output_tokens
-            if not samples or count != 1 or not can_speculate(seq.params, produced):
-                continue
-            room = min(seq.params.max_tokens - produced, self.max_model_len - seq.num_tokens) - 1
-            if room <= 0:
-                continue
-            slots.append(
-                DraftSlot(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.token_ids,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    params=seq.params,
-                    generator=seq.generator,
-                    max_draft=room,
-                )
+        if self.runner.speculative is None:
+            future = self._device_thread.submit(self.runner.execute, self.runner.prepare(batch))
+        else:  # the device thread drafts and prepares once the step before has run
+            snapshots = ScheduledBatch(
+                seqs=[
+                    SequenceSnapshot.of(seq, self._reserve(seq, count, samples))
+                    for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True)
+                ],
+                num_new_tokens=list(batch.num_new_tokens),
+                samples=list(batch.samples),
             )
-            members.append(index)
-        counts = list(batch.num_new_tokens)
-        lengths: list[int] = []
-        proposal = None
-        if slots:
-            proposal = policy.propose(slots)
-            step = VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples), num_seqs=len(batch.seqs))
-            lengths = [int(n) for n in policy.verify_lengths(proposal, step)]
-            if len(lengths) != len(slots) or any(
-                not 0 <= n <= len(t) for n, t in zip(lengths, proposal.tokens, strict=True)
-            ):
-                drafted = [len(t) for t in proposal.tokens]
-                raise RuntimeError(f"the speculative policy returned lengths {lengths} for drafts of {drafted}")
-            allowed = self._grammar_allowed(batch, members, proposal, lengths)
-            constrained: list[tuple[int, int]] = []  # (slot, drafts its verified rows are masked after)
-            for slot_index, index in enumerate(members):
-                seq = batch.seqs[index]
-                length = lengths[slot_index]
-                # Drafts join a step already scheduled: grow, releasing nothing (its queries
-                # start before num_computed_tokens now).
-                while length and not self.block_manager.can_grow(seq, seq.num_computed_tokens + length):
-                    length -= 1  # the cache is nearly full: verify what fits
-                lengths[slot_index] = length
-                if length and seq.grammar is not None:
-                    constrained.append((slot_index, min(length, allowed[slot_index])))
-                if length:
-                    self.block_manager.grow(seq, seq.num_computed_tokens + length)
-                    seq.token_ids.extend(proposal.tokens[slot_index][:length])
-                    seq.num_computed_tokens += length
-                    counts[index] += length
-            if constrained:  # computed on the grammar worker while the forward runs
-                self.runner.structured.draft_masks(  # type: ignore[union-attr]
-                    [batch.seqs[members[slot]].grammar for slot, _ in constrained],
-                    [proposal.tokens[slot][:masked] for slot, masked in constrained],
-                )
-            self._speculative_counts[0] += len(slots)
-            self._speculative_counts[1] += sum(lengths)
-        slot_by_seq = {batch.seqs[index].seq_id: slot for slot, index in enumerate(members)}
-        order = sorted(range(len(batch.seqs)), key=lambda i: counts[i] != 1)  # one-token sequences first
-        seqs = [batch.seqs[i] for i in order]
-        batch = ScheduledBatch(
-            seqs=seqs,
-            num_new_tokens=[counts[i] for i in order],
-            samples=[batch.samples[i] for i in order],
-            preempted=batch.preempted,
-        )
-        slot_of = [slot_by_seq.get(seq.seq_id, -1) for seq, samples in zip(seqs, batch.samples, strict=True) if samples]
-        num_drafts = [lengths[slot_by_seq[seq.seq_id]] if seq.seq_id in slot_by_seq else 0 for seq in seqs]
-        return batch, Speculation(
-            proposal=proposal,
-            lengths=lengths,
-            slot_of=slot_of,
-            seq_ids=[seq.seq_id for seq in seqs],
-            num_drafts=num_drafts,
-        )
+            future = self._device_thread.submit(self.runner.execute_speculative, snapshots, self.max_model_len)
+        for seq, samples in zip(batch.seqs, batch.samples, strict=True):
+            if samples:  # this step will sample the sequence's next token(s)
+                seq.token_ids.append(PLACEHOLDER)
+        self.launched_steps += 1
+        return _InFlight(batch=batch, future=future, started=time.perf_counter())
 
-    def _grammar_allowed(
-        self, batch: ScheduledBatch[Seq], members: list[int], proposal: Proposal, lengths: list[int]
-    ) -> list[int]:
-        """Cut each constrained slot's length where its grammar first forbids a draft (in
-        place, ``grammar_cut``); returns, per slot, how many of its chosen drafts the
-        grammar allows."""
-        allowed = list(lengths)
-        for slot, index in enumerate(members):
-            grammar = batch.seqs[index].grammar
-            if grammar is None or not lengths[slot]:
-                continue
-            drafts = proposal.tokens[slot][: lengths[slot]]
-            allowed[slot] = self.runner.structured.allowed_drafts(grammar, drafts)  # type: ignore[union-attr]
-            lengths[slot] = grammar_cut(lengths[slot], allowed[slot], proposal.draft_probs[slot] is not None)
-        return allowed
+    def _reserve(self, seq: Seq, count: int, samples: bool) -> int:
+        """Cache blocks for the drafts the device thread may give ``seq`` this step; returns
+        how many tokens its blocks hold. With the step before still running, its accepted
+        drafts (as many again at most) may come first. Reserves what fits, releasing nothing
+        (the step's queries start before ``num_computed_tokens`` once drafts join). The
+        device thread leaves room for the next step's input after the drafts, so the
+        accepted drafts of a step always fit in what was held for it."""
+        held = len(seq.block_table) * self.block_manager.block_size
+        if not samples or count != 1 or not can_speculate(seq.params, seq.num_output_tokens):
+            return held
+        most = self.runner.speculative.max_draft_tokens  # type: ignore[union-attr]
+        pending = seq.token_ids[-1] == PLACEHOLDER  # the step in flight samples its input
+        # Drafts, then the next step's input; the device thread keeps within what is held.
+        target = min(seq.num_computed_tokens + most * (2 if pending else 1) + 1, self.max_model_len)
+        while target > held and not self.block_manager.can_grow(seq, target):
+            target -= 1  # the cache is nearly full: reserve what fits
+        if target > held:
+            self.block_manager.grow(seq, target)
+        return max(target, held)
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
         output = flight.future.result()
         touched: dict[str, Request] = {}
-        sampled = [seq for seq, samples in zip(flight.batch.seqs, flight.batch.samples, strict=True) if samples]
-        num_drafts = flight.num_drafts or [0] * len(sampled)
-        for seq, position, kept, logprobs, drafts in zip(
-            sampled, flight.token_positions, output.tokens, output.logprobs, num_drafts, strict=True
-        ):
+        sampled = {
+            seq.seq_id: seq for seq, samples in zip(flight.batch.seqs, flight.batch.samples, strict=True) if samples
+        }
+        self._speculative_counts[0] += output.speculated
+        self._speculative_counts[1] += output.verified
+        for seq_id, kept, logprobs in zip(output.seq_ids, output.tokens, output.logprobs, strict=True):
+            seq = sampled[seq_id]
             if seq.finished:  # finished (or aborted) while this step ran: its token is moot
                 continue
             touched[seq.request.request_id] = seq.request
-            if not drafts:
-                seq.token_ids[position] = kept[0]
-                self._append_output(seq, position, kept[0], logprobs)
-                continue
-            # Rewind past the drafts: the cache keeps the accepted ones, rejected slots are rewritten later.
-            start = position - drafts
-            del seq.token_ids[start:]
-            seq.num_computed_tokens = start + len(kept) - 1
+            # This step's placeholder is the first of those at the end (the next step's may follow).
+            position = len(seq.token_ids)
+            while position and seq.token_ids[position - 1] == PLACEHOLDER:
+                position -= 1
+            seq.token_ids[position : position + 1] = kept
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: accepted drafts are cached
+                seq.num_computed_tokens += len(kept) - 1
             self._speculative_counts[2] += len(kept) - 1
-            for token in kept:
-                seq.token_ids.append(token)
-                self._append_output(seq, len(seq.token_ids) - 1, token, None)
+            for offset, token in enumerate(kept):
+                self._append_output(seq, position + offset, token, logprobs if len(kept) == 1 else None)
                 if seq.finished:
                     break
         for seq in flight.batch.seqs:

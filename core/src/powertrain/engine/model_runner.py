@@ -21,12 +21,13 @@ import attrs
 import torch
 
 from powertrain.engine.sampler import Sampler, SamplingInputs
-from powertrain.engine.sequence import PLACEHOLDER
+from powertrain.engine.sequence import PLACEHOLDER, SequenceSnapshot
 from powertrain.engine.sequence import Sequence as Seq
+from powertrain.engine.speculative import can_speculate, grammar_cut
 from powertrain.engine.structured import GrammarState, StructuredOutputs, TokenMasks
 from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache, SpeculativePolicy
 from powertrain.interfaces.scheduling import ScheduledBatch
-from powertrain.interfaces.speculative import ExecutedStep, Proposal
+from powertrain.interfaces.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +70,12 @@ class StepResult:
     tokens: list[list[int]]
     #: Per sampling sequence: {token id: logprob} of its token and top-k, or None.
     logprobs: list[dict[int, float] | None]
+    #: Sequences that were offered drafts, and drafts verified, this step.
+    speculated: int = 0
+    verified: int = 0
+    #: The sampling sequences' ids, in sample order (the device thread may reorder a
+    #: speculative step: sequences with drafts go after the one-token ones).
+    seq_ids: list[int] = attrs.field(factory=list)
 
 
 class ModelRunner:
@@ -101,9 +108,14 @@ class ModelRunner:
         #: Expert parallelism: opens a round before every forward so that ranks without
         #: work join this forward's MoE collectives (parallel.lockstep); None: one process.
         self.lockstep: Any = None
-        self._previous_tokens: dict[int, int] = {}  # device thread only
+        #: Per sequence the last executed step sampled for: the tokens it kept (device thread only).
+        self._previous_kept: dict[int, list[int]] = {}
+        #: Speculative steps launched before the step ahead of them had run (async scheduling).
+        self.overlapped_steps = 0
 
-    def prepare(self, batch: ScheduledBatch[Seq], speculation: Speculation | None = None) -> PreparedStep:
+    def prepare(
+        self, batch: ScheduledBatch[Seq] | ScheduledBatch[SequenceSnapshot], speculation: Speculation | None = None
+    ) -> PreparedStep:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -136,7 +148,7 @@ class ModelRunner:
             )
             produced = end - seq.num_prompt_tokens
             num_output.append(produced if history[-1] else 0)
-            banned.append(_banned(seq.request.stop_token_ids, produced, p.min_tokens))
+            banned.append(_banned(seq.stop_token_ids, produced, p.min_tokens))
             if seq.grammar is not None:
                 grammar_rows.append(len(params) - 1)
                 grammars.append(seq.grammar)
@@ -163,6 +175,128 @@ class ModelRunner:
             speculation=speculation,
         )
 
+    def execute_speculative(self, batch: ScheduledBatch[SequenceSnapshot], max_model_len: int) -> StepResult:
+        """A step with speculation, from the engine thread's snapshots: the previous step's
+        tokens go in, the policy drafts and chooses how many to verify (it sees every
+        token so far), then the step is prepared and runs. Device thread."""
+        batch = self._resolve(batch)
+        batch, speculation = self._speculate(batch, max_model_len)
+        return self.execute(self.prepare(batch, speculation))
+
+    def _resolve(self, batch: ScheduledBatch[SequenceSnapshot]) -> ScheduledBatch[SequenceSnapshot]:
+        """Put the tokens the previous step kept where its placeholder is, in every snapshot
+        whose last input it is (with async scheduling the engine thread launched this step
+        before it knew them). A sequence that kept accepted drafts has their entries in the
+        cache already, so its position moves on by as many; its input is its last token."""
+        counts = list(batch.num_new_tokens)
+        resolved = False
+        for index, seq in enumerate(batch.seqs):
+            end = seq.num_computed_tokens
+            if not 0 < end <= len(seq.token_ids) or seq.token_ids[end - 1] != PLACEHOLDER:
+                continue
+            resolved = True
+            kept = self._previous_kept[seq.seq_id]
+            seq.token_ids[end - 1 : end] = kept
+            seq.num_computed_tokens += len(kept) - 1
+            if counts[index] > 1:  # a chunk recomputing the sequence recomputes those too
+                counts[index] += len(kept) - 1
+        self.overlapped_steps += resolved
+        return attrs.evolve(batch, num_new_tokens=counts)
+
+    def _speculate(
+        self, batch: ScheduledBatch[SequenceSnapshot], max_model_len: int
+    ) -> tuple[ScheduledBatch[SequenceSnapshot], Speculation]:
+        """Ask the policy for drafts and lengths, and make each chosen sequence compute
+        its drafts this step (see interfaces/speculative.py)."""
+        policy = self.speculative
+        assert policy is not None
+        slots: list[DraftSlot] = []
+        members: list[int] = []
+        for index, (seq, count, samples) in enumerate(
+            zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True)
+        ):
+            produced = seq.num_output_tokens
+            if not samples or count != 1 or not can_speculate(seq.params, produced):
+                continue
+            room = min(seq.params.max_tokens - produced, max_model_len - seq.num_tokens) - 1
+            if room <= 0:
+                continue
+            slots.append(
+                DraftSlot(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    params=seq.params,
+                    generator=seq.generator,
+                    max_draft=room,
+                )
+            )
+            members.append(index)
+        counts = list(batch.num_new_tokens)
+        lengths: list[int] = []
+        proposal = None
+        if slots:
+            proposal = policy.propose(slots)
+            step = VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples), num_seqs=len(batch.seqs))
+            lengths = [int(n) for n in policy.verify_lengths(proposal, step)]
+            if len(lengths) != len(slots) or any(
+                not 0 <= n <= len(t) for n, t in zip(lengths, proposal.tokens, strict=True)
+            ):
+                drafted = [len(t) for t in proposal.tokens]
+                raise RuntimeError(f"the speculative policy returned lengths {lengths} for drafts of {drafted}")
+            allowed = self._grammar_allowed(batch, members, proposal, lengths)
+            constrained: list[tuple[int, int]] = []  # (slot, drafts its verified rows are masked after)
+            for slot_index, index in enumerate(members):
+                seq = batch.seqs[index]
+                # Within the blocks held, with room for the next step's input after the last draft.
+                length = min(lengths[slot_index], max(0, seq.capacity - seq.num_computed_tokens - 1))
+                lengths[slot_index] = length
+                if length and seq.grammar is not None:
+                    constrained.append((slot_index, min(length, allowed[slot_index])))
+                if length:
+                    seq.token_ids.extend(proposal.tokens[slot_index][:length])
+                    seq.num_computed_tokens += length
+                    counts[index] += length
+            if constrained:  # computed on the grammar worker while the forward runs
+                self.structured.draft_masks(  # type: ignore[union-attr]
+                    [batch.seqs[members[slot]].grammar for slot, _ in constrained],
+                    [proposal.tokens[slot][:masked] for slot, masked in constrained],
+                )
+        slot_by_seq = {batch.seqs[index].seq_id: slot for slot, index in enumerate(members)}
+        order = sorted(range(len(batch.seqs)), key=lambda i: counts[i] != 1)  # one-token sequences first
+        seqs = [batch.seqs[i] for i in order]
+        batch = ScheduledBatch(
+            seqs=seqs,
+            num_new_tokens=[counts[i] for i in order],
+            samples=[batch.samples[i] for i in order],
+            preempted=batch.preempted,
+        )
+        slot_of = [slot_by_seq.get(seq.seq_id, -1) for seq, samples in zip(seqs, batch.samples, strict=True) if samples]
+        num_drafts = [lengths[slot_by_seq[seq.seq_id]] if seq.seq_id in slot_by_seq else 0 for seq in seqs]
+        return batch, Speculation(
+            proposal=proposal,
+            lengths=lengths,
+            slot_of=slot_of,
+            seq_ids=[seq.seq_id for seq in seqs],
+            num_drafts=num_drafts,
+        )
+
+    def _grammar_allowed(
+        self, batch: ScheduledBatch[SequenceSnapshot], members: list[int], proposal: Proposal, lengths: list[int]
+    ) -> list[int]:
+        """Cut each constrained slot's length where its grammar first forbids a draft (in
+        place, ``grammar_cut``); returns, per slot, how many of its chosen drafts the
+        grammar allows."""
+        allowed = list(lengths)
+        for slot, index in enumerate(members):
+            grammar = batch.seqs[index].grammar
+            if grammar is None or not lengths[slot]:
+                continue
+            drafts = proposal.tokens[slot][: lengths[slot]]
+            allowed[slot] = self.structured.allowed_drafts(grammar, drafts)  # type: ignore[union-attr]
+            lengths[slot] = grammar_cut(lengths[slot], allowed[slot], proposal.draft_probs[slot] is not None)
+        return allowed
+
     def execute(self, step: PreparedStep) -> StepResult:
         if step.input_ids.numel() > self.serial_torch_tokens:
             return self._execute(step)
@@ -173,10 +307,10 @@ class ModelRunner:
     def _execute(self, step: PreparedStep) -> StepResult:
         input_ids = step.input_ids
         for row, seq_id in step.input_patches:
-            input_ids[row] = self._previous_tokens[seq_id]
+            input_ids[row] = self._previous_kept[seq_id][-1]
         for row, seq_id in step.history_patches:
             if step.sampling.history[row]:
-                step.sampling.history[row][-1] = self._previous_tokens[seq_id]
+                step.sampling.history[row][-1] = self._previous_kept[seq_id][-1]
         input_ids = input_ids.to(self.device)
         if self.lockstep is not None:
             self.lockstep.busy()
@@ -193,8 +327,8 @@ class ModelRunner:
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor) -> StepResult:
         tokens, logprobs = self._sample_rows(step, logits, list(range(len(step.sampled_seq_ids))))
-        self._previous_tokens = dict(zip(step.sampled_seq_ids, tokens, strict=True))
-        return StepResult(tokens=[[t] for t in tokens], logprobs=logprobs)
+        self._previous_kept = {seq_id: [token] for seq_id, token in zip(step.sampled_seq_ids, tokens, strict=True)}
+        return StepResult(tokens=[[t] for t in tokens], logprobs=logprobs, seq_ids=step.sampled_seq_ids)
 
     def _sample_rows(
         self, step: PreparedStep, logits: torch.Tensor, rows: list[int]
@@ -254,8 +388,14 @@ class ModelRunner:
             if constrained:
                 states = [state for _, state in constrained]
                 self.structured.advance(states, [tokens[i] for i, _ in constrained])  # type: ignore[union-attr]
-        self._previous_tokens = {seq_id: kept[-1] for seq_id, kept in zip(step.sampled_seq_ids, tokens, strict=True)}
-        return StepResult(tokens=tokens, logprobs=logprobs)
+        self._previous_kept = dict(zip(step.sampled_seq_ids, tokens, strict=True))
+        return StepResult(
+            tokens=tokens,
+            logprobs=logprobs,
+            speculated=sum(slot >= 0 for slot in spec.slot_of),
+            verified=sum(drafts),
+            seq_ids=step.sampled_seq_ids,
+        )
 
     def _observe(self, step: PreparedStep, input_ids: torch.Tensor, hidden: torch.Tensor, result: StepResult) -> None:
         spec = step.speculation

@@ -7,6 +7,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 from powertrain.interfaces.sampling import SamplingParams
@@ -80,11 +81,58 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.request.stop_token_ids
+
     def __repr__(self) -> str:
         return (
             f"Sequence({self.seq_id}, request={self.request.request_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, {self.status.value})"
         )
+
+
+@attrs.define(kw_only=True)
+class SequenceSnapshot:
+    """A sequence as the engine thread saw it when it launched a speculative step: the
+    device thread completes that step from it (the previous step's tokens, the drafts)
+    while the engine thread goes on changing the sequence itself. Read like a Sequence
+    by ``ModelRunner.prepare``."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_token_ids: tuple[int, ...]
+    grammar: GrammarState | None
+    block_tables: dict[int | None, list[int]]
+    #: Tokens its cache blocks can hold: its drafts must end below.
+    capacity: int
+
+    @classmethod
+    def of(cls, seq: Sequence, capacity: int) -> SequenceSnapshot:
+        return cls(
+            seq_id=seq.seq_id,
+            token_ids=list(seq.token_ids),
+            num_computed_tokens=seq.num_computed_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            params=seq.params,
+            generator=seq.generator,
+            stop_token_ids=seq.stop_token_ids,
+            grammar=seq.grammar,
+            block_tables={w: list(table) for w, table in seq.block_tables.items()},
+            capacity=capacity,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
 
 
 class Request:

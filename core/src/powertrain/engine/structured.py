@@ -12,11 +12,11 @@ meanwhile (llguidance releases the GIL), and only N+1's sampler waits for those 
 constrained row thus costs a step nothing unless its mask takes longer than the forward, and a
 batch without constrained rows touches none of this.
 
-A constrained sequence may speculate (speculative steps run synchronously). Between steps the
-engine thread asks ``allowed_drafts`` how many of its drafts the grammar accepts, so a draft the
-grammar forbids is not verified; ``draft_masks`` then computes, on the worker while the forward
-runs, one mask per verified row: before each draft and after the last. Verification samples
-from the masked logits, and ``advance`` feeds the matcher every token the sequence kept.
+A constrained sequence may speculate. Before a step's forward the device thread asks
+``allowed_drafts`` how many of its drafts the grammar accepts, so a draft the grammar forbids is
+not verified; ``draft_masks`` then computes, on the worker while the forward runs, one mask per
+verified row: before each draft and after the last. Verification samples from the masked
+logits, and ``advance`` feeds the matcher every token the sequence kept.
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ if TYPE_CHECKING:
 class GrammarState:
     """One sequence's matcher and the tokens it may not sample next.
 
-    After the engine thread creates it, only the device thread (between steps), the engine
-    thread (between synchronous speculative steps) and the grammar worker (inside one job,
-    which ``ready`` completes) touch it, never two at once.
+    After the engine thread creates it, only the device thread (between steps) and the grammar
+    worker (inside one job, which ``ready`` completes) touch it, never both at once.
     """
 
     __slots__ = ("matcher", "disallowed", "ready")
@@ -143,7 +142,7 @@ class StructuredOutputs:
 
     def allowed_drafts(self, state: GrammarState, drafts: Sequence[int]) -> int:
         """How many of ``drafts``, from the start, the grammar accepts after the tokens fed so
-        far (engine thread, between steps: it waits for the state's job)."""
+        far (device thread, before a step: it waits for the state's job)."""
         state.ready.result()  # type: ignore[union-attr]
         return state.matcher.validate_tokens(list(drafts))
 

@@ -3,17 +3,22 @@
 A step with speculation: the scheduler forms the batch as usual; then every decoding
 sequence that may speculate becomes a ``DraftSlot``, the policy ``propose``s draft
 tokens with confidences, decides with ``verify_lengths`` how many of each to verify
-(for the whole batch at once), and the engine appends those drafts to the sequences,
-so the step computes ``1 + ℓ`` tokens for each. The model runner hands the target's
+(for the whole batch at once), and those drafts join the step's inputs, so it
+computes ``1 + ℓ`` tokens for each sequence. The model runner hands the target's
 logits of those rows to ``verify``, which returns the tokens each sequence keeps
-(accepted drafts plus one token sampled from the target). The engine then rewinds
-what was rejected: the sequence's computed-token count falls back to the accepted
-tokens, so the rejected drafts' cache slots are simply written again later.
+(accepted drafts plus one token sampled from the target). The sequence's computed-token
+count then moves on by the accepted drafts only, so the rejected drafts' cache slots
+are simply written again later.
 
-Speculative steps run synchronously (no overlap of step N+1's preparation with step
-N): the drafts of N+1 depend on the tokens N accepts. A policy may still plan its
-verification budget from an earlier step's confidences (DSpark's lagged budget), which
-is what an overlapped engine would need.
+Overlap (async scheduling). The engine thread schedules step N+1 and reserves cache
+blocks for its drafts while step N runs; it cannot draft, because N+1's drafts follow
+from the tokens N keeps. So it hands the device thread a snapshot of each sequence, and
+the device thread, once N has run, puts N's kept tokens in (a sequence that accepted
+drafts moves on by as many positions), asks the policy to ``propose`` and choose
+``verify_lengths``, prepares the step and runs it. Meanwhile the engine thread turns N's
+tokens into outputs (detokenization, stop strings). What the policy sees, and so what
+it decides, is what it would see with synchronous steps; a policy may also plan its
+verification budget from an earlier step (DSpark's lagged budget).
 
 Which sequences may speculate: those whose next token comes from the plain sampling
 distribution (temperature, top-k, top-p, min-p: ``sampling.target_probs``), because
@@ -167,10 +172,15 @@ class SpeculativeContext:
 class SpeculativePolicy(Protocol):
     """Drafts tokens, decides how many to verify, and verifies them losslessly.
 
-    Built by its record's factory from a ``SpeculativeContext``. ``propose`` and
-    ``verify_lengths`` run on the engine thread before the step; ``verify`` and
-    ``observe`` on the device thread, after the step's forward.
+    Built by its record's factory from a ``SpeculativeContext``. Everything runs on the
+    device thread: ``propose`` and ``verify_lengths`` before the step's forward (the step
+    before has run by then, so every token so far is known), ``verify`` and ``observe``
+    after it.
     """
+
+    #: The most drafts ``propose`` gives one sequence in a step: the engine reserves cache
+    #: blocks for that many before the step.
+    max_draft_tokens: int
 
     def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
         """Draft tokens and confidences per slot."""

@@ -37,6 +37,9 @@ class DraftBatch:
 
 
 class Drafter(Protocol):
+    #: The most drafts it proposes for one slot.
+    max_draft_tokens: int
+
     def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
         """Drafts for each slot (at most its ``max_draft``), with raw confidences."""
         ...

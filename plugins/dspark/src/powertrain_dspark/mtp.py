@@ -157,7 +157,7 @@ class MTPDrafter:
         #: Under expert parallelism: opens a drafter round before each MTP forward (its MoE
         #: layer exchanges tokens with every rank), which happens in ``observe`` only: a
         #: sequence's first decode after its prompt then has no drafts (none are made on the
-        #: spot in ``propose``, on the engine thread, where no round can pair with the peers').
+        #: spot in ``propose``, before the step's own round, where none can pair with the peers').
         self._expert_round = expert_round
 
     @classmethod
@@ -189,7 +189,7 @@ class MTPDrafter:
             expert_round=expert_round,
         )
 
-    # -- engine thread ------------------------------------------------------------------
+    # -- before the step's forward ----------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
@@ -229,7 +229,7 @@ class MTPDrafter:
     def _job(self, slot: DraftSlot, tail: _Tail, gained: int = 0) -> _Job:
         return _Job(tail, slot.params, slot.generator, min(self.max_draft_tokens, slot.max_draft - gained))
 
-    # -- device thread ------------------------------------------------------------------
+    # -- after the step's forward -----------------------------------------------------------
 
     @torch.inference_mode()
     def observe(self, step: ExecutedStep) -> None:

@@ -43,7 +43,9 @@ class SpeculativeDecoder:
         self._log = Path(log_path) if log_path else None
         self._raw: dict[int, list[float]] = {}
 
-    # -- engine thread ------------------------------------------------------------------
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.drafter.max_draft_tokens
 
     def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
         drafted = self.drafter.propose(slots)
@@ -69,8 +71,6 @@ class SpeculativeDecoder:
         budget = self._budget if self._budget is not None else sum(greedy)
         self._budget = sum(greedy)  # the next step's budget: from this step's confidences
         return top_k_lengths(proposal.confidences, budget)
-
-    # -- device thread ------------------------------------------------------------------
 
     def verify(
         self, proposal: Proposal, lengths: Sequence[int], target_logits: Sequence[torch.Tensor]
