@@ -3,7 +3,8 @@
 The workload is one where drafts are useful: each request asks the model to repeat a
 paragraph of its prompt, so prompt lookup finds what the model writes next. For each
 policy — no speculation, fixed-k (k = 1..5), DSpark, and DSpark with synchronous steps
-(``dspark-sync``: ``async_scheduling = false``; every other row overlaps the engine
+(``dspark-sync``: ``speculative_overlap = "off"``, with the step-time profile the ``dspark``
+engine measured, so that only the overlap differs; every other row overlaps the engine
 thread's scheduling and output work with the step on the device) — one engine serves the same
 requests at concurrency 1, 4, 16 and 64 (a closed loop: a new request starts when one
 finishes; greedy, 64 output tokens each), after the same warm-up on other prompts. The
@@ -143,8 +144,11 @@ def main() -> None:
         elif policy in ("dspark", "dspark-sync"):
             speculative, section = "dspark", {"calibration": calibration} if calibration else {}
         overrides = {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
-        overrides["async_scheduling"] = policy != "dspark-sync"
+        overrides["speculative_overlap"] = "off" if policy == "dspark-sync" else "on"
         config = apply_overrides(EngineConfig(), {**overrides, "memory_gib": args.kv_gib})
+        if policy == "dspark-sync" and "dspark" in engines:  # the same step-time profile: only the overlap differs
+            measured = engines["dspark"].speculative_policy.sps.seconds  # type: ignore[union-attr]
+            section["steps_per_second"] = [[n, q, 1.0 / seconds] for (n, q), seconds in measured.items()]
         if section:
             config = attrs.evolve(config, sections={"dspark": section})
         llm = engines[policy] = LLM(config=config)

@@ -125,6 +125,11 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     #: Schedule step N+1 on the CPU while step N runs (DESIGN §3).
     async_scheduling: bool = True
+    #: Speculative steps overlap too ("on"), run synchronously ("off"), or "auto": overlap
+    #: except where the platform computes on the host's own cores, where the engine
+    #: thread's work competes with the step (benchmarks/speculative.py measured 0.81-0.96x
+    #: synchronous speed on a 2-core CPU). Only with async_scheduling.
+    speculative_overlap: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"))
 
 
 @attrs.frozen(kw_only=True)

@@ -126,7 +126,9 @@ def test_overlapped_steps_give_the_tokens_of_synchronous_ones() -> None:
     batch = REQUESTS + seeded
     results = {}
     for overlapped in (False, True):
-        config = apply_overrides(engine_config("dspark", lagged_budget=True), {"async_scheduling": overlapped})
+        config = apply_overrides(
+            engine_config("dspark", lagged_budget=True), {"speculative_overlap": "on" if overlapped else "off"}
+        )
         with LLM(config=config) as llm:
             outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
             results[overlapped] = (summary(outputs), llm.engine.stats(), llm.engine.runner.overlapped_steps)

@@ -138,7 +138,10 @@ def test_overlapped_steps_give_the_tokens_of_synchronous_ones(checkpoints: dict[
     results = {}
     for overlapped in (False, True):
         config = engine_config(
-            checkpoints["mimic"], "fixed-k", async_scheduling=overlapped, dspark={"max_draft_tokens": 3}
+            checkpoints["mimic"],
+            "fixed-k",
+            speculative_overlap="on" if overlapped else "off",
+            dspark={"max_draft_tokens": 3},
         )
         with LLM(config=config) as llm:
             outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])

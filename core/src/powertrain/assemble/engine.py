@@ -88,7 +88,7 @@ def build_engine(
         block_manager=block_manager,
         runner=runner,
         max_model_len=model_length(config, checkpoint.config),
-        async_scheduling=config.scheduler.async_scheduling,
+        async_scheduling=_async_scheduling(config, chosen.platform, runner),
         on_step=step_observer(chosen),
         on_shutdown=lambda e: _stopped(hooks, e, experts),
         model_name=config.model.path,
@@ -137,6 +137,22 @@ def model_requirements(architecture: Any, checkpoint: Any, config: EngineConfig)
         for kind in ("attention", *(kind for kind in ("moe", "quantized_linear") if kind in requirements)):
             requirements[kind] = frozenset(requirements.get(kind, ())) | {"batch-invariant"}
     return requirements
+
+
+def _async_scheduling(config: Any, platform: Any, runner: ModelRunner) -> bool:
+    """``[scheduler] async_scheduling``, unless speculative steps stay synchronous
+    (``speculative_overlap``)."""
+    scheduler = config.scheduler
+    if not scheduler.async_scheduling or runner.speculative is None or scheduler.speculative_overlap == "on":
+        return scheduler.async_scheduling
+    if scheduler.speculative_overlap == "off" or platform.shares_host_cores:
+        log.info(
+            "speculative steps run synchronously",
+            why=f"speculative_overlap = {scheduler.speculative_overlap!r}"
+            + (f"; {platform.name} computes on the host's cores" if platform.shares_host_cores else ""),
+        )
+        return False
+    return True
 
 
 def _model_runner(
