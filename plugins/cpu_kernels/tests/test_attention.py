@@ -233,8 +233,9 @@ def test_fused_rotary_gives_the_bits_of_rotating_in_torch_then_attending(
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_bfloat16_rms_norm_rounds_where_torch_rounds(seed: int, with_residual: bool) -> None:
     """The native bfloat16 norm against layers.norm's: the residual sum bit for bit, the
-    normed row within one bfloat16 step (only the float32 order of the squares' sum differs,
-    which can move a value across a rounding boundary)."""
+    normed row within two bfloat16 steps. Only the float32 order of the squares' sum differs,
+    which can move the normalised value across a rounding boundary (one step); it is then
+    rounded again after the weight multiplies it, as in HF, which can add a second step."""
     rows, hidden = 37, 576
     x = torch.randn(rows, hidden).to(torch.bfloat16)
     residual = torch.randn(rows, hidden).to(torch.bfloat16) if with_residual else None
@@ -246,8 +247,8 @@ def test_bfloat16_rms_norm_rounds_where_torch_rounds(seed: int, with_residual: b
     else:
         assert torch.equal(got[1], want[1]), f"the residual sums differ (seed={seed})"
     assert got[0].dtype == torch.bfloat16
-    step = want[0].float().abs() * 2.0**-7 + 1e-30
-    assert ((got[0].float() - want[0].float()).abs() <= step).all(), f"more than one bfloat16 step (seed={seed})"
+    two_steps = want[0].float().abs() * 2.0**-6 + 1e-30
+    assert ((got[0].float() - want[0].float()).abs() <= two_steps).all(), f"more than two bfloat16 steps (seed={seed})"
     # Most values agree exactly: a broken rounding would move about half of them.
     assert (got[0] == want[0]).float().mean() > 0.99, f"(seed={seed})"
 
