@@ -46,6 +46,11 @@ class TestTritonAttentionInvariant(TestTritonAttention):
     dtypes = (torch.float32,)
     block_sizes = (16,)
 
+    # Only the batches whose decode rows take the fixed-split path; the rest of the kit runs
+    # the same code as triton-sm100 above (and cost a minute of interpreter time here).
+    test_fused_rotary = test_head_ratios = test_sliding_window = test_sliding_window_over_released_blocks = None
+    test_shuffled_block_tables = test_chunked_prefill = test_prefill_batch = test_fused_rmsnorm = None
+
 
 # --------------------------------------------------------------------------- split-KV decode
 #
