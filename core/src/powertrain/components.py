@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # the contracts import this module (PlatformInfo, Availabilit
         Communicator,
         CommunicatorContext,
         ExpertDispatcher,
+        KVStore,
+        KVStoreContext,
         MLAAttentionBackend,
         ModelContext,
         ModelTokenizer,
@@ -345,6 +347,20 @@ class SchedulerRecord:
 
 
 @attrs.frozen(kw_only=True)
+class KVStoreRecord:
+    """A store for cache blocks below the device cache (``interfaces.kv_store``).
+
+    ``factory(KVStoreContext)`` builds an ``interfaces.KVStore``. ``config_section`` names
+    the plugin's config section that parameterises it (a server address, say), if any.
+    """
+
+    name: str = attrs.field(validator=_valid_name)
+    factory: Callable[[KVStoreContext], KVStore] = attrs.field(validator=_callable)
+    config_section: str | None = None
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class SpeculativePolicyRecord:
     """A speculative-decoding method: drafter, length policy and verifier together.
 
@@ -416,6 +432,7 @@ COMPONENT_KINDS: dict[str, tuple[str, type, str | None]] = {
     "communication": ("powertrain_communicators", CommunicatorRecord, "communication"),
     "scheduler": ("powertrain_schedulers", SchedulerRecord, "scheduler"),
     "speculative": ("powertrain_speculative_policies", SpeculativePolicyRecord, "speculative"),
+    "kv_store": ("powertrain_kv_stores", KVStoreRecord, "kv_store"),
     "protocol": ("powertrain_protocol_adapters", ProtocolAdapterRecord, None),
     "model": ("powertrain_model_architectures", ModelArchitectureRecord, None),
     "config-section": ("powertrain_config_sections", ConfigSectionRecord, None),

@@ -69,6 +69,11 @@ def _names(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...] | N
             raise ValueError("plugin names must not be empty", attribute)
 
 
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value}", attribute)
+
+
 def _optional_positive(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"must be positive when set, got {value}", attribute)
@@ -103,6 +108,9 @@ class ComponentsConfig:
     scheduler: str = "fcfs"
     #: "none" disables speculative decoding.
     speculative: str = "none"
+    #: The storage tier below the host-memory one ([cache] store_*): "directory" (a local
+    #: disk or a shared filesystem), a plugin's store, or "none".
+    kv_store: str = "none"
 
 
 @attrs.frozen(kw_only=True)
@@ -114,6 +122,15 @@ class CacheConfig:
     memory_gib: float | None = attrs.field(default=None, validator=_optional_positive)
     #: Exact number of blocks (overrides memory_gib); mostly for tests and experiments.
     num_blocks: int | None = attrs.field(default=None, validator=_optional_positive)
+    #: Host-memory tier: full prefix blocks evicted from the device cache are kept here
+    #: (and loaded back on a hit) up to this many GiB; 0: no host tier.
+    host_memory_gib: float = attrs.field(default=0.0, validator=_non_negative)
+    #: Storage tier ([components] kv_store): what the host tier drops goes here, up to
+    #: this many GiB (None: the store's own limit, if any).
+    store_gib: float | None = attrs.field(default=None, validator=_optional_positive)
+    #: Where a file-keeping store ("directory") keeps its blocks; the same directory after
+    #: a restart serves the blocks computed before it.
+    store_path: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         AttentionBackendRecord,
         CommunicatorRecord,
         ConfigSectionRecord,
+        KVStoreRecord,
         ModelArchitectureRecord,
         MoEBackendRecord,
         PlatformInfo,
@@ -117,6 +118,16 @@ def powertrain_speculative_policies() -> list[SpeculativePolicyRecord]:
     Called by the plugin manager once per plugin at registration; all results are
     collected (no first-result). Assembly picks one unless ``[components]
     speculative`` is ``"none"``.
+    """
+
+
+@hookspec
+def powertrain_kv_stores() -> list[KVStoreRecord]:
+    """Stores that keep cache blocks below the device cache (``interfaces.kv_store``),
+    chosen by name (``[components] kv_store``; "none": no storage tier).
+
+    Called by the plugin manager once per plugin at registration; all results are
+    collected (no first-result).
     """
 
 

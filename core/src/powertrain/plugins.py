@@ -46,6 +46,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "builtin-moe": "powertrain.builtin.moe",
     "builtin-quantized-linear": "powertrain.builtin.quantized_linear",
     "builtin-scheduler": "powertrain.builtin.scheduler",
+    "builtin-kv-stores": "powertrain.builtin.kv_stores",
     "builtin-models": "powertrain.builtin.models",
 }
 

@@ -166,10 +166,12 @@ def build_speculative(
     vocab_size: int,
     expert_parallel_size: int = 1,
     lockstep: Any = None,
+    allocated: list[tuple[interfaces.AttentionLayerSpec, interfaces.LayerKVCache]] | None = None,
 ) -> Any:
     """The chosen speculative policy, built on the device thread (it profiles the
     target there), or None when speculation is off. ``lockstep``: the runner's, under
-    expert parallelism (a drafter with MoE layers joins its drafter rounds)."""
+    expert parallelism (a drafter with MoE layers joins its drafter rounds).
+    ``allocated`` gets each cache the drafter allocates, with its layer."""
     resolution = plan.resolutions.get("speculative")
     if resolution is None or resolution.provided is None:
         return None
@@ -179,10 +181,13 @@ def build_speculative(
     def allocate(layers: Sequence[interfaces.AttentionLayerSpec], extra_blocks: int = 0) -> list[Any]:
         # The model's own cache groups (AttentionLayerSpec.cache_groups) come with the backend's.
         counts = {window: blocks + extra_blocks for window, blocks in num_blocks.items()}
-        return [
+        caches = [
             layer.allocate_cache(layer.backend_cache_spec(attention, block_size, dtype), counts, plan.device)
             for layer in layers
         ]
+        if allocated is not None:
+            allocated.extend(zip(layers, caches, strict=True))
+        return caches
 
     context = SpeculativeContext(
         config=plan.sections.get(record.config_section) if record.config_section else None,

@@ -25,10 +25,12 @@ from powertrain.assemble.building import (
 )
 from powertrain.assemble.loading import LoadedModel, describe_cache, load_model, model_length, resolve_dtype
 from powertrain.assemble.planning import Plan, find_architecture, plan
+from powertrain.assemble.tiers import block_mover, build_tiers, cache_namespace
 from powertrain.config import EngineConfig
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.engine import LLMEngine
+from powertrain.engine.kv_tiers import KVTiers
 from powertrain.engine.model_runner import ModelRunner
 from powertrain.engine.sampler import Sampler
 from powertrain.engine.structured import StructuredOutputs
@@ -65,7 +67,9 @@ def build_engine(
         check_expert_parallel_fits(placement, needs_moe, checkpoint, architecture.record.name)
     experts = join_expert_parallel(chosen, placement)
     device_thread = DeviceThread()
-    with _released_on_failure(device_thread, experts):
+    tiers = build_tiers(chosen)
+    drafter_caches: list[Any] = []
+    with _released_on_failure(device_thread, experts, tiers):
         loaded = device_thread.run(load_model, chosen, architecture, checkpoint, attention, dtype, needs_moe, experts)
         runner = _model_runner(chosen, loaded, checkpoint, experts, dtype)
         runner.speculative = build_speculative(
@@ -79,8 +83,20 @@ def build_engine(
             int(checkpoint.config["vocab_size"]),
             experts.placement.layout.expert_parallel if experts else 1,
             runner.lockstep,
+            drafter_caches,
         )
-    block_manager = BlockManager(loaded.num_blocks, config.cache.block_size, config.cache.prefix_caching)
+        mover = None
+        if tiers is not None:
+            mover = block_mover(tiers, loaded.model, loaded.kv_caches, drafter_caches, chosen.device)
+            log.info("kv tiers", tiers=tiers.names, block_bytes={str(w): n for w, n in mover.block_bytes.items()})
+    block_manager = BlockManager(
+        loaded.num_blocks,
+        config.cache.block_size,
+        config.cache.prefix_caching,
+        namespace=cache_namespace(chosen, checkpoint, mover, dtype) if mover else b"",
+        tiers=tiers,
+        block_bytes=mover.block_bytes if mover else None,
+    )
     hooks = plugins.hook
     engine = LLMEngine(
         tokenizer=checkpoint.tokenizer,
@@ -95,6 +111,7 @@ def build_engine(
         model_config=checkpoint.config,
         device_thread=device_thread,
         kv_cache=loaded.layout.report(loaded.num_blocks),
+        block_mover=mover,
     )
     log.info(
         "engine ready",
@@ -182,14 +199,18 @@ def _model_runner(
 
 
 @contextlib.contextmanager
-def _released_on_failure(device_thread: DeviceThread, experts: ExpertParallel | None) -> Iterator[None]:
-    """A build that fails leaves no thread running and no process group joined."""
+def _released_on_failure(
+    device_thread: DeviceThread, experts: ExpertParallel | None, tiers: KVTiers | None
+) -> Iterator[None]:
+    """A build that fails leaves no thread running, no process group joined, no store open."""
     try:
         yield
     except BaseException:
         device_thread.shutdown()
         if experts is not None:
             experts.communicator.close()
+        if tiers is not None:
+            tiers.close()
         raise
 
 

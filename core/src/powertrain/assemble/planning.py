@@ -1,7 +1,7 @@
 """Planning: which implementation each component kind gets on this machine, and why.
 
 ``plan`` resolves every kind (platform, attention, moe, quantized_linear, communication,
-scheduler, speculative) from the config, the loaded plugins and the capabilities the model needs;
+scheduler, speculative, kv_store) from the config, the loaded plugins and the capabilities the model needs;
 it builds nothing, so ``powertrain config check`` prints exactly what it decided.
 """
 
@@ -20,7 +20,7 @@ from powertrain.plugins import PluginManager, Provided
 from powertrain.selection import Candidate, Selection, SelectionError
 
 #: Kinds chosen through ``[components]``, in the order they are resolved.
-SELECTED_KINDS = ("attention", "moe", "quantized_linear", "communication", "scheduler", "speculative")
+SELECTED_KINDS = ("attention", "moe", "quantized_linear", "communication", "scheduler", "speculative", "kv_store")
 
 #: What an engine needs whatever the model; others (moe) only when a model asks.
 ALWAYS_NEEDED = frozenset({"platform", "attention", "communication", "scheduler"})
@@ -109,8 +109,8 @@ def plan(
     resolutions["platform"] = platform_resolution
     for kind in SELECTED_KINDS:
         requested = getattr(config.components, kind)
-        if kind == "speculative" and requested == "none":
-            resolutions[kind] = Resolution(kind=kind, requested=requested, reason="disabled (speculative = none)")
+        if kind in ("speculative", "kv_store") and requested == "none":
+            resolutions[kind] = Resolution(kind=kind, requested=requested, reason=f"disabled ({kind} = none)")
             continue
         candidates = [
             _candidate(kind, p, platform, requirements.get(kind, frozenset()), world_size)

@@ -232,9 +232,7 @@ class ParallelEngine:
 
     def stats(self) -> EngineStats:
         """Every rank's counts added up, as of its last report."""
-        reports = [r.stats for r in self._ranks.values() if r.stats is not None]
-        fields = attrs.fields(EngineStats)
-        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in reports) for f in fields})
+        return EngineStats.total([r.stats for r in self._ranks.values() if r.stats is not None])
 
     # ----------------------------------------------------------------------- the loop
 

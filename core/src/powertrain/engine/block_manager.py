@@ -29,35 +29,82 @@ covering ``[P*B - W + 1, P*B)``, the window its next query reads. (A compressed 
 entries end on the block boundary, since ``block_size`` is a multiple of its
 ``tokens_per_entry``.) At least one token is always left to compute: the step must
 produce logits.
+
+*Hashes.* A block's hash is a BLAKE2b digest chained over every token up to its end and
+rooted in the cache's ``namespace`` (the model, dtype, cache tensors and block size), so
+it names the block's content across processes and restarts, which the tiers need.
+
+*Tiers* (``engine.kv_tiers``, optional). A cached block evicted from a pool (handed out
+again) is first copied out, keyed by its hash and retention class, to the tiers below;
+a lookup that misses a pool asks the tiers, and a hit there is loaded into a fresh block
+before the step that reads it. Copies run on the device thread ahead of the step
+(``take_transfers``: the engine submits them before the step it scheduled), so a block
+is copied out before anything overwrites it and loaded before anything reads it. A
+block a tier cannot produce (gone, corrupt) shortens the hit; it is never loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 
 import attrs
+import structlog
+import torch
 
+from powertrain.engine.kv_tiers import KVTiers
 from powertrain.engine.sequence import Sequence
 from powertrain.interfaces.scheduling import PrefixMatch
+
+log = structlog.get_logger(__name__)
+
+Window = int | None
+
+
+def chain_hash(previous: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The hash of a block of ``tokens`` after the block hashed ``previous``."""
+    return hashlib.blake2b(previous + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def root_hash(namespace: bytes) -> bytes:
+    """What the first block's hash chains from: the cache's compatibility key."""
+    return hashlib.blake2b(b"powertrain-kv-1" + namespace, digest_size=16).digest()
+
+
+def tier_key(block_hash: bytes, window: Window) -> bytes:
+    """A block's key in the tiers: its hash and its retention class."""
+    return block_hash + (b"F" if window is None else b"W" + window.to_bytes(4, "little"))
+
+
+@attrs.frozen
+class BlockTransfers:
+    """Copies to run on the device thread before the next step: blocks to copy out to the
+    tiers (retention class, block id, tier key), then payloads to load into blocks."""
+
+    offloads: list[tuple[Window, int, bytes]]
+    loads: list[tuple[Window, int, torch.Tensor]]
 
 
 @attrs.define
 class Block:
     block_id: int
     ref_count: int = 0
-    #: Hash of (previous block's hash, this block's tokens) once full and computed.
-    hash: int | None = None
+    #: ``chain_hash`` of (previous block's hash, this block's tokens) once full and computed.
+    hash: bytes | None = None
     #: The tokens hashed, to rule out hash collisions on lookup.
     token_ids: tuple[int, ...] = ()
 
 
 @attrs.define
 class PrefixCacheStats:
-    """Prompt tokens looked up in, and served from, the prefix cache."""
+    """Prompt tokens looked up in, and served from, the prefix cache (``hit_tokens``, of
+    which ``tier_hit_tokens[name]`` were loaded back from tier ``name``)."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -75,9 +122,11 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks, least recently used first; cached ones keep their hash.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         #: Where a sliding table points released blocks: one past the pool's own blocks.
         self.null_block = num_blocks if window is not None else -1
+        #: With tiers: cached blocks handed out again, (block id, hash), to copy out first.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     def first_needed(self, position: int) -> int:
         """Index of the first block a query at ``position`` (or later) reads."""
@@ -85,7 +134,7 @@ class BlockPool:
             return 0
         return max(0, (position - self.window + 1) // self.block_size)
 
-    def lookup(self, digest: int, tokens: tuple[int, ...]) -> int | None:
+    def lookup(self, digest: bytes, tokens: tuple[int, ...]) -> int | None:
         block_id = self.cached.get(digest)
         if block_id is None or self.blocks[block_id].token_ids != tokens:
             return None
@@ -109,11 +158,13 @@ class BlockPool:
         if block.hash is not None:  # evict it from the prefix cache
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.evicted is not None:
+                    self.evicted.append((block_id, block.hash))
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
 
-    def register(self, block_id: int, digest: int, tokens: tuple[int, ...]) -> None:
+    def register(self, block_id: int, digest: bytes, tokens: tuple[int, ...]) -> None:
         block = self.blocks[block_id]
         block.hash, block.token_ids = digest, tokens
         # First writer wins; an identical block computed twice stays private.
@@ -124,10 +175,20 @@ class BlockManager:
     """Owns the cache blocks; sequences hold one list of block ids per pool.
 
     ``num_blocks``: usable blocks per retention class (an int: one full-history pool).
+    ``namespace``: what makes two caches' blocks interchangeable (the root of the hashes).
+    ``tiers``: stores below the pools; ``block_bytes[w]``: a block of class ``w``'s payload
+    size there (a payload of another size is a miss).
     """
 
     def __init__(
-        self, num_blocks: int | Mapping[int | None, int], block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int | Mapping[int | None, int],
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        *,
+        namespace: bytes = b"",
+        tiers: KVTiers | None = None,
+        block_bytes: Mapping[Window, int] | None = None,
     ) -> None:
         counts = num_blocks if isinstance(num_blocks, Mapping) else {None: num_blocks}
         if not counts:
@@ -138,6 +199,16 @@ class BlockManager:
         order = sorted(counts, key=lambda w: -1 if w is None else w)
         self.pools = {w: BlockPool(counts[w], block_size, w) for w in order}
         self.stats = PrefixCacheStats()
+        self.root = root_hash(namespace)
+        self.tiers = tiers if enable_prefix_caching else None
+        self.block_bytes = dict(block_bytes or {})
+        self._loads: list[tuple[Window, int, torch.Tensor]] = []
+        if self.tiers is not None:
+            if set(self.block_bytes) != set(self.pools):
+                raise ValueError(f"tiers need every class's payload size {list(self.pools)}, got {self.block_bytes}")
+            for pool in self.pools.values():
+                pool.evicted = []
+            self.stats.tier_hit_tokens = dict.fromkeys(self.tiers.names, 0)
 
     @property
     def primary(self) -> BlockPool:
@@ -168,37 +239,88 @@ class BlockManager:
 
     # ----------------------------------------------------------------------- prefix cache
 
-    @staticmethod
-    def _chain(previous: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((previous, tokens))
-
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The longest cached prefix of ``seq`` every pool can reproduce (see the module
-        docstring's hit rule), without taking it."""
+        docstring's hit rule), from the pools or the tiers, without taking it."""
         if not self.enable_prefix_caching:
             return PrefixMatch()
         usable = (seq.num_tokens - 1) // self.block_size
-        hits: dict[int | None, list[int | None]] = {w: [] for w in self.pools}
-        previous = None
+        found: dict[Window, list[int | None]] = {w: [] for w in self.pools}
+        hashes: list[bytes] = []
+        previous = self.root
         for index in range(usable):
             tokens = self._block_tokens(seq, index)
             if any(t < 0 for t in tokens):  # a placeholder: the token is not known yet
                 break
-            previous = self._chain(previous, tokens)
-            found = {w: pool.lookup(previous, tokens) for w, pool in self.pools.items()}
-            if any(found[w] is None for w, pool in self.pools.items() if pool.window is None):
-                break  # a full pool misses: no longer prefix can hit
-            for w, block_id in found.items():
-                hits[w].append(block_id)
-        for num in range(len(next(iter(hits.values()))), 0, -1):
+            previous = chain_hash(previous, tokens)
+            here = {w: pool.lookup(previous, tokens) for w, pool in self.pools.items()}
+            full_misses = [w for w, pool in self.pools.items() if pool.window is None and here[w] is None]
+            if full_misses and not (self.tiers and all(self.tiers.holds(tier_key(previous, w)) for w in full_misses)):
+                break  # a full pool misses everywhere: no longer prefix can hit
+            hashes.append(previous)
+            for w, block_id in here.items():
+                found[w].append(block_id)
+        return self._longest_hit(found, hashes)
+
+    def _longest_hit(self, found: Mapping[Window, list[int | None]], hashes: list[bytes]) -> PrefixMatch:
+        """The longest prefix whose needed blocks are in the pools (``found``) or can be
+        fetched from the tiers; fetches them."""
+        fetched: dict[tuple[Window, int], tuple[str, torch.Tensor]] = {}
+        absent: set[tuple[Window, int]] = set()
+        num = len(hashes)
+        while num > 0:
             first = {w: pool.first_needed(num * self.block_size) for w, pool in self.pools.items()}
-            if all(b is not None for w in self.pools for b in hits[w][first[w] : num]):
-                blocks = {w: tuple([None] * first[w] + hits[w][first[w] : num]) for w in self.pools}
-                return PrefixMatch(num_tokens=num * self.block_size, blocks=blocks)
+            missing = [(w, i) for w in self.pools for i in range(first[w], num) if found[w][i] is None]
+            if missing and (self.tiers is None or absent.intersection(missing)):
+                num -= 1
+                continue
+            for w, i in missing:
+                if (w, i) not in fetched:
+                    got = self._fetch(hashes[i], w)
+                    if got is None:
+                        absent.add((w, i))
+                        break
+                    fetched[w, i] = got
+            else:
+                return self._prefix_match(num, first, found, hashes, {m: fetched[m] for m in missing})
         return PrefixMatch()
+
+    def _fetch(self, block_hash: bytes, window: Window) -> tuple[str, torch.Tensor] | None:
+        assert self.tiers is not None
+        got = self.tiers.fetch(tier_key(block_hash, window))
+        if got is not None and got[1].numel() != self.block_bytes[window]:
+            log.warning(
+                "kv tier block of the wrong size: a miss",
+                tier=got[0],
+                bytes=got[1].numel(),
+                expected=self.block_bytes[window],
+            )
+            return None
+        return got
+
+    def _prefix_match(
+        self,
+        num: int,
+        first: Mapping[Window, int],
+        found: Mapping[Window, list[int | None]],
+        hashes: list[bytes],
+        loads: Mapping[tuple[Window, int], tuple[str, torch.Tensor]],
+    ) -> PrefixMatch:
+        blocks = {w: tuple([None] * first[w] + found[w][first[w] : num]) for w in self.pools}
+        primary = next(iter(self.pools))
+        tiers: dict[str, int] = {}
+        for (w, _), (tier, _) in loads.items():
+            if w == primary:
+                tiers[tier] = tiers.get(tier, 0) + self.block_size
+        return PrefixMatch(
+            num_tokens=num * self.block_size,
+            blocks=blocks,
+            loads={(w, i): (hashes[i], payload) for (w, i), (_, payload) in loads.items()},
+            tier_tokens=tiers,
+        )
 
     def can_allocate(self, seq: Sequence, num_tokens: int, matched: PrefixMatch) -> bool:
         """Could ``seq`` (with its ``matched`` prefix) get slots for ``num_tokens``?"""
@@ -208,7 +330,8 @@ class BlockManager:
             taken_from_free = sum(
                 1 for b in matched.blocks.get(w, ()) if b is not None and pool.blocks[b].ref_count == 0
             )
-            if new_blocks + taken_from_free > len(pool.free):
+            loaded = sum(1 for window, _ in matched.loads if window == w)
+            if new_blocks + loaded + taken_from_free > len(pool.free):
                 return False
         return True
 
@@ -224,12 +347,22 @@ class BlockManager:
                     pool.reference(block_id)
                     table.append(block_id)
             seq.block_tables[w] = table
+        # Fresh blocks for what the tiers hold, once the pools' hits are referenced (so
+        # none of those is handed out): loaded before the step, cached from now on.
+        for (w, index), (block_hash, payload) in matched.loads.items():
+            pool = self.pools[w]
+            block_id = pool.take_free()
+            pool.register(block_id, block_hash, self._block_tokens(seq, index))
+            seq.block_tables[w][index] = block_id
+            self._loads.append((w, block_id, payload))
         seq.num_computed_tokens = matched.num_tokens
         seq.num_cached_tokens = matched.num_tokens
         seq.num_registered_blocks = matched.num_tokens // self.block_size
         if self.enable_prefix_caching:
             self.stats.queried_tokens += seq.num_tokens
             self.stats.hit_tokens += seq.num_computed_tokens
+            for tier, tokens in matched.tier_tokens.items():
+                self.stats.tier_hit_tokens[tier] = self.stats.tier_hit_tokens.get(tier, 0) + tokens
         self.grow(seq, num_tokens)
 
     # ----------------------------------------------------------------------- growth
@@ -299,7 +432,7 @@ class BlockManager:
             tokens = self._block_tokens(seq, len(hashes))
             if any(t < 0 for t in tokens):  # a placeholder: the token is not known yet
                 break
-            hashes.append(self._chain(hashes[-1] if hashes else None, tokens))
+            hashes.append(chain_hash(hashes[-1] if hashes else self.root, tokens))
         for index in range(seq.num_registered_blocks, len(hashes)):
             tokens = self._block_tokens(seq, index)
             for w, pool in self.pools.items():
@@ -317,3 +450,29 @@ class BlockManager:
         seq.block_tables = {}
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    # ----------------------------------------------------------------------- tiers
+
+    def take_transfers(self) -> BlockTransfers | None:
+        """The copies this scheduling pass asked for (run them before its step), or None."""
+        if self.tiers is None:
+            return None
+        offloads = []
+        for w, pool in self.pools.items():
+            assert pool.evicted is not None
+            offloads.extend((w, block_id, tier_key(block_hash, w)) for block_id, block_hash in pool.evicted)
+            pool.evicted.clear()
+        loads, self._loads = self._loads, []
+        return BlockTransfers(offloads, loads) if offloads or loads else None
+
+    def cached_transfers(self) -> BlockTransfers | None:
+        """Copies of every block the pools cache, to the tiers (at shutdown: a storage tier
+        then serves them after a restart), or None without tiers."""
+        if self.tiers is None:
+            return None
+        offloads = [
+            (w, block_id, tier_key(block_hash, w))
+            for w, pool in self.pools.items()
+            for block_hash, block_id in pool.cached.items()
+        ]
+        return BlockTransfers(offloads, [])

@@ -28,6 +28,7 @@ import structlog
 from powertrain.engine.admission import admit
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
+from powertrain.engine.kv_transfer import BlockMover
 from powertrain.engine.model_runner import ModelRunner, StepResult
 from powertrain.engine.sequence import PLACEHOLDER, Request, SequenceSnapshot
 from powertrain.engine.sequence import Sequence as Seq
@@ -58,6 +59,8 @@ class _InFlight:
     batch: ScheduledBatch[Seq]
     future: Future[StepResult]
     started: float
+    #: The cache copies submitted before the step (tiers), if any.
+    transfers: Future[None] | None = None
 
 
 class LLMEngine:
@@ -78,6 +81,7 @@ class LLMEngine:
         model_config: Mapping[str, Any] | None = None,
         device_thread: DeviceThread | None = None,
         kv_cache: Mapping[str, Any] | None = None,
+        block_mover: BlockMover | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -92,6 +96,8 @@ class LLMEngine:
         #: The KV cache's accounting: its groups' bytes per token, the total, what a dense
         #: uncompressed cache would take, the blocks per pool (``CacheLayout.report``).
         self.kv_cache: Mapping[str, Any] = kv_cache or {}
+        #: Copies blocks to and from the tiers below the cache (None: no tiers).
+        self.block_mover = block_mover
         self._on_step = on_step
         self._on_shutdown = on_shutdown
         self._requests: dict[str, Request] = {}
@@ -175,11 +181,24 @@ class LLMEngine:
             kv_blocks_free=self.block_manager.num_free_blocks,
             prefix_cache_queried_tokens=prefix.queried_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
+            **self._tier_stats(),
             preemptions=self._num_preemptions,
             speculative_request_steps=self._speculative_counts[0],
             speculative_verified_tokens=self._speculative_counts[1],
             speculative_accepted_tokens=self._speculative_counts[2],
         )
+
+    def _tier_stats(self) -> dict[str, dict[str, float]]:
+        if self.block_mover is None:
+            return {}
+        tiers = self.block_mover.tiers.stats
+        return {
+            "prefix_cache_tier_hit_tokens": dict(self.block_manager.stats.tier_hit_tokens),
+            "kv_tier_bytes_written": {name: t.bytes_written for name, t in tiers.items()},
+            "kv_tier_bytes_read": {name: t.bytes_read for name, t in tiers.items()},
+            "kv_tier_seconds": {name: t.write_seconds + t.read_seconds for name, t in tiers.items()},
+            "kv_tier_errors": {name: t.errors for name, t in tiers.items()},
+        }
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -206,6 +225,7 @@ class LLMEngine:
         if not batch:
             return None
         if self.runner.speculative is None:
+            transfers = self._submit_transfers()
             future = self._device_thread.submit(self.runner.execute, self.runner.prepare(batch))
         else:  # the device thread drafts and prepares once the step before has run
             snapshots = ScheduledBatch(
@@ -216,12 +236,20 @@ class LLMEngine:
                 num_new_tokens=list(batch.num_new_tokens),
                 samples=list(batch.samples),
             )
+            transfers = self._submit_transfers()  # after _reserve, which may evict too
             future = self._device_thread.submit(self.runner.execute_speculative, snapshots, self.max_model_len)
         for seq, samples in zip(batch.seqs, batch.samples, strict=True):
             if samples:  # this step will sample the sequence's next token(s)
                 seq.token_ids.append(PLACEHOLDER)
         self.launched_steps += 1
-        return _InFlight(batch=batch, future=future, started=time.perf_counter())
+        return _InFlight(batch=batch, future=future, started=time.perf_counter(), transfers=transfers)
+
+    def _submit_transfers(self) -> Future[None] | None:
+        """Queue the cache copies this pass asked for on the device thread, ahead of its step."""
+        transfers = self.block_manager.take_transfers()
+        if transfers is None or self.block_mover is None:
+            return None
+        return self._device_thread.submit(self.block_mover.run, transfers)
 
     def _reserve(self, seq: Seq, count: int, samples: bool) -> int:
         """Cache blocks for the drafts the device thread may give ``seq`` this step; returns
@@ -244,6 +272,8 @@ class LLMEngine:
         return max(target, held)
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
+        if flight.transfers is not None:
+            flight.transfers.result()  # a failed copy is a broken cache: the step's error
         output = flight.future.result()
         touched: dict[str, Request] = {}
         sampled = {
@@ -379,11 +409,26 @@ class LLMEngine:
             with contextlib.suppress(BaseException):  # a failed step has nothing more to release
                 self._in_flight.future.result()
             self._in_flight = None
+        if self.block_mover is not None:
+            self._persist_cache()
         self._device_thread.shutdown()
+        if self.block_mover is not None:
+            self.block_mover.tiers.close()
         if self.runner.structured is not None:
             self.runner.structured.shutdown()
         if self._on_shutdown is not None:
             self._on_shutdown(self)
+
+    def _persist_cache(self) -> None:
+        """Hand every cached block to the tiers (best effort: a failed engine's cache may
+        be what failed)."""
+        transfers = self.block_manager.cached_transfers()
+        if transfers is None or self._dead is not None:
+            return
+        try:
+            self._device_thread.run(self.block_mover.run, transfers)  # type: ignore[union-attr]
+        except Exception as error:
+            log.warning("the cache was not handed to the tiers", error=f"{type(error).__name__}: {error}")
 
 
 def _cut_at_stop(text: str, stops: Sequence[str], include: bool, start: int = 0) -> tuple[str, bool]:

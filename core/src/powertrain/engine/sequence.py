@@ -41,7 +41,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
         self.block_tables: dict[int | None, list[int]] = {}
         #: Chained prefix-cache hashes of the sequence's full, computed blocks.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         #: Leading blocks already published to the prefix cache since the last allocation.
         self.num_registered_blocks = 0
         self.status = SequenceStatus.WAITING

@@ -10,6 +10,7 @@ implementation. One module per concern:
   backends and the small kernels they may fuse (rotary, RMSNorm);
 * ``moe``: the experts a rank holds, routing configs, MoE backends and routers;
 * ``communication``: communicators and expert-parallel dispatchers;
+* ``kv_store``: stores that keep cache blocks below the device cache;
 * ``scheduling``: what a scheduler is given, sees and returns;
 * ``speculative``: what the engine and a speculative policy exchange;
 * ``sampling``: a request's sampling settings and the distribution they define;
@@ -44,6 +45,7 @@ from powertrain.interfaces.attention import (
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.kv_store import KVStore, KVStoreContext, StoredBlock
 from powertrain.interfaces.model import CausalLM, ModelContext
 from powertrain.interfaces.moe import (
     ExpertWeights,
@@ -123,6 +125,10 @@ __all__ = [
     "Communicator",
     "CommunicatorContext",
     "ExpertDispatcher",
+    # kv_store
+    "KVStore",
+    "KVStoreContext",
+    "StoredBlock",
     # scheduling
     "BlockAllocator",
     "PrefixMatch",

@@ -238,6 +238,14 @@ class AttentionLayerSpec:
         own = {g.sliding_window for g in self.cache_groups}
         return frozenset(own if self.kind == "custom" else {self.sliding_window, *own})
 
+    def window_of(self, tensor_name: str) -> int | None:
+        """The retention class of this layer's cache tensor ``tensor_name``: its cache
+        group's, or the layer's own for the backend's tensors."""
+        for group in self.cache_groups:
+            if any(tensor.name == tensor_name for tensor in group.tensors):
+                return group.sliding_window
+        return self.sliding_window
+
     def backend_cache_spec(self, backend: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """What ``backend`` caches for this layer: its ``kv_cache_spec``, or nothing for a
         ``custom`` layer (the model's own groups are all of its cache)."""

@@ -35,6 +35,30 @@ class EngineStats:
     speculative_request_steps: int = 0
     speculative_verified_tokens: int = 0
     speculative_accepted_tokens: int = 0
+    #: The tiers below the device cache, by tier name (all empty without tiers): of the
+    #: prefix-cache hits, the tokens loaded back from each; the bytes written to and read
+    #: from each; the seconds those took; the calls that failed (each a miss).
+    prefix_cache_tier_hit_tokens: Mapping[str, int] = attrs.field(factory=dict)
+    kv_tier_bytes_written: Mapping[str, int] = attrs.field(factory=dict)
+    kv_tier_bytes_read: Mapping[str, int] = attrs.field(factory=dict)
+    kv_tier_seconds: Mapping[str, float] = attrs.field(factory=dict)
+    kv_tier_errors: Mapping[str, int] = attrs.field(factory=dict)
+
+    @classmethod
+    def total(cls, reports: Sequence[EngineStats]) -> EngineStats:
+        """Several engines' counts added up (per tier for the by-tier ones)."""
+        values: dict[str, Any] = {}
+        for field in attrs.fields(cls):
+            parts = [getattr(report, field.name) for report in reports]
+            if isinstance(field.default, attrs.Factory):  # by tier name
+                merged: dict[str, float] = {}
+                for part in parts:
+                    for name, value in part.items():
+                        merged[name] = merged.get(name, 0) + value
+                values[field.name] = merged
+            else:
+                values[field.name] = sum(parts)
+        return cls(**values)
 
 
 @runtime_checkable

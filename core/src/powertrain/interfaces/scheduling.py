@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -51,11 +51,17 @@ class PrefixMatch:
     """The longest prefix of a sequence the cache can serve: its first ``num_tokens``
     tokens (whole blocks), and for each retention class (a sliding window, or None for
     the full history) the cached block ids holding them, None where a sliding class needs
-    no block (it fell out of the window). The block manager reads ``blocks``; a
-    scheduler needs only ``num_tokens``."""
+    no block (it fell out of the window) or where a tier below the device holds it
+    (``loads``). The block manager reads ``blocks`` and ``loads``; a scheduler needs only
+    ``num_tokens``."""
 
     num_tokens: int = 0
     blocks: Mapping[int | None, tuple[int | None, ...]] = attrs.field(factory=dict)
+    #: (retention class, block index) -> (block hash, payload fetched from a tier), to
+    #: load into a fresh block.
+    loads: Mapping[tuple[int | None, int], tuple[bytes, Any]] = attrs.field(factory=dict)
+    #: Tokens of the hit each tier serves (by tier name).
+    tier_tokens: Mapping[str, int] = attrs.field(factory=dict)
 
 
 class BlockAllocator(Protocol[Seq_contra]):

@@ -42,6 +42,17 @@ class _EngineCollector(Collector):
             "Prompt tokens served from the prefix cache.",
             value=s.prefix_cache_hit_tokens,
         )
+        for name, help_text, values in (
+            ("powertrain_prefix_cache_tier_hits", "Prompt tokens loaded from a tier.", s.prefix_cache_tier_hit_tokens),
+            ("powertrain_kv_tier_written_bytes", "Bytes written to a tier.", s.kv_tier_bytes_written),
+            ("powertrain_kv_tier_read_bytes", "Bytes read from a tier.", s.kv_tier_bytes_read),
+            ("powertrain_kv_tier_seconds", "Seconds spent writing to and reading from a tier.", s.kv_tier_seconds),
+            ("powertrain_kv_tier_errors", "Tier calls that failed (each a miss).", s.kv_tier_errors),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["tier"])
+            for tier, value in values.items():
+                family.add_metric([tier], value)
+            yield family
         yield CounterMetricFamily("powertrain_preemptions", "Sequences preempted for memory.", value=s.preemptions)
         yield CounterMetricFamily(
             "powertrain_speculative_request_steps",

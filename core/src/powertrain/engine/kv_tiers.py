@@ -1,0 +1,186 @@
+"""The tiers below the device cache: a chain of KV stores (the host-memory tier, then a
+storage tier), fed off the step path and read on prefix misses.
+
+``offer`` (the device thread, after copying evicted blocks out) only queues; a writer
+thread puts them into the first tier, and whatever a tier drops to make room into the
+next. Until written, a queued block is still found (``holds``, ``fetch``). ``fetch``
+(the engine thread, when a prefix lookup misses the device) reads the first tier that
+has the block, and copies a block found below the first tier up into it, so the next
+lookup of a hot prefix is a memory read. Without a host tier, the last blocks read from
+a store stay in a small memory of ``recent_bytes`` (a request waiting for room is looked
+up again every step).
+
+A store that fails (its directory gone, its server down) costs misses, never a step:
+the failure is logged (once per tier until it recovers) and the block is treated as
+absent. A store never returns bytes other than those put under a key (its contract), so
+a miss is the worst a broken store can cause.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import structlog
+import torch
+
+from powertrain.engine.host_store import HostMemoryStore
+from powertrain.interfaces.kv_store import KVStore, StoredBlock
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.define
+class TierStats:
+    """One tier's traffic since start."""
+
+    #: Blocks a prefix lookup found here (and loaded back instead of recomputing).
+    hit_blocks: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    #: Calls that failed (each a miss or a dropped write).
+    errors: int = 0
+
+
+@attrs.frozen
+class _Offered:
+    blocks: list[StoredBlock]
+    #: Waits until the device has finished copying the payloads out (None: they are).
+    ready: Callable[[], None] | None
+
+
+class KVTiers:
+    """``tiers``: (name, store) from the top (host memory) down."""
+
+    def __init__(self, tiers: Sequence[tuple[str, KVStore]], recent_bytes: int = 64 * 2**20) -> None:
+        if not tiers:
+            raise ValueError("KVTiers needs at least one store")
+        self.tiers = list(tiers)
+        self._recent = HostMemoryStore(recent_bytes)
+        self.stats = {name: TierStats() for name, _ in self.tiers}
+        self._pending: dict[bytes, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._failing: set[str] = set()
+        self._queue: queue.Queue[_Offered | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="powertrain-kv-tiers", daemon=True)
+        self._writer.start()
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.tiers]
+
+    # ----------------------------------------------------------------------- writing
+
+    def offer(self, blocks: list[StoredBlock], ready: Callable[[], None] | None = None) -> None:
+        """Queue ``blocks`` for the tiers; returns at once."""
+        if not blocks:
+            return
+        with self._lock:
+            for key, payload in blocks:
+                self._pending[key] = payload
+        self._queue.put(_Offered(blocks, ready))
+
+    def _write_loop(self) -> None:
+        while (offered := self._queue.get()) is not None:
+            try:
+                if offered.ready is not None:
+                    offered.ready()
+                self._put_down(0, offered.blocks)
+            finally:
+                with self._lock:
+                    for key, _ in offered.blocks:
+                        self._pending.pop(key, None)
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _put_down(self, level: int, blocks: list[StoredBlock]) -> None:
+        """Put ``blocks`` into tier ``level``, and what it drops into the tiers below."""
+        while blocks and level < len(self.tiers):
+            name, store = self.tiers[level]
+            started = time.perf_counter()
+            dropped = self._call(name, store.put, blocks)
+            stats = self.stats[name]
+            stats.write_seconds += time.perf_counter() - started
+            if dropped is None:
+                return  # the tier failed: these blocks are lost, as a miss
+            stats.bytes_written += sum(payload.numel() for _, payload in blocks)
+            blocks, level = dropped, level + 1
+
+    def flush(self) -> None:
+        """Wait until everything offered so far is written (tests, shutdown)."""
+        self._queue.join()
+
+    # ----------------------------------------------------------------------- reading
+
+    def holds(self, key: bytes) -> bool:
+        """Whether some tier (or the queue) has ``key`` now."""
+        with self._lock:
+            if key in self._pending:
+                return True
+        for name, store in self.tiers:
+            found = self._call(name, store.contains, [key])
+            if found and found[0]:
+                return True
+        return False
+
+    def fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:
+        """The payload under ``key`` and the tier it came from, or None."""
+        with self._lock:
+            payload = self._pending.get(key)
+        if payload is not None:
+            return self.tiers[0][0], payload
+        for level, (name, store) in enumerate(self.tiers):
+            if not isinstance(store, HostMemoryStore):
+                recent = self._recent.get([key + name.encode()])[0]
+                if recent is not None:
+                    return name, recent
+            started = time.perf_counter()
+            got = self._call(name, store.get, [key])
+            payload = got[0] if got else None
+            if payload is None:
+                continue
+            stats = self.stats[name]
+            stats.read_seconds += time.perf_counter() - started
+            stats.bytes_read += payload.numel()
+            if level > 0 and isinstance(self.tiers[0][1], HostMemoryStore):
+                self.offer([(key, payload)])  # copy it up: the next lookup of a hot prefix is a memory read
+            elif not isinstance(store, HostMemoryStore):
+                self._recent.put([(key + name.encode(), payload)])
+            return name, payload
+        return None
+
+    def _call(self, name: str, method: Callable[[list[StoredBlock] | list[bytes]], list], items: list) -> list | None:
+        """``method(items)``; None (logged, counted) when the store fails."""
+        try:
+            result = method(items)
+        except Exception as error:  # a store's failure is a miss, never a failed step
+            self.stats[name].errors += 1
+            if name not in self._failing:
+                self._failing.add(name)
+                log.warning("kv store failing: treated as misses", tier=name, error=f"{type(error).__name__}: {error}")
+            return None
+        if name in self._failing:
+            self._failing.discard(name)
+            log.info("kv store answering again", tier=name)
+        return result
+
+    # ----------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Write what is queued, hand what host memory holds down to the tiers that keep
+        it (a storage tier survives a restart), stop the writer, close the stores."""
+        self._queue.put(None)
+        self._writer.join()
+        for level, (_, store) in enumerate(self.tiers[:-1]):
+            if isinstance(store, HostMemoryStore):
+                self._put_down(level + 1, store.drain())
+        for name, store in self.tiers:
+            try:
+                store.close()
+            except Exception as error:  # closing is best effort: the blocks are written already
+                log.warning("kv store did not close cleanly", tier=name, error=f"{type(error).__name__}: {error}")
