@@ -467,8 +467,8 @@ class BlockManager:
 
     def cached_transfers(self) -> BlockTransfers | None:
         """Copies of every block the pools cache, to the tiers (at shutdown: a storage tier
-        then serves them after a restart), or None without tiers."""
-        if self.tiers is None:
+        then serves them after a restart), or None without a tier that outlives us."""
+        if self.tiers is None or not self.tiers.persistent:
             return None
         offloads = [
             (w, block_id, tier_key(block_hash, w))

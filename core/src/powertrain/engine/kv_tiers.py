@@ -74,6 +74,12 @@ class KVTiers:
     def names(self) -> list[str]:
         return [name for name, _ in self.tiers]
 
+    @property
+    def persistent(self) -> bool:
+        """Whether a tier outlives this process (a shared store): worth handing the cache
+        down to at shutdown."""
+        return any(store.shared for _, store in self.tiers)
+
     # ----------------------------------------------------------------------- writing
 
     def offer(self, blocks: list[StoredBlock], ready: Callable[[], None] | None = None) -> None:
