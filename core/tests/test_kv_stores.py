@@ -12,10 +12,11 @@ import pytest
 import structlog
 import torch
 
-from powertrain.builtin.directory_store import HEADER, DirectoryStore
+from powertrain.builtin.directory_store import DirectoryStore
 from powertrain.engine.host_store import HostMemoryStore
 from powertrain.engine.kv_tiers import KVTiers
 from powertrain.interfaces import KVStore
+from powertrain.interfaces.kv_store import BLOCK_HEADER as HEADER
 
 
 def random_blocks(count: int, size: int, gen: torch.Generator) -> list[tuple[bytes, torch.Tensor]]:

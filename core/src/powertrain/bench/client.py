@@ -149,6 +149,27 @@ class ChatClient:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ServerError(f"{url} did not list any model ({exc!r}); pass --model") from exc
 
+    async def cache_counters(self) -> dict[str, float] | None:
+        """The server's prefix-cache counters from its Prometheus /metrics: ``queried``
+        tokens and the tokens each tier below the device served (``tier:<name>``); None
+        when the server exposes none (another engine, metrics off)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            response = await self.http.get(f"{self.base_url}/metrics")
+            response.raise_for_status()
+            families = list(text_string_to_metric_families(response.text))
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
+            return None
+        counters: dict[str, float] = {}
+        for family in families:
+            for sample in family.samples:
+                if sample.name == "powertrain_prefix_cache_queries_total":
+                    counters["queried"] = sample.value
+                elif sample.name == "powertrain_prefix_cache_tier_hits_total":
+                    counters[f"tier:{sample.labels['tier']}"] = sample.value
+        return counters if "queried" in counters else None
+
     async def chat(self, body: dict[str, Any], started: float) -> RequestResult:
         """POST one streamed chat completion; `started` is the load point's perf_counter origin."""
         sent_at = time.perf_counter()

@@ -66,6 +66,9 @@ class LevelRun:
     duration: float
     skipped: int  # turns never sent because an earlier turn of their conversation failed
     peak_concurrency: int
+    #: The server's prefix-cache counters before and after the level (``ChatClient.
+    #: cache_counters``), where it exposes them.
+    cache_counters: tuple[dict[str, float], dict[str, float]] | None = None
 
 
 class _Ready:

@@ -64,11 +64,26 @@ def summarize(run: LevelRun) -> dict[str, Any]:
         "total_token_throughput": (prompt + output) / duration if duration > 0 else None,
         "tokens": {"prompt": prompt, "output": output, "cached": cached if reporting else None},
         "prefix_cache_hit_rate": cached / cache_prompt if cache_prompt else None,
+        "prefix_cache_tier_hit_rates": tier_hit_rates(run),
         "ttft_ms": latency_stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": latency_stats([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": latency_stats([gap for r in ok for gap in r.itl]),
         "e2e_ms": latency_stats([r.e2e for r in ok if r.e2e is not None]),
         "errors": {"count": len(errors), "first": errors[:FIRST_ERRORS]},
+    }
+
+
+def tier_hit_rates(run: LevelRun) -> dict[str, float] | None:
+    """Per tier below the device cache, the share of the level's looked-up prompt tokens it
+    served (from the server's /metrics); None where the server does not say."""
+    if run.cache_counters is None:
+        return None
+    before, after = run.cache_counters
+    queried = after["queried"] - before.get("queried", 0.0)
+    return {
+        key.removeprefix("tier:"): (value - before.get(key, 0.0)) / queried if queried > 0 else 0.0
+        for key, value in after.items()
+        if key.startswith("tier:")
     }
 
 
@@ -97,11 +112,13 @@ def print_table(result: dict[str, Any], console: Console) -> None:
         "TPOT p50/p99 ms",
         "ITL p50/p99 ms",
     ]
-    for column in [*columns, "E2E p50/p99 ms", "cache hit"]:
+    tiers = any(level.get("prefix_cache_tier_hit_rates") for level in result["levels"])
+    for column in [*columns, "E2E p50/p99 ms", "cache hit", *(["tier hits"] if tiers else [])]:
         table.add_column(column, justify="right")
     for level in result["levels"]:
         requests = level["requests"]
         hit = level["prefix_cache_hit_rate"]
+        by_tier = level.get("prefix_cache_tier_hit_rates") or {}
         table.add_row(
             _load_label(level["load"]),
             f"{requests['completed']}/{requests['sent']}",
@@ -113,6 +130,7 @@ def print_table(result: dict[str, Any], console: Console) -> None:
             _pair(level["itl_ms"]),
             _pair(level["e2e_ms"]),
             "-" if hit is None else f"{hit:.1%}",
+            *([" ".join(f"{name} {rate:.1%}" for name, rate in by_tier.items()) or "-"] if tiers else []),
         )
     console.print(table)
     for level in result["levels"]:

@@ -107,7 +107,12 @@ async def measure(config: BenchConfig, progress: Progress | None = None) -> list
                     progress.advance(task, settled)
 
             arrival_seed = f"{config.seed}/{level}/arrivals"
-            runs.append(await run_level(client, conversations, load, config.body, arrival_seed, advance))
+            before = await client.cache_counters()
+            level_run = await run_level(client, conversations, load, config.body, arrival_seed, advance)
+            after = await client.cache_counters()
+            if before is not None and after is not None:
+                level_run.cache_counters = (before, after)
+            runs.append(level_run)
     return runs
 
 

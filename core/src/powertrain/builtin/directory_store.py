@@ -3,9 +3,9 @@ on a local disk or a filesystem several engines share (NFS, 3FS, Lustre).
 
 A file is written under a temporary name in its final directory and renamed into place,
 which POSIX filesystems do atomically, so a reader sees a whole file or none. Each file
-carries its key, its payload's length and a BLAKE2b digest of the payload: a file that
-was cut short, corrupted or (after a hash collision of names) holds another key fails
-the check, is reported as a miss with a warning and removed, and is never loaded.
+is a framed block (``interfaces.kv_store.frame_block``: its key, its payload's length
+and digest): a file that was cut short, corrupted or holds another key fails the check,
+is reported as a miss with a warning and removed, and is never loaded.
 
 The store keeps an index of the files it knows (scanned at start, so blocks from before
 a restart are served) and drops the least recently used once ``capacity_bytes`` is
@@ -15,9 +15,7 @@ another one removed is simply a miss.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import struct
 import threading
 import time
 import uuid
@@ -28,13 +26,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from powertrain.interfaces.kv_store import KVStoreContext, StoredBlock
+from powertrain.interfaces.kv_store import KVStoreContext, StoredBlock, frame_block, unframe_block
 
 log = structlog.get_logger(__name__)
 
-MAGIC = b"PTKVBLK1"
-#: magic, key length (u32), payload length (u64), payload digest (16 bytes); then the key and payload.
-HEADER = struct.Struct("<8sIQ16s")
 SUFFIX = ".kvb"
 #: A temporary file older than this is left over from a writer that died: removed at start.
 STALE_TEMPORARY_S = 3600.0
@@ -102,22 +97,12 @@ class DirectoryStore:
     def _read(self, key: bytes) -> torch.Tensor | None:
         path = self.file_of(key)
         try:
-            with open(path, "rb") as file:
-                header = file.read(HEADER.size)
-                if len(header) < HEADER.size:
-                    return self._reject(path, key, "shorter than its header")
-                magic, key_len, size, digest = HEADER.unpack(header)
-                if magic != MAGIC:
-                    return self._reject(path, key, "not a powertrain KV block file")
-                if file.read(key_len) != key:
-                    return self._reject(path, key, "holds another key")
-                payload = torch.empty(size, dtype=torch.uint8)
-                if file.readinto(payload.numpy()) != size or file.read(1):
-                    return self._reject(path, key, f"does not hold the {size} payload bytes its header says")
+            data = path.read_bytes()
         except FileNotFoundError:
             return None
-        if hashlib.blake2b(payload.numpy(), digest_size=16).digest() != digest:
-            return self._reject(path, key, "fails its checksum")
+        payload = unframe_block(key, data)
+        if isinstance(payload, str):
+            return self._reject(path, key, payload)
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -146,20 +131,18 @@ class DirectoryStore:
         return []
 
     def _write(self, path: Path, key: bytes, payload: torch.Tensor) -> int:
-        data = payload.contiguous().numpy()
-        header = HEADER.pack(MAGIC, len(key), data.nbytes, hashlib.blake2b(data, digest_size=16).digest())
+        header, data = frame_block(key, payload)
         path.parent.mkdir(exist_ok=True)
         temporary = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with open(temporary, "wb") as file:
                 file.write(header)
-                file.write(key)
-                file.write(memoryview(data))
+                file.write(data)
             os.replace(temporary, path)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
-        return HEADER.size + len(key) + data.nbytes
+        return len(header) + len(data)
 
     def _trim(self) -> None:
         while True:

@@ -45,7 +45,7 @@ from powertrain.interfaces.attention import (
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
-from powertrain.interfaces.kv_store import KVStore, KVStoreContext, StoredBlock
+from powertrain.interfaces.kv_store import KVStore, KVStoreContext, StoredBlock, frame_block, unframe_block
 from powertrain.interfaces.model import CausalLM, ModelContext
 from powertrain.interfaces.moe import (
     ExpertWeights,
@@ -129,6 +129,8 @@ __all__ = [
     "KVStore",
     "KVStoreContext",
     "StoredBlock",
+    "frame_block",
+    "unframe_block",
     # scheduling
     "BlockAllocator",
     "PrefixMatch",

@@ -23,6 +23,8 @@ the engine treats the failure as a miss and keeps serving.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +33,11 @@ import torch
 
 #: One stored block: its key and its payload.
 StoredBlock = tuple[bytes, torch.Tensor]
+
+BLOCK_MAGIC = b"PTKVBLK1"
+#: magic, key length (u32), payload length (u64), the payload's BLAKE2b-128; then the key
+#: and the payload.
+BLOCK_HEADER = struct.Struct("<8sIQ16s")
 
 
 @runtime_checkable
@@ -76,3 +83,36 @@ class KVStoreContext:
     path: str = ""
     #: The plugin's validated config section (its ``config_section``), or None.
     config: Any = None
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def frame_block(key: bytes, payload: torch.Tensor) -> tuple[bytes, memoryview]:
+    """A block as bytes a store can keep: a header with the key, the payload's length and
+    digest (the first part), then the payload itself (the second, not copied). A store of
+    bytes (files, a key-value server) writes both parts and checks what it reads back with
+    ``unframe_block``, so it can never return a torn or foreign entry."""
+    data = payload.contiguous().numpy()
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    return BLOCK_HEADER.pack(BLOCK_MAGIC, len(key), data.nbytes, digest) + key, memoryview(data).cast("B")
+
+
+def unframe_block(key: bytes, data: bytes | bytearray | memoryview) -> torch.Tensor | str:
+    """The payload ``frame_block`` framed under ``key``, or why ``data`` is not that
+    (cut short, longer, damaged, another key's)."""
+    view = memoryview(data).cast("B")
+    if len(view) < BLOCK_HEADER.size:
+        return "shorter than its header"
+    magic, key_len, size, digest = BLOCK_HEADER.unpack_from(view)
+    if magic != BLOCK_MAGIC:
+        return "not a powertrain KV block"
+    start = BLOCK_HEADER.size + key_len
+    if bytes(view[BLOCK_HEADER.size : start]) != key:
+        return "holds another key"
+    if len(view) != start + size:
+        return f"holds {len(view) - start} payload bytes where its header says {size}"
+    payload = view[start:]
+    if hashlib.blake2b(payload, digest_size=16).digest() != digest:
+        return "fails its checksum"
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)

@@ -21,6 +21,9 @@ then subclass the suites that fit what your plugin provides::
     class TestQuantizedLinear(QuantizedLinearSuite):
         component = "my-quantized-linear"
 
+    class TestStore(KVStoreSuite):
+        component = "my-kv-store"
+
 Every suite compares your implementation with the builtin reference on fresh
 random inputs and skips, with your record's reason, what cannot run here.
 
@@ -51,6 +54,7 @@ from powertrain.testing.checkpoints import (
 )
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
+from powertrain.testing.kv_store import KVStoreSuite
 from powertrain.testing.moe import MoEBackendSuite
 from powertrain.testing.quantized_linear import QuantizedLinearSuite
 
@@ -58,6 +62,7 @@ __all__ = [
     "AttentionBackendSuite",
     "CommunicatorSuite",
     "ComponentSuite",
+    "KVStoreSuite",
     "MoEBackendSuite",
     "PluginContract",
     "QuantizedLinearSuite",

@@ -1,0 +1,98 @@
+"""The redis KV store on a real server: the conformance kit, the engine's tokens with the
+store as its storage tier, a restart served from the server, and a server killed
+mid-run (misses with a logged reason, the same tokens)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import redis
+import structlog
+
+from powertrain import LLM, SamplingParams
+from powertrain.config import EngineConfig, apply_overrides
+from powertrain.interfaces import KVStore, KVStoreContext
+from powertrain.testing import KVStoreSuite, PluginContract, fresh_seed, write_tiny_deepseek
+from powertrain_redis_store.plugin import RedisStoreConfig
+from powertrain_redis_store.store import RedisStore
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+class TestContract(PluginContract):
+    plugin = "redis-store"
+    vendor_modules = ("redis",)
+
+
+class TestRedisStore(KVStoreSuite):
+    component = "redis"
+
+    @pytest.fixture
+    def context(self, redis_server: Any) -> KVStoreContext:
+        config = RedisStoreConfig(url=redis_server.url, key_prefix=f"test-{fresh_seed()}:")
+        return KVStoreContext(capacity_bytes=None, config=config)
+
+    def damage(self, store: KVStore, key: bytes) -> None:
+        assert isinstance(store, RedisStore)
+        name = store._name(key)
+        value = store.client.get(name)
+        store.client.set(name, value[:-3])  # cut short, as by a writer that died
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_deepseek(tmp_path_factory.mktemp("v3"), seed=fresh_seed(), num_nextn_predict_layers=0)
+
+
+def conversations(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(500) for _ in range(40)]
+    return [system + [rng.randrange(500) for _ in range(20 + 7 * i)] for i in range(6)]
+
+
+def config_of(checkpoint: Path, **settings: Any) -> EngineConfig:
+    config = apply_overrides(EngineConfig(), {"path": str(checkpoint), "dtype": "float32", "num_blocks": 10, **settings})
+    return config
+
+
+def with_redis(config: EngineConfig, url: str) -> EngineConfig:
+    config = apply_overrides(config, {"kv_store": "redis"})
+    return attrs.evolve(config, sections={"redis_store": {"url": url, "timeout_s": 0.5}})
+
+
+def serve(config: EngineConfig, prompts: list[list[int]], rounds: int = 2) -> tuple[list[list[list[int]]], Any]:
+    with LLM(config=config) as llm:
+        tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
+        return tokens, llm.engine.stats()
+
+
+def test_the_engine_keeps_its_tokens_and_a_restart_hits_the_server(checkpoint: Path, redis_server: Any) -> None:
+    seed = fresh_seed()
+    prompts = conversations(seed)
+    plain, _ = serve(config_of(checkpoint), prompts)
+    tiered, stats = serve(with_redis(config_of(checkpoint), redis_server.url), prompts)
+    assert tiered == plain, f"seed={seed}"
+    assert stats.prefix_cache_tier_hit_tokens["redis"] > 0 and stats.kv_tier_errors == {"redis": 0}
+    assert redis.Redis.from_url(redis_server.url).dbsize() > 0
+    restarted, after = serve(with_redis(config_of(checkpoint, num_blocks=64), redis_server.url), prompts, rounds=1)
+    assert restarted[0] == plain[0], f"after a restart (seed={seed})"
+    cacheable = sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert after.prefix_cache_hit_tokens >= 0.8 * cacheable, after
+
+
+def test_a_server_killed_mid_run_costs_misses_not_requests(checkpoint: Path, redis_server: Any) -> None:
+    seed = fresh_seed()
+    prompts = conversations(seed)
+    plain, _ = serve(config_of(checkpoint), prompts)
+    with LLM(config=with_redis(config_of(checkpoint), redis_server.url)) as llm, structlog.testing.capture_logs() as logs:
+        first = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+        redis_server.stop()
+        second = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+        errors = llm.engine.stats().kv_tier_errors
+    assert [first, second] == plain, f"seed={seed}"
+    assert errors["redis"] > 0
+    assert any(entry["event"] == "kv store failing: treated as misses" for entry in logs)
