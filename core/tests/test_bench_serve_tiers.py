@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from powertrain.assemble import build_engine
 from powertrain.cli import main
-from powertrain.config import EngineConfig, apply_overrides
+from powertrain.config import EngineConfig
 from powertrain.engine.async_engine import AsyncEngine
+from powertrain.llm import apply_overrides
 from powertrain.plugins import PluginManager
 from powertrain.serve.run import protocol_adapter
 from powertrain.testing.base import fresh_seed
@@ -29,7 +30,7 @@ def counter(base_url: str, name: str) -> float:
 
 def test_bench_serve_reports_hit_rates_per_tier(tmp_path: Path) -> None:
     checkpoint = write_tiny_deepseek(tmp_path / "v3", seed=fresh_seed(), num_nextn_predict_layers=0)
-    settings = {"path": str(checkpoint), "dtype": "float32", "num_blocks": 12, "host_memory_gib": 0.01}
+    settings = {"path": str(checkpoint), "dtype": "float32", "num_blocks": 20, "host_memory_gib": 0.01}
     config = apply_overrides(EngineConfig(), settings)
     plugins = PluginManager.load(config.plugins)
     engine = AsyncEngine(build_engine(config, plugins))
@@ -38,7 +39,7 @@ def test_bench_serve_reports_hit_rates_per_tier(tmp_path: Path) -> None:
         adapter = protocol_adapter(plugins, engine.engine.tokenizer, engine.engine.model_config)
         with running_server(engine, adapter) as url:
             args = ["bench", "serve", "--base-url", url, "--workload", "multi-turn", "--concurrency", "4"]
-            args += ["--conversations", "6", "--turns", "4", "--input-len", "30:40", "--output-len", "6"]
+            args += ["--conversations", "6", "--turns", "3", "--input-len", "10:15", "--output-len", "6"]
             args += ["--temperature", "0", "--output", str(output)]
             result = CliRunner().invoke(main, args)
             assert result.exit_code == 0, result.output
@@ -48,7 +49,7 @@ def test_bench_serve_reports_hit_rates_per_tier(tmp_path: Path) -> None:
         engine.shutdown()
     assert "tier hits" in result.output and "host" in result.output
     [level] = json.loads(output.read_text())["levels"]
-    assert level["requests"]["failed"] == 0
+    assert level["requests"]["failed"] == 0, level["errors"]
     rates = level["prefix_cache_tier_hit_rates"]
-    assert from_host > 0, "the conversations outgrew 12 blocks: their earlier turns come back from host memory"
+    assert from_host > 0, "the conversations outgrew 20 blocks: their earlier turns come back from host memory"
     assert abs(rates["host"] - from_host / queried) < 1e-9, (rates, from_host, queried)

@@ -8,17 +8,16 @@ import random
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import redis
 import structlog
-
-from powertrain import LLM, SamplingParams
-from powertrain.config import EngineConfig, apply_overrides
-from powertrain.interfaces import KVStore, KVStoreContext
-from powertrain.testing import KVStoreSuite, PluginContract, fresh_seed, write_tiny_deepseek
 from powertrain_redis_store.plugin import RedisStoreConfig
 from powertrain_redis_store.store import RedisStore
+
+from powertrain import LLM, SamplingParams
+from powertrain.config import EngineConfig
+from powertrain.interfaces import KVStore, KVStoreContext
+from powertrain.testing import KVStoreSuite, PluginContract, fresh_seed, write_tiny_deepseek
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -54,18 +53,17 @@ def conversations(seed: int) -> list[list[int]]:
     return [system + [rng.randrange(500) for _ in range(20 + 7 * i)] for i in range(6)]
 
 
-def config_of(checkpoint: Path, **settings: Any) -> EngineConfig:
-    config = apply_overrides(EngineConfig(), {"path": str(checkpoint), "dtype": "float32", "num_blocks": 10, **settings})
-    return config
+def settings_of(checkpoint: Path, redis_url: str | None = None, **more: Any) -> dict[str, Any]:
+    """LLM settings; with ``redis_url``, the redis store as the storage tier."""
+    settings = {"path": str(checkpoint), "dtype": "float32", "num_blocks": 10, **more}
+    if redis_url is None:
+        return settings
+    section = {"url": redis_url, "timeout_s": 0.5}
+    return {**settings, "kv_store": "redis", "config": EngineConfig(sections={"redis_store": section})}
 
 
-def with_redis(config: EngineConfig, url: str) -> EngineConfig:
-    config = apply_overrides(config, {"kv_store": "redis"})
-    return attrs.evolve(config, sections={"redis_store": {"url": url, "timeout_s": 0.5}})
-
-
-def serve(config: EngineConfig, prompts: list[list[int]], rounds: int = 2) -> tuple[list[list[list[int]]], Any]:
-    with LLM(config=config) as llm:
+def serve(settings: dict[str, Any], prompts: list[list[int]], rounds: int = 2) -> tuple[list[list[list[int]]], Any]:
+    with LLM(**settings) as llm:
         tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] for _ in range(rounds)]
         return tokens, llm.engine.stats()
 
@@ -73,12 +71,12 @@ def serve(config: EngineConfig, prompts: list[list[int]], rounds: int = 2) -> tu
 def test_the_engine_keeps_its_tokens_and_a_restart_hits_the_server(checkpoint: Path, redis_server: Any) -> None:
     seed = fresh_seed()
     prompts = conversations(seed)
-    plain, _ = serve(config_of(checkpoint), prompts)
-    tiered, stats = serve(with_redis(config_of(checkpoint), redis_server.url), prompts)
+    plain, _ = serve(settings_of(checkpoint), prompts)
+    tiered, stats = serve(settings_of(checkpoint, redis_server.url), prompts)
     assert tiered == plain, f"seed={seed}"
     assert stats.prefix_cache_tier_hit_tokens["redis"] > 0 and stats.kv_tier_errors == {"redis": 0}
     assert redis.Redis.from_url(redis_server.url).dbsize() > 0
-    restarted, after = serve(with_redis(config_of(checkpoint, num_blocks=64), redis_server.url), prompts, rounds=1)
+    restarted, after = serve(settings_of(checkpoint, redis_server.url, num_blocks=64), prompts, rounds=1)
     assert restarted[0] == plain[0], f"after a restart (seed={seed})"
     cacheable = sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert after.prefix_cache_hit_tokens >= 0.8 * cacheable, after
@@ -87,8 +85,8 @@ def test_the_engine_keeps_its_tokens_and_a_restart_hits_the_server(checkpoint: P
 def test_a_server_killed_mid_run_costs_misses_not_requests(checkpoint: Path, redis_server: Any) -> None:
     seed = fresh_seed()
     prompts = conversations(seed)
-    plain, _ = serve(config_of(checkpoint), prompts)
-    with LLM(config=with_redis(config_of(checkpoint), redis_server.url)) as llm, structlog.testing.capture_logs() as logs:
+    plain, _ = serve(settings_of(checkpoint), prompts)
+    with LLM(**settings_of(checkpoint, redis_server.url)) as llm, structlog.testing.capture_logs() as logs:
         first = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
         redis_server.stop()
         second = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
