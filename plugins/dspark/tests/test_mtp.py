@@ -12,6 +12,7 @@ entry read before it was written shows).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -404,3 +405,28 @@ def test_mtp_under_expert_parallelism_gives_the_tokens_of_one_process(checkpoint
     assert sorted(drafted.values())[0] == 0 and sorted(drafted.values())[1] > 0, drafted
     idle = min(drafted, key=drafted.__getitem__)
     assert served[idle] > max(drafted.values()), (served, drafted)  # it joined every drafter round
+
+
+@pytest.mark.usefixtures("steady_step_time")
+def test_tiers_carry_the_drafters_cache_and_change_no_token(checkpoints: dict[str, Path], seed: int) -> None:
+    """With a host tier below a cache too small for the batch, blocks evicted and loaded
+    back carry the MTP layer's cache too (it is filled through the same block tables):
+    the tokens are plain decoding's, and drafts still get accepted after hits from the tier."""
+    path = checkpoints["mimic"]
+    batch = requests(seed)
+    tight = {"max_num_batched_tokens": 32, "num_blocks": 14}
+    plain, _ = generate(engine_config(path, "none", **tight), batch)
+    config = engine_config(path, "fixed-k", host_memory_gib=0.01, dspark={"max_draft_tokens": 3}, **tight)
+    with LLM(config=config) as llm:
+        engine = llm.engine
+        rounds = [llm.generate([p for p, _ in batch], [s for _, s in batch]) for _ in range(2)]
+        stats = engine.stats()
+        carried = engine.block_mover.block_bytes[None]
+        target = engine.kv_cache["bytes_per_token"] * 8  # a block of the target's own layers
+    for outputs in rounds:
+        assert [o.outputs[0].token_ids for o in outputs] == plain, f"seed={seed}"
+    assert stats.prefix_cache_tier_hit_tokens["host"] > 0, stats
+    assert stats.speculative_accepted_tokens > 0
+    # The tier's block is the target's layers plus the MTP layer (one more MLA layer).
+    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    assert carried == pytest.approx(target * (num_layers + 1) / num_layers, rel=1e-3), (carried, target)
