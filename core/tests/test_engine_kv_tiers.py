@@ -15,6 +15,10 @@ import pytest
 import structlog
 
 from powertrain import LLM, SamplingParams
+from powertrain.assemble.planning import AssemblyError, plan
+from powertrain.assemble.tiers import build_tiers
+from powertrain.config import ConfigError, EngineConfig, parse_config
+from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek, write_tiny_deepseek_v4
 
@@ -110,3 +114,29 @@ def test_deepseek_v4_sliding_and_compressed_groups_come_back_from_the_tiers(tmp_
     tiered, stats = serve({**base, "host_memory_gib": 1.0}, prompts)
     assert tiered == plain, f"tiers changed tokens (seed={seed})"
     assert stats.prefix_cache_tier_hit_tokens["host"] > 0, stats
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kv_store": "directory"}, "set [cache] store_path"),
+        ({"host_memory_gib": 1.0, "prefix_caching": False}, "set [cache] prefix_caching = true"),
+        ({"kv_store": "nonexistent"}, "nonexistent"),
+    ],
+)
+def test_tier_settings_that_cannot_work_are_refused_clearly(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(AssemblyError) as error:
+        build_tiers(plan(apply_overrides(EngineConfig(), settings)))
+    assert message in str(error.value)
+
+
+def test_bad_tier_values_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"cache\.host_memory_gib: must be 0 or more"):
+        parse_config({"cache": {"host_memory_gib": -1.0}}, "engine.toml")
+    with pytest.raises(ConfigError, match=r"cache\.store_gib: must be positive"):
+        parse_config({"cache": {"store_gib": 0}}, "engine.toml")
+
+
+def test_auto_never_picks_a_store_for_the_user() -> None:
+    chosen = plan(apply_overrides(EngineConfig(), {"kv_store": "auto"}))
+    assert chosen.resolutions["kv_store"].provided is None and build_tiers(chosen) is None

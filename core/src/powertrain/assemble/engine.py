@@ -65,9 +65,9 @@ def build_engine(
         dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
         attention = build_attention(chosen, dtype)
         check_expert_parallel_fits(placement, needs_moe, checkpoint, architecture.record.name)
+        tiers = build_tiers(chosen)
     experts = join_expert_parallel(chosen, placement)
     device_thread = DeviceThread()
-    tiers = build_tiers(chosen)
     drafter_caches: list[Any] = []
     with _released_on_failure(device_thread, experts, tiers):
         loaded = device_thread.run(load_model, chosen, architecture, checkpoint, attention, dtype, needs_moe, experts)

@@ -112,6 +112,9 @@ def plan(
         if kind in ("speculative", "kv_store") and requested == "none":
             resolutions[kind] = Resolution(kind=kind, requested=requested, reason=f"disabled ({kind} = none)")
             continue
+        if kind == "kv_store" and requested == "auto":  # a store holds data: never chosen for the user
+            resolutions[kind] = Resolution(kind=kind, requested=requested, reason="none unless one is named")
+            continue
         candidates = [
             _candidate(kind, p, platform, requirements.get(kind, frozenset()), world_size)
             for p in plugins.records(kind)

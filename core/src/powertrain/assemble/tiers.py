@@ -10,8 +10,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from powertrain import interfaces
 from powertrain.assemble.planning import AssemblyError, Plan
 from powertrain.engine.host_store import HostMemoryStore
@@ -54,14 +52,16 @@ def build_tiers(plan: Plan) -> KVTiers | None:
 
 def cache_namespace(plan: Plan, checkpoint: Any, mover: BlockMover, dtype: Any) -> bytes:
     """What two engines must share for one's cached blocks to be the other's: the weights
-    (file names, sizes and modification times), the model config, dtype and block size,
-    the components that compute the cache, and every cache tensor's shape, dtype and class."""
+    (file names, sizes and modification times), the model config, dtype, quantization mode,
+    batch invariance and block size, the components that compute the cache, and every
+    cache tensor's shape, dtype and class."""
     config = plan.config
     identity = {
         "weights": _weight_files(Path(checkpoint.path)),
         "config": dict(checkpoint.config),
-        "model": attrs.asdict(config.model),
         "dtype": str(dtype),
+        "quantization": config.model.quantization,
+        "batch_invariant": config.engine.batch_invariant,
         "block_size": config.cache.block_size,
         "components": {kind: plan.resolutions[kind].name for kind in COMPUTING_KINDS if kind in plan.resolutions},
         "tensors": {
