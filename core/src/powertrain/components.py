@@ -207,6 +207,10 @@ class PlatformInfo:
     #: Free bytes on a device now, ``free_memory(torch.device) -> int``: the KV cache is
     #: sized from it. None: sized from ``total_memory_bytes`` instead.
     free_memory: Callable[[torch.device], int] | None = attrs.field(default=None, validator=_callable)
+    #: Copies between this family's devices and host memory go through pinned (page-locked)
+    #: host buffers and run asynchronously (the KV tiers' block copies); False: plain
+    #: synchronous copies, the only kind a host device needs.
+    pinned_host_copies: bool = False
     #: FP8 checkpoint weights may stay FP8 here, for MoE backends that multiply them
     #: directly; False: they are dequantized at load (no FP8 matmul to gain from).
     keeps_fp8_weights: bool = False

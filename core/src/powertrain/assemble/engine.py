@@ -87,7 +87,7 @@ def build_engine(
         )
         mover = None
         if tiers is not None:
-            mover = block_mover(tiers, loaded.model, loaded.kv_caches, drafter_caches, chosen.device)
+            mover = block_mover(tiers, loaded.model, loaded.kv_caches, drafter_caches, chosen)
             log.info("kv tiers", tiers=tiers.names, block_bytes={str(w): n for w, n in mover.block_bytes.items()})
     block_manager = BlockManager(
         loaded.num_blocks,

@@ -83,8 +83,8 @@ def block_mover(
     model: interfaces.CausalLM,
     kv_caches: list[interfaces.LayerKVCache],
     drafter_caches: list[tuple[interfaces.AttentionLayerSpec, interfaces.LayerKVCache]],
-    device: Any,
+    plan: Plan,
 ) -> BlockMover:
     """The copier of the target's cache and a drafter's (filled through the same tables)."""
     layers = [*zip(model.attention_layers, kv_caches, strict=True), *drafter_caches]
-    return BlockMover(layers, tiers, device)
+    return BlockMover(layers, tiers, plan.device, pinned=plan.platform.pinned_host_copies)

@@ -140,6 +140,7 @@ CUDA_FACTS: dict[str, Any] = {
     "barrier_needs_device_ids": True,
     "free_memory": cuda_free_memory,
     "keeps_fp8_weights": True,
+    "pinned_host_copies": True,
 }
 
 

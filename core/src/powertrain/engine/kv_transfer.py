@@ -24,8 +24,14 @@ from powertrain.interfaces import AttentionLayerSpec, LayerKVCache
 
 class BlockMover:
     def __init__(
-        self, layers: Iterable[tuple[AttentionLayerSpec, LayerKVCache]], tiers: KVTiers, device: torch.device
+        self,
+        layers: Iterable[tuple[AttentionLayerSpec, LayerKVCache]],
+        tiers: KVTiers,
+        device: torch.device,
+        pinned: bool = False,
     ) -> None:
+        """``pinned``: copy through pinned host memory without waiting (``PlatformInfo.
+        pinned_host_copies``)."""
         self.tiers = tiers
         self.device = device
         self.tensors: dict[Window, list[torch.Tensor]] = {}
@@ -39,7 +45,7 @@ class BlockMover:
         self.block_bytes: Mapping[Window, int] = {
             w: sum(t[0].numel() * t.element_size() for t in tensors) for w, tensors in self.tensors.items()
         }
-        self._pin = device.type != "cpu"
+        self._pin = pinned
         self.bytes_out = 0
         self.bytes_in = 0
 
@@ -72,7 +78,7 @@ class BlockMover:
     def _ready(self) -> Callable[[], None] | None:
         """What the tiers' writer calls before reading payloads copied out just now."""
         if not self._pin:
-            return None  # a CPU copy is done when it returns
+            return None  # a synchronous copy is done when it returns
         event = torch.Event(device=self.device)
         event.record()
         return event.synchronize

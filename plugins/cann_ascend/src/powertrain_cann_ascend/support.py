@@ -75,6 +75,7 @@ NPU_FACTS: dict[str, Any] = {
     "set_device": npu_set_device,
     "free_memory": npu_free_memory,
     "keeps_fp8_weights": True,
+    "pinned_host_copies": True,
 }
 
 
