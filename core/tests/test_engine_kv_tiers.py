@@ -1,8 +1,8 @@
 """The engine with tiers below its device cache (issue 26): greedy outputs never change
-with tiers on or off, under preemption, on SmolLM2 (GQA), tiny DeepSeek-V3 (MLA) and
-tiny DeepSeek-V4 (sliding-window and compressed groups); the tiers serve hits, a restart
-with the same directory serves the conversations from before it, and a damaged or
-vanished store only costs misses."""
+with tiers on or off, under preemption, on SmolLM2 (GQA), tiny DeepSeek-V3 (MLA), V3.2
+(indexer keys) and V4 (sliding-window and compressed groups); the tiers serve hits, a
+restart with the same directory serves the conversations from before it, and a damaged
+or vanished store only costs misses."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from powertrain.assemble.tiers import build_tiers
 from powertrain.config import ConfigError, EngineConfig, parse_config
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
-from powertrain.testing.checkpoints import write_tiny_deepseek, write_tiny_deepseek_v4
+from powertrain.testing.checkpoints import write_tiny_deepseek, write_tiny_deepseek_v4, write_tiny_deepseek_v32
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -105,11 +105,18 @@ def test_deepseek_v3_tiers_change_nothing_and_survive_damage(deepseek_v3: Path, 
     assert any(entry["event"] == "kv store failing: treated as misses" for entry in logs)
 
 
-def test_deepseek_v4_sliding_and_compressed_groups_come_back_from_the_tiers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("write", "block_size"),
+    [(write_tiny_deepseek_v32, 16), (write_tiny_deepseek_v4, 8)],
+    ids=["v3.2-indexer-keys", "v4-sliding-and-compressed"],
+)
+def test_deepseek_cache_groups_come_back_from_the_tiers(tmp_path: Path, write: Any, block_size: int) -> None:
+    """V3.2's indexer keys (a group beside the MLA latent) and V4's sliding-window and
+    compressed groups (every layer custom) go down and come back with their blocks."""
     seed = fresh_seed()
-    path = write_tiny_deepseek_v4(tmp_path / "v4", seed=seed)
+    path = write(tmp_path / "model", seed=seed)
     prompts = conversations(random.Random(seed), vocab=500, count=4)
-    base = {"path": str(path), "dtype": "float32", "block_size": 8, "num_blocks": 16}
+    base = {"path": str(path), "dtype": "float32", "block_size": block_size, "num_blocks": 128 // block_size}
     plain, _ = serve(base, prompts)
     tiered, stats = serve({**base, "host_memory_gib": 1.0}, prompts)
     assert tiered == plain, f"tiers changed tokens (seed={seed})"
