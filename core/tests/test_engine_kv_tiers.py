@@ -147,3 +147,15 @@ def test_bad_tier_values_are_config_errors() -> None:
 def test_auto_never_picks_a_store_for_the_user() -> None:
     chosen = plan(apply_overrides(EngineConfig(), {"kv_store": "auto"}))
     assert chosen.resolutions["kv_store"].provided is None and build_tiers(chosen) is None
+
+
+def test_an_engine_counts_the_blocks_its_own_tiers_keep(deepseek_v3: Path, tmp_path: Path) -> None:
+    """What the data-parallel balancer reads (WorkerInfo.tier_blocks): host memory counts,
+    a shared store (every rank's) does not."""
+    settings = {"path": str(deepseek_v3), "dtype": "float32", "num_blocks": 10}
+    with LLM(**settings) as plain:
+        assert plain.engine.tier_blocks == 0
+    shared = {"kv_store": "directory", "store_path": str(tmp_path), "store_gib": 1.0}
+    with LLM(**settings, host_memory_gib=0.01, **shared) as llm:
+        block_bytes = llm.engine.block_mover.block_bytes[None]
+        assert llm.engine.tier_blocks == int(0.01 * 2**30) // block_bytes > 10

@@ -5,10 +5,12 @@ sent to rank r (a chat's earlier turns, a shared system prompt) is cheapest on r
 blocks are computed already. The front end cannot see the ranks' caches; it keeps,
 per rank, the chain hashes of the full prompt blocks it sent there (the block
 manager's notion of a cached block), least recently used first out once the rank's
-cache would be full. A prompt goes to the rank with the most leading blocks in that
-record, among the ranks whose load (requests in flight) is within ``slack`` of the
-least loaded one, so that one popular prefix cannot pile every request onto one rank.
-Ties go to the less loaded rank, then the lower one.
+cache would be full (its device cache and the tiers only it reads, host memory; a
+shared store serves every rank alike, so it moves no request). A prompt goes to the
+rank with the most leading blocks in that record, among the ranks whose load
+(requests in flight) is within ``slack`` of the least loaded one, so that one popular
+prefix cannot pile every request onto one rank. Ties go to the less loaded rank, then
+the lower one.
 """
 
 from __future__ import annotations

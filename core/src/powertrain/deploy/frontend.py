@@ -134,7 +134,8 @@ class ParallelEngine:
                 self._handshake(conn, pending)
         attention = [self._ranks[r].info for r in self.layout.attention_ranks]
         block_size = attention[0].block_size
-        blocks = min(info.num_blocks for info in attention)
+        # What a rank serves without recomputing: its device cache and its own tiers below it.
+        blocks = min(info.num_blocks + info.tier_blocks for info in attention)
         self._cache_tokens = min(info.cache_tokens for info in attention)
         self._balancer = PrefixBalancer(
             self.layout.attention_ranks, block_size, blocks, slack=self.config.scheduler.max_num_seqs

@@ -51,6 +51,8 @@ class WorkerInfo:
     cache_tokens: int
     #: ``(first, count)`` of the routed experts this rank loaded; None: not a MoE model.
     experts: tuple[int, int] | None = None
+    #: Blocks its own tiers (host memory) keep beside its device cache (``LLMEngine.tier_blocks``).
+    tier_blocks: int = 0
 
 
 def _expert_layers(engine: Any) -> list[Any]:
@@ -141,6 +143,7 @@ def run_worker(
         block_size=engine.block_manager.block_size,
         cache_tokens=engine.cache_tokens,
         experts=_expert_slice(engine),
+        tier_blocks=engine.tier_blocks,
     )
     conn.send(("ready", info))
     try:

@@ -188,6 +188,16 @@ class LLMEngine:
             speculative_accepted_tokens=self._speculative_counts[2],
         )
 
+    @property
+    def tier_blocks(self) -> int:
+        """Blocks of the primary pool's size this engine's own tiers keep beside its device
+        cache (those no other engine sees: a shared store is everyone's); 0 without."""
+        if self.block_mover is None:
+            return 0
+        size = next(iter(self.block_mover.block_bytes.values()))
+        own = [store.capacity_bytes for _, store in self.block_mover.tiers.tiers if not store.shared]
+        return sum(capacity // size for capacity in own if capacity is not None)
+
     def _tier_stats(self) -> dict[str, dict[str, float]]:
         if self.block_mover is None:
             return {}
