@@ -111,6 +111,14 @@ def test_evicted_blocks_come_back_bit_for_bit_in_every_class(seed: int) -> None:
             if w is None or index >= 2:
                 assert same(harness.block(w, table[index]), kept[w][index]), f"class {w} block {index} (seed={seed})"
     assert harness.manager.stats.tier_hit_tokens == {"host": 16}
+    # Evicted again, the loaded blocks are not copied out a second time: the tiers hold them.
+    loaded = {(w, b) for w, table in again.block_tables.items() for b in table[:4]}
+    harness.manager.free_sequence(again)
+    last = seq_of([rng.randrange(2000, 3000) for _ in range(22)])  # takes every block
+    harness.manager.allocate(last, last.num_tokens, harness.manager.match_prefix(last))
+    copied = harness.manager.take_transfers()
+    assert copied is not None and copied.offloads, "the block computed after the hit is copied out"
+    assert not loaded & {(w, b) for w, b, _ in copied.offloads}, f"seed={seed}"
     tiers.close()
 
 

@@ -35,7 +35,8 @@ rooted in the cache's ``namespace`` (the model, dtype, cache tensors and block s
 it names the block's content across processes and restarts, which the tiers need.
 
 *Tiers* (``engine.kv_tiers``, optional). A cached block evicted from a pool (handed out
-again) is first copied out, keyed by its hash and retention class, to the tiers below;
+again) is first copied out, keyed by its hash and retention class, to the tiers below
+(unless it was loaded from them);
 a lookup that misses a pool asks the tiers, and a hit there is loaded into a fresh block
 before the step that reads it. Copies run on the device thread ahead of the step
 (``take_transfers``: the engine submits them before the step it scheduled), so a block
@@ -95,6 +96,8 @@ class Block:
     hash: bytes | None = None
     #: The tokens hashed, to rule out hash collisions on lookup.
     token_ids: tuple[int, ...] = ()
+    #: Loaded from the tiers, which hold it still: nothing to copy out when it is evicted.
+    from_tiers: bool = False
 
 
 @attrs.define
@@ -158,9 +161,9 @@ class BlockPool:
         if block.hash is not None:  # evict it from the prefix cache
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-                if self.evicted is not None:
+                if self.evicted is not None and not block.from_tiers:
                     self.evicted.append((block_id, block.hash))
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.from_tiers = None, (), False
         block.ref_count = 1
         return block_id
 
@@ -353,6 +356,7 @@ class BlockManager:
             pool = self.pools[w]
             block_id = pool.take_free()
             pool.register(block_id, block_hash, self._block_tokens(seq, index))
+            pool.blocks[block_id].from_tiers = True
             seq.block_tables[w][index] = block_id
             self._loads.append((w, block_id, payload))
         seq.num_computed_tokens = matched.num_tokens
@@ -474,5 +478,6 @@ class BlockManager:
             (w, block_id, tier_key(block_hash, w))
             for w, pool in self.pools.items()
             for block_hash, block_id in pool.cached.items()
+            if not pool.blocks[block_id].from_tiers
         ]
         return BlockTransfers(offloads, [])
