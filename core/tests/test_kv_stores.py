@@ -137,12 +137,16 @@ def test_tiers_spill_down_promote_up_and_find_what_is_still_queued(tmp_path: Pat
             found = tiers.fetch(key)
             assert found is not None and torch.equal(found[1], payload)
         tiers.flush()
-        assert host.contains([k for k, _ in blocks]) == [False] * 5 + [True] * 3
-        assert tiers.stats["directory"].bytes_written == 5 * 256
-        tier, payload = tiers.fetch(blocks[0][0]) or ("", None)
-        assert tier == "directory" and torch.equal(payload, blocks[0][1])
+        # The host tier keeps 3 (which ones depends on the copies up the lookups above
+        # made while the writer ran); the others went down to the directory.
+        in_host = host.contains([k for k, _ in blocks])
+        assert sum(in_host) == 3 and host.used_bytes == 3 * 256
+        assert tiers.stats["directory"].bytes_written >= 5 * 256
+        below = blocks[in_host.index(False)]
+        tier, payload = tiers.fetch(below[0]) or ("", None)
+        assert tier == "directory" and torch.equal(payload, below[1])
         tiers.flush()
-        assert host.contains([blocks[0][0]]) == [True], "a block read from below is copied up"
+        assert host.contains([below[0]]) == [True], "a block read from below is copied up"
     finally:
         tiers.close()
     # Closing hands host memory down: every block is in the directory afterwards.

@@ -194,7 +194,7 @@ class LLMEngine:
         cache (those no other engine sees: a shared store is everyone's); 0 without."""
         if self.block_mover is None:
             return 0
-        size = next(iter(self.block_mover.block_bytes.values()))
+        size = self.block_mover.block_bytes[next(iter(self.block_manager.pools))]  # the primary pool's
         own = [store.capacity_bytes for _, store in self.block_mover.tiers.tiers if not store.shared]
         return sum(capacity // size for capacity in own if capacity is not None)
 
