@@ -17,11 +17,7 @@ from powertrain.engine.host_store import HostMemoryStore
 from powertrain.engine.kv_tiers import KVTiers
 from powertrain.interfaces import KVStore
 from powertrain.interfaces.kv_store import BLOCK_HEADER as HEADER
-
-
-def random_blocks(count: int, size: int, gen: torch.Generator) -> list[tuple[bytes, torch.Tensor]]:
-    keys = [torch.randint(0, 256, (17,), generator=gen, dtype=torch.uint8).numpy().tobytes() for _ in range(count)]
-    return [(key, torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)) for key in keys]
+from powertrain.testing.kv_store import random_blocks
 
 
 @pytest.fixture
@@ -36,7 +32,7 @@ def test_both_stores_satisfy_the_contract(tmp_path: Path) -> None:
 
 
 def test_host_store_drops_least_recently_used_first_and_hands_them_back(gen: torch.Generator) -> None:
-    blocks = random_blocks(5, 100, gen)
+    blocks = random_blocks(5, gen, size=100)
     store = HostMemoryStore(capacity_bytes=300)
     assert store.put(blocks[:3]) == []
     store.get([blocks[0][0]])  # block 0 is now the most recently used
@@ -50,7 +46,7 @@ def test_host_store_drops_least_recently_used_first_and_hands_them_back(gen: tor
 
 
 def test_directory_store_round_trips_and_survives_a_restart(tmp_path: Path, gen: torch.Generator) -> None:
-    blocks = random_blocks(6, 1000, gen)
+    blocks = random_blocks(6, gen, size=1000)
     store = DirectoryStore(tmp_path / "kv", capacity_bytes=None)
     assert store.put(blocks) == []
     assert all(
@@ -66,7 +62,7 @@ def test_directory_store_round_trips_and_survives_a_restart(tmp_path: Path, gen:
 
 
 def test_directory_store_keeps_within_its_capacity(tmp_path: Path, gen: torch.Generator) -> None:
-    blocks = random_blocks(10, 1000, gen)
+    blocks = random_blocks(10, gen, size=1000)
     per_file = HEADER.size + 17 + 1000
     store = DirectoryStore(tmp_path, capacity_bytes=4 * per_file)
     for block in blocks:
@@ -81,7 +77,7 @@ def test_directory_store_keeps_within_its_capacity(tmp_path: Path, gen: torch.Ge
     ["truncated", "flipped-byte", "other-key", "empty", "garbage"],
 )
 def test_a_damaged_file_is_a_logged_miss_and_is_removed(tmp_path: Path, gen: torch.Generator, damage: str) -> None:
-    (key, payload), (other_key, _) = random_blocks(2, 4096, gen)
+    (key, payload), (other_key, _) = random_blocks(2, gen, size=4096)
     store = DirectoryStore(tmp_path, capacity_bytes=None)
     store.put([(key, payload)])
     path = store.file_of(key)
@@ -105,7 +101,7 @@ def test_a_damaged_file_is_a_logged_miss_and_is_removed(tmp_path: Path, gen: tor
 
 
 def test_a_vanished_directory_raises_and_the_tiers_turn_that_into_misses(tmp_path: Path, gen: torch.Generator) -> None:
-    blocks = random_blocks(4, 512, gen)
+    blocks = random_blocks(4, gen, size=512)
     store = DirectoryStore(tmp_path / "kv", capacity_bytes=None)
     tiers = KVTiers([("host", HostMemoryStore(600)), ("directory", store)])
     try:
@@ -128,7 +124,7 @@ def test_a_vanished_directory_raises_and_the_tiers_turn_that_into_misses(tmp_pat
 
 
 def test_tiers_spill_down_promote_up_and_find_what_is_still_queued(tmp_path: Path, gen: torch.Generator) -> None:
-    blocks = random_blocks(8, 256, gen)
+    blocks = random_blocks(8, gen, size=256)
     host = HostMemoryStore(capacity_bytes=3 * 256)
     tiers = KVTiers([("host", host), ("directory", DirectoryStore(tmp_path, None))])
     try:

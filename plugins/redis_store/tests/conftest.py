@@ -25,6 +25,7 @@ class RedisServer:
     def __init__(self, directory: Path) -> None:
         binary = shutil.which("redis-server") or shutil.which("valkey-server")
         if binary is None:
+            # A server is the only honest peer for a networked store; none here, so say so.
             pytest.skip("no redis-server or valkey-server on PATH (Debian: apt install redis-server)")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"

@@ -46,18 +46,14 @@ class BlockMover:
             w: sum(t[0].numel() * t.element_size() for t in tensors) for w, tensors in self.tensors.items()
         }
         self._pin = pinned
-        self.bytes_out = 0
-        self.bytes_in = 0
 
     def run(self, transfers: BlockTransfers) -> None:
         """Copy the evicted blocks out (handing them to the tiers), then load the hits in."""
         if transfers.offloads:
             blocks = [(key, self._copy_out(w, block_id)) for w, block_id, key in transfers.offloads]
             self.tiers.offer(blocks, self._ready())
-            self.bytes_out += sum(payload.numel() for _, payload in blocks)
         for w, block_id, payload in transfers.loads:
             self._copy_in(w, block_id, payload)
-            self.bytes_in += payload.numel()
 
     def _copy_out(self, window: Window, block_id: int) -> torch.Tensor:
         payload = torch.empty(self.block_bytes[window], dtype=torch.uint8, pin_memory=self._pin)

@@ -33,13 +33,16 @@ from powertrain.plugins import Provided
 from powertrain.testing.base import ComponentSuite, generator
 
 
-def random_blocks(count: int, gen: torch.Generator, max_bytes: int = 5000) -> list[StoredBlock]:
-    """``count`` blocks under distinct random 17-byte keys, of random sizes."""
+def random_blocks(
+    count: int, gen: torch.Generator, max_bytes: int = 5000, size: int | None = None
+) -> list[StoredBlock]:
+    """``count`` blocks under random 17-byte keys, of random sizes below ``max_bytes``
+    (or all of ``size`` bytes)."""
     blocks = []
     for _ in range(count):
         key = torch.randint(0, 256, (17,), generator=gen, dtype=torch.uint8).numpy().tobytes()
-        size = int(torch.randint(1, max_bytes, (), generator=gen))
-        blocks.append((key, torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)))
+        length = size if size is not None else int(torch.randint(1, max_bytes, (), generator=gen))
+        blocks.append((key, torch.randint(0, 256, (length,), generator=gen, dtype=torch.uint8)))
     return blocks
 
 
@@ -60,6 +63,8 @@ class KVStoreSuite(ComponentSuite):
 
     def damage(self, store: KVStore, key: bytes) -> None:
         """Corrupt the entry under ``key`` (override where the suite can reach it)."""
+        # Where entries are bytes only the store itself reaches (process memory), there is
+        # nothing a test could damage that a real fault would: the check does not apply.
         pytest.skip(f"{self.component}: the suite cannot damage its entries (override damage())")
 
     def test_satisfies_the_protocol(self, store: KVStore) -> None:
@@ -106,6 +111,7 @@ class KVStoreSuite(ComponentSuite):
         self, store: KVStore, provided: Provided, context: KVStoreContext, seed: int
     ) -> None:
         if not store.shared:
+            # A store that says it is private promises nobody else sees its blocks.
             pytest.skip(f"{self.component} is not shared")
         blocks = random_blocks(4, generator(seed))
         store.put(blocks)
