@@ -253,6 +253,8 @@ class BlockManager:
         usable = (seq.num_tokens - 1) // self.block_size
         found: dict[Window, list[int | None]] = {w: [] for w in self.pools}
         hashes: list[bytes] = []
+        # A full pool needs every block of a hit: one its pool misses is fetched right away.
+        fetched: dict[tuple[Window, int], tuple[str, torch.Tensor]] = {}
         previous = self.root
         for index in range(usable):
             tokens = self._block_tokens(seq, index)
@@ -261,17 +263,25 @@ class BlockManager:
             previous = chain_hash(previous, tokens)
             here = {w: pool.lookup(previous, tokens) for w, pool in self.pools.items()}
             full_misses = [w for w, pool in self.pools.items() if pool.window is None and here[w] is None]
-            if full_misses and not (self.tiers and all(self.tiers.holds(tier_key(previous, w)) for w in full_misses)):
-                break  # a full pool misses everywhere: no longer prefix can hit
+            if full_misses and self.tiers is None:
+                break  # a full pool misses: no longer prefix can hit
+            got = {w: self._fetch(previous, w) for w in full_misses}
+            if None in got.values():
+                break  # a full pool misses everywhere
+            fetched.update({(w, index): block for w, block in got.items() if block is not None})
             hashes.append(previous)
             for w, block_id in here.items():
                 found[w].append(block_id)
-        return self._longest_hit(found, hashes)
+        return self._longest_hit(found, hashes, fetched)
 
-    def _longest_hit(self, found: Mapping[Window, list[int | None]], hashes: list[bytes]) -> PrefixMatch:
-        """The longest prefix whose needed blocks are in the pools (``found``) or can be
-        fetched from the tiers; fetches them."""
-        fetched: dict[tuple[Window, int], tuple[str, torch.Tensor]] = {}
+    def _longest_hit(
+        self,
+        found: Mapping[Window, list[int | None]],
+        hashes: list[bytes],
+        fetched: dict[tuple[Window, int], tuple[str, torch.Tensor]],
+    ) -> PrefixMatch:
+        """The longest prefix whose needed blocks are in the pools (``found``), fetched
+        already, or can be fetched from the tiers; fetches those."""
         absent: set[tuple[Window, int]] = set()
         num = len(hashes)
         while num > 0:

@@ -3,7 +3,7 @@ storage tier), fed off the step path and read on prefix misses.
 
 ``offer`` (the device thread, after copying evicted blocks out) only queues; a writer
 thread puts them into the first tier, and whatever a tier drops to make room into the
-next. Until written, a queued block is still found (``holds``, ``fetch``). ``fetch``
+next. Until written, a queued block is still found (``fetch``). ``fetch``
 (the engine thread, when a prefix lookup misses the device) reads the first tier that
 has the block, and copies a block found below the first tier up into it, so the next
 lookup of a hot prefix is a memory read. Without a host tier, the last blocks read from
@@ -123,17 +123,6 @@ class KVTiers:
 
     # ----------------------------------------------------------------------- reading
 
-    def holds(self, key: bytes) -> bool:
-        """Whether some tier (or the queue) has ``key`` now."""
-        with self._lock:
-            if key in self._pending:
-                return True
-        for name, store in self.tiers:
-            found = self._call(name, store.contains, [key])
-            if found and found[0]:
-                return True
-        return False
-
     def fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:
         """The payload under ``key`` and the tier it came from, or None."""
         with self._lock:
@@ -160,7 +149,7 @@ class KVTiers:
             return name, payload
         return None
 
-    def _call(self, name: str, method: Callable[[list[StoredBlock] | list[bytes]], list], items: list) -> list | None:
+    def _call(self, name: str, method: Callable[[list], list], items: list) -> list | None:
         """``method(items)``; None (logged, counted) when the store fails."""
         try:
             result = method(items)
