@@ -2,7 +2,7 @@
 
 The public API: ``LLM`` (configured by keywords or an ``EngineConfig``), ``SamplingParams``
 and ``StructuredOutput`` for offline generation, ``AsyncEngine`` for streaming, the typed
-errors ``InvalidRequestError`` and ``EngineDeadError``, and ``hookimpl`` for plugin authors
+errors ``InvalidRequestError``, ``RequestFailedError`` and ``EngineDeadError``, and ``hookimpl`` for plugin authors
 (with the records in ``powertrain.components`` and the contracts in ``powertrain.interfaces``).
 The engine names are imported on first use, so ``import powertrain`` stays cheap
 for plugins and the CLI.
@@ -29,6 +29,7 @@ _LAZY = {
     "AsyncEngine": "powertrain.engine.async_engine",
     "InvalidRequestError": "powertrain.interfaces.errors",
     "EngineDeadError": "powertrain.interfaces.errors",
+    "RequestFailedError": "powertrain.interfaces.errors",
 }
 
 __all__ = ["HOOK_API_VERSION", "__version__", "hookimpl", *_LAZY]

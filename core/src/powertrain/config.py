@@ -156,6 +156,11 @@ class ParallelConfig:
     #: Expert-parallel ranks: each holds num_experts / expert_parallel routed experts.
     #: Processes: max(data_parallel, expert_parallel) (powertrain.parallel.layout).
     expert_parallel: int = attrs.field(default=1, validator=_positive)
+    #: Prefill/decode disaggregation: this many data-parallel ranks only prefill. A new
+    #: request's prompt is computed on one of them, its cache blocks are published to the
+    #: shared KV store (``[components] kv_store``), and one of the other ranks loads them and
+    #: decodes. 0: every rank does both (powertrain.deploy.frontend).
+    prefill_ranks: int = attrs.field(default=0, validator=_non_negative)
     #: Under torchrun, the port rank 0's front end listens on for the workers
     #: (0: MASTER_PORT + 1).
     frontend_port: int = attrs.field(default=0, validator=_port)

@@ -52,6 +52,8 @@ class PrefixBalancer:
 
     def choose(self, token_ids: Sequence[int]) -> int:
         """The rank for a new request (call ``assign`` once it is sent)."""
+        if not self.ranks:
+            raise ValueError("no rank is left to choose from")
         hashes = block_hashes(token_ids, self.block_size)
         least = min(self.load.values())
         eligible = [rank for rank in self.ranks if self.load[rank] <= least + self.slack]
@@ -68,4 +70,11 @@ class PrefixBalancer:
             cached.popitem(last=False)
 
     def finished(self, rank: int) -> None:
-        self.load[rank] = max(self.load[rank] - 1, 0)
+        if rank in self.load:
+            self.load[rank] = max(self.load[rank] - 1, 0)
+
+    def remove(self, rank: int) -> None:
+        """Stop choosing ``rank`` (it died); the balancer is empty once none is left."""
+        if rank in self.load:
+            self.ranks.remove(rank)
+            del self.load[rank], self._cached[rank]

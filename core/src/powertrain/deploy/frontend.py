@@ -7,11 +7,23 @@ data/expert-parallel deployment unchanged. It checks every request itself
 (``engine.admission``: a worker is no place to refuse one), picks its data-parallel
 rank (``balance``), sends it there and gathers every rank's outputs.
 
+Prefill/decode disaggregation (``[parallel] prefill_ranks``): a new request whose prompt
+fills a cache block goes first to a prefill rank, which computes its prompt and
+publishes the blocks to the shared KV store (``("prefill", ...)``, answered by
+``("prefilled", ...)``); then to a decode rank, whose prefix lookup loads them from the
+store and which samples every token with the request's settings, exactly as a
+colocated rank would after a prefix-cache hit. A block the store lost is recomputed
+there, so the hand-off can cost time but never change a token. Shorter prompts go
+straight to a decode rank.
+
 Failure: a worker whose process exits, whose connection drops, who reports an
 exception, or who stays silent for ``silence_timeout_s`` (workers report at least every
-second) is a dead engine. The front end then stops every other worker (their process
-group cannot continue without the lost rank), and every later call raises
-``EngineDeadError`` naming the rank, its host and pid, and what happened.
+second) is lost. With expert parallelism that is a dead engine: the front end stops
+every other worker (their process group cannot continue without the lost rank), and
+every later call raises ``EngineDeadError`` naming the rank, its host and pid, and what
+happened. Without it the ranks step alone: the lost rank's requests end with that error
+(``RequestOutput.error``) and the others serve on; the engine is dead only once no rank
+is left to decode. With no prefill rank left, decode ranks compute prompts themselves.
 """
 
 from __future__ import annotations
@@ -46,6 +58,20 @@ SHUTDOWN_S = 30.0
 
 
 @attrs.define
+class _Request:
+    """A request in flight, as the front end tracks it."""
+
+    rank: int  # where it runs now
+    text: str | None  # its prompt text, None for token ids
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: float = attrs.field(factory=time.monotonic)
+    prefilling: bool = False  # on a prefill rank, not yet handed to a decode rank
+    first_token: float | None = None
+    last: RequestOutput | None = None  # its latest output (a failure keeps its text)
+
+
+@attrs.define
 class _Rank:
     rank: int
     conn: Connection | None = None
@@ -58,6 +84,8 @@ class _Rank:
     requests: int = 0  # requests sent here so far
     last_heard: float = attrs.field(factory=time.monotonic)
     stopped: bool = False
+    #: Why the front end gave up on it (its requests failed; the others serve on).
+    lost: str | None = None
 
     def describe(self) -> str:
         pid = self.pid or (self.process.pid if self.process is not None else None)
@@ -85,10 +113,12 @@ class ParallelEngine:
         self.silence_timeout_s = silence_timeout_s
         self._listener = listener
         self._ranks = {rank: _Rank(rank, process=(processes or {}).get(rank)) for rank in range(layout.world_size)}
-        #: Requests in flight: id -> (its rank, its prompt text or None for token ids).
-        self._requests: dict[str, tuple[int, str | None]] = {}
+        self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._balancer: PrefixBalancer | None = None
+        self._balancer: PrefixBalancer | None = None  # over the decode ranks
+        self._prefill_balancer: PrefixBalancer | None = None  # over the prefill ranks, if any
+        #: Outputs the front end made itself (aborted prefills, failed requests), for ``step``.
+        self._made: list[RequestOutput] = []
         self._structured: Any = None
         self._dead: EngineDeadError | None = None
         self._closed = False
@@ -133,13 +163,21 @@ class ParallelEngine:
             for conn in wait(list(pending), timeout=0.1):
                 self._handshake(conn, pending)
         attention = [self._ranks[r].info for r in self.layout.attention_ranks]
-        block_size = attention[0].block_size
+        self._block_size = attention[0].block_size
         # What a rank serves without recomputing: its device cache and its own tiers below it.
         blocks = min(info.num_blocks + info.tier_blocks for info in attention)
         self._cache_tokens = min(info.cache_tokens for info in attention)
-        self._balancer = PrefixBalancer(
-            self.layout.attention_ranks, block_size, blocks, slack=self.config.scheduler.max_num_seqs
-        )
+        slack = self.config.scheduler.max_num_seqs
+        self._balancer = PrefixBalancer(self.layout.decode_ranks, self._block_size, blocks, slack=slack)
+        if self.layout.prefill_ranks:
+            unshared = [info.rank for info in attention if not info.shared_store]
+            if unshared:
+                self._fail(
+                    f"[parallel] prefill_ranks = {self.layout.prefill_ranks}: ranks {unshared} have no KV store other "
+                    "ranks see, so prefilled blocks cannot reach a decode rank; set [components] kv_store to a shared "
+                    'store ("directory" with [cache] store_path on a filesystem every rank reaches, or "redis")'
+                )
+            self._prefill_balancer = PrefixBalancer(self.layout.prefill_only_ranks, self._block_size, blocks, slack)
         log.info(
             "parallel engine ready",
             data_parallel=self.layout.data_parallel,
@@ -187,13 +225,33 @@ class ParallelEngine:
             cache_tokens=self._cache_tokens,
             structured=self._grammar_checker,
         )
-        assert self._balancer is not None
-        rank = self._balancer.choose(admitted.token_ids)
-        self._send(rank, ("add", admitted.request_id, admitted.token_ids, admitted.params))
-        self._balancer.assign(rank, admitted.token_ids)
-        self._ranks[rank].requests += 1
-        self._requests[admitted.request_id] = (rank, admitted.text)
+        request = _Request(-1, admitted.text, admitted.token_ids, admitted.params)
+        self._requests[admitted.request_id] = request
+        prefill = self._prefill_balancer
+        if prefill is not None and prefill.ranks and len(request.token_ids) > self._block_size:
+            request.prefilling = True
+            self._dispatch(admitted.request_id, request, prefill, ("prefill", admitted.request_id, request.token_ids))
+        else:  # colocated, or a prompt with no full block to hand over
+            self._decode(admitted.request_id, request)
         return admitted.request_id
+
+    def _decode(self, request_id: str, request: _Request) -> None:
+        assert self._balancer is not None
+        request.prefilling = False
+        self._dispatch(request_id, request, self._balancer, ("add", request_id, request.token_ids, request.params))
+
+    def _dispatch(self, request_id: str, request: _Request, balancer: PrefixBalancer, message: tuple) -> None:
+        """Send ``message`` to ``balancer``'s choice (the request fails if it is lost on the way)."""
+        rank = balancer.choose(request.token_ids)
+        balancer.assign(rank, request.token_ids)
+        request.rank = rank
+        self._ranks[rank].requests += 1
+        self._send(rank, message)
+
+    def _balancer_of(self, request: _Request) -> PrefixBalancer:
+        balancer = self._prefill_balancer if request.prefilling else self._balancer
+        assert balancer is not None
+        return balancer
 
     def _grammar_checker(self) -> Any:
         if self._structured is None:
@@ -204,18 +262,21 @@ class ParallelEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ask the request's rank to stop it; its final output comes from ``step``."""
-        rank = self.rank_of(request_id)
-        if rank is not None and self._dead is None:
-            self._send(rank, ("abort", request_id))
+        request = self._requests.get(request_id)
+        if request is None or self._dead is not None:
+            return None
+        if request.prefilling:  # it has no output to end with yet: end it here
+            self._made.append(self._deliver(request_id, self._ended(request_id, "abort")))
+        self._send(request.rank, ("abort", request_id))
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or self._made)
 
     def rank_of(self, request_id: str) -> int | None:
         """The data-parallel rank serving a request in flight."""
-        entry = self._requests.get(request_id)
-        return None if entry is None else entry[0]
+        request = self._requests.get(request_id)
+        return None if request is None else request.rank
 
     @property
     def workers(self) -> list[WorkerInfo]:
@@ -241,9 +302,9 @@ class ParallelEngine:
         """Outputs that arrived from any rank (waiting up to ``STEP_WAIT_S`` for some)."""
         self._check_alive()
         conns = {r.conn: r for r in self._ranks.values() if r.conn is not None and not r.stopped}
-        sentinels = {r.process.sentinel: r for r in self._ranks.values() if r.process is not None}
-        outputs: list[RequestOutput] = []
-        for ready in wait([*conns, *sentinels], timeout=STEP_WAIT_S):
+        sentinels = {r.process.sentinel: r for r in self._ranks.values() if r.process is not None and not r.stopped}
+        outputs, self._made = self._made, []
+        for ready in wait([*conns, *sentinels], timeout=0 if outputs else STEP_WAIT_S):
             if ready in sentinels:
                 continue  # a process that exited is reported below, after its last words
             outputs.extend(self._drain(conns[ready]))
@@ -262,18 +323,19 @@ class ParallelEngine:
         )
         if silent and now - silent[0].last_heard > self.silence_timeout_s:
             ages = ", ".join(f"{r.describe()} for {now - r.last_heard:.0f} s" for r in silent)
-            self._fail(f"no word for over {self.silence_timeout_s:.0f} s from {ages}")
+            self._lose(silent[0], f"no word for over {self.silence_timeout_s:.0f} s from {ages}")
 
     def _drain(self, entry: _Rank) -> list[RequestOutput]:
-        assert entry.conn is not None
-        outputs = []
+        outputs: list[RequestOutput] = []
+        if entry.conn is None:  # lost while this step read another rank
+            return outputs
         try:
             while entry.conn.poll(0):
                 message = entry.conn.recv()
                 entry.last_heard = time.monotonic()
                 outputs.extend(self._handle(entry, message))
         except (EOFError, OSError):
-            self._fail(f"lost the connection to {entry.describe()}{self._exit_note(entry)}")
+            self._lose(entry, f"lost the connection to {entry.describe()}{self._exit_note(entry)}")
         return outputs
 
     def _handle(self, entry: _Rank, message: tuple[Any, ...]) -> list[RequestOutput]:
@@ -281,34 +343,67 @@ class ParallelEngine:
         if kind == "outputs":
             _, outputs, stats, counters = message
             entry.stats, entry.counters = stats, counters
-            return [self._deliver(output) for output in outputs if output.request_id in self._requests]
+            known = [output for output in outputs if output.request_id in self._requests]
+            return [self._deliver(output.request_id, output) for output in known]
+        if kind == "prefilled":
+            _, request_id, error = message
+            request = self._requests.get(request_id)
+            if request is None or not request.prefilling:
+                return []  # aborted (or failed) meanwhile
+            self._balancer_of(request).finished(request.rank)
+            if error is not None:
+                log.warning("a prefill's blocks did not reach the store; the decode rank computes them", error=error)
+            self._decode(request_id, request)
+            return []
         if kind == "refused":
             _, request_id, why = message
             log.error("a rank refused a request the front end accepted", rank=entry.rank, why=why)
-            return [self._deliver(self._aborted(request_id))]
+            if request_id not in self._requests:
+                return []
+            return [self._deliver(request_id, self._ended(request_id, "abort"))]
         if kind == "failed":
             self._worker_failed(entry, message[2])
+            return []
         if kind == "stopped":
             entry.stopped = True
         return []
 
-    def _deliver(self, output: RequestOutput) -> RequestOutput:
-        rank, text = self._requests[output.request_id]
+    def _deliver(self, request_id: str, output: RequestOutput) -> RequestOutput:
+        """``output`` as the caller sees it: its prompt text, and the time to its first
+        token from its arrival here (a disaggregated request's includes its prefill)."""
+        request = self._requests[request_id]
+        if request.first_token is None and any(c.token_ids for c in output.outputs):
+            request.first_token = time.monotonic()
+        metrics = {"arrival_time": request.arrival}
+        if request.first_token is not None:
+            metrics["time_to_first_token_s"] = request.first_token - request.arrival
+        output = attrs.evolve(output, metrics=metrics)
+        if request.text is not None:
+            output = attrs.evolve(output, prompt=request.text)
+        request.last = output
         if output.finished:
-            del self._requests[output.request_id]
-            assert self._balancer is not None
-            self._balancer.finished(rank)
-        if text is not None:
-            output = attrs.evolve(output, prompt=text)
+            del self._requests[request_id]
+            self._balancer_of(request).finished(request.rank)
         return output
 
-    def _aborted(self, request_id: str) -> RequestOutput:
+    def _ended(self, request_id: str, reason: str, error: str | None = None) -> RequestOutput:
+        """A request's final output, made here: what it produced so far, its unfinished
+        completions ending with ``reason``."""
+        request = self._requests[request_id]
+        last = request.last
+        completions = (
+            [CompletionOutput(index=i, text="", token_ids=[]) for i in range(request.params.n)]
+            if last is None
+            else last.outputs
+        )
         return RequestOutput(
             request_id=request_id,
-            prompt=None,
-            prompt_token_ids=[],
-            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+            prompt=request.text,
+            prompt_token_ids=list(request.token_ids),
+            outputs=[c if c.finish_reason else attrs.evolve(c, finish_reason=reason) for c in completions],
             finished=True,
+            num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+            error=error,
         )
 
     # ----------------------------------------------------------------------- failure
@@ -326,6 +421,9 @@ class ParallelEngine:
         log.error("worker traceback", rank=entry.rank, traceback=text)
         last = text.strip().splitlines()[-1] if text.strip() else "no traceback"
         when = " while starting" if while_starting else ""
+        if not self.layout.expert_parallel_enabled and not while_starting:
+            self._lose(entry, f"{entry.describe()} failed: {last}")
+            return
         culprit = next(
             (
                 r
@@ -361,7 +459,8 @@ class ParallelEngine:
                             self._handle(entry, entry.conn.recv())
                     except (EOFError, OSError):
                         pass
-                self._fail(f"{entry.describe()} exited with code {process.exitcode}")
+                if not entry.stopped:  # what it said did not already lose it
+                    self._lose(entry, f"{entry.describe()} exited with code {process.exitcode}")
 
     def _send(self, rank: int, message: tuple[Any, ...]) -> None:
         entry = self._ranks[rank]
@@ -369,7 +468,34 @@ class ParallelEngine:
             assert entry.conn is not None
             entry.conn.send(message)
         except (OSError, AssertionError):
-            self._fail(f"could not reach {entry.describe()}{self._exit_note(entry)}")
+            self._lose(entry, f"could not reach {entry.describe()}{self._exit_note(entry)}")
+
+    def _lose(self, entry: _Rank, what: str) -> None:
+        """Give up on a rank: with expert parallelism (or while starting, or with no rank
+        left to decode) the engine dies; otherwise its requests fail and the rest go on."""
+        if self.layout.expert_parallel_enabled or self._balancer is None:
+            self._fail(what)
+        if entry.lost is not None:
+            return
+        entry.lost, entry.stopped = what, True
+        log.error("lost a rank; its requests fail, the others serve on", rank=entry.rank, reason=what)
+        if entry.conn is not None:
+            entry.conn.close()
+            entry.conn = None
+        if entry.process is not None and entry.process.is_alive():
+            entry.process.kill()  # silent or failed: it is no longer ours to wait for
+        for balancer in (self._balancer, self._prefill_balancer):
+            if balancer is not None:
+                balancer.remove(entry.rank)
+        if self._prefill_balancer is not None and not self._prefill_balancer.ranks:
+            log.warning("no prefill rank is left: decode ranks compute prompts themselves")
+        for request_id, request in list(self._requests.items()):
+            if request.rank == entry.rank:
+                where = "prefilling" if request.prefilling else "running"
+                failed = self._ended(request_id, "error", f"{what}, where this request was {where}; send it again")
+                self._made.append(self._deliver(request_id, failed))
+        if not self._balancer.ranks:
+            self._fail(f"{what}; no rank is left to decode")
 
     def _fail(self, what: str) -> None:
         """Mark the engine dead, stop every worker, raise EngineDeadError."""

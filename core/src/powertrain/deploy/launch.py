@@ -78,6 +78,12 @@ def start_engine(config: EngineConfig, plugins: PluginManager | None = None) -> 
     """The engine ``config`` asks for: an ``LLMEngine`` or a ``ParallelEngine`` front end,
     both ``interfaces.Engine``."""
     layout = layout_of(config)
+    if layout.prefill_ranks and config.components.kv_store in ("none", "auto"):
+        raise ParallelLayoutError(
+            f"[parallel] prefill_ranks = {layout.prefill_ranks}: prefill ranks hand their blocks to decode ranks "
+            'through a KV store every rank sees; set [components] kv_store ("directory" with [cache] store_path on '
+            'a filesystem every rank reaches, or "redis")'
+        )
     torchrun = TorchrunRank.from_environment()
     if torchrun is not None and torchrun.world_size > 1:
         return _start_under_torchrun(config, plugins, layout, torchrun)

@@ -3,10 +3,14 @@
 Talks to the front end over one ``multiprocessing.connection`` (pickled tuples, an
 authentication key): the same code whether the front end spawned this process on its
 machine or ``torchrun`` started it on another. Messages in: ``("add", request_id,
-token_ids, params)``, ``("abort", request_id)``, ``("stop",)``. Messages out:
+token_ids, params)``, ``("prefill", request_id, token_ids)`` (prefill/decode
+disaggregation: compute the prompt's cache and publish it to the shared KV store),
+``("abort", request_id)``, ``("stop",)``. Messages out:
 ``("hello", rank, pid, host)`` on connecting, ``("ready", WorkerInfo)`` once built,
 ``("outputs", [RequestOutput], EngineStats, counters)`` after every step that produced
 something (and at least every ``HEARTBEAT_S`` as a sign of life),
+``("prefilled", request_id, error)`` once a prefill's blocks are in the shared store
+(``error`` None) or could not be put there (a decode rank then computes what it misses),
 ``("refused", request_id, why)`` (a request the front end should have refused),
 ``("failed", rank, text)`` before dying of an exception, ``("stopped", rank)``.
 """
@@ -18,6 +22,7 @@ import os
 import socket
 import time
 import traceback
+from concurrent.futures import Future
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -26,6 +31,7 @@ import structlog
 
 from powertrain.assemble import build_engine
 from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.sampling import SamplingParams
 from powertrain.log_setup import configure_logging
 from powertrain.parallel.layout import RankPlacement
 
@@ -37,6 +43,11 @@ HEARTBEAT_S = 1.0
 IDLE_POLL_S = 0.005
 #: How long an idle rank without peers to keep in step blocks on its inbox.
 IDLE_BLOCK_S = 0.5
+#: How often a rank with nothing to step looks at the publications it waits for.
+PUBLISH_POLL_S = 0.002
+#: A prefill computes the prompt's cache and one token (thrown away: the decode rank
+#: samples every token, with the request's own settings).
+PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -53,6 +64,8 @@ class WorkerInfo:
     experts: tuple[int, int] | None = None
     #: Blocks its own tiers (host memory) keep beside its device cache (``LLMEngine.tier_blocks``).
     tier_blocks: int = 0
+    #: Whether it has a KV store other ranks see (prefill/decode disaggregation needs one).
+    shared_store: bool = False
 
 
 def _expert_layers(engine: Any) -> list[Any]:
@@ -144,6 +157,7 @@ def run_worker(
         cache_tokens=engine.cache_tokens,
         experts=_expert_slice(engine),
         tier_blocks=engine.tier_blocks,
+        shared_store=engine.block_mover is not None and engine.block_mover.tiers.shared,
     )
     conn.send(("ready", info))
     try:
@@ -175,6 +189,9 @@ class WorkerLoop:
         self.lockstep = engine.runner.lockstep
         self.stopping = False
         self.requests: set[str] = set()
+        #: Prefills in flight (their prompts), then the publications of their blocks.
+        self.prefills: dict[str, list[int]] = {}
+        self.publishing: dict[str, Future[int]] = {}
         self._peers_busy = False
         self._broken = False  # the connection to the front end
         self._last_report = 0.0
@@ -197,10 +214,13 @@ class WorkerLoop:
             elif self.stopping and not engine.has_unfinished_requests():
                 return
             self._report(outputs)
+            self._hand_off()
 
     def _wait_s(self) -> float:
         if self.stopping or self.engine.has_unfinished_requests() or self._peers_busy:
             return 0.0
+        if self.publishing:
+            return PUBLISH_POLL_S
         return IDLE_POLL_S if self.lockstep is not None else IDLE_BLOCK_S
 
     def _receive(self, wait_s: float) -> None:
@@ -217,15 +237,19 @@ class WorkerLoop:
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "add":
-            _, request_id, token_ids, params = message
+        if kind in ("add", "prefill"):
+            request_id, token_ids = message[1:3]
+            params = message[3] if kind == "add" else PREFILL_PARAMS
             try:
                 self.engine.add_request(token_ids, params, request_id=request_id)
             except InvalidRequestError as exc:  # the front end checks first; this is a bug
                 log.error("worker refused a request the front end accepted", request_id=request_id, error=str(exc))
                 self._send(("refused", request_id, str(exc)))
                 return
-            self.requests.add(request_id)
+            if kind == "add":
+                self.requests.add(request_id)
+            else:
+                self.prefills[request_id] = token_ids
         elif kind == "abort":
             self._abort(message[1])
         elif kind == "stop":
@@ -236,6 +260,9 @@ class WorkerLoop:
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort_request(request_id)
         self.requests.discard(request_id)
+        self.publishing.pop(request_id, None)
+        if self.prefills.pop(request_id, None) is not None:
+            return  # the front end has ended it already
         if output is not None:
             self._send(("outputs", [output], self.engine.stats(), counters(self.engine)))
 
@@ -244,17 +271,38 @@ class WorkerLoop:
         if self.stopping:
             return
         self.stopping = True
-        for request_id in list(self.requests):
+        for request_id in [*self.requests, *self.prefills, *self.publishing]:
             self._abort(request_id)
 
     def _report(self, outputs: list[Any]) -> None:
         for output in outputs:
             if output.finished:
                 self.requests.discard(output.request_id)
+        self._publish([o for o in outputs if o.request_id in self.prefills])
+        outputs = [o for o in outputs if o.request_id not in self.prefills and o.request_id not in self.publishing]
         now = time.monotonic()
         if outputs or now - self._last_report >= HEARTBEAT_S:
             self._last_report = now
             self._send(("outputs", outputs, self.engine.stats(), counters(self.engine)))
+
+    def _publish(self, outputs: list[Any]) -> None:
+        """Publish the blocks of the prefills that finished (a prefill's own output, its one
+        token, goes nowhere)."""
+        for output in outputs:
+            if output.finished:
+                token_ids = self.prefills.pop(output.request_id)
+                self.publishing[output.request_id] = self.engine.publish_prefix(token_ids)
+
+    def _hand_off(self) -> None:
+        """Tell the front end which publications are done (or failed)."""
+        for request_id, published in list(self.publishing.items()):
+            if not published.done():
+                continue
+            del self.publishing[request_id]
+            error = published.exception()
+            if error is not None:
+                log.warning("a prefill's blocks were not published", request_id=request_id, error=str(error))
+            self._send(("prefilled", request_id, None if error is None else f"{type(error).__name__}: {error}"))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._broken:

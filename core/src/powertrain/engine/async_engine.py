@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from powertrain.interfaces.engine import Engine, EngineStats
-from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.errors import EngineDeadError, RequestFailedError
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
 
@@ -44,7 +44,9 @@ class AsyncEngine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that added tokens; the last one
-        has ``finished=True``. Invalid input raises InvalidRequestError on first iteration."""
+        has ``finished=True``. Invalid input raises InvalidRequestError on first iteration;
+        a request that failed where it ran (``RequestOutput.error``) raises
+        RequestFailedError."""
         if self._stopping.is_set() or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down or has failed; no new requests are accepted")
         request_id = request_id or f"async-{next(self._ids)}"
@@ -130,4 +132,4 @@ class AsyncEngine:
                     self._deliver(request_id, EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
                 return
             for output in outputs:
-                self._deliver(output.request_id, output)
+                self._deliver(output.request_id, output if output.error is None else RequestFailedError(output.error))

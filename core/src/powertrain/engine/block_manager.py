@@ -479,10 +479,26 @@ class BlockManager:
         loads, self._loads = self._loads, []
         return BlockTransfers(offloads, loads) if offloads or loads else None
 
+    def prefix_offloads(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:
+        """Copies out of every block a prompt of ``token_ids`` could hit that the pools
+        cache (prefill/decode disaggregation publishes them), or none without tiers."""
+        if self.tiers is None:
+            return []
+        offloads = []
+        previous = self.root
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            previous = chain_hash(previous, tokens)
+            for w, pool in self.pools.items():
+                block_id = pool.lookup(previous, tokens)
+                if block_id is not None:
+                    offloads.append((w, block_id, tier_key(previous, w)))
+        return offloads
+
     def cached_transfers(self) -> BlockTransfers | None:
         """Copies of every block the pools cache, to the tiers (at shutdown: a storage tier
         then serves them after a restart), or None without a tier that outlives us."""
-        if self.tiers is None or not self.tiers.persistent:
+        if self.tiers is None or not self.tiers.shared:
             return None
         offloads = [
             (w, block_id, tier_key(block_hash, w))

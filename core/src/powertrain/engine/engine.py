@@ -198,6 +198,27 @@ class LLMEngine:
         own = [store.capacity_bytes for _, store in self.block_mover.tiers.tiers if not store.shared]
         return sum(capacity // size for capacity in own if capacity is not None)
 
+    def publish_prefix(self, token_ids: list[int]) -> Future[int]:
+        """Write the cached blocks a prompt of ``token_ids`` could hit to the shared tiers
+        (prefill/decode disaggregation: a prefill rank's hand-off); the future gets how
+        many blocks were written, or the copy's or store's error. Call it after the step
+        that computed them was collected (``step`` returned their request finished)."""
+        published: Future[int] = Future()
+        mover = self.block_mover
+        if mover is None or not mover.tiers.shared:
+            published.set_exception(RuntimeError("no shared KV store to publish to: set [components] kv_store"))
+            return published
+        offloads = self.block_manager.prefix_offloads(token_ids)
+
+        def copy_out() -> None:
+            try:
+                mover.publish(offloads, published)
+            except BaseException as error:  # the device copy failed: the hand-off did
+                published.set_exception(error)
+
+        self._device_thread.submit(copy_out)  # after the step in flight, before any later one
+        return published
+
     def _tier_stats(self) -> dict[str, dict[str, float]]:
         if self.block_mover is None:
             return {}
@@ -358,6 +379,8 @@ class LLMEngine:
         seq.finish_reason = reason
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
             seq.token_ids.pop()
+        if seq.block_tables:  # cache what its last step computed (a one-step request's whole prompt)
+            self.block_manager.register_computed(seq)
         self.scheduler.finish(seq)
         seq.status = SequenceStatus.FINISHED
         seq.grammar = None  # a step still in flight may hold it; nothing else will

@@ -10,6 +10,10 @@ lookup of a hot prefix is a memory read. Without a host tier, the last blocks re
 a store stay in a small memory of ``recent_bytes`` (a request waiting for room is looked
 up again every step).
 
+``publish`` (prefill/decode disaggregation) writes blocks straight to the shared tiers,
+skipping those they hold already, and says when they are there: a prefill rank hands a
+prompt's blocks to a decode rank that way.
+
 A store that fails (its directory gone, its server down) costs misses, never a step:
 the failure is logged (once per tier until it recovers) and the block is treated as
 absent. A store never returns bytes other than those put under a key (its contract), so
@@ -22,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import attrs
 import structlog
@@ -52,6 +57,8 @@ class _Offered:
     blocks: list[StoredBlock]
     #: Waits until the device has finished copying the payloads out (None: they are).
     ready: Callable[[], None] | None
+    #: A publication: written to the shared tiers only, then this gets the blocks written.
+    published: Future[int] | None = None
 
 
 class KVTiers:
@@ -75,9 +82,9 @@ class KVTiers:
         return [name for name, _ in self.tiers]
 
     @property
-    def persistent(self) -> bool:
-        """Whether a tier outlives this process (a shared store): worth handing the cache
-        down to at shutdown."""
+    def shared(self) -> bool:
+        """Whether a tier is seen by other processes (and outlives this one): worth handing
+        the cache down to at shutdown, and where ``publish`` writes."""
         return any(store.shared for _, store in self.tiers)
 
     # ----------------------------------------------------------------------- writing
@@ -91,16 +98,29 @@ class KVTiers:
                 self._pending[key] = payload
         self._queue.put(_Offered(blocks, ready))
 
+    def publish(self, blocks: list[StoredBlock], ready: Callable[[], None] | None, published: Future[int]) -> None:
+        """Queue ``blocks`` for every shared tier; ``published`` gets how many were written
+        (those a tier held already are not), or the store's error."""
+        self._queue.put(_Offered(blocks, ready, published))
+
     def _write_loop(self) -> None:
         while (offered := self._queue.get()) is not None:
             try:
                 if offered.ready is not None:
                     offered.ready()
-                self._put_down(0, offered.blocks)
+                if offered.published is None:
+                    self._put_down(0, offered.blocks)
+                else:
+                    self._publish(offered.blocks, offered.published)
+            except BaseException as error:
+                if offered.published is None:
+                    raise
+                offered.published.set_exception(error)
             finally:
-                with self._lock:
-                    for key, _ in offered.blocks:
-                        self._pending.pop(key, None)
+                if offered.published is None:  # a publication's blocks were never pending
+                    with self._lock:
+                        for key, _ in offered.blocks:
+                            self._pending.pop(key, None)
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -116,6 +136,22 @@ class KVTiers:
                 return  # the tier failed: these blocks are lost, as a miss
             stats.bytes_written += sum(payload.numel() for _, payload in blocks)
             blocks, level = dropped, level + 1
+
+    def _publish(self, blocks: list[StoredBlock], published: Future[int]) -> None:
+        written = 0
+        for name, store in self.tiers:
+            if not store.shared:
+                continue
+            held = self._call(name, store.contains, [key for key, _ in blocks])
+            missing = [block for block, there in zip(blocks, held or [False] * len(blocks), strict=True) if not there]
+            started = time.perf_counter()
+            if missing and self._call(name, store.put, missing) is None:
+                raise OSError(f"kv store {name!r} failed to take {len(missing)} published blocks (logged above)")
+            stats = self.stats[name]
+            stats.write_seconds += time.perf_counter() - started
+            stats.bytes_written += sum(payload.numel() for _, payload in missing)
+            written += len(missing)
+        published.set_result(written)
 
     def flush(self) -> None:
         """Wait until everything offered so far is written (tests, shutdown)."""

@@ -14,6 +14,7 @@ queued on the same stream as the step that reads the block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 
 import torch
 
@@ -54,6 +55,11 @@ class BlockMover:
             self.tiers.offer(blocks, self._ready())
         for w, block_id, payload in transfers.loads:
             self._copy_in(w, block_id, payload)
+
+    def publish(self, offloads: list[tuple[Window, int, bytes]], published: Future[int]) -> None:
+        """Copy these blocks out to the shared tiers; ``published`` says when they are there."""
+        blocks = [(key, self._copy_out(w, block_id)) for w, block_id, key in offloads]
+        self.tiers.publish(blocks, self._ready(), published)
 
     def _copy_out(self, window: Window, block_id: int) -> torch.Tensor:
         payload = torch.empty(self.block_bytes[window], dtype=torch.uint8, pin_memory=self._pin)

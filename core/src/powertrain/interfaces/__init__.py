@@ -44,7 +44,7 @@ from powertrain.interfaces.attention import (
 )
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
-from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from powertrain.interfaces.kv_store import KVStore, KVStoreContext, StoredBlock, frame_block, unframe_block
 from powertrain.interfaces.model import CausalLM, ModelContext
 from powertrain.interfaces.moe import (
@@ -185,4 +185,5 @@ __all__ = [
     "PlatformInfo",
     "EngineDeadError",
     "InvalidRequestError",
+    "RequestFailedError",
 ]

@@ -14,3 +14,8 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; no further requests can be served by this engine."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed where it ran (the rank serving it died); the engine serves on,
+    and the same request sent again is served by another rank."""

@@ -16,7 +16,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (see RequestOutput.error)
     #: Per generated token: {token id: logprob} for the chosen token and the top-k.
     logprobs: list[dict[int, float]] | None = None
 
@@ -33,3 +33,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     #: ``arrival_time`` (monotonic seconds) and, once a token came, ``time_to_first_token_s``.
     metrics: dict[str, float] = attrs.field(factory=dict)
+    #: Why the request failed, when it did (the rank serving it died): it is finished, its
+    #: completions end with finish reason "error", and the engine serves on.
+    error: str | None = None

@@ -7,6 +7,9 @@ spread evenly over the ranks (0, W/DP, 2·W/DP, ...), also hold requests and a f
 cache. The other ranks serve experts only: they run the MoE layers of every step with
 no tokens of their own. Without expert parallelism the data-parallel ranks are
 independent engines with every expert, and no collectives run at all.
+
+Prefill/decode disaggregation (``prefill_ranks > 0``, without expert parallelism): the
+first ``prefill_ranks`` data-parallel ranks only compute prompts; the others decode.
 """
 
 from __future__ import annotations
@@ -26,11 +29,22 @@ class ParallelLayoutError(ValueError):
 class ParallelLayout:
     data_parallel: int = 1
     expert_parallel: int = 1
+    prefill_ranks: int = 0
 
     def __attrs_post_init__(self) -> None:
         dp, ep = self.data_parallel, self.expert_parallel
         if dp < 1 or ep < 1:
             raise ParallelLayoutError(f"[parallel] data_parallel={dp}, expert_parallel={ep}: both must be >= 1")
+        if self.prefill_ranks and not 0 < self.prefill_ranks < dp:
+            raise ParallelLayoutError(
+                f"[parallel] prefill_ranks={self.prefill_ranks}, data_parallel={dp}: prefill ranks are data-parallel "
+                f"ranks and at least one must be left to decode (e.g. data_parallel={self.prefill_ranks + 1})"
+            )
+        if self.prefill_ranks and ep > 1:
+            raise ParallelLayoutError(
+                f"[parallel] prefill_ranks={self.prefill_ranks} with expert_parallel={ep}: prefill/decode "
+                "disaggregation runs without expert parallelism (every rank steps alone); set expert_parallel = 1"
+            )
         if ep > 1 and ep % dp:
             raise ParallelLayoutError(
                 f"[parallel] data_parallel={dp}, expert_parallel={ep}: with expert parallelism every "
@@ -51,6 +65,16 @@ class ParallelLayout:
         """The ranks that hold requests, in data-parallel order."""
         stride = self.world_size // self.data_parallel
         return tuple(range(0, self.world_size, stride))
+
+    @property
+    def prefill_only_ranks(self) -> tuple[int, ...]:
+        """The data-parallel ranks that only prefill (none without disaggregation)."""
+        return self.attention_ranks[: self.prefill_ranks]
+
+    @property
+    def decode_ranks(self) -> tuple[int, ...]:
+        """The data-parallel ranks that decode (every one without disaggregation)."""
+        return self.attention_ranks[self.prefill_ranks :]
 
     def is_attention_rank(self, rank: int) -> bool:
         return rank in self.attention_ranks
@@ -88,4 +112,5 @@ class RankPlacement:
 
 def layout_of(config: Any) -> ParallelLayout:
     """The layout an EngineConfig's ``[parallel]`` section asks for."""
-    return ParallelLayout(config.parallel.data_parallel, config.parallel.expert_parallel)
+    parallel = config.parallel
+    return ParallelLayout(parallel.data_parallel, parallel.expert_parallel, parallel.prefill_ranks)

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from powertrain.engine.async_engine import AsyncEngine
-from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from powertrain.interfaces.protocol import ParsedRequest, ParserEvent, ProtocolAdapter
 from powertrain.serve.completions import CompletionsEndpoint
 from powertrain.serve.errors import ApiError, error_body
@@ -201,9 +201,10 @@ class Server:
             status = "499"
             raise
         except Exception as exc:
-            status = "500"
+            code = 503 if isinstance(exc, RequestFailedError) else 500  # 503: sent again, it is served
+            status = str(code)
             log.error("stream failed", request_id=generation.request_id, error=f"{type(exc).__name__}: {exc}")
-            yield _sse_error(protocol, 500, f"generation failed: {type(exc).__name__}: {exc}")
+            yield _sse_error(protocol, code, f"generation failed: {type(exc).__name__}: {exc}")
         finally:
             self.metrics.requests.labels(protocol, status).inc()
 
@@ -235,7 +236,7 @@ def create_app(engine: AsyncEngine, adapter: ProtocolAdapter, settings: ServeSet
             response = _json(exc.status, error_body(protocol, exc.status, exc.message, exc.param))
         except InvalidRequestError as exc:  # refused by the engine (e.g. a grammar that does not compile)
             response = _json(400, error_body(protocol, 400, str(exc)))
-        except EngineDeadError as exc:
+        except (EngineDeadError, RequestFailedError) as exc:  # RequestFailedError: sent again, it is served
             response = _json(503, error_body(protocol, 503, str(exc)))
         except Exception as exc:  # a bug or an engine failure fails this request only
             log.exception("request failed", path=request.url.path)

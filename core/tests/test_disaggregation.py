@@ -1,0 +1,181 @@
+"""Prefill/decode disaggregation (issue 26 item 4): prefill ranks compute prompts and
+publish their blocks to a shared directory store; decode ranks load them and sample.
+
+The oracle is the one-process engine: greedy, seeded and n>1 outputs must be the same
+tokens, under preemption, on tiny DeepSeek-V3 (MLA) and SmolLM2 (GQA). The ranks are
+real spawned processes and the store a real directory; nothing is mocked. Killing a
+prefill rank must fail only its requests, with an error naming it, within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from powertrain import LLM, AsyncEngine, SamplingParams
+from powertrain.interfaces.errors import EngineDeadError, RequestFailedError
+from powertrain.parallel.layout import ParallelLayout, ParallelLayoutError
+from powertrain.testing.base import fresh_seed
+from powertrain.testing.checkpoints import write_tiny_deepseek
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_deepseek(tmp_path_factory.mktemp("tiny-v3-pd"), seed=fresh_seed(), num_nextn_predict_layers=0)
+
+
+def prompts_for(seed: int, vocab: int) -> list[list[int]]:
+    """Long and short prompts; two pairs share a long prefix; two fit in one block (they
+    skip the prefill rank)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 90))] for _ in range(6)]
+    prompts += [shared + [rng.randrange(3, vocab) for _ in range(rng.randint(3, 20))] for _ in range(4)]
+    prompts += [[rng.randrange(3, vocab) for _ in range(rng.randint(4, BLOCK))] for _ in range(2)]
+    return prompts
+
+
+def generate(settings: dict[str, Any], prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, Any]:
+    with LLM(**settings) as llm:
+        outputs = llm.generate(prompts, params)
+        return outputs, llm.engine
+
+
+def tokens(outputs: list) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def disaggregated(settings: dict[str, Any], store: Path) -> dict[str, Any]:
+    return {**settings, "data_parallel": 2, "prefill_ranks": 1, "kv_store": "directory", "store_path": str(store)}
+
+
+def test_deepseek_v3_disaggregated_equals_colocated(tiny_v3: Path, tmp_path: Path) -> None:
+    seed = fresh_seed()
+    prompts = prompts_for(seed, vocab=500)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=seed % 1000, n=2, max_tokens=6, ignore_eos=True)
+    params = [GREEDY if i % 3 else sampled for i in range(len(prompts))]
+    # 12 blocks: any request fits, a dozen at once do not (the decode rank preempts).
+    base = {"path": str(tiny_v3), "dtype": "float32", "num_blocks": 12}
+    colocated, _ = generate(base, prompts, params)
+    outputs, engine = generate(disaggregated(base, tmp_path / "store"), prompts, params)
+    assert tokens(outputs) == tokens(colocated), f"seed={seed}"
+    decode = engine.stats()  # the decode rank's report came with the last output
+    assert decode.preemptions > 0, decode
+    long = [o for o, p in zip(outputs, prompts, strict=True) if len(p) > BLOCK]
+    # Every long prompt's full blocks came from the store (a preempted one was recomputed
+    # from the blocks it had, which count as hits too).
+    assert all(o.num_cached_tokens > 0 for o in long), [o.num_cached_tokens for o in long]
+    cacheable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts if len(p) > BLOCK)
+    assert decode.prefix_cache_tier_hit_tokens["directory"] >= cacheable // 2
+    assert engine.requests_per_rank() == {0: len(long), 1: len(prompts)}
+    assert all(o.metrics["time_to_first_token_s"] > 0 for o in outputs)
+
+
+def test_smollm2_disaggregated_equals_colocated(tmp_path: Path) -> None:
+    seed = fresh_seed()
+    prompts = prompts_for(seed, vocab=49152)[:8]
+    base = {"dtype": "float32", "quantization": "dequantize", "num_blocks": 16}
+    colocated, _ = generate(base, prompts, [GREEDY] * len(prompts))
+    outputs, engine = generate(disaggregated(base, tmp_path / "store"), prompts, [GREEDY] * len(prompts))
+    assert tokens(outputs) == tokens(colocated), f"seed={seed}"
+    assert engine.stats().prefix_cache_tier_hit_tokens["directory"] > 0
+
+
+def test_an_abort_during_prefill_ends_the_request_and_nothing_leaks(tiny_v3: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(fresh_seed(), vocab=500)[:6]
+    with LLM(**disaggregated({"path": str(tiny_v3), "dtype": "float32"}, tmp_path)) as llm:
+        engine = llm.engine
+        aborted = engine.add_request(prompts[0], GREEDY)
+        kept = engine.add_request(prompts[1], GREEDY)
+        engine.abort_request(aborted)  # still on the prefill rank: the front end ends it
+        finished: dict[str, Any] = {}
+        seen = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                seen.append(output.request_id)
+                if output.finished:
+                    finished[output.request_id] = output
+        assert finished[aborted].outputs[0].finish_reason == "abort" and finished[aborted].error is None
+        assert seen.count(aborted) == 1  # its prefill's hand-off, if it came, went nowhere
+        assert finished[kept].outputs[0].finish_reason == "length"
+        assert engine.requests_per_rank()[1] == 1  # the aborted request never reached a decode rank
+        # and the engine serves on
+        assert len(llm.generate(prompts[2:], GREEDY)) == 4
+
+
+def test_a_killed_prefill_rank_fails_its_requests_and_the_rest_go_on(tiny_v3: Path, tmp_path: Path) -> None:
+    seed = fresh_seed()
+    prompts = prompts_for(seed, vocab=500)
+    long_prompts = [p for p in prompts if len(p) > BLOCK]
+    short_prompts = [p for p in prompts if len(p) <= BLOCK]
+    slow = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = {"path": str(tiny_v3), "dtype": "float32"}
+    with LLM(**base) as llm:
+        reference = tokens(llm.generate(long_prompts[:3], GREEDY))
+        short_reference = tokens(llm.generate(short_prompts, slow))
+
+    async def scenario(engine: AsyncEngine, victim: int) -> tuple[list, list, float, list]:
+        async def run(prompt: list[int], params: SamplingParams) -> Any:
+            final = None
+            async for output in engine.generate(prompt, params):
+                final = output
+            return final
+
+        os.kill(victim, signal.SIGSTOP)  # it takes the prefills and computes none of them
+        held = [asyncio.ensure_future(run(p, GREEDY)) for p in long_prompts[3:]]
+        decoding = [asyncio.ensure_future(run(p, slow)) for p in short_prompts]  # straight to the decode rank
+        await asyncio.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        failures = await asyncio.gather(*held, return_exceptions=True)
+        waited = time.monotonic() - killed
+        finished = await asyncio.gather(*decoding)
+        after = [await run(p, GREEDY) for p in long_prompts[:3]]  # the decode rank prefills itself now
+        return failures, finished, waited, after
+
+    with LLM(**disaggregated(base, tmp_path)) as llm:
+        victim = llm.engine.workers[0].pid
+        engine = AsyncEngine(llm.engine)
+        try:
+            failures, finished, waited, after = asyncio.run(scenario(engine, victim))
+        finally:
+            engine.shutdown()
+    assert failures and all(isinstance(f, RequestFailedError) for f in failures), failures
+    assert all(f"rank 0 (pid {victim} " in str(f) and "exited with code -9" in str(f) for f in failures), failures
+    assert all("prefilling" in str(f) and "send it again" in str(f) for f in failures)
+    assert waited < 10, f"the failures took {waited:.1f} s"
+    assert tokens(finished) == short_reference, f"seed={seed}"
+    assert tokens(after) == reference, f"seed={seed}"
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"data_parallel": 2, "prefill_ranks": 2}, "at least one must be left to decode"),
+        ({"data_parallel": 2, "expert_parallel": 2, "prefill_ranks": 1}, "without expert parallelism"),
+    ],
+)
+def test_layouts_disaggregation_cannot_serve_are_refused(layout: dict[str, int], message: str) -> None:
+    with pytest.raises(ParallelLayoutError, match=message):
+        ParallelLayout(**layout)
+    assert ParallelLayout(data_parallel=3, prefill_ranks=1).decode_ranks == (1, 2)
+
+
+def test_disaggregation_without_a_shared_store_is_refused(tiny_v3: Path) -> None:
+    with pytest.raises(ParallelLayoutError, match=r"set \[components\] kv_store"):
+        LLM(str(tiny_v3), data_parallel=2, prefill_ranks=1)
+
+
+def test_disaggregation_with_a_store_only_one_rank_sees_is_refused(tiny_v3: Path) -> None:
+    with pytest.raises(EngineDeadError, match=r"ranks \[0, 1\] have no KV store other ranks see"):
+        LLM(str(tiny_v3), dtype="float32", data_parallel=2, prefill_ranks=1, kv_store="host-memory", store_gib=0.01)
