@@ -56,7 +56,15 @@ def tokens(outputs: list) -> list[list[list[int]]]:
 
 
 def disaggregated(settings: dict[str, Any], store: Path) -> dict[str, Any]:
-    return {**settings, "data_parallel": 2, "prefill_ranks": 1, "kv_store": "directory", "store_path": str(store)}
+    # Every prompt that fills a block is prefilled on the prefill rank (by default only long ones are).
+    return {
+        **settings,
+        "data_parallel": 2,
+        "prefill_ranks": 1,
+        "prefill_rank_min_tokens": 0,
+        "kv_store": "directory",
+        "store_path": str(store),
+    }
 
 
 def test_deepseek_v3_disaggregated_equals_colocated(tiny_v3: Path, tmp_path: Path) -> None:
@@ -91,12 +99,15 @@ def test_smollm2_disaggregated_equals_colocated(tmp_path: Path) -> None:
     assert engine.stats().prefix_cache_tier_hit_tokens["directory"] > 0
 
 
-def test_an_abort_during_prefill_ends_the_request_and_nothing_leaks(tiny_v3: Path, tmp_path: Path) -> None:
-    prompts = prompts_for(fresh_seed(), vocab=500)[:6]
-    with LLM(**disaggregated({"path": str(tiny_v3), "dtype": "float32"}, tmp_path)) as llm:
+def test_an_abort_during_prefill_ends_it_and_short_prompts_skip_the_prefill_rank(tiny_v3: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(fresh_seed(), vocab=500)
+    long = [p for p in prompts if len(p) >= 40]
+    short = [p for p in prompts if len(p) < 40]
+    settings = {**disaggregated({"path": str(tiny_v3), "dtype": "float32"}, tmp_path), "prefill_rank_min_tokens": 40}
+    with LLM(**settings) as llm:
         engine = llm.engine
-        aborted = engine.add_request(prompts[0], GREEDY)
-        kept = engine.add_request(prompts[1], GREEDY)
+        aborted = engine.add_request(long[0], GREEDY)
+        kept = engine.add_request(long[1], GREEDY)
         engine.abort_request(aborted)  # still on the prefill rank: the front end ends it
         finished: dict[str, Any] = {}
         seen = []
@@ -108,9 +119,10 @@ def test_an_abort_during_prefill_ends_the_request_and_nothing_leaks(tiny_v3: Pat
         assert finished[aborted].outputs[0].finish_reason == "abort" and finished[aborted].error is None
         assert seen.count(aborted) == 1  # its prefill's hand-off, if it came, went nowhere
         assert finished[kept].outputs[0].finish_reason == "length"
-        assert engine.requests_per_rank()[1] == 1  # the aborted request never reached a decode rank
-        # and the engine serves on
-        assert len(llm.generate(prompts[2:], GREEDY)) == 4
+        assert engine.requests_per_rank() == {0: 2, 1: 1}  # the aborted request never reached a decode rank
+        # and the engine serves on; prompts under prefill_rank_min_tokens go straight to the decode rank
+        assert len(llm.generate(long[2:] + short, GREEDY)) == len(prompts) - 2
+        assert engine.requests_per_rank() == {0: len(long), 1: len(prompts) - 1}
 
 
 def test_a_killed_prefill_rank_fails_its_requests_and_the_rest_go_on(tiny_v3: Path, tmp_path: Path) -> None:

@@ -161,6 +161,9 @@ class ParallelConfig:
     #: shared KV store (``[components] kv_store``), and one of the other ranks loads them and
     #: decodes. 0: every rank does both (powertrain.deploy.frontend).
     prefill_ranks: int = attrs.field(default=0, validator=_non_negative)
+    #: With prefill ranks, a prompt shorter than this is computed on its decode rank: its
+    #: prefill costs a decode step little, and the hand-off would cost it more.
+    prefill_rank_min_tokens: int = attrs.field(default=256, validator=_non_negative)
     #: Under torchrun, the port rank 0's front end listens on for the workers
     #: (0: MASTER_PORT + 1).
     frontend_port: int = attrs.field(default=0, validator=_port)

@@ -13,8 +13,9 @@ publishes the blocks to the shared KV store (``("prefill", ...)``, answered by
 ``("prefilled", ...)``); then to a decode rank, whose prefix lookup loads them from the
 store and which samples every token with the request's settings, exactly as a
 colocated rank would after a prefix-cache hit. A block the store lost is recomputed
-there, so the hand-off can cost time but never change a token. Shorter prompts go
-straight to a decode rank.
+there, so the hand-off can cost time but never change a token. Prompts shorter than
+``[parallel] prefill_rank_min_tokens`` (or than a block and a token) go straight to a
+decode rank.
 
 Failure: a worker whose process exits, whose connection drops, who reports an
 exception, or who stays silent for ``silence_timeout_s`` (workers report at least every
@@ -164,6 +165,8 @@ class ParallelEngine:
                 self._handshake(conn, pending)
         attention = [self._ranks[r].info for r in self.layout.attention_ranks]
         self._block_size = attention[0].block_size
+        # A prompt with no full block has nothing to hand over.
+        self._prefill_min_tokens = max(self.config.parallel.prefill_rank_min_tokens, self._block_size + 1)
         # What a rank serves without recomputing: its device cache and its own tiers below it.
         blocks = min(info.num_blocks + info.tier_blocks for info in attention)
         self._cache_tokens = min(info.cache_tokens for info in attention)
@@ -228,10 +231,10 @@ class ParallelEngine:
         request = _Request(-1, admitted.text, admitted.token_ids, admitted.params)
         self._requests[admitted.request_id] = request
         prefill = self._prefill_balancer
-        if prefill is not None and prefill.ranks and len(request.token_ids) > self._block_size:
+        if prefill is not None and prefill.ranks and len(request.token_ids) >= self._prefill_min_tokens:
             request.prefilling = True
             self._dispatch(admitted.request_id, request, prefill, ("prefill", admitted.request_id, request.token_ids))
-        else:  # colocated, or a prompt with no full block to hand over
+        else:  # colocated, or a prompt too short to be worth handing over
             self._decode(admitted.request_id, request)
         return admitted.request_id
 
