@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from powertrain import LLM, AsyncEngine, SamplingParams
-from powertrain.interfaces.errors import EngineDeadError, RequestFailedError
+from powertrain.interfaces.errors import RequestFailedError
 from powertrain.parallel.layout import ParallelLayout, ParallelLayoutError
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek
@@ -183,11 +183,17 @@ def test_layouts_disaggregation_cannot_serve_are_refused(layout: dict[str, int],
     assert ParallelLayout(data_parallel=3, prefill_ranks=1).decode_ranks == (1, 2)
 
 
-def test_disaggregation_without_a_shared_store_is_refused(tiny_v3: Path) -> None:
-    with pytest.raises(ParallelLayoutError, match=r"set \[components\] kv_store"):
-        LLM(str(tiny_v3), data_parallel=2, prefill_ranks=1)
-
-
-def test_disaggregation_with_a_store_only_one_rank_sees_is_refused(tiny_v3: Path) -> None:
-    with pytest.raises(EngineDeadError, match=r"ranks \[0, 1\] have no KV store other ranks see"):
-        LLM(str(tiny_v3), dtype="float32", data_parallel=2, prefill_ranks=1, kv_store="host-memory", store_gib=0.01)
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [
+        ({}, "no kv_store is set"),
+        ({"kv_store": "host-memory", "store_gib": 0.01}, "'host-memory' is this process's own"),
+    ],
+)
+def test_disaggregation_without_a_shared_store_is_refused_before_any_rank_starts(
+    tiny_v3: Path, store: dict[str, Any], message: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(ParallelLayoutError, match=rf"{message}; set \[components\] kv_store"):
+        LLM(str(tiny_v3), data_parallel=2, prefill_ranks=1, **store)
+    assert time.monotonic() - started < 5  # no worker was spawned to load the model

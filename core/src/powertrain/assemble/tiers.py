@@ -22,25 +22,33 @@ HOST_TIER = "host"
 COMPUTING_KINDS = ("platform", "attention", "moe", "quantized_linear")
 
 
+def build_store(plan: Plan) -> tuple[str, KVStore] | None:
+    """The storage tier ``[components] kv_store`` chose, by name; None without one."""
+    resolution = plan.resolutions.get("kv_store")
+    if resolution is None or resolution.provided is None:
+        return None
+    cache = plan.config.cache
+    record = resolution.provided.record
+    context = KVStoreContext(
+        capacity_bytes=int(cache.store_gib * 2**30) if cache.store_gib is not None else None,
+        path=cache.store_path,
+        config=plan.sections.get(record.config_section) if record.config_section else None,
+    )
+    try:
+        return record.name, record.factory(context)
+    except (OSError, ValueError) as error:
+        raise AssemblyError([f"[components] kv_store = {record.name!r}: {error}"]) from error
+
+
 def build_tiers(plan: Plan) -> KVTiers | None:
     """The configured tiers, top first: host memory, then the chosen store; None if neither."""
     cache = plan.config.cache
     tiers: list[tuple[str, KVStore]] = []
     if cache.host_memory_gib > 0:
         tiers.append((HOST_TIER, HostMemoryStore(int(cache.host_memory_gib * 2**30))))
-    resolution = plan.resolutions.get("kv_store")
-    if resolution is not None and resolution.provided is not None:
-        record = resolution.provided.record
-        context = KVStoreContext(
-            capacity_bytes=int(cache.store_gib * 2**30) if cache.store_gib is not None else None,
-            path=cache.store_path,
-            config=plan.sections.get(record.config_section) if record.config_section else None,
-        )
-        try:
-            store = record.factory(context)
-        except (OSError, ValueError) as error:
-            raise AssemblyError([f"[components] kv_store = {record.name!r}: {error}"]) from error
-        tiers.append((record.name, store))
+    store = build_store(plan)
+    if store is not None:
+        tiers.append(store)
     if not tiers:
         return None
     if not cache.prefix_caching:

@@ -173,13 +173,6 @@ class ParallelEngine:
         slack = self.config.scheduler.max_num_seqs
         self._balancer = PrefixBalancer(self.layout.decode_ranks, self._block_size, blocks, slack=slack)
         if self.layout.prefill_ranks:
-            unshared = [info.rank for info in attention if not info.shared_store]
-            if unshared:
-                self._fail(
-                    f"[parallel] prefill_ranks = {self.layout.prefill_ranks}: ranks {unshared} have no KV store other "
-                    "ranks see, so prefilled blocks cannot reach a decode rank; set [components] kv_store to a shared "
-                    'store ("directory" with [cache] store_path on a filesystem every rank reaches, or "redis")'
-                )
             self._prefill_balancer = PrefixBalancer(self.layout.prefill_only_ranks, self._block_size, blocks, slack)
         log.info(
             "parallel engine ready",

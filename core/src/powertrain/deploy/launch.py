@@ -27,6 +27,7 @@ import attrs
 import structlog
 
 from powertrain.assemble import build_engine, plan
+from powertrain.assemble.tiers import build_store
 from powertrain.components import PlatformInfo
 from powertrain.config import EngineConfig
 from powertrain.deploy.frontend import ParallelEngine
@@ -78,18 +79,28 @@ def start_engine(config: EngineConfig, plugins: PluginManager | None = None) -> 
     """The engine ``config`` asks for: an ``LLMEngine`` or a ``ParallelEngine`` front end,
     both ``interfaces.Engine``."""
     layout = layout_of(config)
-    if layout.prefill_ranks and config.components.kv_store in ("none", "auto"):
-        raise ParallelLayoutError(
-            f"[parallel] prefill_ranks = {layout.prefill_ranks}: prefill ranks hand their blocks to decode ranks "
-            'through a KV store every rank sees; set [components] kv_store ("directory" with [cache] store_path on '
-            'a filesystem every rank reaches, or "redis")'
-        )
+    if layout.prefill_ranks:
+        _check_shared_store(config, plugins, layout)
     torchrun = TorchrunRank.from_environment()
     if torchrun is not None and torchrun.world_size > 1:
         return _start_under_torchrun(config, plugins, layout, torchrun)
     if layout.world_size == 1:
         return build_engine(config, plugins)
     return _start_local(config, plugins, layout)
+
+
+def _check_shared_store(config: EngineConfig, plugins: PluginManager | None, layout: ParallelLayout) -> None:
+    """Refuse disaggregation without a store every rank sees, before any rank loads a model."""
+    store = build_store(plan(config, plugins, strict=False))
+    if store is not None:
+        store[1].close()
+    if store is None or not store[1].shared:
+        chosen = f"kv_store = {store[0]!r} is this process's own" if store is not None else "no kv_store is set"
+        raise ParallelLayoutError(
+            f"[parallel] prefill_ranks = {layout.prefill_ranks}: prefill ranks hand their blocks to decode ranks "
+            f'through a KV store every rank sees, and {chosen}; set [components] kv_store = "directory" with '
+            '[cache] store_path on a filesystem every rank reaches, or "redis"'
+        )
 
 
 def _platform(config: EngineConfig, plugins: PluginManager | None) -> PlatformInfo:

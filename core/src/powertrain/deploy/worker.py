@@ -64,8 +64,6 @@ class WorkerInfo:
     experts: tuple[int, int] | None = None
     #: Blocks its own tiers (host memory) keep beside its device cache (``LLMEngine.tier_blocks``).
     tier_blocks: int = 0
-    #: Whether it has a KV store other ranks see (prefill/decode disaggregation needs one).
-    shared_store: bool = False
 
 
 def _expert_layers(engine: Any) -> list[Any]:
@@ -157,7 +155,6 @@ def run_worker(
         cache_tokens=engine.cache_tokens,
         experts=_expert_slice(engine),
         tier_blocks=engine.tier_blocks,
-        shared_store=engine.block_mover is not None and engine.block_mover.tiers.shared,
     )
     conn.send(("ready", info))
     try:
