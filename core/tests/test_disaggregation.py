@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -67,17 +68,31 @@ def disaggregated(settings: dict[str, Any], store: Path) -> dict[str, Any]:
     }
 
 
-def test_deepseek_v3_disaggregated_equals_colocated(tiny_v3: Path, tmp_path: Path) -> None:
+def test_deepseek_v3_disaggregated_equals_colocated_and_a_lost_store_costs_only_time(
+    tiny_v3: Path, tmp_path: Path
+) -> None:
     seed = fresh_seed()
-    prompts = prompts_for(seed, vocab=500)
+    prompts, later = prompts_for(seed, vocab=500), prompts_for(seed + 1, vocab=500)
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=seed % 1000, n=2, max_tokens=6, ignore_eos=True)
     params = [GREEDY if i % 3 else sampled for i in range(len(prompts))]
     # 12 blocks: any request fits, a dozen at once do not (the decode rank preempts).
     base = {"path": str(tiny_v3), "dtype": "float32", "num_blocks": 12}
-    colocated, _ = generate(base, prompts, params)
-    outputs, engine = generate(disaggregated(base, tmp_path / "store"), prompts, params)
+    with LLM(**base) as llm:
+        colocated, colocated_later = llm.generate(prompts, params), llm.generate(later, GREEDY)
+    store = tmp_path / "store"
+    with LLM(**disaggregated(base, store)) as llm:
+        engine = llm.engine
+        outputs = llm.generate(prompts, params)
+        decode = engine.stats()  # the decode rank's report came with the last output
+        # The store vanishes (a file where its directory was): the hand-offs fail, the decode
+        # rank computes the prompts itself.
+        shutil.rmtree(store)
+        store.write_bytes(b"not a directory")
+        after_loss = llm.generate(later, GREEDY)
+        time.sleep(1.2)  # the prefill rank reports its counts at least once a second
+        engine.step()
+        lost = engine.stats()
     assert tokens(outputs) == tokens(colocated), f"seed={seed}"
-    decode = engine.stats()  # the decode rank's report came with the last output
     assert decode.preemptions > 0, decode
     long = [o for o, p in zip(outputs, prompts, strict=True) if len(p) > BLOCK]
     # Every long prompt's full blocks came from the store (a preempted one was recomputed
@@ -85,8 +100,10 @@ def test_deepseek_v3_disaggregated_equals_colocated(tiny_v3: Path, tmp_path: Pat
     assert all(o.num_cached_tokens > 0 for o in long), [o.num_cached_tokens for o in long]
     cacheable = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts if len(p) > BLOCK)
     assert decode.prefix_cache_tier_hit_tokens["directory"] >= cacheable // 2
-    assert engine.requests_per_rank() == {0: len(long), 1: len(prompts)}
     assert all(o.metrics["time_to_first_token_s"] > 0 for o in outputs)
+    assert tokens(after_loss) == tokens(colocated_later), f"seed={seed}"
+    assert lost.kv_tier_errors["directory"] > 0
+    assert engine.requests_per_rank() == {0: 2 * len(long), 1: 2 * len(prompts)}
 
 
 def test_smollm2_disaggregated_equals_colocated(tmp_path: Path) -> None:
