@@ -6,8 +6,10 @@ hit instead of being loaded."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 import torch
 
 from powertrain.builtin.directory_store import DirectoryStore
@@ -155,3 +157,59 @@ def test_only_the_same_namespace_hits(seed: int) -> None:
     for namespace, expected in ((b"model B", 0), (b"model A", 8)):
         reader = Harness(KVTiers([("host", host)]), {None: 3, WINDOW: 3}, namespace=namespace)
         assert reader.manager.match_prefix(seq_of(prompt)).num_tokens == expected, namespace
+
+
+def test_a_published_prompt_is_another_caches_hit_bit_for_bit(tmp_path: Path, seed: int) -> None:
+    """Prefill/decode disaggregation's hand-off: one cache publishes a prompt's blocks to
+    the shared tier (not to its own host tier), another loads them."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000) for _ in range(17)]  # 4 full blocks and a token
+    host = HostMemoryStore(None)
+    writer = Harness(KVTiers([("host", host), ("directory", DirectoryStore(tmp_path, None))]), {None: 6, WINDOW: 6})
+    first = seq_of(prompt)
+    writer.run(first)
+    kept = {w: [writer.block(w, b) for b in table] for w, table in first.block_tables.items()}
+    writer.manager.free_sequence(first)
+    offloads = writer.manager.prefix_offloads(prompt)
+    published: Future[int] = Future()
+    writer.mover.publish(offloads, published)
+    # Every block of the full class, and the sliding blocks still cached (all, here).
+    assert published.result(timeout=30) == len(offloads) == 8
+    assert host.get([key for _, _, key in offloads]) == [None] * 8  # the host tier is this process's own
+    again: Future[int] = Future()
+    writer.mover.publish(writer.manager.prefix_offloads(prompt), again)
+    assert again.result(timeout=30) == 0  # the store holds them already
+    # Evicted now (another request takes every block), they are not copied out again: the
+    # store has them.
+    other = seq_of([rng.randrange(1000, 2000) for _ in range(22)])
+    writer.manager.allocate(other, other.num_tokens, writer.manager.match_prefix(other))
+    taken = {(w, b) for w, table in other.block_tables.items() for b in table}
+    assert {(w, b) for w, b, _ in offloads} <= taken
+    assert writer.manager.take_transfers() is None
+
+    reader = Harness(KVTiers([("directory", DirectoryStore(tmp_path, None))]), {None: 6, WINDOW: 6})
+    seq = seq_of(prompt)
+    assert reader.manager.match_prefix(seq).tier_tokens == {"directory": 16}, f"seed={seed}"
+    reader.run(seq)
+    for w, table in seq.block_tables.items():
+        for index in range(4):
+            if w is None or index >= 2:  # the sliding class needs the window at token 16 only
+                assert same(reader.block(w, table[index]), kept[w][index]), f"class {w} block {index} (seed={seed})"
+    writer.mover.tiers.close()
+    reader.mover.tiers.close()
+
+
+def test_a_publication_a_store_refuses_fails_with_the_reason(tmp_path: Path, seed: int) -> None:
+    store = DirectoryStore(tmp_path / "store", None)
+    harness = Harness(KVTiers([("directory", store)]), {None: 6, WINDOW: 6})
+    prompt = [random.Random(seed).randrange(1000) for _ in range(9)]
+    first = seq_of(prompt)
+    harness.run(first)
+    harness.manager.free_sequence(first)
+    (tmp_path / "store").rename(tmp_path / "gone")
+    (tmp_path / "store").write_bytes(b"a file where the directory was")
+    published: Future[int] = Future()
+    harness.mover.publish(harness.manager.prefix_offloads(prompt), published)
+    with pytest.raises(OSError, match="kv store 'directory' failed to take 4 published blocks"):
+        published.result(timeout=30)
+    harness.mover.tiers.close()

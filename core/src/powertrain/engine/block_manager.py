@@ -481,7 +481,8 @@ class BlockManager:
 
     def prefix_offloads(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:
         """Copies out of every block a prompt of ``token_ids`` could hit that the pools
-        cache (prefill/decode disaggregation publishes them), or none without tiers."""
+        cache (prefill/decode disaggregation publishes them), or none without tiers. The
+        tiers hold those blocks from now on, so their eviction copies nothing again."""
         if self.tiers is None:
             return []
         offloads = []
@@ -493,6 +494,7 @@ class BlockManager:
                 block_id = pool.lookup(previous, tokens)
                 if block_id is not None:
                     offloads.append((w, block_id, tier_key(previous, w)))
+                    pool.blocks[block_id].from_tiers = True
         return offloads
 
     def cached_transfers(self) -> BlockTransfers | None:
