@@ -126,4 +126,6 @@ def test_generate_json_for_several_prompts_and_clear_errors(tmp_path: Path) -> N
     assert "Traceback" not in proc.stderr
     proc = run("generate", "--top-p", "1.5", "hi")
     assert proc.returncode == 1 and "top_p must be in (0, 1]" in proc.stderr
+    proc = run("generate", "--data-parallel", "2", "--prefill-ranks", "1", "hi")  # no store to hand blocks over
+    assert proc.returncode == 1 and "prefill_ranks = 1" in proc.stderr and "kv_store" in proc.stderr
     assert run("generate").returncode == 1

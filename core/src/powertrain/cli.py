@@ -279,7 +279,14 @@ def config_check(path: str, as_json: bool) -> None:
 
 
 def _parallel_options(command: Any) -> Any:
-    """--data-parallel / --expert-parallel, overriding the config's [parallel] section."""
+    """--data-parallel / --expert-parallel / --prefill-ranks, overriding the config's
+    [parallel] section."""
+    command = click.option(
+        "--prefill-ranks",
+        type=click.IntRange(min=0),
+        help="Data-parallel ranks that only prefill, handing blocks to the others through the "
+        "shared [components] kv_store ([parallel]).",
+    )(command)
     command = click.option(
         "--expert-parallel",
         type=click.IntRange(min=1),
@@ -292,11 +299,10 @@ def _parallel_options(command: Any) -> Any:
     )(command)
 
 
-def _with_parallel(config: Any, data_parallel: int | None, expert_parallel: int | None) -> Any:
+def _with_parallel(config: Any, **parallel: int | None) -> Any:
     from powertrain.llm import apply_overrides
 
-    overrides = {"data_parallel": data_parallel, "expert_parallel": expert_parallel}
-    return apply_overrides(config, {k: v for k, v in overrides.items() if v is not None})
+    return apply_overrides(config, {k: v for k, v in parallel.items() if v is not None})
 
 
 @main.command("generate")
@@ -326,6 +332,7 @@ def generate_command(
     as_json: bool,
     data_parallel: int | None,
     expert_parallel: int | None,
+    prefill_ranks: int | None,
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS (default model: the embedded SmolLM2-135M-Instruct)."""
@@ -340,7 +347,9 @@ def generate_command(
         _fail('give at least one prompt, e.g. powertrain generate "What is the capital of France?"')
     config = _load_config_or_exit(config_path)
     try:
-        config = _with_parallel(config, data_parallel, expert_parallel)
+        config = _with_parallel(
+            config, data_parallel=data_parallel, expert_parallel=expert_parallel, prefill_ranks=prefill_ranks
+        )
         params = SamplingParams(**sampling)
         with LLM(model, config=config) as llm:
             prefix = [{"role": "system", "content": system}] if system else []
@@ -413,6 +422,7 @@ def serve_command(
     graceful_shutdown: float,
     data_parallel: int | None,
     expert_parallel: int | None,
+    prefill_ranks: int | None,
 ) -> None:
     """Serve OpenAI- and Anthropic-compatible APIs (default model: the embedded SmolLM2-135M-Instruct)."""
     from powertrain.llm import apply_overrides
@@ -437,7 +447,8 @@ def serve_command(
         graceful_shutdown_s=graceful_shutdown,
     )
     try:
-        serve(_with_parallel(config, data_parallel, expert_parallel), settings)
+        parallel = {"data_parallel": data_parallel, "expert_parallel": expert_parallel, "prefill_ranks": prefill_ranks}
+        serve(_with_parallel(config, **parallel), settings)
     except (ConfigError, PluginError, AssemblyError, LoadError, NoProtocolAdapterError, ParallelLayoutError) as exc:
         _fail(exc.lines() if isinstance(exc, ConfigError) else str(exc).splitlines())
 
