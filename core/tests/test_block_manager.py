@@ -148,7 +148,7 @@ def test_a_long_sequence_holds_a_bounded_number_of_sliding_blocks(window: int) -
             break
     assert len(seq.block_tables[window]) == len(seq.block_tables[None])  # one table length for every class
     manager.free_sequence(seq)
-    assert all(len(pool.free) == len(pool.blocks) for pool in manager.pools.values())
+    assert all(pool.num_free == len(pool.blocks) for pool in manager.pools.values())
 
 
 def test_released_sliding_blocks_go_back_to_the_pool_for_others() -> None:
