@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -86,7 +85,7 @@ def test_deepseek_v3_disaggregated_equals_colocated_and_a_lost_store_costs_only_
         decode = engine.stats()  # the decode rank's report came with the last output
         # The store vanishes (a file where its directory was): the hand-offs fail, the decode
         # rank computes the prompts itself.
-        shutil.rmtree(store)
+        store.rename(tmp_path / "gone")  # at once: the ranks' writers may be busy in it
         store.write_bytes(b"not a directory")
         after_loss = llm.generate(later, GREEDY)
         time.sleep(1.2)  # the prefill rank reports its counts at least once a second
