@@ -389,7 +389,8 @@ def test_metrics_move_with_requests(oai: openai.OpenAI, base_url: str) -> None:
     assert after[keys[5]] - before[keys[5]] >= 16  # the second request reused the first's blocks
     assert after[keys[6]] - before[keys[6]] == 1
     text = httpx.get(f"{base_url}/metrics").text
-    for name in ("powertrain_kv_blocks_free", "powertrain_requests_waiting", "powertrain_preemptions_total"):
+    names = ("powertrain_kv_blocks_free", "powertrain_requests_waiting", "powertrain_preemptions_total")
+    for name in (*names, "powertrain_prefill_handoffs_total", "powertrain_prefill_handoff_seconds_total"):
         assert re.search(rf"^{name} ", text, re.MULTILINE), name
     assert json.loads(httpx.get(f"{base_url}/health").text)["status"] == "ok"
 

@@ -68,6 +68,7 @@ class _Request:
     params: SamplingParams
     arrival: float = attrs.field(factory=time.monotonic)
     prefilling: bool = False  # on a prefill rank, not yet handed to a decode rank
+    sent: float = 0.0  # when it was sent to its rank
     first_token: float | None = None
     last: RequestOutput | None = None  # its latest output (a failure keeps its text)
 
@@ -120,6 +121,8 @@ class ParallelEngine:
         self._prefill_balancer: PrefixBalancer | None = None  # over the prefill ranks, if any
         #: Outputs the front end made itself (aborted prefills, failed requests), for ``step``.
         self._made: list[RequestOutput] = []
+        #: Hand-offs from prefill to decode ranks: done, failed, seconds (``EngineStats``).
+        self._handoffs: dict[str, float] = {"handoffs": 0, "handoff_failures": 0, "handoff_seconds": 0.0}
         self._structured: Any = None
         self._dead: EngineDeadError | None = None
         self._closed = False
@@ -240,7 +243,7 @@ class ParallelEngine:
         """Send ``message`` to ``balancer``'s choice (the request fails if it is lost on the way)."""
         rank = balancer.choose(request.token_ids)
         balancer.assign(rank, request.token_ids)
-        request.rank = rank
+        request.rank, request.sent = rank, time.monotonic()
         self._ranks[rank].requests += 1
         self._send(rank, message)
 
@@ -290,7 +293,8 @@ class ParallelEngine:
 
     def stats(self) -> EngineStats:
         """Every rank's counts added up, as of its last report."""
-        return EngineStats.total([r.stats for r in self._ranks.values() if r.stats is not None])
+        ranks = EngineStats.total([r.stats for r in self._ranks.values() if r.stats is not None])
+        return attrs.evolve(ranks, **self._handoffs)
 
     # ----------------------------------------------------------------------- the loop
 
@@ -349,6 +353,9 @@ class ParallelEngine:
             self._balancer_of(request).finished(request.rank)
             if error is not None:
                 log.warning("a prefill's blocks did not reach the store; the decode rank computes them", error=error)
+            self._handoffs["handoffs"] += 1
+            self._handoffs["handoff_failures"] += error is not None
+            self._handoffs["handoff_seconds"] += time.monotonic() - request.sent
             self._decode(request_id, request)
             return []
         if kind == "refused":

@@ -35,6 +35,13 @@ class EngineStats:
     speculative_request_steps: int = 0
     speculative_verified_tokens: int = 0
     speculative_accepted_tokens: int = 0
+    #: Prefill/decode disaggregation (the front end's counts; 0 elsewhere): prompts a
+    #: prefill rank handed to a decode rank, those whose blocks did not reach the store
+    #: (the decode rank computed them), and the seconds from sending each to its prefill
+    #: rank to its blocks being in the store, summed.
+    handoffs: int = 0
+    handoff_failures: int = 0
+    handoff_seconds: float = 0.0
     #: The tiers below the device cache, by tier name (all empty without tiers): of the
     #: prefix-cache hits, the tokens loaded back from each; the bytes written to and read
     #: from each; the seconds those took; the calls that failed (each a miss).

@@ -65,6 +65,19 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "powertrain_speculative_accepted_tokens", "Draft tokens accepted.", value=s.speculative_accepted_tokens
         )
+        yield CounterMetricFamily(
+            "powertrain_prefill_handoffs", "Prompts a prefill rank handed to a decode rank.", value=s.handoffs
+        )
+        yield CounterMetricFamily(
+            "powertrain_prefill_handoff_failures",
+            "Hand-offs whose blocks did not reach the store (the decode rank computed them).",
+            value=s.handoff_failures,
+        )
+        yield CounterMetricFamily(
+            "powertrain_prefill_handoff_seconds",
+            "Seconds from sending a prompt to a prefill rank to its blocks being in the store.",
+            value=s.handoff_seconds,
+        )
 
 
 class ServerMetrics:
