@@ -94,3 +94,20 @@ def test_a_server_killed_mid_run_costs_misses_not_requests(checkpoint: Path, red
     assert [first, second] == plain, f"seed={seed}"
     assert errors["redis"] > 0
     assert any(entry["event"] == "kv store failing: treated as misses" for entry in logs)
+
+
+def test_a_prefill_rank_hands_its_blocks_to_a_decode_rank_through_the_server(
+    checkpoint: Path, redis_server: Any
+) -> None:
+    """Prefill/decode disaggregation over a networked store: the colocated tokens, every
+    prompt handed over, every long prompt a hit on the decode rank."""
+    seed = fresh_seed()
+    prompts = conversations(seed)
+    plain, _ = serve(settings_of(checkpoint), prompts, rounds=1)
+    pd = {"data_parallel": 2, "prefill_ranks": 1, "prefill_rank_min_tokens": 0}
+    with LLM(**settings_of(checkpoint, redis_server.url, **pd)) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+        stats = llm.engine.stats()
+    assert [[list(o.outputs[0].token_ids) for o in outputs]] == plain, f"seed={seed}"
+    assert (stats.handoffs, stats.handoff_failures) == (len(prompts), 0)
+    assert all(o.num_cached_tokens > 0 for o in outputs), [o.num_cached_tokens for o in outputs]
