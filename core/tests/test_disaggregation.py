@@ -14,12 +14,16 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import Future
+from multiprocessing import Pipe
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from powertrain import LLM, AsyncEngine, SamplingParams
+from powertrain.deploy.worker import WorkerLoop
 from powertrain.interfaces.errors import RequestFailedError
 from powertrain.parallel.layout import ParallelLayout, ParallelLayoutError
 from powertrain.testing.base import fresh_seed
@@ -219,3 +223,52 @@ def test_disaggregation_without_a_shared_store_is_refused_before_any_rank_starts
     with pytest.raises(ParallelLayoutError, match=rf"{message}; set \[components\] kv_store"):
         LLM(str(tiny_v3), data_parallel=2, prefill_ranks=1, **store)
     assert time.monotonic() - started < 5  # no worker was spawned to load the model
+
+
+def test_without_expert_parallelism_a_rank_that_raises_fails_only_its_requests(tiny_v3: Path) -> None:
+    prompts = prompts_for(fresh_seed(), vocab=500)
+    with LLM(str(tiny_v3), dtype="float32", data_parallel=2) as llm:
+        engine = llm.engine
+        slow = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        ranks = {engine.add_request(p, slow): None for p in prompts[:6]}
+        ranks = {request_id: engine.rank_of(request_id) for request_id in ranks}
+        assert set(ranks.values()) == {0, 1}
+        finished: dict[str, Any] = {}
+        while len(finished) < 2:  # let both ranks produce something first
+            finished.update((o.request_id, o) for o in engine.step() if o.outputs[0].token_ids)
+        finished.clear()
+        victim = engine.workers[1].pid
+        engine._send(1, ("bogus",))  # a worker raises on a message it does not know, reports it, exits
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        for request_id, rank in ranks.items():
+            output = finished[request_id]
+            if rank == 1:
+                assert output.error is not None and output.outputs[0].finish_reason == "error"
+                assert f"rank 1 (pid {victim} " in output.error and "unknown message 'bogus'" in output.error
+                assert "where this request was running; send it again" in output.error
+            else:
+                assert output.error is None and output.outputs[0].finish_reason == "length"
+        # Rank 0 serves on, and takes every new request.
+        before = engine.requests_per_rank()
+        assert all(len(o.outputs[0].token_ids) == 6 for o in llm.generate(prompts[6:9], GREEDY))
+        assert engine.requests_per_rank() == {0: before[0] + 3, 1: before[1]}
+
+
+def test_a_publication_past_the_handoff_timeout_is_handed_on() -> None:
+    """A store that never answers (a hung filesystem) must not hold a request forever: the
+    worker hands it on after ``handoff_timeout_s``. Its loop is driven by hand here; its
+    engine is a stand-in, since handing off touches none."""
+    front, end = Pipe()
+    loop = WorkerLoop(SimpleNamespace(runner=SimpleNamespace(lockstep=None)), end, rank=0, handoff_timeout_s=0.2)
+    stuck: Future[int] = Future()
+    done: Future[int] = Future()
+    done.set_result(3)
+    loop.publishing = {"stuck": (stuck, time.monotonic()), "done": (done, time.monotonic())}
+    loop._hand_off()
+    assert front.recv() == ("prefilled", "done", None) and list(loop.publishing) == ["stuck"]
+    time.sleep(0.3)
+    loop._hand_off()
+    kind, request_id, why = front.recv()
+    assert (kind, request_id) == ("prefilled", "stuck") and "not in the store after 0 s" in why
+    assert "handoff_timeout_s" in why and not loop.publishing

@@ -179,6 +179,7 @@ def test_a_published_prompt_is_another_caches_hit_bit_for_bit(tmp_path: Path, se
     again: Future[int] = Future()
     writer.mover.publish(writer.manager.prefix_offloads(prompt), again)
     assert again.result(timeout=30) == 0  # the store holds them already
+    writer.manager.mark_stored(prompt)  # the engine does, once a publication succeeded
     # Evicted now (another request takes every block), they are not copied out again: the
     # store has them.
     other = seq_of([rng.randrange(1000, 2000) for _ in range(22)])
@@ -212,4 +213,9 @@ def test_a_publication_a_store_refuses_fails_with_the_reason(tmp_path: Path, see
     harness.mover.publish(harness.manager.prefix_offloads(prompt), published)
     with pytest.raises(OSError, match="kv store 'directory' failed to take 4 published blocks"):
         published.result(timeout=30)
+    # Unmarked (the publication failed), they are copied out when evicted.
+    other = seq_of(list(range(1000, 1022)))
+    harness.manager.allocate(other, other.num_tokens, harness.manager.match_prefix(other))
+    transfers = harness.manager.take_transfers()
+    assert transfers is not None and len(transfers.offloads) == 4
     harness.mover.tiers.close()

@@ -380,19 +380,26 @@ def generate_command(
                 "prompt_tokens": len(output.prompt_token_ids),
                 "output_tokens": len(completion.token_ids),
             }
+            if output.error is not None:
+                record["error"] = output.error
             click.echo(json.dumps(record))
         else:
             click.echo(f"--- [{index}] {text}\n{completion.text}\n")
+    failed = [output.error for output in outputs if output.error is not None]
+    if failed:  # a rank serving them died; the others' answers are above
+        _fail([f"{len(failed)} of {len(outputs)} prompts failed: {failed[0]}"])
 
 
 def _print_as_generated(outputs: Iterator[RequestOutput]) -> None:
     """Each step's new text as it arrives (click.echo flushes), then a newline."""
-    printed = ""
+    printed, output = "", None
     for output in outputs:
         text = output.outputs[0].text
         click.echo(text[len(printed) :], nl=False)
         printed = text
     click.echo()
+    if output is not None and output.error is not None:  # the rank serving it died
+        _fail([output.error])
 
 
 @main.command("serve")

@@ -164,6 +164,10 @@ class ParallelConfig:
     #: With prefill ranks, a prompt shorter than this is computed on its decode rank: its
     #: prefill costs a decode step little, and the hand-off would cost it more.
     prefill_rank_min_tokens: int = attrs.field(default=256, validator=_non_negative)
+    #: A prefill rank whose prompt's blocks are not in the store this long after its prefill
+    #: (a hung filesystem, a stalled server) hands the request on anyway: the decode rank
+    #: computes what it misses.
+    handoff_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     #: Under torchrun, the port rank 0's front end listens on for the workers
     #: (0: MASTER_PORT + 1).
     frontend_port: int = attrs.field(default=0, validator=_port)

@@ -292,9 +292,16 @@ class ParallelEngine:
         return {rank: dict(entry.counters) for rank, entry in self._ranks.items()}
 
     def stats(self) -> EngineStats:
-        """Every rank's counts added up, as of its last report."""
-        ranks = EngineStats.total([r.stats for r in self._ranks.values() if r.stats is not None])
-        return attrs.evolve(ranks, **self._handoffs)
+        """Every rank's counts added up, as of its last report (a lost rank's counters, not
+        its load or its cache)."""
+        reports = [
+            r.stats
+            if r.lost is None
+            else attrs.evolve(r.stats, running=0, waiting=0, kv_blocks_total=0, kv_blocks_free=0)
+            for r in self._ranks.values()
+            if r.stats is not None
+        ]
+        return attrs.evolve(EngineStats.total(reports), **self._handoffs)
 
     # ----------------------------------------------------------------------- the loop
 
@@ -330,7 +337,7 @@ class ParallelEngine:
         if entry.conn is None:  # lost while this step read another rank
             return outputs
         try:
-            while entry.conn.poll(0):
+            while entry.conn is not None and entry.conn.poll(0):  # a "failed" message loses the rank
                 message = entry.conn.recv()
                 entry.last_heard = time.monotonic()
                 outputs.extend(self._handle(entry, message))
@@ -458,8 +465,8 @@ class ParallelEngine:
             if process is not None and not process.is_alive() and not entry.stopped:
                 if entry.conn is not None:  # read what it said before it went
                     try:
-                        while entry.conn.poll(0):
-                            self._handle(entry, entry.conn.recv())
+                        while entry.conn is not None and entry.conn.poll(0):
+                            self._made.extend(self._handle(entry, entry.conn.recv()))
                     except (EOFError, OSError):
                         pass
                 if not entry.stopped:  # what it said did not already lose it

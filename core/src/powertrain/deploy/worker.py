@@ -158,7 +158,7 @@ def run_worker(
     )
     conn.send(("ready", info))
     try:
-        WorkerLoop(engine, conn, placement.rank).run()
+        WorkerLoop(engine, conn, placement.rank, handoff_timeout_s=config.parallel.handoff_timeout_s).run()
     except BaseException as exc:
         _report_failure(conn, placement.rank, exc)
         raise
@@ -179,16 +179,18 @@ def _report_failure(conn: Connection, rank: int, exc: BaseException) -> None:
 class WorkerLoop:
     """Requests in, steps, outputs out; with expert parallelism, in lockstep (``lockstep``)."""
 
-    def __init__(self, engine: Any, conn: Connection, rank: int) -> None:
+    def __init__(self, engine: Any, conn: Connection, rank: int, handoff_timeout_s: float = 30.0) -> None:
         self.engine = engine
+        self.handoff_timeout_s = handoff_timeout_s
         self.conn = conn
         self.rank = rank
         self.lockstep = engine.runner.lockstep
         self.stopping = False
         self.requests: set[str] = set()
-        #: Prefills in flight (their prompts), then the publications of their blocks.
+        #: Prefills in flight (their prompts), then the publications of their blocks (and
+        #: when each began).
         self.prefills: dict[str, list[int]] = {}
-        self.publishing: dict[str, Future[int]] = {}
+        self.publishing: dict[str, tuple[Future[int], float]] = {}
         self._peers_busy = False
         self._broken = False  # the connection to the front end
         self._last_report = 0.0
@@ -288,18 +290,23 @@ class WorkerLoop:
         for output in outputs:
             if output.finished:
                 token_ids = self.prefills.pop(output.request_id)
-                self.publishing[output.request_id] = self.engine.publish_prefix(token_ids)
+                self.publishing[output.request_id] = (self.engine.publish_prefix(token_ids), time.monotonic())
 
     def _hand_off(self) -> None:
-        """Tell the front end which publications are done (or failed)."""
-        for request_id, published in list(self.publishing.items()):
-            if not published.done():
+        """Tell the front end which publications are done, failed or overdue."""
+        for request_id, (published, began) in list(self.publishing.items()):
+            waited = time.monotonic() - began
+            if published.done():
+                error = published.exception()
+                why = None if error is None else f"{type(error).__name__}: {error}"
+            elif waited > self.handoff_timeout_s:
+                why = f"the blocks were not in the store after {waited:.0f} s ([parallel] handoff_timeout_s)"
+            else:
                 continue
             del self.publishing[request_id]
-            error = published.exception()
-            if error is not None:
-                log.warning("a prefill's blocks were not published", request_id=request_id, error=str(error))
-            self._send(("prefilled", request_id, None if error is None else f"{type(error).__name__}: {error}"))
+            if why is not None:
+                log.warning("a prefill's blocks were not published", request_id=request_id, error=why)
+            self._send(("prefilled", request_id, why))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._broken:

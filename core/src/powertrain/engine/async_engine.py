@@ -108,6 +108,13 @@ class AsyncEngine:
             self._deliver(request_id, exc)
         return True
 
+    def _fail_streams(self, exc: Exception) -> None:
+        """The engine failed: accept nothing more, and end every open stream with the reason."""
+        log.error("engine loop stopped", error=f"{type(exc).__name__}: {exc}")
+        self._stopping.set()
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+
     def _loop(self) -> None:
         running = True
         while running:
@@ -120,16 +127,16 @@ class AsyncEngine:
                     running = self._handle(kind, payload)
             except queue.Empty:
                 pass
+            except Exception as exc:  # an abort that found the engine dead
+                self._fail_streams(exc)
+                return
             self.stats = self.engine.stats()
             if not running or not self.engine.has_unfinished_requests():
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:
-                log.error("engine loop stopped", error=f"{type(exc).__name__}: {exc}")
-                self._stopping.set()
-                for request_id in list(self._streams):
-                    self._deliver(request_id, EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
+                self._fail_streams(exc)
                 return
             for output in outputs:
                 self._deliver(output.request_id, output if output.error is None else RequestFailedError(output.error))

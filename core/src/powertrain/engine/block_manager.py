@@ -510,13 +510,10 @@ class BlockManager:
         loads, self._loads = self._loads, []
         return BlockTransfers(offloads, loads) if offloads or loads else None
 
-    def prefix_offloads(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:
-        """Copies out of every block a prompt of ``token_ids`` could hit that the pools
-        cache (prefill/decode disaggregation publishes them), or none without tiers. The
-        tiers hold those blocks from now on, so their eviction copies nothing again."""
-        if self.tiers is None:
-            return []
-        offloads = []
+    def _cached_prefix(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:
+        """(class, block id, hash) of every block a prompt of ``token_ids`` could hit that
+        the pools cache."""
+        found = []
         previous = self.root
         for index in range((len(token_ids) - 1) // self.block_size):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
@@ -524,9 +521,21 @@ class BlockManager:
             for w, pool in self.pools.items():
                 block_id = pool.lookup(previous, tokens)
                 if block_id is not None:
-                    offloads.append((w, block_id, tier_key(previous, w)))
-                    pool.blocks[block_id].from_tiers = True
-        return offloads
+                    found.append((w, block_id, previous))
+        return found
+
+    def prefix_offloads(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:
+        """Copies out of every block a prompt of ``token_ids`` could hit that the pools
+        cache (prefill/decode disaggregation publishes them), or none without tiers."""
+        if self.tiers is None:
+            return []
+        return [(w, block_id, tier_key(block_hash, w)) for w, block_id, block_hash in self._cached_prefix(token_ids)]
+
+    def mark_stored(self, token_ids: list[int]) -> None:
+        """The tiers hold the cached blocks of this prompt (it was published): their
+        eviction copies nothing out again."""
+        for w, block_id, _ in self._cached_prefix(token_ids):
+            self.pools[w].blocks[block_id].from_tiers = True
 
     def cached_transfers(self) -> BlockTransfers | None:
         """Copies of every block the pools cache, to the tiers (at shutdown: a storage tier

@@ -111,6 +111,8 @@ class LLMEngine:
         self._closed = False
         self._num_preemptions = 0
         self._speculative_counts = [0, 0, 0]  # request-steps, verified, accepted
+        #: Publications in flight (``publish_prefix``) and their prompts.
+        self._publications: list[tuple[Future[int], list[int]]] = []
         #: Forwards launched so far (a step launches at most one).
         self.launched_steps = 0
 
@@ -217,7 +219,19 @@ class LLMEngine:
                 published.set_exception(error)
 
         self._device_thread.submit(copy_out)  # after the step in flight, before any later one
+        self._publications.append((published, list(token_ids)))
         return published
+
+    def _note_publications(self) -> None:
+        """Mark what finished publications put in the shared tiers (here, on the engine
+        thread, before a scheduling pass could evict it): no second copy at eviction."""
+        pending = []
+        for published, token_ids in self._publications:
+            if not published.done():
+                pending.append((published, token_ids))
+            elif published.exception() is None:
+                self.block_manager.mark_stored(token_ids)
+        self._publications = pending
 
     def _tier_stats(self) -> dict[str, dict[str, float]]:
         if self.block_mover is None:
@@ -252,6 +266,8 @@ class LLMEngine:
             raise
 
     def _launch(self) -> _InFlight | None:
+        if self._publications:
+            self._note_publications()
         batch = self.scheduler.schedule()
         if not batch:
             return None

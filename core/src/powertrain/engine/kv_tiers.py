@@ -112,10 +112,11 @@ class KVTiers:
                     self._put_down(0, offered.blocks)
                 else:
                     self._publish(offered.blocks, offered.published)
-            except BaseException as error:
-                if offered.published is None:
-                    raise
-                offered.published.set_exception(error)
+            except Exception as error:  # the writer outlives any one batch (a failed copy, a bug)
+                if offered.published is not None:
+                    offered.published.set_exception(error)
+                else:
+                    log.error("kv tiers dropped offered blocks", blocks=len(offered.blocks), error=f"{error!r}")
             finally:
                 if offered.published is None:  # a publication's blocks were never pending
                     with self._lock:
