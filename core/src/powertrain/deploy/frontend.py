@@ -355,8 +355,8 @@ class ParallelEngine:
         if kind == "prefilled":
             _, request_id, error = message
             request = self._requests.get(request_id)
-            if request is None or not request.prefilling:
-                return []  # aborted (or failed) meanwhile
+            if request is None or not request.prefilling or request.rank != entry.rank:
+                return []  # aborted (or failed) meanwhile, or its id reused for a prefill elsewhere
             self._balancer_of(request).finished(request.rank)
             if error is not None:
                 log.warning("a prefill's blocks did not reach the store; the decode rank computes them", error=error)
