@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import attrs
 import structlog
@@ -281,17 +281,11 @@ class BlockManager:
         docstring's hit rule), from the pools or the tiers, without taking it."""
         if not self.enable_prefix_caching:
             return PrefixMatch()
-        usable = (seq.num_tokens - 1) // self.block_size
         found: dict[Window, list[int | None]] = {w: [] for w in self.pools}
         hashes: list[bytes] = []
         # A full pool needs every block of a hit: one its pool misses is fetched right away.
         fetched: dict[tuple[Window, int], tuple[str, torch.Tensor]] = {}
-        previous = self.root
-        for index in range(usable):
-            tokens = self._block_tokens(seq, index)
-            if any(t < 0 for t in tokens):  # a placeholder: the token is not known yet
-                break
-            previous = chain_hash(previous, tokens)
+        for index, (tokens, previous) in enumerate(self._hit_chain(seq.token_ids)):
             here = {w: pool.lookup(previous, tokens) for w, pool in self.pools.items()}
             full_misses = [w for w, pool in self.pools.items() if pool.window is None and here[w] is None]
             if full_misses and self.tiers is None:
@@ -304,6 +298,17 @@ class BlockManager:
             for w, block_id in here.items():
                 found[w].append(block_id)
         return self._longest_hit(found, hashes, fetched)
+
+    def _hit_chain(self, token_ids: list[int]) -> Iterator[tuple[tuple[int, ...], bytes]]:
+        """(tokens, hash) of each block a prompt of ``token_ids`` could hit, in order: its
+        full blocks but the last token's, up to a placeholder (a token not known yet)."""
+        previous = self.root
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            if any(t < 0 for t in tokens):
+                return
+            previous = chain_hash(previous, tokens)
+            yield tokens, previous
 
     def _longest_hit(
         self,
@@ -514,14 +519,11 @@ class BlockManager:
         """(class, block id, hash) of every block a prompt of ``token_ids`` could hit that
         the pools cache."""
         found = []
-        previous = self.root
-        for index in range((len(token_ids) - 1) // self.block_size):
-            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            previous = chain_hash(previous, tokens)
+        for tokens, block_hash in self._hit_chain(token_ids):
             for w, pool in self.pools.items():
-                block_id = pool.lookup(previous, tokens)
+                block_id = pool.lookup(block_hash, tokens)
                 if block_id is not None:
-                    found.append((w, block_id, previous))
+                    found.append((w, block_id, block_hash))
         return found
 
     def prefix_offloads(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:

@@ -128,15 +128,20 @@ class KVTiers:
     def _put_down(self, level: int, blocks: list[StoredBlock]) -> None:
         """Put ``blocks`` into tier ``level``, and what it drops into the tiers below."""
         while blocks and level < len(self.tiers):
-            name, store = self.tiers[level]
-            started = time.perf_counter()
-            dropped = self._call(name, store.put, blocks)
-            stats = self.stats[name]
-            stats.write_seconds += time.perf_counter() - started
+            dropped = self._put(*self.tiers[level], blocks)
             if dropped is None:
                 return  # the tier failed: these blocks are lost, as a miss
-            stats.bytes_written += sum(payload.numel() for _, payload in blocks)
             blocks, level = dropped, level + 1
+
+    def _put(self, name: str, store: KVStore, blocks: list[StoredBlock]) -> list[StoredBlock] | None:
+        """``store.put(blocks)``, timed and counted; None when the store failed."""
+        started = time.perf_counter()
+        dropped = self._call(name, store.put, blocks)
+        stats = self.stats[name]
+        stats.write_seconds += time.perf_counter() - started
+        if dropped is not None:
+            stats.bytes_written += sum(payload.numel() for _, payload in blocks)
+        return dropped
 
     def _publish(self, blocks: list[StoredBlock], published: Future[int]) -> None:
         written = 0
@@ -145,12 +150,8 @@ class KVTiers:
                 continue
             held = self._call(name, store.contains, [key for key, _ in blocks])
             missing = [block for block, there in zip(blocks, held or [False] * len(blocks), strict=True) if not there]
-            started = time.perf_counter()
-            if missing and self._call(name, store.put, missing) is None:
+            if missing and self._put(name, store, missing) is None:
                 raise OSError(f"kv store {name!r} failed to take {len(missing)} published blocks (logged above)")
-            stats = self.stats[name]
-            stats.write_seconds += time.perf_counter() - started
-            stats.bytes_written += sum(payload.numel() for _, payload in missing)
             written += len(missing)
         published.set_result(written)
 
