@@ -76,10 +76,12 @@ def test_deepseek_v3_disaggregated_equals_colocated_and_a_lost_store_costs_only_
 ) -> None:
     seed = fresh_seed()
     prompts, later = prompts_for(seed, vocab=500), prompts_for(seed + 1, vocab=500)
-    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=seed % 1000, n=2, max_tokens=6, ignore_eos=True)
-    params = [GREEDY if i % 3 else sampled for i in range(len(prompts))]
-    # 12 blocks: any request fits, a dozen at once do not (the decode rank preempts).
-    base = {"path": str(tiny_v3), "dtype": "float32", "num_blocks": 12}
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=seed % 1000, n=2, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [greedy if i % 3 else sampled for i in range(len(prompts))]
+    # 8 blocks: any request fits (at most 8 blocks), a few decoding at once do not (the
+    # decode rank preempts, however the hand-offs stagger their arrival).
+    base = {"path": str(tiny_v3), "dtype": "float32", "num_blocks": 8}
     with LLM(**base) as llm:
         colocated, colocated_later = llm.generate(prompts, params), llm.generate(later, GREEDY)
     store = tmp_path / "store"
