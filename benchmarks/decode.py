@@ -12,6 +12,8 @@ that engine reads per token, and the share of it reached:
   linear weight and the (tied) embedding matrix as the lm_head, 4 bytes per weight.
 * ``powertrain-keep``: ``LLM(quantization="keep")``; reads the same matrices as stored in
   the GGUF file (Q4_1 blocks, the embedding in Q8_0).
+* ``powertrain-keep-layerwise``: the same, with its layers called one by one instead of as
+  the attention pack's fused decoder stack (what ``fused-decoder`` gains).
 * ``hf``: transformers' ``generate`` on the same GGUF file, dequantised to float32 (its
   parameter bytes).
 * ``llama.cpp``: llama-cpp-python on the GGUF file (its tensor bytes), when an interpreter
@@ -44,7 +46,7 @@ from powertrain.loader import resolve_model_path
 from powertrain.loader.gguf_reader import read_gguf
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-ENGINES = ("powertrain-dequantize", "powertrain-keep", "hf", "llama.cpp")
+ENGINES = ("powertrain-dequantize", "powertrain-keep", "powertrain-keep-layerwise", "hf", "llama.cpp")
 KV_CACHE_GIB = 0.25  # small: the memory row compares weights, not a quarter of RAM of cache
 
 LLAMA_CPP = """
@@ -90,6 +92,7 @@ def bytes_per_token(gguf: Path) -> dict[str, int]:
     return {
         "powertrain-dequantize": sum(t.n_elements for t in matrices) * 4,
         "powertrain-keep": sum(t.n_bytes for t in matrices),
+        "powertrain-keep-layerwise": sum(t.n_bytes for t in matrices),
         "llama.cpp": sum(t.n_bytes for t in tensors),
         # "hf" comes from the child: its float32 parameter bytes (tied weights counted once)
     }
@@ -102,7 +105,7 @@ def rss_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def run_powertrain(quantization: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+def run_powertrain(quantization: str, prompt: list[int], tokens: int, layerwise: bool = False) -> dict[str, Any]:
     from powertrain import LLM, SamplingParams
 
     before = rss_bytes()
@@ -110,6 +113,8 @@ def run_powertrain(quantization: str, prompt: list[int], tokens: int) -> dict[st
         loaded = rss_bytes()
         kv_gib = llm.engine.kv_cache.get("gib")
         model = getattr(getattr(llm.engine, "runner", None), "model", None)
+        if layerwise:
+            model.use_fused_decoder(None)
         kept = quantised_tensors(model) if isinstance(model, torch.nn.Module) else None
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm up
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -212,7 +217,8 @@ def main() -> None:
             if args.engine == "hf":
                 result = run_hf(prompt, args.tokens)
             else:
-                result = run_powertrain(args.engine.removeprefix("powertrain-"), prompt, args.tokens)
+                mode, _, layerwise = args.engine.removeprefix("powertrain-").partition("-")
+                result = run_powertrain(mode, prompt, args.tokens, layerwise=layerwise == "layerwise")
         except Exception as error:  # the parent prints it as this row's result
             result = {"error": f"{type(error).__name__}: {error}"}
         print(json.dumps(result))
@@ -255,7 +261,7 @@ def main() -> None:
                 f"{mib(growth)} vs {mib(bound)} (2x file + {mib(row['kv_cache_bytes'] or 0)} KV): "
                 + ("within" if growth <= bound else "OVER")
             )
-            if engine == "powertrain-keep" and row["quantised_tensors"] == 0:
+            if engine.startswith("powertrain-keep") and row["quantised_tensors"] == 0:
                 results[f"{engine} note"] = "the model holds no quantised weights: 'keep' was not in effect"
     report(f"batch-1 greedy decode, {args.tokens} new tokens, float32 unless kept quantised", results)
 

@@ -59,6 +59,7 @@ ATTENTION_CAPABILITIES = frozenset(
         # The backend also fuses small layer ops where it is active (interfaces.attention):
         "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
+        "fused-decoder",  # DecoderStackKernel: whole Llama-shaped decoder stacks for small steps
         # Extra forward paths:
         "sparse-mla",  # SparseMLAAttentionBackend: MLA over indexer-picked top-k tokens (DSA)
         "v4-attention",  # V4AttentionBackend: sliding window + compressed entries + sinks (DeepSeek-V4)

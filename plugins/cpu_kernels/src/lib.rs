@@ -26,7 +26,8 @@
 //! The crate's other kernels, for attention, are in ``attention.rs`` (paged attention for
 //! decodes and other short query rows; it shares the pool and the path detection) and
 //! ``rotary.rs`` (rotary embedding fused with the cache write), and ``norm.rs`` (RMSNorm
-//! with its residual add).
+//! with its residual add). ``decoder.rs`` runs them all, layer after layer, for a whole
+//! decoder stack in one call.
 //!
 //! Every function here trusts its caller for the sizes: the slices must hold exactly the
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
@@ -35,6 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 pub use attention::{paged_attention, Bf16, Element, PagedAttention};
+pub use decoder::{decoder_stack, Step as DecoderStep, LAYER_ENTRIES as DECODER_LAYER_ENTRIES};
 pub use norm::{rms_norm, RmsNorm};
 pub use openmp::{openmp_available, set_openmp};
 use pool::Pool;
@@ -43,6 +45,7 @@ pub use rotary::{rotary_store, RotaryStore};
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_x86;
+mod decoder;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod gemm_x86;

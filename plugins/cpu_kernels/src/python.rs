@@ -372,6 +372,77 @@ fn rms_norm(
     .map_err(PyValueError::new_err)
 }
 
+/// Every layer of a pre-norm decoder stack for one step of short rows (see ``decoder.rs``):
+/// ``table`` holds ``layers * LAYER_ENTRIES`` u64 entries; ``x``, ``out`` and ``residual``
+/// are ``[tokens, hidden]`` float32; the step's tensors are ``rotary_store``'s and
+/// ``paged_attention``'s.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn decoder_stack(
+    py: Python<'_>,
+    table: usize,
+    layers: usize,
+    x: usize,
+    out: usize,
+    residual: usize,
+    tokens: usize,
+    hidden: usize,
+    cos: usize,
+    sin: usize,
+    half: usize,
+    slots: usize,
+    block_tables: usize,
+    query_start: usize,
+    seq_lens: usize,
+    rows: usize,
+    batch: usize,
+    max_blocks: usize,
+    num_rows: usize,
+    num_blocks: usize,
+    block_size: usize,
+    attention_pool: bool,
+    openmp_threads: usize,
+) -> PyResult<()> {
+    let threads = crate::Threads::pool_or_openmp(openmp_threads);
+    let attention_threads = match threads {
+        crate::Threads::Pool if !attention_pool => crate::Threads::Caller,
+        threads => threads,
+    };
+    py.detach(|| unsafe {
+        let step = crate::DecoderStep {
+            tokens,
+            hidden,
+            cos: view(cos, tokens * half),
+            sin: view(sin, tokens * half),
+            half,
+            slots: view(slots, tokens),
+            block_tables: view(block_tables, batch * max_blocks),
+            query_start: view(query_start, batch + 1),
+            seq_lens: view(seq_lens, batch),
+            rows: view(rows, num_rows),
+            max_blocks,
+            num_blocks,
+            block_size,
+            threads,
+            attention_threads,
+        };
+        crate::decoder_stack(
+            view(table, layers * crate::DECODER_LAYER_ENTRIES),
+            &step,
+            view(x, tokens * hidden),
+            view_mut(out, tokens * hidden),
+            view_mut(residual, tokens * hidden),
+        )
+    })
+    .map_err(PyValueError::new_err)
+}
+
+/// Entries per layer in ``decoder_stack``'s table.
+#[pyfunction]
+fn decoder_layer_entries() -> usize {
+    crate::DECODER_LAYER_ENTRIES
+}
+
 /// The path calls take now: ``"avx2+fma"`` or ``"scalar"``.
 #[pyfunction]
 fn kernel_path() -> &'static str {
@@ -437,6 +508,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_store, m)?)?;
+    m.add_function(wrap_pyfunction!(decoder_stack, m)?)?;
+    m.add_function(wrap_pyfunction!(decoder_layer_entries, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel_path, m)?)?;
     m.add_function(wrap_pyfunction!(force_scalar, m)?)?;

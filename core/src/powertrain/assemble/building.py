@@ -72,6 +72,7 @@ def build_attention(
             (interfaces.LightningIndexerBackend, {"lightning-indexer"}),
             (interfaces.RotaryAttentionBackend, {"fused-rotary"}),
             (interfaces.RMSNormKernel, {"fused-rmsnorm"}),
+            (interfaces.DecoderStackKernel, {"fused-decoder"}),
         )
         if capabilities & tags
     )

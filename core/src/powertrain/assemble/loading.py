@@ -194,6 +194,23 @@ def _prepare_for_platform(model: interfaces.CausalLM, plan: Plan, attention: Any
         pack_for_platform(model, plan.platform, dtype)
     if isinstance(attention, interfaces.RMSNormKernel):
         log.info("rmsnorm through the attention backend's kernel", norms=use_norm_kernel(model, attention))
+    if isinstance(attention, interfaces.DecoderStackKernel) and hasattr(model, "decoder_layer_parts"):
+        _fuse_decoder(model, attention, plan)
+
+
+def _fuse_decoder(model: Any, kernel: interfaces.DecoderStackKernel, plan: Plan) -> None:
+    """Hand the model's layers to the pack that runs whole decoder stacks; one info line
+    says whether it took them, and why not."""
+    if plan.config.engine.batch_invariant:
+        log.info("decoder layers run one by one", why="[engine] batch_invariant")
+        return
+    parts = model.decoder_layer_parts()
+    fused = kernel.fuse_decoder(parts)
+    if isinstance(fused, str):
+        log.info("decoder layers run one by one", why=fused)
+        return
+    model.use_fused_decoder(fused)
+    log.info("decoder stack fused for small steps", layers=len(parts), backend=plan.chosen("attention").record.name)
 
 
 def kv_budget_bytes(config: EngineConfig, platform: PlatformInfo, device: torch.device) -> int:

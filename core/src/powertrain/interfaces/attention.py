@@ -609,6 +609,58 @@ class RMSNormKernel(Protocol):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@attrs.frozen(kw_only=True)
+class DecoderLayerParts:
+    """One pre-norm decoder layer of the Llama shape, for a kernel pack that runs a whole
+    stack of them at once (``DecoderStackKernel``)::
+
+        h = x + o(attention(rotary(qkv(norm_in(x)))))
+        out = h + down(silu(gate) * up), with (gate, up) = gate_up(norm_post(h))
+
+    The projections are the model's own modules (``layers.linear.Linear``: a pack reads
+    how each multiplies, dense, packed or kept quantised, and takes only what it knows);
+    ``qkv`` stacks q, k and v rows, ``gate_up`` gate then up rows.
+    """
+
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    eps: float
+    qkv: Any
+    o: Any
+    gate_up: Any
+    down: Any
+    attention: AttentionLayerSpec
+
+
+@runtime_checkable
+class FusedDecoder(Protocol):
+    """A decoder stack a pack fused. ``hidden`` ``[tokens, hidden]`` is the first layer's
+    input, ``cos``/``sin`` the step's rotary angles, ``kv_caches`` one per layer. Returns
+    ``(out, residual)``, the last layer's MLP output and the residual stream not yet added
+    to it, as the layers one by one would; or None for a step it does not run (the model
+    then runs its layers itself). Outputs equal the layers' to float32 rounding."""
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+@runtime_checkable
+class DecoderStackKernel(Protocol):
+    """An attention pack that runs whole decoder stacks (capability ``fused-decoder``):
+    where a step's Python glue costs as much as its kernels (batch-1 decode on a CPU), one
+    call per step instead of about forty per layer. ``fuse_decoder`` returns the fused stack
+    or, where it cannot take these layers, a one-line reason (logged); the model keeps its
+    layers either way."""
+
+    def fuse_decoder(self, layers: Sequence[DecoderLayerParts]) -> FusedDecoder | str: ...
+
+
 @runtime_checkable
 class MLAAttentionBackend(Protocol):
     """Multi-head latent attention in the weight-absorbed form over a latent cache.

@@ -20,7 +20,15 @@ import attrs
 import torch
 from torch import nn
 
-from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache, ModelContext, QuantizedWeight
+from powertrain.interfaces import (
+    AttentionLayerSpec,
+    AttentionMetadata,
+    DecoderLayerParts,
+    FusedDecoder,
+    LayerKVCache,
+    ModelContext,
+    QuantizedWeight,
+)
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
 from powertrain.layers.embedding import Embedding
@@ -192,6 +200,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, backend) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope, args.max_position_embeddings)
+        #: The layers as one call, where a kernel pack fused them (``use_fused_decoder``).
+        self.fused: FusedDecoder | None = None
 
     def forward(
         self,
@@ -203,9 +213,13 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: look them up once per step.
         cos, sin = self.rotary_emb(positions, metadata.max_seq_len, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+        fused = None if self.fused is None else self.fused(hidden, cos, sin, kv_caches, metadata)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -251,6 +265,26 @@ class LlamaForCausalLM(nn.Module):
         Padded rows (past ``metadata.num_tokens``) need a valid position, e.g. 0.
         """
         return self.model(input_ids, positions, kv_caches, metadata)
+
+    def decoder_layer_parts(self) -> tuple[DecoderLayerParts, ...]:
+        """Each layer as a kernel pack may fuse it (``DecoderStackKernel``)."""
+        return tuple(
+            DecoderLayerParts(
+                input_norm=layer.input_layernorm.weight,
+                post_attention_norm=layer.post_attention_layernorm.weight,
+                eps=layer.input_layernorm.eps,
+                qkv=layer.self_attn.qkv_proj,
+                o=layer.self_attn.o_proj,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                attention=layer.self_attn.attn.spec,
+            )
+            for layer in self.model.layers
+        )
+
+    def use_fused_decoder(self, fused: FusedDecoder | None) -> None:
+        """Run small steps' layers through ``fused`` (None: one by one again)."""
+        self.model.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul stays in the model dtype (a float32 copy of a 128k-row head per step

@@ -42,6 +42,8 @@ from powertrain.interfaces import (
     KVCacheSpec,
     LightningIndexerBackend,
     MLAAttentionBackend,
+    QuantizedLinearContext,
+    QuantizedLinearKernel,
     RMSNormKernel,
     RotaryAttentionBackend,
     SparseMLAAttentionBackend,
@@ -58,6 +60,7 @@ from powertrain.testing.base import (
     generator,
     random_index_rows,
 )
+from powertrain.testing.fused_decoder import check_fused_decoder
 from powertrain.testing.indexer import check_index_topk
 from powertrain.testing.invariance import check_batch_invariant
 from powertrain.testing.kv_access import read_tokens, token_major, write_tokens
@@ -248,6 +251,8 @@ class AttentionBackendSuite(ComponentSuite):
     * ``index_heads``, ``index_head_dim``: the Lightning Indexer's widths, for kernels that
       only support some; ``index_tolerance``: how far (relative to a row's largest score)
       a pick's score may be from the oracle's, the same rule.
+    * ``fused_decoder_quantized_linear``: the quantised-linear kernel the ``fused-decoder``
+      case keeps its projections for.
     """
 
     kind: ClassVar[str] = "attention"
@@ -259,6 +264,9 @@ class AttentionBackendSuite(ComponentSuite):
     index_heads: ClassVar[int] = 12
     index_head_dim: ClassVar[int] = 40
     index_tolerance: ClassVar[float] = 1e-3
+    #: The quantised-linear component whose kept weights the ``fused-decoder`` case hands
+    #: over (None: the highest-priority one available here; dense weights where none is).
+    fused_decoder_quantized_linear: ClassVar[str | None] = None
     tolerances: ClassVar[Mapping[torch.dtype, tuple[float, float]]] = {
         torch.float32: (1e-4, 1e-4),
         torch.float16: (5e-3, 5e-3),
@@ -709,6 +717,31 @@ class AttentionBackendSuite(ComponentSuite):
                 rtol=rtol,
                 msg=lambda detail, name=name: f"{name} differs from RMSNorm: {where}\n{detail}",
             )
+
+    def test_fused_decoder(self, subject: Subject, seed: int) -> None:
+        """fuse_decoder's stack equals the model's layers one by one (``testing.fused_decoder``),
+        with projections kept quantised where a quantised-linear kernel runs here."""
+        self.require(subject.provided, "fused-decoder")
+        candidate, _, _ = self._build(subject, torch.float32, self.block_sizes[0])
+        name = subject.provided.record.name
+        why = check_fused_decoder(candidate, self._quantized_linear(subject), seed, name)
+        if why is not None:
+            pytest.skip(f"{name} declined the kit's model: {why}")
+
+    def _quantized_linear(self, subject: Subject) -> QuantizedLinearKernel | None:
+        """``fused_decoder_quantized_linear``, else the highest-priority quantised-linear
+        kernel available on the subject's platform, else None."""
+        records = sorted(subject.plugins.records("quantized_linear"), key=lambda p: -p.record.priority)
+        for provided in records:
+            record = provided.record
+            if self.fused_decoder_quantized_linear not in (None, record.name):
+                continue
+            if record.availability(subject.platform).available:
+                context = QuantizedLinearContext(
+                    platform=subject.platform, device=torch.device(subject.platform.device_type), dtype=torch.float32
+                )
+                return record.factory(context)
+        return None
 
     @pytest.mark.parametrize("scenario", ["mixed", "chunked"])
     def test_mla(

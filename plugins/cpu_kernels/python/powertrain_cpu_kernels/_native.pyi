@@ -80,6 +80,31 @@ def rotary_store(
     num_slots: int,
     bf16: bool,
 ) -> None: ...
+def decoder_stack(
+    table: int,
+    layers: int,
+    x: int,
+    out: int,
+    residual: int,
+    tokens: int,
+    hidden: int,
+    cos: int,
+    sin: int,
+    half: int,
+    slots: int,
+    block_tables: int,
+    query_start: int,
+    seq_lens: int,
+    rows: int,
+    batch: int,
+    max_blocks: int,
+    num_rows: int,
+    num_blocks: int,
+    block_size: int,
+    attention_pool: bool,
+    openmp_threads: int,
+) -> None: ...
+def decoder_layer_entries() -> int: ...
 def kernel_path() -> str: ...
 def best_kernel_path() -> str: ...
 def force_scalar(on: bool) -> None: ...

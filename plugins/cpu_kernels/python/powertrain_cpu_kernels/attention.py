@@ -12,11 +12,13 @@ cache on another device, take the plain-torch path of the parent class.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 import powertrain_cpu_kernels._native as _native
 from powertrain.builtin.bucketed_attention import SHORT_QUERY, BucketedAttention
-from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, DecoderLayerParts, FusedDecoder, LayerKVCache
 from powertrain.layers.norm import rms_norm
 from powertrain.layers.rotary import apply_rotary
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
@@ -177,6 +179,14 @@ class NativePagedAttention(BucketedAttention):
             bf16,
         )
         return normed, total
+
+    def fuse_decoder(self, layers: Sequence[DecoderLayerParts]) -> FusedDecoder | str:
+        """The ``fused-decoder`` capability: Llama-shaped layers whose projections are kept
+        quantised for ``cpu-native`` run a whole small step in one native call
+        (``decoder.NativeDecoderStack``); otherwise, the reason they cannot."""
+        from powertrain_cpu_kernels.decoder import fuse_decoder
+
+        return fuse_decoder(self, layers)
 
     def _step_tensors(
         self, metadata: AttentionMetadata

@@ -57,7 +57,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name="cpu-paged",
             platforms={"cpu"},
-            capabilities={*BUCKETED_CAPABILITIES, "fused-rotary", "fused-rmsnorm"},
+            capabilities={*BUCKETED_CAPABILITIES, "fused-rotary", "fused-rmsnorm", "fused-decoder"},
             # Above torch-bucketed (10), which it extends: the CPU default when installed.
             priority=20,
             check=native_available,
@@ -65,7 +65,8 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
             description=(
                 "torch-bucketed with decodes and other short rows attending in Rust, straight from "
                 "the paged cache, and RMSNorm in one native pass (float32; other dtypes take the "
-                "plain-torch path)"
+                "plain-torch path); small steps of Llama-shaped models with weights kept quantised "
+                "run their whole decoder stack in one native call"
             ),
         )
     ]

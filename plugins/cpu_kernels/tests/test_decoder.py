@@ -1,0 +1,198 @@
+"""``cpu-paged``'s fused decoder stack (``fused-decoder``, ``src/decoder.rs``) against HF
+transformers and against the same model run layer by layer.
+
+Small random Llama-family models (GQA, Qwen2's q/k/v bias, Mistral's sliding window) get
+random quantised projections: ``q4`` for q/k/v, gate/up and down, ``q8`` for o (groups of
+16 or 32). HF's copy of each model gets the same weights dequantised, so it is an
+independent oracle for the whole step; the model loads the codes as stored, multiplies
+them through ``cpu-native`` and attends through ``cpu-paged`` over a paged cache with
+shuffled block ids. Each test draws a fresh seed and names it when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaForCausalLM as HFLlama
+from transformers import MistralForCausalLM as HFMistral
+from transformers import Qwen2ForCausalLM as HFQwen2
+
+from powertrain.interfaces import DecoderStackKernel, ModelContext, QuantizedWeight
+from powertrain.layers.norm import use_norm_kernel
+from powertrain.models.llama import LlamaForCausalLM
+from powertrain.testing.checkpoints import random_hf_model
+from powertrain.testing.oracle import relative_error
+from powertrain.testing.paged import PagedRunner
+from powertrain_cpu_kernels.attention import NativePagedAttention
+from powertrain_cpu_kernels.decoder import FUSED_MAX_ROWS, NativeDecoderStack
+from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
+
+VOCAB = 256
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    num_hidden_layers=3,
+)
+VARIANTS: dict[str, Callable[[], tuple[type, Any]]] = {
+    "llama-gqa": lambda: (HFLlama, LlamaConfig(**COMMON, rms_norm_eps=1e-5)),
+    "qwen2-qkv-bias": lambda: (HFQwen2, Qwen2Config(**COMMON)),
+    "mistral-sliding-window": lambda: (HFMistral, MistralConfig(**COMMON, sliding_window=8)),
+}
+#: Largest |fused - HF| logit over the largest HF one. One- and two-row products round
+#: activations to 16 bits (``activation_bits``), and sums run in other orders: measured up
+#: to 6e-7 here (SmolLM2's outlier activations give more: ``test_embedded_model``). A wrong
+#: residual, bias, row or window is of order 1e-2 or more.
+HF_TOLERANCE = 1e-4
+#: Fused against the same kernels called layer by layer: only the SiLU differs (Rust's
+#: ``exp`` against torch's), measured up to 6e-7.
+LAYERWISE_TOLERANCE = 1e-5
+
+
+def random_quantized(rows: int, cols: int, fmt: str, group: int) -> QuantizedWeight:
+    """Random codes with per-group scales and offsets giving weights of about HF's scale."""
+    groups = cols // group
+    scales = torch.rand(rows, groups) * 0.02 + 0.005
+    if fmt == "q4":
+        codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
+        offsets = -7.5 * scales * (1 + 0.2 * torch.randn(rows, groups))
+    else:
+        codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+        offsets = 0.01 * torch.randn(rows, groups)
+    return QuantizedWeight(codes, scales, offsets, fmt, group, source=f"test {fmt}")
+
+
+def make_models(variant: str) -> tuple[Any, LlamaForCausalLM, NativePagedAttention]:
+    """HF's model and ours, on the same weights: projections quantised (ours keeps the codes,
+    HF gets them dequantised), the rest HF's random values."""
+    hf = random_hf_model(*VARIANTS[variant]())
+    o_group = random.choice((16, 32))
+    quantized: dict[str, QuantizedWeight] = {}
+    for name, param in hf.named_parameters():
+        if name.endswith("_proj.weight"):
+            fmt, group = ("q8", o_group) if ".o_proj." in name else ("q4", 32)
+            weight = random_quantized(*param.shape, fmt, group)
+            quantized[name] = weight
+            with torch.no_grad():
+                param.copy_(weight.dequantize())
+    attention = NativePagedAttention()
+    ctx = ModelContext(
+        config=json.loads(hf.config.to_json_string()),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=attention,
+        quantized_linear=NativeQuantizedLinear.for_this_cpu(),
+    )
+    model = LlamaForCausalLM(ctx)
+    state = hf.state_dict()
+    model.load_weights((name, quantized.get(name, tensor)) for name, tensor in state.items())
+    use_norm_kernel(model, attention)
+    return hf, model, attention
+
+
+def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,)).tolist()
+
+
+class Counted:
+    """The fused stack, counting the steps it ran (None: layer by layer)."""
+
+    def __init__(self, fused: NativeDecoderStack) -> None:
+        self.fused, self.ran, self.declined = fused, 0, 0
+
+    def __call__(self, *args: Any) -> Any:
+        result = self.fused(*args)
+        if result is None:
+            self.declined += 1
+        else:
+            self.ran += 1
+        return result
+
+
+@pytest.fixture
+def seed() -> int:
+    value = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(value)
+    random.seed(value)
+    print(f"seed={value}")
+    return value
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_steps_match_hf_and_the_layers_one_by_one(variant: str, seed: int) -> None:
+    hf, model, attention = make_models(variant)
+    assert isinstance(attention, DecoderStackKernel)
+    fused = attention.fuse_decoder(model.decoder_layer_parts())
+    assert isinstance(fused, NativeDecoderStack), fused
+    counted = Counted(fused)
+    # The same model on two caches: through the fused stack, and layer by layer.
+    runners = {mode: PagedRunner(model, attention) for mode in (counted, None)}
+
+    def step(chunks: list[tuple[str, list[int]]]) -> list[list[torch.Tensor]]:
+        outputs = []
+        for mode, runner in runners.items():
+            model.use_fused_decoder(mode)
+            outputs.append(runner.step(chunks))
+        return outputs
+
+    # One prompt longer than SHORT_QUERY (16): that step runs layer by layer.
+    sequences = {f"s{i}": random_tokens(random.randint(2, 16) if i else random.randint(17, 24)) for i in range(4)}
+    step(list(sequences.items()))
+    assert counted.ran == 0 and counted.declined == 1
+    for number in range(5):
+        # 1 to 4 sequences, each with 1 to 3 new tokens (decodes and verifications); past the
+        # window of 8 on the later steps.
+        names = random.sample(sorted(sequences), random.randint(1, 4))
+        chunks = [(name, random_tokens(1)) for name in names]
+        chunks += [(name, random_tokens(random.randint(2, 3))) for name in sequences if name not in names][:1]
+        outputs, layerwise = step(chunks)
+        for (name, new), ours, theirs in zip(chunks, outputs, layerwise, strict=True):
+            history = sequences[name]
+            history.extend(new)
+            reference = hf_logits(hf, history)[-len(new) :]
+            where = f"{variant} step {number}, {name} at {len(history)} tokens (seed={seed})"
+            assert relative_error(ours, theirs) < LAYERWISE_TOLERANCE, where
+            assert relative_error(ours, reference) < HF_TOLERANCE, where
+    assert counted.ran == 5, f"the fused stack ran {counted.ran} of 5 short steps (seed={seed})"
+
+
+def test_steps_it_does_not_take_run_layer_by_layer(seed: int) -> None:
+    _, model, attention = make_models("llama-gqa")
+    fused = attention.fuse_decoder(model.decoder_layer_parts())
+    assert isinstance(fused, NativeDecoderStack)
+    assert fused.max_rows == FUSED_MAX_ROWS
+    fused.max_rows = 3  # a limit this test can pass with a cache of 96 blocks
+    counted = Counted(fused)
+    model.use_fused_decoder(counted)
+    runner = PagedRunner(model, attention)
+    runner.step([("long", random_tokens(17))])  # a prefill row longer than SHORT_QUERY (16)
+    many = [(f"m{i}", random_tokens(1)) for i in range(4)]
+    runner.step(many)  # more rows than it fuses
+    assert (counted.ran, counted.declined) == (0, 2)
+    runner.step(many[:3])
+    assert counted.ran == 1
+
+
+def test_layers_it_cannot_take_are_refused_with_the_reason(seed: int) -> None:
+    _, model, attention = make_models("llama-gqa")
+    parts = model.decoder_layer_parts()
+    dense = model.model.layers[1].mlp.down_proj
+    dense.kernel, dense.quantized, dense.weight = None, None, torch.nn.Parameter(torch.randn(64, 96))
+    why = attention.fuse_decoder(parts)
+    assert why == "layer 1's down projection is not kept quantised for cpu-native"
+    assert attention.fuse_decoder(()) == "the model has no decoder layers"
