@@ -8,7 +8,10 @@ Starts ``--batch`` greedy chats of ``--words`` random words on the embedded mode
 * instrumented: each ``Linear`` (projections and the LM head), the attention backend
   (its ``forward``, or ``forward_rotary`` with the rotary and the cache write where the
   backend fuses them) and the sampler timed on their own; "other" is the rest of the
-  step (norms, activations, embedding, rotary where not fused, step preparation).
+  step (norms, activations, embedding, rotary where not fused, step preparation). Where
+  the attention backend fused the decoder stack (``fused-decoder``), a step it runs is
+  timed as one part (its projections and attention inside it); ``--layerwise`` turns the
+  fusion off to compare.
 
 The bound: every linear of the model applied alone, with its weight as the engine holds
 it (oneDNN-packed, plain, or kept quantised), to ``--batch`` rows of random activations,
@@ -137,6 +140,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="dequantize", choices=["dequantize", "keep", "auto"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention", default="auto", help="[components] attention (auto: the engine's choice)")
+    parser.add_argument(
+        "--layerwise", action="store_true", help="call the layers one by one where the backend fused the stack"
+    )
     args = parser.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, attention=args.attention)
@@ -152,6 +158,12 @@ def main() -> None:
         if hasattr(backend, "forward_rotary"):  # a fused-rotary backend: rotary and cache write included
             backend.forward_rotary = timers.wrap("attention", backend.forward_rotary)
     runner.sampler = timers.wrap("sampler", runner.sampler)
+    inner = getattr(runner.model, "model", None)
+    if getattr(inner, "fused", None) is not None:
+        if args.layerwise:
+            runner.model.use_fused_decoder(None)
+        else:  # the whole decoder stack in one call: its linears and attention are timed as one
+            inner.fused = timers.wrap("fused", inner.fused)
 
     rng = random.Random(0)
     params = SamplingParams(max_tokens=2 * args.steps + 24, temperature=0.0, ignore_eos=True)
@@ -180,6 +192,7 @@ def main() -> None:
         {
             "step_ms (plain, median)": step * 1e3,
             "step_ms (instrumented, mean)": measured * 1e3,
+            "  fused_decoder_stack_ms (its linears and attention)": per_step.get("fused", 0.0) * 1e3,
             "  linear_ms": per_step.get("linear", 0.0) * 1e3,
             "  attention_ms": per_step.get("attention", 0.0) * 1e3,
             "  sampler_ms": per_step.get("sampler", 0.0) * 1e3,
@@ -188,7 +201,7 @@ def main() -> None:
             "linear_gflop_per_step": gflop,
             "linears_alone_gflops": gflop / bound,
             "linears_in_order_ms (weights from memory)": in_order * 1e3,
-            "linear_in_step_gflops": gflop / per_step.get("linear", float("nan")),
+            "linear_in_step_gflops": gflop / (per_step.get("linear", 0.0) + per_step.get("fused", 0.0) or float("nan")),
             "step / bound": step / bound,
             "decode tok/s": args.batch / step,
         },
