@@ -62,6 +62,7 @@ def runs() -> dict[str, tuple[list[torch.Tensor], list[list[int]], dict]]:
             linears = [module.kernel for module in modules if isinstance(module, Linear)]
             extra = {
                 "kernels": {type(kernel).__name__ for kernel in linears},
+                "fused": type(llm.engine.runner.model.model.fused).__name__,
                 "activation_bits": {getattr(kernel, "activation_bits", None) for kernel in linears},
                 "steps": steps,
                 "short": short,
@@ -108,8 +109,12 @@ def _record_step_threads(model: torch.nn.Module) -> list[tuple[int, int]]:
 
 
 def test_the_kept_model_multiplies_through_the_native_kernel(runs) -> None:
+    """And its short steps run the fused decoder stack, so the greedy and logit checks below
+    hold for it; the dequantised model runs its layers one by one."""
     assert runs["keep"][2]["kernels"] == {"NativeQuantizedLinear"}
     assert runs["dequantize"][2]["kernels"] == {"NoneType"}
+    assert runs["keep"][2]["fused"] == "NativeDecoderStack"
+    assert runs["dequantize"][2]["fused"] == "NoneType"
 
 
 def test_every_step_keeps_torchs_threads_where_the_kernels_share_its_team(runs) -> None:

@@ -75,7 +75,12 @@ def expert_slice(rank: int, size: int, num_experts: int) -> tuple[int, int]:
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """A decoder the model runner drives: one flat batch of tokens per step."""
+    """A decoder the model runner drives: one flat batch of tokens per step.
+
+    Optional, found by name: ``keep_quantized(name)`` (which tensors may stay quantised),
+    and ``decoder_layer_parts()`` with ``use_fused_decoder(fused)`` (a Llama-shaped stack
+    an attention pack may run whole: ``DecoderStackKernel``).
+    """
 
     @property
     def attention_layers(self) -> Sequence[AttentionLayerSpec]:

@@ -177,6 +177,7 @@ class NativeDecoderStack:
             and cos.dtype is sin.dtype is torch.float32
             and cos.shape == sin.shape == (tokens, cos.shape[-1])
             and metadata.slot_mapping.dtype == torch.int64
+            and metadata.slot_mapping.shape == (tokens,)
         ):
             return None
         found = self._table(kv_caches)
