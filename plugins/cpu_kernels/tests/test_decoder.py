@@ -12,7 +12,6 @@ shuffled block ids. Each test draws a fresh seed and names it when it fails.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -27,25 +26,17 @@ from powertrain.interfaces import DecoderStackKernel, ModelContext, QuantizedWei
 from powertrain.layers.norm import use_norm_kernel
 from powertrain.models.llama import LlamaForCausalLM
 from powertrain.testing.checkpoints import random_hf_model
+from powertrain.testing.fused_decoder import CONFIG, VOCAB
 from powertrain.testing.oracle import relative_error
 from powertrain.testing.paged import PagedRunner
 from powertrain_cpu_kernels.attention import NativePagedAttention
 from powertrain_cpu_kernels.decoder import FUSED_MAX_ROWS, NativeDecoderStack
 from powertrain_cpu_kernels.quantized_linear import NativeQuantizedLinear
 
-VOCAB = 256
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    num_hidden_layers=3,
-)
+#: The conformance kit's tiny Llama shape (3 layers, GQA, head_dim 16), in HF's config terms.
+COMMON = {key: value for key, value in CONFIG.items() if key not in ("model_type", "rms_norm_eps")}
 VARIANTS: dict[str, Callable[[], tuple[type, Any]]] = {
-    "llama-gqa": lambda: (HFLlama, LlamaConfig(**COMMON, rms_norm_eps=1e-5)),
+    "llama-gqa": lambda: (HFLlama, LlamaConfig(**COMMON, rms_norm_eps=CONFIG["rms_norm_eps"])),
     "qwen2-qkv-bias": lambda: (HFQwen2, Qwen2Config(**COMMON)),
     "mistral-sliding-window": lambda: (HFMistral, MistralConfig(**COMMON, sliding_window=8)),
 }
@@ -76,7 +67,7 @@ def make_models(variant: str) -> tuple[Any, LlamaForCausalLM, NativePagedAttenti
     """HF's model and ours, on the same weights: projections quantised (ours keeps the codes,
     HF gets them dequantised), the rest HF's random values."""
     hf = random_hf_model(*VARIANTS[variant]())
-    o_group = random.choice((16, 32))
+    o_group = (16, 32)[draw(0, 1)]
     quantized: dict[str, QuantizedWeight] = {}
     for name, param in hf.named_parameters():
         if name.endswith("_proj.weight"):
@@ -105,6 +96,11 @@ def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
         return hf(input_ids=torch.tensor([tokens])).logits[0].float()
 
 
+def draw(low: int, high: int) -> int:
+    """A random integer in ``[low, high]`` from torch's generator (the ``seed`` fixture's)."""
+    return int(torch.randint(low, high + 1, (1,)))
+
+
 def random_tokens(n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,)).tolist()
 
@@ -122,15 +118,6 @@ class Counted:
         else:
             self.ran += 1
         return result
-
-
-@pytest.fixture
-def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    random.seed(value)
-    print(f"seed={value}")
-    return value
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -151,15 +138,15 @@ def test_fused_steps_match_hf_and_the_layers_one_by_one(variant: str, seed: int)
         return outputs
 
     # One prompt longer than SHORT_QUERY (16): that step runs layer by layer.
-    sequences = {f"s{i}": random_tokens(random.randint(2, 16) if i else random.randint(17, 24)) for i in range(4)}
+    sequences = {f"s{i}": random_tokens(draw(2, 16) if i else draw(17, 24)) for i in range(4)}
     step(list(sequences.items()))
     assert counted.ran == 0 and counted.declined == 1
     for number in range(5):
         # 1 to 4 sequences, each with 1 to 3 new tokens (decodes and verifications); past the
         # window of 8 on the later steps.
-        names = random.sample(sorted(sequences), random.randint(1, 4))
+        names = [sorted(sequences)[i] for i in torch.randperm(4)[: draw(1, 4)].tolist()]
         chunks = [(name, random_tokens(1)) for name in names]
-        chunks += [(name, random_tokens(random.randint(2, 3))) for name in sequences if name not in names][:1]
+        chunks += [(name, random_tokens(draw(2, 3))) for name in sequences if name not in names][:1]
         outputs, layerwise = step(chunks)
         for (name, new), ours, theirs in zip(chunks, outputs, layerwise, strict=True):
             history = sequences[name]
