@@ -104,7 +104,14 @@ class NativeDecoderStack:
 
     def __init__(self, backend: NativePagedAttention, layers: Sequence[DecoderLayerParts], hidden: int) -> None:
         self._backend = backend
-        self._layers = tuple(layers)  # holds the modules whose tensors the table points at
+        self._layers = tuple(layers)
+        # The tensors the table points at, held here too: a module given another weight later
+        # must not free memory the table still names.
+        self._alive = [
+            (getattr(linear, "quantized", None), getattr(linear, "bias", None))
+            for layer in layers
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
         self._hidden = hidden
         self._entries: list[list[int]] = []
         self.max_rows = FUSED_MAX_ROWS
