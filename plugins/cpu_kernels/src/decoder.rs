@@ -220,8 +220,14 @@ pub unsafe fn decoder_stack(
     for entries in table.chunks_exact(LAYER_ENTRIES) {
         let layer = Layer::read(entries);
         let (q_size, kv_size) = (layer.heads * layer.dim, layer.kv_heads * layer.dim);
-        if layer.qkv.n != q_size + 2 * kv_size || layer.o.k != q_size || layer.qkv.k != hidden {
-            return Err("a layer's projections do not match its heads".into());
+        let width = layer.gate_up.n / 2;
+        let shapes_fit = layer.qkv.n == q_size + 2 * kv_size
+            && layer.qkv.k == hidden
+            && (layer.o.n, layer.o.k) == (hidden, q_size)
+            && (layer.gate_up.n, layer.gate_up.k) == (2 * width, hidden)
+            && (layer.down.n, layer.down.k) == (hidden, width);
+        if !shapes_fit {
+            return Err("a layer's projections do not fit its heads and hidden size".into());
         }
         // Input norm; the first layer has no residual yet (its input is the residual).
         let input_norm = view::<f32>(layer.input_norm, hidden);
@@ -302,7 +308,6 @@ pub unsafe fn decoder_stack(
             &mut normed,
             hidden,
         )?;
-        let width = layer.gate_up.n / 2;
         let mut gate_up = vec![0.0f32; m * 2 * width];
         layer.gate_up.apply(&normed, &mut gate_up, m, step.threads);
         let mut activated = vec![0.0f32; m * width];
