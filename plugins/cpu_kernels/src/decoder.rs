@@ -214,6 +214,18 @@ pub unsafe fn decoder_stack(
     }
     let mut normed = vec![0.0f32; m * hidden];
     let mut sum = vec![0.0f32; m * hidden];
+    let mut projected = vec![0.0f32; m * hidden];
+    // Per-layer buffers, sized by each layer (the same for every layer of a Llama stack, so
+    // allocated once); every element is written before it is read.
+    let (mut qkv, mut query, mut key, mut value, mut rotated, mut gate_up, mut activated) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     // The layer's input: the step's x, then each layer's MLP output.
     let mut current = x.to_vec();
     let mut first = true;
@@ -243,13 +255,11 @@ pub unsafe fn decoder_stack(
         )?;
         first = false;
 
-        let mut qkv = vec![0.0f32; m * layer.qkv.n];
+        qkv.resize(m * layer.qkv.n, 0.0);
         layer.qkv.apply(&normed, &mut qkv, m, step.threads);
-        let (mut query, mut key, mut value) = (
-            vec![0.0f32; m * q_size],
-            vec![0.0f32; m * kv_size],
-            vec![0.0f32; m * kv_size],
-        );
+        query.resize(m * q_size, 0.0);
+        key.resize(m * kv_size, 0.0);
+        value.resize(m * kv_size, 0.0);
         for (t, row) in qkv.chunks_exact(layer.qkv.n).enumerate() {
             query[t * q_size..(t + 1) * q_size].copy_from_slice(&row[..q_size]);
             key[t * kv_size..(t + 1) * kv_size].copy_from_slice(&row[q_size..q_size + kv_size]);
@@ -273,7 +283,7 @@ pub unsafe fn decoder_stack(
             half: step.half,
             stored: m,
         };
-        let mut rotated = vec![0.0f32; m * q_size];
+        rotated.resize(m * q_size, 0.0);
         rotary_store(&rotation, &mut rotated, key_cache, value_cache)?;
         let attention = PagedAttention {
             query: &rotated,
@@ -294,7 +304,6 @@ pub unsafe fn decoder_stack(
         };
         // The query buffer is free again: the attention writes its output there.
         paged_attention(&attention, &mut query)?;
-        let mut projected = vec![0.0f32; m * hidden];
         layer.o.apply(&query, &mut projected, m, step.threads);
 
         let post_norm = view::<f32>(layer.post_norm, hidden);
@@ -308,9 +317,9 @@ pub unsafe fn decoder_stack(
             &mut normed,
             hidden,
         )?;
-        let mut gate_up = vec![0.0f32; m * 2 * width];
+        gate_up.resize(m * 2 * width, 0.0);
         layer.gate_up.apply(&normed, &mut gate_up, m, step.threads);
-        let mut activated = vec![0.0f32; m * width];
+        activated.resize(m * width, 0.0);
         silu_and_mul(&gate_up, &mut activated, width);
         layer.down.apply(&activated, &mut current, m, step.threads);
     }
