@@ -7,11 +7,19 @@
 //! values straight from the paged cache through the block table, once, for all the query
 //! heads that share that kv head and all of the row's query tokens.
 //!
-//! Per pair: scores ``q . k * scale`` for the keys each query token sees (causal, and inside
-//! the sliding window if there is one), an exact two-pass softmax (max, then exponentials
-//! and their sum), then the weighted sum of values. Every pair's arithmetic depends only on
-//! its own row, in a fixed order, so results are batch-invariant and the same whichever
-//! thread runs the pair.
+//! Keys are taken in segments of ``SEGMENT`` positions, cut at absolute positions, and each
+//! (pair, segment) is a work item of its own: a long row's keys spread over every thread
+//! (split-K, as flash-decoding does on GPUs) where its pairs alone would leave threads idle
+//! (a batch-1 decode of a 3-kv-head model has three pairs). Per item and query token: scores
+//! ``q . k * scale`` for the segment's keys that token sees (causal, and inside the sliding
+//! window if there is one), an exact two-pass softmax (max, then exponentials and their
+//! sum), and the unnormalised weighted sum of values. ``combine`` then rescales the
+//! segments' sums to their common maximum, in segment order, and divides once. A token's
+//! arithmetic depends only on its position and the keys it sees, never on its batch, its
+//! row's other tokens or the thread that runs it: results are batch-invariant, and a token
+//! verified in a chunk gets the bits it gets decoded alone. For a token that sees a single
+//! segment, ``combine`` multiplies by exactly one, so short rows get the bits of an
+//! unsegmented softmax.
 //!
 //! Elements are float32 or bfloat16 (``Element``), the same type for query, caches and out;
 //! bfloat16 is widened to float32 as it is read, every sum runs in float32, and the output is
@@ -104,7 +112,35 @@ pub(crate) struct Row {
 }
 
 /// Pairs' work (query tokens x visible keys x heads) below which one thread runs them all.
-const PARALLEL_WORK: usize = 1 << 14;
+const PARALLEL_WORK: usize = 1 << 11;
+
+/// Key positions per segment. Small enough that a batch-1 decode at a 1k context has a dozen
+/// items to spread, and a segment's keys and values (``2 * 256 * dim`` elements per kv head)
+/// stay in L2 while the group's query heads reread them; large enough that ``combine``
+/// (``dim`` multiply-adds per segment and head) is noise beside the segment's own work.
+pub(crate) const SEGMENT: usize = 256;
+
+/// Floats per (query token, head) in a segment's partial result: the unnormalised weighted
+/// values (``dim``), then the segment's maximum score and its sum of exponentials.
+pub(crate) fn partial_len(dim: usize) -> usize {
+    dim + 2
+}
+
+/// One work item: one pair's keys at positions ``lo..hi``, its partial results at
+/// ``scratch[first..]`` (``q_len * group`` entries of ``partial_len``).
+struct Piece {
+    pair: usize,
+    lo: usize,
+    hi: usize,
+    first: usize,
+}
+
+/// A (row, kv head) pair and the range of its pieces.
+struct Pair {
+    row: usize,
+    kv_head: usize,
+    pieces: std::ops::Range<usize>,
+}
 
 impl<E: Element> PagedAttention<'_, E> {
     /// Checks every row against the buffers, so the kernel never reads out of bounds.
@@ -182,17 +218,23 @@ impl<E: Element> PagedAttention<'_, E> {
         }
     }
 
-    /// Offsets of the vectors of ``kv_head`` at positions ``lo..row.seq_len`` in either
-    /// cache, walked block by block: one block-table read and one division per block, not per
-    /// token (a division costs about as much as scoring a key).
-    pub(crate) fn cache_offsets(&self, row: &Row, lo: usize, kv_head: usize) -> Vec<usize> {
+    /// Offsets of the vectors of ``kv_head`` at positions ``lo..hi`` in either cache, walked
+    /// block by block: one block-table read and one division per block, not per token (a
+    /// division costs about as much as scoring a key).
+    pub(crate) fn cache_offsets(
+        &self,
+        row: &Row,
+        lo: usize,
+        hi: usize,
+        kv_head: usize,
+    ) -> Vec<usize> {
         let (size, stride) = (self.block_size, self.kv_heads * self.dim);
-        let mut offsets = Vec::with_capacity(row.seq_len - lo);
+        let mut offsets = Vec::with_capacity(hi - lo);
         let mut position = lo;
-        while position < row.seq_len {
+        while position < hi {
             let block = self.block_tables[row.table + position / size] as usize;
             let slot = position % size;
-            let end = row.seq_len.min(position - slot + size);
+            let end = hi.min(position - slot + size);
             let first = (block * size + slot) * stride + kv_head * self.dim;
             offsets.extend((0..end - position).map(|i| first + i * stride));
             position = end;
@@ -207,17 +249,58 @@ pub fn paged_attention<E: Element>(job: &PagedAttention<E>, out: &mut [E]) -> Re
         return Err("out must have the query's shape".into());
     }
     let plan = job.plan()?;
-    let pairs = plan.len() * job.kv_heads;
+    let group = job.heads / job.kv_heads;
+    let (mut pairs, mut pieces, mut floats) = (Vec::new(), Vec::new(), 0);
+    for (r, row) in plan.iter().enumerate().filter(|(_, row)| row.q_len > 0) {
+        let lo = job.first_key(row.seq_len - row.q_len);
+        for kv_head in 0..job.kv_heads {
+            let first = pieces.len();
+            for segment in lo / SEGMENT..row.seq_len.div_ceil(SEGMENT) {
+                pieces.push(Piece {
+                    pair: pairs.len(),
+                    lo: lo.max(segment * SEGMENT),
+                    hi: row.seq_len.min((segment + 1) * SEGMENT),
+                    first: floats,
+                });
+                floats += row.q_len * group * partial_len(job.dim);
+            }
+            pairs.push(Pair {
+                row: r,
+                kv_head,
+                pieces: first..pieces.len(),
+            });
+        }
+    }
+    let mut partials = vec![0.0f32; floats];
+    let scratch = Out(partials.as_mut_ptr());
     let work: usize = plan.iter().map(|r| r.q_len * r.seq_len).sum::<usize>() * job.heads;
     let out = Out(out.as_mut_ptr());
     let path = kernel_path();
     let run = |p0: usize, p1: usize| {
-        for pair in p0..p1 {
-            let (row, kv_head) = (&plan[pair / job.kv_heads], pair % job.kv_heads);
+        for piece in &pieces[p0..p1] {
+            let pair = &pairs[piece.pair];
+            let row = &plan[pair.row];
+            // SAFETY: each piece writes only its own partials, which ``floats`` counted.
+            let partial = unsafe { scratch.0.add(piece.first) };
             match path {
                 #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2Fma => unsafe { attend_avx2(job, row, kv_head, out) },
-                _ => attend(job, row, kv_head, out),
+                KernelPath::Avx2Fma => unsafe {
+                    attend_avx2(job, row, pair.kv_head, piece.lo..piece.hi, partial)
+                },
+                _ => attend(job, row, pair.kv_head, piece.lo..piece.hi, partial),
+            }
+            if pair.pieces.len() == 1 {
+                // SAFETY: the pair's only piece is complete, and only this item reads it.
+                unsafe {
+                    combine(
+                        job,
+                        row,
+                        pair.kv_head,
+                        &pieces[pair.pieces.clone()],
+                        scratch,
+                        out,
+                    )
+                };
             }
         }
     };
@@ -226,44 +309,124 @@ pub fn paged_attention<E: Element>(job: &PagedAttention<E>, out: &mut [E]) -> Re
     } else {
         job.threads
     };
-    for_row_chunks_on(threads, pairs, 1, run);
+    for_row_chunks_on(threads, pieces.len(), 1, run);
+    for pair in pairs.iter().filter(|pair| pair.pieces.len() > 1) {
+        // SAFETY: every piece has run; the threads are done with the partials.
+        unsafe {
+            combine(
+                job,
+                &plan[pair.row],
+                pair.kv_head,
+                &pieces[pair.pieces.clone()],
+                scratch,
+                out,
+            )
+        };
+    }
     Ok(())
+}
+
+/// A pair's output from its pieces' partials: each segment's sums rescaled to the largest
+/// maximum among the segments a token saw, summed in segment order, divided by the total.
+///
+/// # Safety
+/// ``partials`` holds every piece's complete results, and no other thread writes the pair's
+/// output vectors (which ``plan`` checked are inside ``out``).
+unsafe fn combine<E: Element>(
+    job: &PagedAttention<E>,
+    row: &Row,
+    kv_head: usize,
+    pieces: &[Piece],
+    partials: Out<f32>,
+    out: Out<E>,
+) {
+    let (dim, heads) = (job.dim, job.heads);
+    let group = heads / job.kv_heads;
+    let entry = partial_len(dim);
+    let mut sum = vec![0.0f32; dim];
+    for q in 0..row.q_len * group {
+        let seen = || {
+            pieces
+                .iter()
+                .map(move |p| {
+                    std::slice::from_raw_parts(partials.0.add(p.first + q * entry), entry)
+                })
+                .filter(|e| e[dim + 1] != 0.0) // a segment the token saw has a total of at least 1 (or NaN)
+        };
+        let max = seen().fold(f32::NEG_INFINITY, |m, e| m.max(e[dim]));
+        let mut total = 0.0f32;
+        sum.fill(0.0);
+        for e in seen() {
+            let w = exp(e[dim] - max); // exactly 1 for the segment holding the maximum
+            total += w * e[dim + 1];
+            sum.iter_mut().zip(&e[..dim]).for_each(|(s, v)| *s += w * v);
+        }
+        let inverse = 1.0 / total;
+        let (t, h) = (q / group, q % group);
+        let offset = ((row.start + t) * heads + kv_head * group + h) * dim;
+        let target = std::slice::from_raw_parts_mut(out.0.add(offset), dim);
+        target
+            .iter_mut()
+            .zip(&sum)
+            .for_each(|(o, s)| *o = E::from_f32(s * inverse));
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2<E: Element>(job: &PagedAttention<E>, row: &Row, kv_head: usize, out: Out<E>) {
+unsafe fn attend_avx2<E: Element>(
+    job: &PagedAttention<E>,
+    row: &Row,
+    kv_head: usize,
+    keys: std::ops::Range<usize>,
+    partial: *mut f32,
+) {
     if job.dim.is_multiple_of(8) {
-        crate::attention_x86::attend(job, row, kv_head, out)
+        crate::attention_x86::attend(job, row, kv_head, keys, partial)
     } else {
-        attend(job, row, kv_head, out)
+        attend(job, row, kv_head, keys, partial)
     }
 }
 
-/// One (row, kv head) pair. Inlined into each path, so the compiler vectorises the lane
-/// loops with that path's instructions.
+/// One piece: a (row, kv head) pair's keys at positions ``keys``, every query token's heads
+/// of the group. Writes each (token, head)'s partial result (``partial_len``) to
+/// ``partial``; a token that sees none of these keys gets a total of 0. Inlined into each
+/// path, so the compiler vectorises the lane loops with that path's instructions.
 ///
 /// Per query row (one query token's head): its scores four keys at a time (four
 /// independent sums, so the adds of one do not wait for another's), the softmax, then the
 /// values four at a time into one accumulator. Keys and values are addressed through
-/// offsets computed once per pair.
+/// offsets computed once per piece.
 #[inline(always)]
-fn attend<E: Element>(job: &PagedAttention<E>, row: &Row, kv_head: usize, out: Out<E>) {
+fn attend<E: Element>(
+    job: &PagedAttention<E>,
+    row: &Row,
+    kv_head: usize,
+    keys: std::ops::Range<usize>,
+    partial: *mut f32,
+) {
     let (dim, heads) = (job.dim, job.heads);
     let group = heads / job.kv_heads;
     let first_position = row.seq_len - row.q_len;
-    let lo = job.first_key(first_position);
-    let offsets = job.cache_offsets(row, lo, kv_head);
+    let lo = keys.start;
+    let offsets = job.cache_offsets(row, lo, keys.end, kv_head);
     let key = |j: usize| &job.key_cache[offsets[j]..offsets[j] + dim];
     let value = |j: usize| &job.value_cache[offsets[j]..offsets[j] + dim];
     let mut scores = vec![0.0f32; offsets.len()];
-    let mut sum = vec![0.0f32; dim];
     let mut query = vec![0.0f32; dim];
     for q in 0..row.q_len * group {
         let (t, h) = (q / group, q % group);
-        let position = first_position + t;
+        // SAFETY: the caller sized ``partial`` for every (token, head) of the group.
+        let entry = unsafe {
+            std::slice::from_raw_parts_mut(partial.add(q * partial_len(dim)), partial_len(dim))
+        };
+        let (sum, stats) = entry.split_at_mut(dim);
         // The keys this query row sees, as indices into ``offsets``.
-        let (a, b) = (job.first_key(position) - lo, position + 1 - lo);
+        let (a, b) = seen_keys(job, first_position + t, &keys);
+        if a >= b {
+            stats.copy_from_slice(&[f32::NEG_INFINITY, 0.0]);
+            continue;
+        }
         let offset = ((row.start + t) * heads + kv_head * group + h) * dim;
         query
             .iter_mut()
@@ -288,11 +451,7 @@ fn attend<E: Element>(job: &PagedAttention<E>, row: &Row, kv_head: usize, out: O
         let mut j = a;
         while j + 4 <= b {
             let w = [scores[j], scores[j + 1], scores[j + 2], scores[j + 3]];
-            axpy4(
-                &mut sum,
-                w,
-                [value(j), value(j + 1), value(j + 2), value(j + 3)],
-            );
+            axpy4(sum, w, [value(j), value(j + 1), value(j + 2), value(j + 3)]);
             j += 4;
         }
         for (j, &w) in scores.iter().enumerate().take(b).skip(j) {
@@ -300,15 +459,21 @@ fn attend<E: Element>(job: &PagedAttention<E>, row: &Row, kv_head: usize, out: O
                 .zip(value(j))
                 .for_each(|(s, v)| *s += w * v.to_f32());
         }
-        let inverse = 1.0 / total;
-        // SAFETY: each (token, head) vector belongs to exactly one pair, so chunks on other
-        // threads never write it; ``plan`` checked the token is inside ``out``.
-        let target = unsafe { std::slice::from_raw_parts_mut(out.0.add(offset), dim) };
-        target
-            .iter_mut()
-            .zip(&sum)
-            .for_each(|(o, s)| *o = E::from_f32(s * inverse));
+        stats.copy_from_slice(&[max, total]);
     }
+}
+
+/// The keys that the query token at ``position`` sees among ``keys``, as indices ``a..b``
+/// from ``keys.start`` (empty when it sees none of them).
+#[inline(always)]
+pub(crate) fn seen_keys<E: Element>(
+    job: &PagedAttention<E>,
+    position: usize,
+    keys: &std::ops::Range<usize>,
+) -> (usize, usize) {
+    let a = job.first_key(position).max(keys.start) - keys.start;
+    let b = (position + 1).min(keys.end).saturating_sub(keys.start);
+    (a, b)
 }
 
 /// The largest of ``values`` (not empty), in eight lanes so it vectorises.

@@ -7,11 +7,12 @@
 //! together, and a head's weighted values stay in registers (64 dims at a time) until they
 //! are stored once. Every sum still runs in an order fixed by the row alone, so the results
 //! stay batch- and thread-invariant (not bit-equal to the portable path: FMA rounds once).
-//! bfloat16 elements are widened to float32 in registers as they are loaded.
+//! bfloat16 elements are widened to float32 in registers as they are loaded; the partial
+//! results stay float32, and ``attention::combine`` rounds the output once.
 
 use std::arch::x86_64::*;
 
-use crate::attention::{exp, max_of, Element, Out, PagedAttention, Row};
+use crate::attention::{exp, max_of, partial_len, seen_keys, Element, PagedAttention, Row};
 
 /// Eight elements from ``p`` as float32 lanes (bfloat16: a 16-bit shift into the upper half).
 #[inline(always)]
@@ -24,69 +25,83 @@ unsafe fn load8<E: Element>(p: *const E) -> __m256 {
     }
 }
 
-/// Eight float32 lanes stored to ``p`` (bfloat16: each rounded as ``Element::from_f32`` does).
-#[inline(always)]
-unsafe fn store8<E: Element>(p: *mut E, lanes: __m256) {
-    if E::BF16 {
-        let mut wide = [0.0f32; 8];
-        _mm256_storeu_ps(wide.as_mut_ptr(), lanes);
-        for (i, value) in wide.into_iter().enumerate() {
-            *p.add(i) = E::from_f32(value);
-        }
-    } else {
-        _mm256_storeu_ps(p as *mut f32, lanes)
-    }
-}
-
-/// One (row, kv head) pair: every query token's heads of the group, against the keys each
-/// sees. ``job.dim`` must be a multiple of 8.
+/// One piece (see ``attention::attend``): a pair's keys at positions ``keys``, every query
+/// token's heads of the group. ``job.dim`` must be a multiple of 8. The scores run keys
+/// outer and heads inner, so each key is read from memory once for the whole group and
+/// reread from L1 by its other heads.
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn attend<E: Element>(
     job: &PagedAttention<E>,
     row: &Row,
     kv_head: usize,
-    out: Out<E>,
+    keys: std::ops::Range<usize>,
+    partial: *mut f32,
 ) {
     let (dim, heads) = (job.dim, job.heads);
     debug_assert!(dim.is_multiple_of(8));
     let group = heads / job.kv_heads;
+    let entry = partial_len(dim);
     let first_position = row.seq_len - row.q_len;
-    let lo = job.first_key(first_position);
-    let offsets = job.cache_offsets(row, lo, kv_head);
-    let (keys, values) = (job.key_cache.as_ptr(), job.value_cache.as_ptr());
-    let mut scores = vec![0.0f32; offsets.len()];
-    for q in 0..row.q_len * group {
-        let (t, h) = (q / group, q % group);
-        let position = first_position + t;
-        let (a, b) = (job.first_key(position) - lo, position + 1 - lo);
-        let offset = ((row.start + t) * heads + kv_head * group + h) * dim;
-        let query = job.query.as_ptr().add(offset);
+    let offsets = job.cache_offsets(row, keys.start, keys.end, kv_head);
+    let n = offsets.len();
+    let (key_cache, values) = (job.key_cache.as_ptr(), job.value_cache.as_ptr());
+    let mut scores = vec![0.0f32; group * n];
+    for t in 0..row.q_len {
+        let (a, b) = seen_keys(job, first_position + t, &keys);
+        let head = |h: usize| ((row.start + t) * heads + kv_head * group + h) * dim;
+        if a >= b {
+            for h in 0..group {
+                let stats = partial.add((t * group + h) * entry + dim);
+                *stats = f32::NEG_INFINITY;
+                *stats.add(1) = 0.0;
+            }
+            continue;
+        }
         let mut j = a;
         while j + 8 <= b {
-            let dots = dots::<8, E>(query, dim, keys, &offsets[j..j + 8]);
-            for (score, d) in scores[j..j + 8].iter_mut().zip(dots) {
-                *score = d * job.scale;
+            for h in 0..group {
+                let query = job.query.as_ptr().add(head(h));
+                let dots = dots::<8, E>(query, dim, key_cache, &offsets[j..j + 8]);
+                for (score, d) in scores[h * n + j..h * n + j + 8].iter_mut().zip(dots) {
+                    *score = d * job.scale;
+                }
             }
             j += 8;
         }
         while j < b {
-            scores[j] = dots::<1, E>(query, dim, keys, &offsets[j..j + 1])[0] * job.scale;
+            for h in 0..group {
+                let query = job.query.as_ptr().add(head(h));
+                scores[h * n + j] =
+                    dots::<1, E>(query, dim, key_cache, &offsets[j..j + 1])[0] * job.scale;
+            }
             j += 1;
         }
-        let seen = &mut scores[a..b];
-        let max = max_of(seen);
-        seen.iter_mut().for_each(|s| *s = exp(*s - max));
-        let inverse = 1.0 / seen.iter().sum::<f32>();
-        let target = out.0.add(offset);
-        let mut c = 0;
-        while c + 64 <= dim {
-            weighted_values::<8, E>(values, &offsets[a..b], seen, c, inverse, target);
-            c += 64;
+        for h in 0..group {
+            let seen = &mut scores[h * n + a..h * n + b];
+            let max = max_of(seen);
+            seen.iter_mut().for_each(|s| *s = exp(*s - max));
+            let target = partial.add((t * group + h) * entry);
+            let mut c = 0;
+            while c + 64 <= dim {
+                weighted_values::<8, E>(values, &offsets[a..b], seen, c, target);
+                c += 64;
+            }
+            while c < dim {
+                weighted_values::<1, E>(values, &offsets[a..b], seen, c, target);
+                c += 8;
+            }
+            *target.add(dim) = max;
+            *target.add(dim + 1) = seen.iter().sum::<f32>();
         }
-        while c < dim {
-            weighted_values::<1, E>(values, &offsets[a..b], seen, c, inverse, target);
-            c += 8;
-        }
+    }
+}
+
+/// Asks for the cache lines of the ``dim`` elements at ``p``.
+#[inline(always)]
+unsafe fn prefetch<E: Element>(p: *const E, dim: usize) {
+    let bytes = dim * std::mem::size_of::<E>();
+    for line in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).add(line));
     }
 }
 
@@ -118,8 +133,8 @@ unsafe fn dots<const N: usize, E: Element>(
     dots
 }
 
-/// ``target[c..c + 8V] = inverse * sum_j weights[j] * value_j[c..c + 8V]``, the sum kept in
-/// ``V`` registers over every key.
+/// ``target[c..c + 8V] = sum_j weights[j] * value_j[c..c + 8V]``, the sum kept in ``V``
+/// registers over every key.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_values<const V: usize, E: Element>(
@@ -127,8 +142,7 @@ unsafe fn weighted_values<const V: usize, E: Element>(
     offsets: &[usize],
     weights: &[f32],
     c: usize,
-    inverse: f32,
-    target: *mut E,
+    target: *mut f32,
 ) {
     let mut sums = [_mm256_setzero_ps(); V];
     for (&offset, &weight) in offsets.iter().zip(weights) {
@@ -138,8 +152,7 @@ unsafe fn weighted_values<const V: usize, E: Element>(
             *sum = _mm256_fmadd_ps(w, load8(value.add(8 * i)), *sum);
         }
     }
-    let inverse = _mm256_set1_ps(inverse);
     for (i, sum) in sums.into_iter().enumerate() {
-        store8(target.add(c + 8 * i), _mm256_mul_ps(sum, inverse));
+        _mm256_storeu_ps(target.add(c + 8 * i), sum);
     }
 }

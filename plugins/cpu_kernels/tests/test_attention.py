@@ -131,10 +131,11 @@ OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}
 def test_short_rows_match_a_float64_oracle(
     kernel_path: str, seed: int, heads: int, kv_heads: int, dim: int, window: int | None, dtype: torch.dtype
 ) -> None:
-    """Decodes and verification rows over contexts of hundreds of tokens, head dims that
-    are and are not multiples of the kernel's lanes, GQA, MQA and MHA. The oracle reads the
-    same (bfloat16-rounded) inputs in float64."""
-    lengths = [(int(torch.randint(0, 700, ())), 1) for _ in range(5)] + [(301, 4), (15, 16), (0, 7)]
+    """Decodes and verification rows over contexts of hundreds to over a thousand tokens,
+    head dims that are and are not multiples of the kernel's lanes, GQA, MQA and MHA. The
+    oracle reads the same (bfloat16-rounded) inputs in float64."""
+    # 1300 + 2 spans six of the kernel's 256-key segments: their partial softmaxes are combined.
+    lengths = [(int(torch.randint(0, 700, ())), 1) for _ in range(5)] + [(301, 4), (15, 16), (0, 7), (1300, 2)]
     layer = AttentionLayerSpec(
         kind="gqa", num_heads=heads, num_kv_heads=kv_heads, head_size=dim, scale=dim**-0.5, sliding_window=window
     )
@@ -149,7 +150,7 @@ def test_short_rows_match_a_float64_oracle(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(seed: int, dtype: torch.dtype) -> None:
-    lengths = [(int(torch.randint(0, 300, ())), 1) for _ in range(40)] + [(90, 5)]
+    lengths = [(int(torch.randint(0, 900, ())), 1) for _ in range(40)] + [(250, 9)]
     layer = AttentionLayerSpec(kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
     query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64, dtype=dtype)
     with torch_threads(1):  # the pool runs only while torch's own ops are on one thread
@@ -173,6 +174,39 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_and_on_any_thread_count(se
         )
         out = short_rows_attention(NativePagedAttention(threads=2), layer, query[start:end], cache, alone)
         assert torch.equal(out, together[start:end]), f"row {row} changed with its batch (seed={seed})"
+
+
+@pytest.mark.parametrize("window", [None, 37, 300])
+def test_a_token_gets_the_same_bits_verified_in_a_chunk_as_decoded_alone(
+    kernel_path: str, seed: int, window: int | None
+) -> None:
+    """A speculative verification must score a draft token exactly as decoding it would.
+    The chunks cross the kernel's 256-key segment boundaries (at 256 and 768), where a
+    token's keys are split in two: the split follows the token's position, never its
+    chunk."""
+    lengths = [(250, 12), (760, 16)]
+    layer = AttentionLayerSpec(
+        kind="gqa", num_heads=9, num_kv_heads=3, head_size=64, scale=0.125, sliding_window=window
+    )
+    query, cache, metadata, _, _ = paged_batch(lengths, 9, 3, 64)
+    chunks = short_rows_attention(NativePagedAttention(threads=2), layer, query, cache, metadata)
+    for row, (context, new) in enumerate(lengths):
+        start = metadata.query_start_loc_host[row]
+        for i in range(new):
+            alone = AttentionMetadata.build(
+                query_lens=(1,),
+                seq_lens=(context + i + 1,),
+                block_tables=(tuple(metadata.block_tables[row].tolist()),),
+                block_size=BLOCK,
+                device="cpu",
+            )
+            token = start + i
+            decoded = short_rows_attention(
+                NativePagedAttention(threads=2), layer, query[token : token + 1], cache, alone
+            )
+            assert torch.equal(decoded, chunks[token : token + 1]), (
+                f"position {context + i} changed with its chunk (window={window}, seed={seed})"
+            )
 
 
 def test_a_block_id_outside_the_cache_is_refused_before_anything_is_read(seed: int) -> None:
