@@ -96,15 +96,6 @@ pub(crate) unsafe fn attend<E: Element>(
     }
 }
 
-/// Asks for the cache lines of the ``dim`` elements at ``p``.
-#[inline(always)]
-unsafe fn prefetch<E: Element>(p: *const E, dim: usize) {
-    let bytes = dim * std::mem::size_of::<E>();
-    for line in (0..bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).add(line));
-    }
-}
-
 /// ``query . key`` for the ``N`` keys at ``offsets``, each summed in eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
