@@ -159,6 +159,50 @@ unsafe fn q4_rows_one_token(
     dots
 }
 
+/// ``q4_rows_one_token`` for ``q8`` weight rows with ``GROUP``-column groups: ``ROWS``
+/// independent chains instead of one row's chain of dependent FMAs (which had left the
+/// SmolLM2 head, 49152 x 576, at 1.4 ms against the 1.0 ms its bytes take to read). Each
+/// row's arithmetic is ``q8_tile``'s, so results do not change with the row count.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8_rows_one_token<const GROUP: usize>(
+    x: *const f32,
+    codes: *const i8,
+    scales: *const f32,
+    k: usize,
+) -> [f32; ROWS] {
+    let groups = k / GROUP;
+    let mut acc = [_mm256_setzero_ps(); ROWS];
+    for g in 0..groups {
+        let xg = x.add(g * GROUP);
+        let xs = if GROUP == 32 {
+            load32(xg)
+        } else {
+            let zero = _mm256_setzero_ps();
+            [_mm256_loadu_ps(xg), _mm256_loadu_ps(xg.add(8)), zero, zero]
+        };
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let c = codes.add(i * k + g * GROUP);
+            _mm_prefetch::<_MM_HINT_T0>(
+                codes.wrapping_add((i + crate::q4_i16::PREFETCH_ROWS) * k + g * GROUP),
+            );
+            let s = _mm256_set1_ps(*scales.add(i * groups + g));
+            let (w0, w1) = (widen_i8(c), widen_i8(c.add(8)));
+            let d = if GROUP == 32 {
+                dot32(&[w0, w1, widen_i8(c.add(16)), widen_i8(c.add(24))], &xs)
+            } else {
+                _mm256_fmadd_ps(w1, xs[1], _mm256_mul_ps(w0, xs[0]))
+            };
+            *acc = _mm256_fmadd_ps(d, s, *acc);
+        }
+    }
+    let mut dots = [0.0f32; ROWS];
+    for (dot, acc) in dots.iter_mut().zip(acc) {
+        *dot = hsum(acc);
+    }
+    dots
+}
+
 /// Calls ``$tile::<rows, ...>`` for a tile of ``$rows`` rows (1..=TILE).
 macro_rules! by_rows {
     ($rows:expr, $tile:ident $(, $c:literal)*; $($arg:expr),*) => {
@@ -219,7 +263,25 @@ pub(crate) unsafe fn q8_rows(job: &q8::Job, out: OutPtr, r0: usize, r1: usize) {
     let (m, n, k, group) = (job.m, job.n, job.k, job.group);
     let groups = k / group;
     let mut dots = [0.0f32; TILE];
-    for r in r0..r1 {
+    let mut r = r0;
+    if m == 1 {
+        while r + ROWS <= r1 {
+            let (codes, scales) = (
+                job.codes.as_ptr().add(r * k),
+                job.scales.as_ptr().add(r * groups),
+            );
+            let rows = if group == 32 {
+                q8_rows_one_token::<32>(job.x.as_ptr(), codes, scales, k)
+            } else {
+                q8_rows_one_token::<16>(job.x.as_ptr(), codes, scales, k)
+            };
+            for (i, dot) in rows.iter().enumerate() {
+                *out.0.add(r + i) = dot + job.offset_term(r + i, 0);
+            }
+            r += ROWS;
+        }
+    }
+    for r in r..r1 {
         let codes = job.codes.as_ptr().add(r * k);
         let scales = job.scales.as_ptr().add(r * groups);
         let mut t0 = 0;
