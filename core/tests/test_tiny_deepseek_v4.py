@@ -101,7 +101,10 @@ def test_every_parameter_is_random_and_tid2eid_a_valid_assignment(tiny_v4: Path)
         if name.rsplit(".", 2)[-2].endswith("norm"):  # RMSNorm weights: 1 + 0.1 N(0, 1)
             assert (tensor - 1).abs().min() > 0 and (tensor - 1).std() > 0.03, name
         else:  # sinks, ape, mHC base/scale, the correction bias: transformers' zeros and ones replaced
-            assert (tensor != 0).all() and (tensor != 1).all(), name
+            # torch.randn gives an exact 0 about once in 2^24 draws (seed 2973759967: one in an
+            # expert's 2048), so a rare one is a draw, not a constant left in place.
+            constant = (tensor == 0) | (tensor == 1)
+            assert constant.float().mean() <= 1e-3, name
     tables = [stored[f"model.layers.{layer}.ffn.gate.tid2eid"] for layer in (0, 1)]
     assert "model.layers.2.ffn.gate.tid2eid" not in stored  # learned routing there
     for table in tables:
