@@ -205,9 +205,22 @@ unsafe fn rows_dot_pairs<const LEN: usize>(
     for i in 0..LEN {
         dots[i] = _mm512_reduce_add_ps(acc[i]);
     }
-    if g < groups {
-        // The odd last group: ``rows_dot``'s step for it alone.
-        let tail = rows_dot::<Vnni, LEN>(job, x, r, t, g);
+    with_odd_group::<Vnni, LEN>(dots, job, x, r, t, g)
+}
+
+/// ``dots`` plus ``rows_dot``'s step for the odd last group ``g`` of a pairs kernel (none
+/// when ``g`` is past the last group).
+#[inline(always)]
+unsafe fn with_odd_group<M: MulAdd, const LEN: usize>(
+    mut dots: [f32; ROWS],
+    job: &q4::Job,
+    x: &Activations,
+    r: usize,
+    t: usize,
+    g: usize,
+) -> [f32; ROWS] {
+    if g < job.k / 32 {
+        let tail = rows_dot::<M, LEN>(job, x, r, t, g);
         for i in 0..LEN {
             dots[i] += tail[i];
         }
@@ -282,13 +295,7 @@ unsafe fn rows_dot_pairs_avx2<const LEN: usize>(
     for i in 0..LEN {
         dots[i] = crate::x86::hsum(acc[i]);
     }
-    if g < groups {
-        let tail = rows_dot::<Avx2, LEN>(job, x, r, t, g);
-        for i in 0..LEN {
-            dots[i] += tail[i];
-        }
-    }
-    dots
+    with_odd_group::<Avx2, LEN>(dots, job, x, r, t, g)
 }
 
 /// Output rows ``r0..r1``; ``VNNI``: with ``rows_dot_pairs`` (AVX-512), else
