@@ -55,3 +55,20 @@ def test_gemms_use_the_targets_tensor_core_mma(compiled: list[dict], capability:
     assert MMA_INSTRUCTIONS[capability // 10].replace(".", "_") == wanted
     missing = [r["kernel"] for r in gemms if not r[wanted]]
     assert not missing, f"PTX for sm_{capability} lacks {MMA_INSTRUCTIONS[capability // 10]} in {missing}"
+
+
+#: Shared memory one thread block may use on these targets (227 KiB on Hopper and
+#: Blackwell data-center parts); a kernel needing more fails to launch (OutOfResources).
+SHARED_MEMORY_LIMIT = 232448
+
+
+def test_every_kernel_fits_the_sms_shared_memory(compiled: list[dict]) -> None:
+    """bf16 and float32 variants alike: an H200 refused float32 MLA and prefill tiles
+    sized for bf16 (490 and 256 KiB) before their configs took the element size."""
+    too_big = [
+        f"sm_{r['capability']} {r['kernel']}: {r['shared_bytes']} bytes"
+        for r in compiled
+        if r["ok"] and r["shared_bytes"] > SHARED_MEMORY_LIMIT
+    ]
+    assert not too_big, f"more shared memory than an SM has ({SHARED_MEMORY_LIMIT} bytes):\n" + "\n".join(too_big)
+    assert any(r["kernel"].endswith("_fp32") for r in compiled), "no float32 variant was compiled"

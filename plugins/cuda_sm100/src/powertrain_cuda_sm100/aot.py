@@ -5,7 +5,9 @@ and launch options its launcher uses on that capability (and, in ``attrs``, the
 16-byte alignment a launch would find); this module compiles them
 all with ``triton.compile`` for ``GPUTarget("cuda", <capability>, 32)`` and reports
 which tensor-core instructions the PTX contains (``tcgen05.mma`` on sm_100a,
-``wgmma`` on sm_90a). A spec with ``"mma": True`` is a GEMM that must use them.
+``wgmma`` on sm_90a) and how much shared memory a program takes (a launch needing more
+than the SM has fails at run time: ``OutOfResources``). A spec with ``"mma": True`` is a
+GEMM that must use them.
 
     python -m powertrain_cuda_sm100.aot 100 90      # prints one JSON line per kernel
 
@@ -15,6 +17,7 @@ Run it without ``TRITON_INTERPRET``: interpreted kernels cannot be compiled.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import pkgutil
 import sys
@@ -31,8 +34,14 @@ def specs(capability: tuple[int, int]) -> Iterator[tuple[str, dict[str, Any]]]:
 
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for spec in getattr(module, "aot_specs", lambda capability: [])(capability):
-            yield info.name, spec
+        make = getattr(module, "aot_specs", None)
+        if make is None:
+            continue
+        # Attention kernels also list their float32 variants (other tiles: shared memory).
+        sizes = (2, 4) if "element_size" in inspect.signature(make).parameters else (2,)
+        for element_size in sizes:
+            for spec in make(capability) if element_size == 2 else make(capability, element_size=element_size):
+                yield info.name, spec
 
 
 def compile_all(major: int) -> list[dict[str, Any]]:
@@ -60,6 +69,7 @@ def compile_all(major: int) -> list[dict[str, Any]]:
                 tcgen05_mma="tcgen05.mma" in ptx,
                 wgmma="wgmma" in ptx,
                 cubin_bytes=len(compiled.asm.get("cubin", b"")),
+                shared_bytes=compiled.metadata.shared,
             )
         rows.append(row)
     return rows

@@ -117,6 +117,16 @@ def divisibility_attrs(fn: triton.JITFunction, signature: dict[str, str], aligne
     }
 
 
+def fp32_suffix(element_size: int) -> str:
+    """An AOT spec name's mark for its float32 variant."""
+    return "_fp32" if element_size == 4 else ""
+
+
+def typed(types: dict[str, str], element_size: int) -> dict[str, str]:
+    """An AOT signature's bf16 tensors as float32 where ``element_size`` is 4."""
+    return {arg: "*fp32" if kind == "*bf16" and element_size == 4 else kind for arg, kind in types.items()}
+
+
 def aot_spec(name: str, fn: triton.JITFunction, types: dict[str, str], constexprs: dict, options: dict) -> dict:
     """One ahead-of-time compile spec: the signature in ``fn``'s parameter order, every
     constexpr marked as such (a parameter missing from both raises KeyError), and

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, sm_count
+from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, fp32_suffix, mma, padded, sm_count, typed
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
 LOG2E = 1.4426950408889634
@@ -232,7 +232,9 @@ class MLAConfig:
     min_split: int  # fewest keys worth a split (decode)
 
 
-def mla_config(capability: tuple[int, int], num_heads: int, decode: bool, interpreting: bool = False) -> MLAConfig:
+def mla_config(
+    capability: tuple[int, int], num_heads: int, decode: bool, interpreting: bool = False, element_size: int = 2
+) -> MLAConfig:
     """Tile and launch sizes per target and phase.
 
     A program's rows are 64 (token, head) pairs where the heads allow it: the M of a
@@ -240,7 +242,9 @@ def mla_config(capability: tuple[int, int], num_heads: int, decode: bool, interp
     kv_lora_rank float32 (512 in DeepSeek) is also about the most accumulator a
     program holds. Decode has one token per sequence, so with fewer than 64 heads per
     rank it takes 16 heads (the smallest M a dot takes, warp-level MMA) rather than
-    pad rows; its keys are split. Under the interpreter the key tiles are small so
+    pad rows; its keys are split. Float32 (``element_size`` 4) takes 16 rows, 16 keys a
+    tile and one stage: its 64-row tiles would need about 490 KiB of shared memory
+    (``test_aot`` checks every spec). Under the interpreter the key tiles are small so
     the tests cross several tiles and splits.
     """
     if decode:
@@ -249,6 +253,8 @@ def mla_config(capability: tuple[int, int], num_heads: int, decode: bool, interp
         block_h = min(64, max(1, triton.next_power_of_2(num_heads)))
         block_q = 64 // block_h
     num_warps = 8 if block_h * block_q >= 64 else 4
+    if element_size > 2 and not interpreting:
+        return MLAConfig(block_h=min(block_h, 16), block_q=1, block_n=16, num_warps=4, num_stages=1, min_split=256)
     if interpreting:
         return MLAConfig(block_h=block_h, block_q=block_q, block_n=16, num_warps=4, num_stages=1, min_split=16)
     return MLAConfig(block_h=block_h, block_q=block_q, block_n=32, num_warps=num_warps, num_stages=2, min_split=256)
@@ -287,7 +293,7 @@ def mla_attention(
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_rope.shape[2]
     interpreting = support.interpreting()
-    config = mla_config(capability, num_heads, decode, interpreting=interpreting)
+    config = mla_config(capability, num_heads, decode, interpreting=interpreting, element_size=q_latent.element_size())
     head_tiles = triton.cdiv(num_heads, config.block_h)
     if not decode:
         num_splits = 1
@@ -377,9 +383,10 @@ _INTS = dict.fromkeys(
 )
 
 
-def aot_specs(capability: tuple[int, int]) -> list[dict]:
-    """bf16 DeepSeek-V3 shapes (kv_lora_rank 512, rope 64, block size 64): decode with
-    16 heads per rank (TP8) split and not, with 128 heads (TP1), and prefill."""
+def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
+    """bf16 (float32 with ``element_size`` 4) DeepSeek-V3 shapes (kv_lora_rank 512, rope 64,
+    block size 64): decode with 16 heads per rank (TP8) split and not, with 128 heads (TP1),
+    and prefill."""
     types = {
         "q_latent_ptr": "*bf16",
         "q_rope_ptr": "*bf16",
@@ -396,7 +403,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
     }
     specs = []
     for heads, decode, split in ((16, True, False), (16, True, True), (128, True, True), (16, False, False)):
-        config = mla_config(capability, heads, decode)
+        config = mla_config(capability, heads, decode, element_size=element_size)
         constexprs = {
             "RANK": 512,
             "RANK_PAD": 512,
@@ -410,10 +417,10 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
             "SPLIT": split,
             "DOT_F32": False,
         }
-        name = f"mla_{'decode' if decode else 'prefill'}_h{heads}{'_split' if split else ''}"
+        name = f"mla_{'decode' if decode else 'prefill'}_h{heads}{'_split' if split else ''}{fp32_suffix(element_size)}"
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         # 64-row tiles (many heads, or prefill) use tensor-core MMA; 16-head decode tiles
         # are too small for it and read-bound anyway (warp-level mma.sync).
         mma = config.block_h * config.block_q >= 64
-        specs.append({**aot_spec(name, mla_kernel, types, constexprs, options), "mma": mma})
+        specs.append({**aot_spec(name, mla_kernel, typed(types, element_size), constexprs, options), "mma": mma})
     return specs

@@ -21,7 +21,16 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, paged_kv_tile, sm_count
+from powertrain_cuda_sm100.kernels.common import (
+    aot_spec,
+    choose_num_splits,
+    fp32_suffix,
+    mma,
+    padded,
+    paged_kv_tile,
+    sm_count,
+    typed,
+)
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
 LOG2E = 1.4426950408889634
@@ -252,8 +261,9 @@ _INTS = dict.fromkeys(
 )
 
 
-def aot_specs(capability: tuple[int, int]) -> list[dict]:
-    """bf16 decode for head size 128 at block size 16, GQA groups 1/4/8, split and not."""
+def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
+    """bf16 decode (float32 with ``element_size`` 4) for head size 128 at block size 16, GQA
+    groups 1/4/8, split and not."""
     config = decode_config(capability)
     types = {
         "query_ptr": "*bf16",
@@ -281,6 +291,6 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
                 "SPLIT": split,
                 "DOT_F32": False,
             }
-            name = f"paged_decode_g{group}{'_split' if split else ''}"
-            specs.append(aot_spec(name, paged_decode_kernel, types | _INTS, constexprs, options))
+            name = f"paged_decode_g{group}{'_split' if split else ''}{fp32_suffix(element_size)}"
+            specs.append(aot_spec(name, paged_decode_kernel, typed(types | _INTS, element_size), constexprs, options))
     return specs

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, mma, padded, paged_kv_tile
+from powertrain_cuda_sm100.kernels.common import aot_spec, fp32_suffix, mma, padded, paged_kv_tile, typed
 
 LOG2E = 1.4426950408889634
 
@@ -134,19 +134,23 @@ class PrefillConfig:
 
 
 def prefill_config(
-    capability: tuple[int, int], group_pad: int, max_query_len: int, interpreting: bool = False
+    capability: tuple[int, int], group_pad: int, max_query_len: int, interpreting: bool = False, element_size: int = 2
 ) -> PrefillConfig:
     """Tile and launch sizes per target and batch shape.
 
     Short rows (verification, short chunks) take 64-row tiles so that a tile is not
     mostly padding; long prompts take 128 rows, the M of one tcgen05 MMA (two
-    wgmma warpgroups on SM90). Under the interpreter tiles are small so the tests'
+    wgmma warpgroups on SM90). Float32 tiles (``element_size`` 4) take 32 keys in one
+    stage: 64 keys in two would need 256 KiB of shared memory, more than the SM has
+    (``test_aot`` checks every spec). Under the interpreter tiles are small so the tests'
     short sequences cross several query and key tiles.
     """
     if interpreting:
         return PrefillConfig(block_m=max(16, group_pad), block_n=16, num_warps=4, num_stages=1)
     block_m = 64 if max_query_len * group_pad <= 64 else 128
     block_m = max(block_m, group_pad)
+    if element_size > 2:
+        return PrefillConfig(block_m=block_m, block_n=32, num_warps=4 if block_m == 64 else 8, num_stages=1)
     if capability >= (10, 0):
         return PrefillConfig(block_m=block_m, block_n=64, num_warps=4 if block_m == 64 else 8, num_stages=3)
     return PrefillConfig(block_m=block_m, block_n=64, num_warps=4 if block_m == 64 else 8, num_stages=2)
@@ -181,7 +185,9 @@ def prefill(
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     interpreting = support.interpreting()
-    config = prefill_config(capability, group_pad, max_query_len, interpreting=interpreting)
+    config = prefill_config(
+        capability, group_pad, max_query_len, interpreting=interpreting, element_size=query.element_size()
+    )
     tokens_per_tile = config.block_m // group_pad
     grid = (num_seqs, triton.cdiv(max_query_len, tokens_per_tile), kv_heads)
     prefill_kernel[grid](
@@ -240,9 +246,10 @@ _INTS = dict.fromkeys(
 )
 
 
-def aot_specs(capability: tuple[int, int]) -> list[dict]:
-    """bf16 prefill, head size 128, block size 16: MHA and GQA groups of 4 and 8, long
-    prompts (128-row tiles) and verification-sized rows (64-row tiles), plus a sliding window."""
+def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
+    """bf16 prefill (float32 with ``element_size`` 4), head size 128, block size 16: MHA and
+    GQA groups of 4 and 8, long prompts (128-row tiles) and verification-sized rows (64-row
+    tiles), plus a sliding window."""
     types = {
         "query_ptr": "*bf16",
         "key_cache_ptr": "*bf16",
@@ -257,7 +264,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
     specs = []
     for group, max_query_len, sliding in ((1, 4096, False), (4, 4096, False), (8, 4096, True), (4, 8, False)):
         group_pad = triton.next_power_of_2(group)
-        config = prefill_config(capability, group_pad, max_query_len)
+        config = prefill_config(capability, group_pad, max_query_len, element_size=element_size)
         constexprs = {
             "HEAD_SIZE": 128,
             "HEAD_PAD": 128,
@@ -269,8 +276,8 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
             "SLIDING": sliding,
             "DOT_F32": False,
         }
-        name = f"prefill_g{group}_m{config.block_m}{'_sliding' if sliding else ''}"
+        name = f"prefill_g{group}_m{config.block_m}{'_sliding' if sliding else ''}{fp32_suffix(element_size)}"
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         # Every tile here has at least 64 (token, head) rows: tensor-core MMA (test_aot.py).
-        specs.append({**aot_spec(name, prefill_kernel, types, constexprs, options), "mma": True})
+        specs.append({**aot_spec(name, prefill_kernel, typed(types, element_size), constexprs, options), "mma": True})
     return specs

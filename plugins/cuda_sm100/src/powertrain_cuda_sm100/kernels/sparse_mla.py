@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, padded, sm_count
+from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, fp32_suffix, padded, sm_count, typed
 from powertrain_cuda_sm100.kernels.mla import latent_tile, store_latent_rows
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
@@ -147,14 +147,17 @@ class SparseMLAConfig:
     min_split: int  # fewest listed positions worth a split
 
 
-def sparse_mla_config(num_heads: int, interpreting: bool = False) -> SparseMLAConfig:
+def sparse_mla_config(num_heads: int, interpreting: bool = False, element_size: int = 2) -> SparseMLAConfig:
     """Tile and launch sizes. A program's rows are one token's heads: 64 where the layer
     has them (the M of a tensor-core MMA), else 16 (the smallest M a dot takes; a rank of
     TP8 DeepSeek holds 16 heads), whose tiles are read-bound anyway. Under the
-    interpreter the tiles are small so the tests cross several tiles and splits."""
+    interpreter the tiles are small so the tests cross several tiles and splits. Float32
+    (``element_size`` 4) takes 16 heads, 16 positions a tile, one stage: as ``mla_config``."""
     block_h = 64 if num_heads >= 64 else 16
     if interpreting:
         return SparseMLAConfig(block_h=block_h, block_n=16, num_warps=4, num_stages=1, min_split=16)
+    if element_size > 2:
+        return SparseMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_split=256)
     return SparseMLAConfig(
         block_h=block_h, block_n=32, num_warps=8 if block_h == 64 else 4, num_stages=2, min_split=256
     )
@@ -180,7 +183,7 @@ def sparse_mla_attention(
     if num_tokens == 0:
         return
     rope, topk = q_rope.shape[2], indices.shape[1]
-    config = sparse_mla_config(num_heads, interpreting=support.interpreting())
+    config = sparse_mla_config(num_heads, interpreting=support.interpreting(), element_size=q_latent.element_size())
     head_tiles = triton.cdiv(num_heads, config.block_h)
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens * head_tiles, topk, sm_count(q_latent.device), config.min_split)
@@ -264,9 +267,9 @@ _INTS = dict.fromkeys(
 )
 
 
-def aot_specs(capability: tuple[int, int]) -> list[dict]:
-    """bf16 DeepSeek-V3.2 shapes (kv_lora_rank 512, rope 64, block size 64): 16 heads per
-    rank (TP8) whole and split, and 128 heads (TP1) split."""
+def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
+    """bf16 (float32 with ``element_size`` 4) DeepSeek-V3.2 shapes (kv_lora_rank 512, rope
+    64, block size 64): 16 heads per rank (TP8) whole and split, and 128 heads (TP1) split."""
     types = {
         "q_latent_ptr": "*bf16",
         "q_rope_ptr": "*bf16",
@@ -283,7 +286,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
     }
     specs = []
     for heads, split in ((16, False), (16, True), (128, True)):
-        config = sparse_mla_config(heads)
+        config = sparse_mla_config(heads, element_size=element_size)
         constexprs = {
             "RANK": 512,
             "RANK_PAD": 512,
@@ -295,8 +298,9 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
             "SPLIT": split,
             "DOT_F32": False,
         }
-        name = f"sparse_mla_h{heads}{'_split' if split else ''}"
+        name = f"sparse_mla_h{heads}{'_split' if split else ''}{fp32_suffix(element_size)}"
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         # 64-head tiles use tensor-core MMA; 16-head tiles are too small for it (mma.sync).
-        specs.append({**aot_spec(name, sparse_mla_kernel, types, constexprs, options), "mma": config.block_h >= 64})
+        spec = aot_spec(name, sparse_mla_kernel, typed(types, element_size), constexprs, options)
+        specs.append({**spec, "mma": config.block_h >= 64})
     return specs

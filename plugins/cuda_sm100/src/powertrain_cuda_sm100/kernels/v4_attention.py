@@ -24,7 +24,16 @@ import triton
 import triton.language as tl
 
 from powertrain_cuda_sm100 import support
-from powertrain_cuda_sm100.kernels.common import aot_spec, choose_num_splits, mma, padded, paged_rows, sm_count
+from powertrain_cuda_sm100.kernels.common import (
+    aot_spec,
+    choose_num_splits,
+    fp32_suffix,
+    mma,
+    padded,
+    paged_rows,
+    sm_count,
+    typed,
+)
 from powertrain_cuda_sm100.kernels.mla import shared_kv_softmax_tile, store_latent_rows
 from powertrain_cuda_sm100.kernels.split_kv import combine_splits, partial_buffers
 
@@ -169,13 +178,16 @@ class V4AttentionConfig:
     min_split: int  # fewest keys worth a split
 
 
-def v4_attention_config(num_heads: int, interpreting: bool = False) -> V4AttentionConfig:
+def v4_attention_config(num_heads: int, interpreting: bool = False, element_size: int = 2) -> V4AttentionConfig:
     """Tile and launch sizes: 64 heads a program where the layer has them (an MMA's M; V4
     has 64 or 128), else 16, as sparse MLA. Small tiles under the interpreter, so the
-    tests cross several tiles and splits."""
+    tests cross several tiles and splits. Float32 (``element_size`` 4) takes 16 heads, 16
+    keys a tile, one stage: as ``mla_config``."""
     block_h = 64 if num_heads >= 64 else 16
     if interpreting:
         return V4AttentionConfig(block_h=block_h, block_n=8, num_warps=4, num_stages=1, min_split=8)
+    if element_size > 2:
+        return V4AttentionConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_split=256)
     return V4AttentionConfig(
         block_h=block_h, block_n=32, num_warps=8 if block_h == 64 else 4, num_stages=2, min_split=256
     )
@@ -209,7 +221,7 @@ def v4_attention(
         return
     mode = NO_ENTRIES if entries is None else ALL_CLOSED if entry_indices is None else LISTED
     topk = 0 if entry_indices is None else entry_indices.shape[1]
-    config = v4_attention_config(num_heads, interpreting=support.interpreting())
+    config = v4_attention_config(num_heads, interpreting=support.interpreting(), element_size=query.element_size())
     head_tiles = triton.cdiv(num_heads, config.block_h)
     if num_splits is None:
         longest = min(window, max_seq_len) + (topk if mode == LISTED else max_seq_len // (rate or 1))
@@ -301,9 +313,9 @@ _INTS = dict.fromkeys(
 )
 
 
-def aot_specs(capability: tuple[int, int]) -> list[dict]:
-    """bf16 DeepSeek-V4-Flash shapes (64 heads of 512, block size 128: CSA rate 4, HCA 128):
-    a sliding layer whole, CSA split and HCA split."""
+def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
+    """bf16 (float32 with ``element_size`` 4) DeepSeek-V4-Flash shapes (64 heads of 512,
+    block size 128: CSA rate 4, HCA 128): a sliding layer whole, CSA split and HCA split."""
     types = {
         "q_ptr": "*bf16",
         "kv_ptr": "*bf16",
@@ -321,7 +333,7 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
         "qk_scale": "fp32",
         **_INTS,
     }
-    config = v4_attention_config(64)
+    config = v4_attention_config(64, element_size=element_size)
     specs = []
     for name, mode, per_block, split in (
         ("sliding", NO_ENTRIES, 128, False),
@@ -340,5 +352,12 @@ def aot_specs(capability: tuple[int, int]) -> list[dict]:
             "DOT_F32": False,
         }
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        specs.append({**aot_spec(f"v4_attention_{name}", v4_attention_kernel, types, constexprs, options), "mma": True})
+        spec = aot_spec(
+            f"v4_attention_{name}{fp32_suffix(element_size)}",
+            v4_attention_kernel,
+            typed(types, element_size),
+            constexprs,
+            options,
+        )
+        specs.append({**spec, "mma": config.block_h >= 64})
     return specs
