@@ -12,8 +12,9 @@ Two models, random weights or the embedded checkpoint, so nothing is downloaded:
 Each engine serves ``c`` requests at once (``--concurrency``, default 1, 16 and 64) of
 ``--prompt-len`` random prompt tokens and ``--max-tokens`` greedy output tokens (EOS
 ignored; equal prompt lengths, so HF needs no padding). Printed per row: output tokens/s
-of each engine and powertrain's ratio to HF, after a warm-up run of each shape. CUDA
-graphs are not implemented yet (issue 25, item 5), so powertrain runs eager.
+of each engine and powertrain's ratio to HF, after a warm-up run of each shape.
+powertrain runs twice: eager (``cuda_graphs = "off"``) and with its decode steps
+captured as CUDA graphs (``"on"``); the row says how many outputs of the two agree.
 
 Where powertrain's step time goes, at the largest concurrency: the wall time of the run,
 the device thread's share of it (``ModelRunner.execute``: inputs to the device, forward,
@@ -84,10 +85,13 @@ def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, 500, (count, length), generator=g).tolist()
 
 
-def run_powertrain(path: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_powertrain(path: str, args: argparse.Namespace, graphs: str) -> tuple[dict[str, Any], dict[int, list]]:
+    """(results, each concurrency's outputs) with ``cuda_graphs = graphs``."""
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict[str, Any] = {}
-    with LLM(path, dtype=args.dtype, prefix_caching=False) as llm:
+    tokens: dict[int, list] = {}
+    label = "eager" if graphs == "off" else "graphs"
+    with LLM(path, dtype=args.dtype, prefix_caching=False, cuda_graphs=graphs) as llm:
         runner = llm.engine.runner
         execute, busy = runner.execute, [0.0]
 
@@ -107,13 +111,16 @@ def run_powertrain(path: str, args: argparse.Namespace) -> dict[str, Any]:
             outputs = llm.generate(batch, params)
             wall = time.perf_counter() - started
             assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outputs)
-            results[f"c={count} powertrain tok/s"] = count * args.max_tokens / wall
-            if count == max(args.concurrency):
-                results[f"c={count} wall s"] = wall
-                results[f"c={count} device thread share"] = busy[0] / wall
+            tokens[count] = [list(o.outputs[0].token_ids) for o in outputs]
+            results[f"c={count} powertrain {label} tok/s"] = count * args.max_tokens / wall
+            if count in (min(args.concurrency), max(args.concurrency)):
+                results[f"c={count} {label} wall s"] = wall
+                results[f"c={count} {label} device thread share"] = busy[0] / wall
                 if torch.cuda.is_available():
-                    results[f"c={count} GPU kernel share"] = kernel_seconds(llm, batch, params) / wall
-    return results
+                    results[f"c={count} {label} GPU kernel share"] = kernel_seconds(llm, batch, params) / wall
+        if llm.engine.runner.graphs is not None:
+            results[f"{label} replayed steps"] = llm.engine.runner.graphs.replays
+    return results, tokens
 
 
 def kernel_seconds(llm: LLM, batch: list[list[int]], params: SamplingParams) -> float:
@@ -174,11 +181,23 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path, hf_kwargs = model_folder(args)
     results = {"model": args.model, "shape": args.shape if args.model == "deepseek-v3" else "gguf", "device": device}
-    results |= run_powertrain(path, args)
+    eager, eager_tokens = run_powertrain(path, args, "off")
+    results |= eager
+    if device == "cuda":
+        graphs, graph_tokens = run_powertrain(path, args, "on")
+        results |= graphs
+        for count in args.concurrency:
+            same = sum(a == b for a, b in zip(eager_tokens[count], graph_tokens[count], strict=True))
+            results[f"c={count} graphs / eager"] = (
+                results[f"c={count} powertrain graphs tok/s"] / results[f"c={count} powertrain eager tok/s"]
+            )
+            results[f"c={count} outputs equal to eager"] = f"{same}/{count}"
     results |= run_hf(path, hf_kwargs, args, device)
+    best = "graphs" if device == "cuda" else "eager"
     for count in args.concurrency:
-        results[f"c={count} powertrain / HF"] = results[f"c={count} powertrain tok/s"] / results[f"c={count} HF tok/s"]
-        results[f"c={count} powertrain with CUDA graphs"] = "not implemented (issue 25, item 5)"
+        results[f"c={count} powertrain ({best}) / HF"] = (
+            results[f"c={count} powertrain {best} tok/s"] / results[f"c={count} HF tok/s"]
+        )
     report(f"powertrain engine vs HF transformers batched generate ({device})", results)
 
 

@@ -56,6 +56,9 @@ ATTENTION_CAPABILITIES = frozenset(
         "chunked-prefill",
         "sliding-window",
         "batch-invariant",
+        # Decode steps through it may be captured as CUDA graphs and replayed (see
+        # interfaces.attention: no host syncs, host lengths used only as bounds).
+        "cuda-graphs",
         # The backend also fuses small layer ops where it is active (interfaces.attention):
         "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
@@ -76,6 +79,7 @@ MOE_CAPABILITIES = frozenset(
         "fp8-block",
         "fp4",  # packed FP4 (e2m1, ue8m0 per 32 columns) experts, ExpertWeights.fp4 (DeepSeek-V4)
         "batch-invariant",
+        "cuda-graphs",  # forward runs under CUDA graph capture: no host syncs (interfaces.moe)
         "fused-routing",  # the backend also picks experts with a fused gating op (interfaces.MoERouter)
         "swiglu-limit",  # clamped SwiGLU, ExpertWeights.swiglu_limit (DeepSeek-V4)
     }
@@ -215,6 +219,9 @@ class PlatformInfo:
     #: FP8 checkpoint weights may stay FP8 here, for MoE backends that multiply them
     #: directly; False: they are dequantized at load (no FP8 matmul to gain from).
     keeps_fp8_weights: bool = False
+    #: Decode steps may be captured as CUDA graphs (``torch.cuda.CUDAGraph``) and replayed
+    #: (``engine.cuda_graphs``); False: every step launches its kernels from Python.
+    cuda_graphs: bool = False
     #: Dtypes whose projection weights are packed once at load for this platform's
     #: kernels (oneDNN on a CPU: ``layers.linear``); others run plain ``F.linear``.
     packed_linear_dtypes: frozenset[torch.dtype] = attrs.field(

@@ -74,6 +74,11 @@ def _non_negative(instance: Any, attribute: attrs.Attribute, value: float) -> No
         raise ValueError(f"must be 0 or more, got {value}", attribute)
 
 
+def _graph_sizes(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if not value or any(size < 1 for size in value) or list(value) != sorted(set(value)):
+        raise ValueError(f"must be increasing batch sizes of at least 1, got {list(value)}", attribute)
+
+
 def _optional_positive(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"must be positive when set, got {value}", attribute)
@@ -184,6 +189,15 @@ class EngineOptionsConfig:
     #: linears (a named one that does not is refused, by name), and the model's own
     #: matmuls run in whole row tiles (``layers.linear.make_batch_invariant``).
     batch_invariant: bool = False
+    #: Decode steps as CUDA graphs (``engine.cuda_graphs``): captured at startup for each
+    #: of ``cuda_graph_batch_sizes`` and replayed, padded to the next size. "auto": where
+    #: the platform can capture and the model and its attention/MoE backends declare it
+    #: (the startup log says why not otherwise); "on": that, or refuse to start; "off": eager.
+    cuda_graphs: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"))
+    #: The captured batch sizes; a decode step of more sequences runs eager.
+    cuda_graph_batch_sizes: tuple[int, ...] = attrs.field(
+        default=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128), validator=_graph_sizes
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -249,6 +263,13 @@ def _strict_converter() -> cattrs.Converter:
         return tuple(converter.structure(value, list[str]))
 
     converter.register_structure_hook_func(lambda tp: tp == tuple[str, ...], string_list)
+
+    def int_list(value: Any, _: type) -> tuple[int, ...]:
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list of integers, got {type(value).__name__} {value!r}")
+        return tuple(converter.structure(value, list[int]))
+
+    converter.register_structure_hook_func(lambda tp: tp == tuple[int, ...], int_list)
     return converter
 
 

@@ -24,10 +24,11 @@ from powertrain.assemble.building import (
     step_observer,
 )
 from powertrain.assemble.loading import LoadedModel, describe_cache, load_model, model_length, resolve_dtype
-from powertrain.assemble.planning import Plan, find_architecture, plan
+from powertrain.assemble.planning import AssemblyError, Plan, find_architecture, plan
 from powertrain.assemble.tiers import block_mover, build_tiers, cache_namespace
 from powertrain.config import EngineConfig
 from powertrain.engine.block_manager import BlockManager
+from powertrain.engine.cuda_graphs import DecodeGraphs
 from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.engine import LLMEngine
 from powertrain.engine.kv_tiers import KVTiers
@@ -97,13 +98,16 @@ def build_engine(
         tiers=tiers,
         block_bytes=mover.block_bytes if mover else None,
     )
+    max_model_len = model_length(config, checkpoint.config)
+    with startup.phase("capture decode graphs"):
+        runner.graphs = decode_graphs(chosen, loaded, block_manager, max_model_len, experts, device_thread, needs_moe)
     hooks = plugins.hook
     engine = LLMEngine(
         tokenizer=checkpoint.tokenizer,
         scheduler=build_scheduler(chosen, block_manager),
         block_manager=block_manager,
         runner=runner,
-        max_model_len=model_length(config, checkpoint.config),
+        max_model_len=max_model_len,
         async_scheduling=_async_scheduling(config, chosen.platform, runner),
         on_step=step_observer(chosen),
         on_shutdown=lambda e: _stopped(hooks, e, experts),
@@ -153,7 +157,70 @@ def model_requirements(architecture: Any, checkpoint: Any, config: EngineConfig)
     if config.engine.batch_invariant:
         for kind in ("attention", *(kind for kind in ("moe", "quantized_linear") if kind in requirements)):
             requirements[kind] = frozenset(requirements.get(kind, ())) | {"batch-invariant"}
+    if config.engine.cuda_graphs == "on":
+        for kind in ("attention", *(kind for kind in ("moe",) if kind in requirements)):
+            requirements[kind] = frozenset(requirements.get(kind, ())) | {"cuda-graphs"}
     return requirements
+
+
+def decode_graphs(
+    chosen: Plan,
+    loaded: LoadedModel,
+    block_manager: BlockManager,
+    max_model_len: int,
+    experts: ExpertParallel | None,
+    device_thread: DeviceThread,
+    needs_moe: bool,
+) -> DecodeGraphs | None:
+    """``[engine] cuda_graphs``: decode steps captured for each batch size, or None (eager).
+    "auto" captures where nothing stands in the way and logs what does; "on" refuses to
+    start instead."""
+    options = chosen.config.engine
+    if options.cuda_graphs == "off":
+        return None
+    why = _why_not_captured(chosen, loaded, experts, needs_moe)
+    if why:
+        if options.cuda_graphs == "on":
+            raise AssemblyError([f'[engine] cuda_graphs = "on": {why}; set it to "auto" or "off"'])
+        log.info("decode steps run eager", why=why)
+        return None
+    graphs = DecodeGraphs(
+        loaded.model,
+        loaded.kv_caches,
+        sizes=_graph_sizes(options.cuda_graph_batch_sizes, chosen.config.scheduler.max_num_seqs),
+        block_size=chosen.config.cache.block_size,
+        max_model_len=max_model_len,
+        pad_blocks=block_manager.reserve_blocks(),
+        device=chosen.device,
+    )
+    started = time.perf_counter()
+    device_thread.run(graphs.capture_all)
+    log.info("decode graphs captured", batch_sizes=list(graphs.sizes), seconds=round(time.perf_counter() - started, 2))
+    return graphs
+
+
+def _graph_sizes(ladder: tuple[int, ...], max_num_seqs: int) -> list[int]:
+    """The ladder up to the first size that holds ``max_num_seqs`` sequences (no step is bigger)."""
+    sizes = [size for size in ladder if size < max_num_seqs]
+    return sizes + [size for size in ladder if size >= max_num_seqs][:1]
+
+
+def _why_not_captured(chosen: Plan, loaded: LoadedModel, experts: ExpertParallel | None, needs_moe: bool) -> str:
+    """Why decode steps cannot be captured here, or ""."""
+    platform = chosen.platform
+    if not platform.cuda_graphs:
+        return f"platform {platform.name} cannot capture CUDA graphs"
+    if experts is not None:
+        return "expert parallelism: MoE dispatch reads per-rank counts back to the host"
+    if not getattr(loaded.model, "captures_decode", False):
+        return f"{type(loaded.model).__name__} does not declare its decode step capturable (captures_decode)"
+    for kind in ("attention", "moe") if needs_moe else ("attention",):
+        resolution = chosen.resolutions.get(kind)
+        if resolution is not None and resolution.provided is not None:
+            record = resolution.provided.record
+            if "cuda-graphs" not in record.capabilities:
+                return f"{kind} backend {record.name} does not declare cuda-graphs"
+    return ""
 
 
 def _async_scheduling(config: Any, platform: Any, runner: ModelRunner) -> bool:

@@ -141,6 +141,7 @@ CUDA_FACTS: dict[str, Any] = {
     "free_memory": cuda_free_memory,
     "keeps_fp8_weights": True,
     "pinned_host_copies": True,
+    "cuda_graphs": True,
 }
 
 

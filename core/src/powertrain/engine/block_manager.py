@@ -151,6 +151,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # hash -> block id
         #: Where a sliding table points released blocks: one past the pool's own blocks.
         self.null_block = num_blocks if window is not None else -1
+        #: Blocks taken for good (``reserve``): no sequence can hold them.
+        self.reserved = 0
         #: With tiers: cached blocks handed out again, (block id, hash), to copy out first.
         self.evicted: list[tuple[int, bytes]] | None = None
 
@@ -197,6 +199,11 @@ class BlockPool:
             block.hash, block.token_ids, block.from_tiers = None, (), False
         block.ref_count = 1
         return block_id
+
+    def reserve(self) -> int:
+        """A block taken for good (``BlockManager.reserve_blocks``)."""
+        self.reserved += 1
+        return self.take_free()
 
     def register(self, block_id: int, digest: bytes, tokens: tuple[int, ...]) -> None:
         block = self.blocks[block_id]
@@ -248,6 +255,12 @@ class BlockManager:
     def primary(self) -> BlockPool:
         return next(iter(self.pools.values()))
 
+    def reserve_blocks(self) -> dict[int | None, int]:
+        """Take one block from each pool for good (no sequence will hold it) and return
+        their ids: captured decode steps point their padding rows there
+        (``engine.cuda_graphs``), whose writes must land where nobody reads."""
+        return {window: pool.reserve() for window, pool in self.pools.items()}
+
     @property
     def num_blocks(self) -> int:
         """Usable blocks of the primary pool (the full-history one when there is one)."""
@@ -261,7 +274,7 @@ class BlockManager:
     def max_sequence_tokens(self) -> int | None:
         """Most tokens one sequence can hold; None when every pool slides (a sequence then
         holds a bounded number of blocks however long it grows)."""
-        full = [len(pool.blocks) for pool in self.pools.values() if pool.window is None]
+        full = [len(pool.blocks) - pool.reserved for pool in self.pools.values() if pool.window is None]
         return min(full) * self.block_size if full else None
 
     def blocks_held(self, seq: Sequence) -> dict[int | None, int]:

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 
+from powertrain.engine.cuda_graphs import DecodeGraphs
 from powertrain.engine.sampler import Sampler, SamplingInputs
 from powertrain.engine.sequence import PLACEHOLDER, SequenceSnapshot
 from powertrain.engine.sequence import Sequence as Seq
@@ -112,6 +113,8 @@ class ModelRunner:
         self._previous_kept: dict[int, list[int]] = {}
         #: Speculative steps launched before the step ahead of them had run (async scheduling).
         self.overlapped_steps = 0
+        #: Captured decode steps (``engine.cuda_graphs``); None: every step runs eager.
+        self.graphs: DecodeGraphs | None = None
 
     def prepare(
         self, batch: ScheduledBatch[Seq] | ScheduledBatch[SequenceSnapshot], speculation: Speculation | None = None
@@ -314,7 +317,11 @@ class ModelRunner:
         input_ids = input_ids.to(self.device)
         if self.lockstep is not None:
             self.lockstep.busy()
-        hidden = self.model.forward(input_ids, step.positions, self.kv_caches, step.metadata)
+        size = None if self.graphs is None else self.graphs.size_for(step.metadata)
+        if size is None:
+            hidden = self.model.forward(input_ids, step.positions, self.kv_caches, step.metadata)
+        else:
+            hidden = self.graphs.forward(input_ids, step.positions, step.metadata, size)  # type: ignore[union-attr]
         if step.speculation is not None:
             result = self._verify(step, hidden)
         else:

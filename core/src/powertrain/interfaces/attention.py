@@ -28,6 +28,17 @@ the top-k cached tokens an indexer picked for it. DeepSeek-V4 attention (capabil
 compressed entries, with per-head sinks. The Lightning Indexer (capability
 ``lightning-indexer``): ``index_topk`` scores each query token against a sequence's
 cached indexer keys and returns the best positions (V3.2) or entries (V4's CSA).
+
+CUDA graphs (capability ``cuda-graphs``): the engine may capture a decode step for a
+fixed batch size and replay it (``engine.cuda_graphs``). A captured step's metadata
+has every row a decode (padding rows are one-token sequences over a block the engine
+reserved), its tensors are buffers the engine refills before each replay, and its
+host values are fixed at capture: ``seq_lens_host`` and ``max_seq_len`` are then upper
+bounds (the model's length), not the step's lengths. A backend that declares the tag
+must, on decode rows: take lengths from ``seq_lens`` on the device and use the host
+values only to size launches (so its split counts are fixed per captured size), never
+read a value back to the host, and create no tensor from host data; allocating
+through torch's allocator is fine (a graph keeps its own pool).
 """
 
 from __future__ import annotations

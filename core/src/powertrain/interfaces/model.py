@@ -79,7 +79,10 @@ class CausalLM(Protocol):
 
     Optional, found by name: ``keep_quantized(name)`` (which tensors may stay quantised),
     and ``decoder_layer_parts()`` with ``use_fused_decoder(fused)`` (a Llama-shaped stack
-    an attention pack may run whole: ``DecoderStackKernel``).
+    an attention pack may run whole: ``DecoderStackKernel``), and ``captures_decode``: a
+    class attribute, True where a decode step's forward may be captured as a CUDA graph
+    (``engine.cuda_graphs``: nothing outside the attention and MoE backends reads a value
+    back to the host or builds a tensor from host data).
     """
 
     @property

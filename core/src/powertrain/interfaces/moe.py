@@ -4,6 +4,11 @@ MoE backends implement.
 Routing rules stay in the core (DESIGN §3): every backend gets the same expert choice
 (``powertrain.layers.moe.route`` computes it from a layer's ``RoutingConfig``), so a
 kernel pack can only change how fast the experts run, never which ones.
+
+A backend that declares ``cuda-graphs`` may have ``forward`` captured in a CUDA graph
+(``engine.cuda_graphs``) and replayed with new rows of the same count: it sizes its
+launches from shapes alone, never reads a value back to the host and creates no tensor
+from host data.
 """
 
 from __future__ import annotations

@@ -438,6 +438,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     """Implements ``interfaces.CausalLM`` (and carries ``mtp``, the drafter, when the
     checkpoint has MTP layers)."""
 
+    captures_decode = True
+
     def __init__(self, ctx: ModelContext, attention: AttentionFactory = dense_mla) -> None:
         super().__init__()
         self.args = args = self.read_args(ctx.config)

@@ -131,6 +131,9 @@ def indexed_mla(args: DeepseekArgs, ctx: ModelContext) -> IndexedMLA:
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2 (``interfaces.CausalLM``): V3 with an indexer in every attention layer."""
 
+    #: Sparse attention range-checks the indexer's picks on the host (one sync per layer).
+    captures_decode = False
+
     def __init__(self, ctx: ModelContext) -> None:
         ctx_config = read_v32_config(ctx.config)
         super().__init__(_with_config(ctx, ctx_config), attention=indexed_mla)

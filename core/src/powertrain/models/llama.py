@@ -227,6 +227,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Implements ``interfaces.CausalLM``. Weights are uninitialised until ``load_weights``."""
 
+    captures_decode = True
+
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         self.args = args = LlamaArgs.from_config(ctx.config)

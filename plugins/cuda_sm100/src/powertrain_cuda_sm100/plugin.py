@@ -34,7 +34,7 @@ def build_attention(context: AttentionBackendContext) -> TritonAttention:
 ATTENTION_CAPABILITIES = frozenset(
     {
         "gqa", "mha", "mla", "sparse-mla", "v4-attention", "lightning-indexer", "paged", "prefill", "decode",
-        "chunked-prefill", "sliding-window", "fused-rotary", "fused-rmsnorm",
+        "chunked-prefill", "sliding-window", "fused-rotary", "fused-rmsnorm", "cuda-graphs",
     }
 )  # fmt: skip
 #: Paths whose launches still size their KV splits from the batch: not in the invariant variant.

@@ -1,0 +1,120 @@
+"""Check captured decode steps (``engine.cuda_graphs``) against eager ones, model level.
+
+Two copies of a model's paged cache start alike; prompts are prefilled eagerly into
+both; then each decode step runs eagerly with the step's own metadata on one copy
+and through ``DecodeGraphs`` (padded to a captured size, host lengths as bounds) on
+the other. The hidden states must agree within the caller's tolerance (the padded
+batch may take other matmul and split paths), and with ``capture`` the replayed graph
+must equal, bit for bit, an eager forward of the very same padded step. Caches start
+as NaN, so a read of a slot nobody wrote poisons the output, and after every step
+both caches must hold the same outside the block reserved for padding rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from powertrain.engine.cuda_graphs import DecodeGraphs
+from powertrain.interfaces import AttentionMetadata
+
+__all__ = ["check_decode_graphs"]
+
+PAD_BLOCK = 0
+
+
+def check_decode_graphs(
+    model: Any,
+    backend: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    capture: bool,
+    sizes: Sequence[int] = (1, 4, 8),
+    batches: Sequence[int] = (1, 3, 8, 5),
+    decode_steps: int = 3,
+    block_size: int = 4,
+    max_model_len: int = 64,
+    vocab: int = 100,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> DecodeGraphs:
+    """Run the check (see the module docstring); returns the graphs for further asserts."""
+    num_blocks = sum(batches) * -(-max_model_len // block_size) + 1
+    eager = _caches(model, backend, dtype, device, block_size, num_blocks)
+    through_graphs = _caches(model, backend, dtype, device, block_size, num_blocks)
+    graphs = DecodeGraphs(
+        model,
+        through_graphs,
+        sizes=sizes,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        pad_blocks={None: PAD_BLOCK},
+        device=device,
+        capture=capture,
+    )
+    graphs.capture_all()
+    free = (torch.randperm(num_blocks - 1) + 1).tolist()  # every block but the padding one
+    for batch in batches:
+        lengths = torch.randint(1, max_model_len - decode_steps - 8, (batch,)).tolist()
+        blocks = [[free.pop() for _ in range(-(-max_model_len // block_size))] for _ in range(batch)]
+        prompts = [torch.randint(0, vocab, (n,)).tolist() for n in lengths]
+        order = sorted(range(batch), key=lambda i: lengths[i] != 1)  # one-token prompts are decodes: first
+        prefill = _metadata([lengths[i] for i in order], [lengths[i] for i in order], [blocks[i] for i in order])
+        ids = torch.tensor([t for i in order for t in prompts[i]], device=device)
+        positions = torch.tensor([p for i in order for p in range(lengths[i])], device=device)
+        with torch.inference_mode():
+            for caches in (eager, through_graphs):
+                model.forward(ids, positions, caches, _on(prefill, block_size, device))
+        for step in range(decode_steps):
+            seq_lens = [n + step + 1 for n in lengths]
+            metadata = _on(_metadata([1] * batch, seq_lens, blocks), block_size, device)
+            ids = torch.randint(0, vocab, (batch,), device=device)
+            positions = torch.tensor([n - 1 for n in seq_lens], device=device)
+            size = graphs.size_for(metadata)
+            assert size == min(s for s in sizes if s >= batch), f"batch {batch} got graph size {size}"
+            with torch.inference_mode():
+                want = model.forward(ids, positions, eager, metadata)
+            got = graphs.forward(ids, positions, metadata, size)
+            torch.testing.assert_close(
+                got, want, atol=atol, rtol=rtol, msg=lambda m, b=batch, s=step: f"batch {b} step {s}: {m}"
+            )
+            for layer, (ours, theirs) in enumerate(zip(through_graphs, eager, strict=True)):
+                for name in ours:  # every block but the padding one holds what the eager steps wrote
+                    torch.testing.assert_close(
+                        ours[name][1:], theirs[name][1:], atol=atol, rtol=rtol, equal_nan=True,
+                        msg=lambda m, b=batch, s=step, n=name, i=layer: f"batch {b} step {s}, layer {i} {n} cache: {m}",
+                    )  # fmt: skip
+            if capture:
+                captured = graphs.captured[size]
+                replayed = captured.hidden[:batch].clone()
+                with torch.inference_mode():  # the same padded step again, eagerly: writes the same entries
+                    again = model.forward(
+                        graphs.input_ids[:size], graphs.positions[:size], through_graphs, captured.metadata
+                    )
+                assert torch.equal(replayed, again[:batch]), f"batch {batch} step {step}: replay differs from eager"
+        # A prefill step and a batch past the biggest size run eager.
+        assert graphs.size_for(_on(prefill, block_size, device)) is None or all(n == 1 for n in lengths)
+    too_many = _on(_metadata([1] * (sizes[-1] + 1), [1] * (sizes[-1] + 1), [[1]] * (sizes[-1] + 1)), block_size, device)
+    assert graphs.size_for(too_many) is None
+    return graphs
+
+
+def _caches(model: Any, backend: Any, dtype: torch.dtype, device: torch.device, block_size: int, blocks: int) -> list:
+    caches = []
+    for layer in model.attention_layers:
+        cache = layer.allocate_cache(layer.backend_cache_spec(backend, block_size, dtype), blocks, device)
+        for tensor in cache.values():
+            tensor.fill_(float("nan"))
+        caches.append(cache)
+    return caches
+
+
+def _metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> dict[str, Any]:
+    return {"query_lens": query_lens, "seq_lens": seq_lens, "block_tables": tables}
+
+
+def _on(spec: dict[str, Any], block_size: int, device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata.build(**spec, block_size=block_size, device=device)
