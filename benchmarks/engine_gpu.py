@@ -8,6 +8,9 @@ Two models, random weights or the embedded checkpoint, so nothing is downloaded:
   ``powertrain.testing.checkpoints`` in bfloat16; the tiny tokenizer's 512-token vocabulary.
   ``--shape tiny`` writes the test suite's tiny model instead (a smoke run on a CPU).
 * ``smollm2``: the embedded SmolLM2-135M GGUF, which both engines dequantise.
+* ``smollm2-shape``: SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3 kv heads)
+  with random weights and the tiny tokenizer's 512-token vocabulary, in bfloat16: the
+  same model where the GGUF cannot travel (a GPU machine without the package).
 
 Each engine serves ``c`` requests at once (``--concurrency``, default 1, 16 and 64) of
 ``--prompt-len`` random prompt tokens and ``--max-tokens`` greedy output tokens (EOS
@@ -72,12 +75,37 @@ def model_folder(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.model == "smollm2":
         path = resolve_model_path("smollm2-135m").path
         return str(path), {"gguf_file": path.name}
+    if args.model == "smollm2-shape":
+        return str(smollm2_shaped(Path(tempfile.mkdtemp(prefix="powertrain-engine-gpu-")))), {}
     folder = Path(tempfile.mkdtemp(prefix="powertrain-engine-gpu-"))
     shape = deepseek_v3_shape(args.layers, args.experts) if args.shape == "v3" else {}
     started = time.perf_counter()
     write_tiny_deepseek(folder, num_nextn_predict_layers=0, dtype=torch.bfloat16, **shape)
     print(f"wrote {args.shape}-shaped DeepSeek-V3 in {time.perf_counter() - started:.1f} s: {folder}")
     return str(folder), {}
+
+
+def smollm2_shaped(folder: Path) -> Path:
+    """A random Llama of SmolLM2-135M's shape (its config.json values), vocabulary 512."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from powertrain.testing.checkpoints import TOKENIZER_VOCAB_SIZE, random_hf_model, save_with_tiny_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.04,
+        torch_dtype="bfloat16",
+    )
+    return save_with_tiny_tokenizer(random_hf_model(LlamaForCausalLM, config), folder)
 
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -168,7 +196,7 @@ def run_hf(path: str, hf_kwargs: dict[str, Any], args: argparse.Namespace, devic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("deepseek-v3", "smollm2"), default="deepseek-v3")
+    parser.add_argument("--model", choices=("deepseek-v3", "smollm2", "smollm2-shape"), default="deepseek-v3")
     parser.add_argument("--shape", choices=("v3", "tiny"), default="v3")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
@@ -180,7 +208,8 @@ def main() -> None:
     configure_logging("warning")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path, hf_kwargs = model_folder(args)
-    results = {"model": args.model, "shape": args.shape if args.model == "deepseek-v3" else "gguf", "device": device}
+    shape = {"deepseek-v3": args.shape, "smollm2": "gguf", "smollm2-shape": "random weights"}[args.model]
+    results = {"model": args.model, "shape": shape, "device": device}
     eager, eager_tokens = run_powertrain(path, args, "off")
     results |= eager
     if device == "cuda":
