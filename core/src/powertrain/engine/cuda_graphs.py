@@ -29,7 +29,7 @@ from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache
 
 
 @attrs.frozen
-class _Captured:
+class Captured:
     metadata: AttentionMetadata
     #: The graph and its output buffer ``[G, hidden]``; None: replayed eagerly (``capture=False``).
     graph: Any = None
@@ -81,7 +81,7 @@ class DecodeGraphs:
             table[:, 0] = block
             self.tables[window] = table
             self.slots[window] = torch.full((biggest,), block * block_size, dtype=torch.int64, device=device)
-        self.captured: dict[int, _Captured] = {}
+        self.captured: dict[int, Captured] = {}
         #: Rows of the buffers holding a real sequence since they were last reset to padding.
         self._filled = 0
         self._pool: Any = None
@@ -96,12 +96,12 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self.captured[size] = self._capture(size)
 
-    def _capture(self, size: int) -> _Captured:
+    def _capture(self, size: int) -> Captured:
         metadata = self._metadata(size)
         self._pad(0, self.sizes[-1])
         ids, positions = self.input_ids[:size], self.positions[:size]
         if not self.capture:
-            return _Captured(metadata)
+            return Captured(metadata)
         # Warm up off the capture: kernels compile and lazily built tables (rotary) grow
         # outside the graph; a side stream, as torch.cuda.graph wants.
         stream = torch.cuda.Stream(self.device)
@@ -114,7 +114,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self.model.forward(ids, positions, self.kv_caches, metadata)
         self._pool = graph.pool()
-        return _Captured(metadata, graph, hidden)
+        return Captured(metadata, graph, hidden)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Size ``size``'s metadata: views of the buffers, host values fixed (bounds)."""
@@ -154,8 +154,21 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """The step's final hidden states ``[batch, hidden]`` (a copy: the graph's output
         buffer is overwritten by the next replay)."""
+        captured = self.load(input_ids, positions, metadata, size)
+        self.replays += 1
+        if captured.graph is None:
+            hidden = self.model.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, captured.metadata)
+        else:
+            captured.graph.replay()
+            hidden = captured.hidden
+        return hidden[: metadata.batch_size].clone()
+
+    def load(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, size: int
+    ) -> Captured:
+        """Copy a step of at most ``size`` decodes into the buffers, the rows after it
+        padding; returns size ``size``'s capture, whose metadata now describes the step."""
         batch = metadata.batch_size
-        captured = self.captured[size]
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.seq_lens[:batch].copy_(metadata.seq_lens)
@@ -166,13 +179,7 @@ class DecodeGraphs:
         if self._filled > batch:
             self._pad(batch, self._filled)
         self._filled = batch
-        self.replays += 1
-        if captured.graph is None:
-            hidden = self.model.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, captured.metadata)
-        else:
-            captured.graph.replay()
-            hidden = captured.hidden
-        return hidden[:batch].clone()
+        return self.captured[size]
 
     def _pad(self, start: int, end: int) -> None:
         """Make rows ``start:end`` padding: position 0 of a one-token sequence in the

@@ -61,6 +61,7 @@ from powertrain.testing.base import (
     random_index_rows,
 )
 from powertrain.testing.fused_decoder import check_fused_decoder
+from powertrain.testing.graphs import check_captured_attention
 from powertrain.testing.indexer import check_index_topk
 from powertrain.testing.invariance import check_batch_invariant
 from powertrain.testing.kv_access import read_tokens, token_major, write_tokens
@@ -763,6 +764,29 @@ class AttentionBackendSuite(ComponentSuite):
         gen = generator(seed)
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         self._run_mla(pair, layer, batch, dtype, block_size, seed, f"MLA {scenario} batch, {_dtype_id(dtype)}")
+
+    @pytest.mark.parametrize("kind", ["gqa", "mla"])
+    def test_cuda_graphs(self, subject: Subject, kind: str, seed: int) -> None:
+        """A declared 'cuda-graphs' backend serves a decode step shaped as a captured one
+        (padded with one-token sequences over a reserved block, host lengths at a bound):
+        the real rows as the step's own metadata gives them, the cache written alike; on a
+        CUDA device also captured, replayed with another step, equal to eager bit for bit
+        (``powertrain.testing.graphs``). First dtype and largest block size only."""
+        self.require(subject.provided, "cuda-graphs", "paged", "decode", *(("mla",) if kind == "mla" else ()))
+        dtype, block_size = self.dtypes[0], max(self.block_sizes)
+        layer = self._mla_layer() if kind == "mla" else self._gqa_layer(*self._gqa_heads(subject.provided))
+        candidate, _, device = self._build(subject, dtype, block_size)
+        check_captured_attention(
+            candidate,
+            layer,
+            candidate.kv_cache_spec(layer, block_size, dtype),
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            tolerance=self.tolerances[dtype],
+            what=f"{subject.provided.record.name} {kind} captured decode, {_dtype_id(dtype)}",
+        )
 
     @pytest.mark.parametrize("target", ["decode", "chunk"])
     @pytest.mark.parametrize("kind", ["gqa", "mla", "sparse-mla"])

@@ -20,7 +20,7 @@ import torch
 from powertrain.engine.cuda_graphs import DecodeGraphs
 from powertrain.interfaces import AttentionMetadata
 
-__all__ = ["check_decode_graphs"]
+__all__ = ["check_captured_attention", "check_decode_graphs"]
 
 PAD_BLOCK = 0
 
@@ -118,3 +118,118 @@ def _metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]
 
 def _on(spec: dict[str, Any], block_size: int, device: torch.device) -> AttentionMetadata:
     return AttentionMetadata.build(**spec, block_size=block_size, device=device)
+
+
+def check_captured_attention(
+    backend: Any,
+    layer: Any,
+    spec: Any,
+    *,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    tolerance: tuple[float, float],
+    what: str = "attention",
+) -> None:
+    """The attention kit's ``cuda-graphs`` case: a decode step shaped as a captured one
+    (padded to a graph size with one-token sequences over a reserved block, host lengths
+    at a bound, ``DecodeGraphs.load``) gives the real rows what the step's own metadata
+    gives, within ``tolerance``, and writes the cache alike outside the reserved block.
+    On a CUDA device the padded step is captured in a graph, replayed after the buffers
+    took another step, and must equal an eager run of that step bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = 8 * block_size
+    size = 8
+    num_blocks = 2 * size * (bound // block_size) + 1
+    graphs = DecodeGraphs(
+        None,  # type: ignore[arg-type]  # load() and the metadata need no model
+        [],
+        sizes=[size],
+        block_size=block_size,
+        max_model_len=bound,
+        pad_blocks={None: PAD_BLOCK},
+        device=device,
+        capture=False,
+    )
+    graphs.capture_all()
+    cache = spec.allocate(num_blocks, device)
+    for tensor in cache.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+
+    def step(batch: int) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...]]:
+        seq_lens = torch.randint(1, bound + 1, (batch,), generator=gen).tolist()
+        tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+        metadata = _on(_metadata([1] * batch, seq_lens, tables), block_size, device)
+        return metadata, _inputs(layer, size, dtype, device, gen)
+
+    def run(inputs: tuple[torch.Tensor, ...], metadata: AttentionMetadata, kv: dict) -> torch.Tensor:
+        if layer.kind == "mla":
+            return backend.forward_mla(layer, *inputs, kv, metadata)
+        return backend.forward(layer, *inputs, kv, metadata)
+
+    batch = int(torch.randint(1, size, (1,), generator=gen))  # at least one padding row
+    metadata, inputs = step(batch)
+    exact_cache, padded_cache = _clone(cache), _clone(cache)
+    with torch.inference_mode():
+        want = run(tuple(x[:batch] for x in inputs), metadata, exact_cache)
+        captured = graphs.load(
+            torch.zeros(batch, dtype=torch.int64, device=device), metadata.seq_lens.long(), metadata, size
+        )
+        got = run(inputs, captured.metadata, padded_cache)
+    atol, rtol = tolerance
+    torch.testing.assert_close(
+        got[:batch].float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: padded step's real rows: {m}"
+    )
+    for name in cache:
+        assert torch.equal(padded_cache[name][1:], exact_cache[name][1:]), (
+            f"{what}: the padded step wrote {name!r} outside the block reserved for padding rows"
+        )
+    if device.type != "cuda":
+        return
+    # Capture the padded step, then replay it with another step's inputs and metadata.
+    static = tuple(x.clone() for x in inputs)
+    graph_cache = _clone(cache)
+    with torch.inference_mode():
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            run(static, captured.metadata, graph_cache)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(static, captured.metadata, graph_cache)
+        metadata, inputs = step(int(torch.randint(1, size + 1, (1,), generator=gen)))
+        graphs.load(
+            torch.zeros(metadata.batch_size, dtype=torch.int64, device=device), metadata.seq_lens.long(), metadata, size
+        )
+        for buffer, value in zip(static, inputs, strict=True):
+            buffer.copy_(value)
+        for name in cache:
+            graph_cache[name].copy_(cache[name])
+        graph.replay()
+        eager_cache = _clone(cache)
+        eager = run(inputs, captured.metadata, eager_cache)
+    assert torch.equal(out, eager), f"{what}: the replayed graph differs from the eager padded step"
+    for name in cache:
+        assert torch.equal(graph_cache[name], eager_cache[name]), f"{what}: the replay wrote {name!r} otherwise"
+
+
+def _inputs(layer: Any, rows: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> tuple:
+    """A decode step's new-token inputs for ``layer``: (query, key, value), or MLA's
+    (q_latent, q_rope, latent, k_rope)."""
+    if layer.kind == "mla":
+        shapes = [
+            (rows, layer.num_heads, layer.kv_lora_rank),
+            (rows, layer.num_heads, layer.qk_rope_head_dim),
+            (rows, layer.kv_lora_rank),
+            (rows, layer.qk_rope_head_dim),
+        ]
+    else:
+        shapes = [(rows, layer.num_heads, layer.head_size)] + [(rows, layer.num_kv_heads, layer.head_size)] * 2
+    return tuple(torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes)
+
+
+def _clone(cache: dict) -> dict:
+    return {name: tensor.clone() for name, tensor in cache.items()}
