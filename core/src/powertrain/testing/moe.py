@@ -345,6 +345,43 @@ class MoEBackendSuite(ComponentSuite):
             "declaring 'batch-invariant' must not let the batch change a token's arithmetic"
         )
 
+    def test_cuda_graphs(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
+        """A declared 'cuda-graphs' backend's forward, captured in a CUDA graph and replayed
+        with other rows (other tokens, experts and weights, the same count), equals an eager
+        forward of those rows bit for bit. Only a CUDA device captures; elsewhere it skips."""
+        self.require(subject.provided, "cuda-graphs")
+        backend, device = self._build(subject, dtype)
+        if device.type != "cuda":
+            pytest.skip(f"capturing a CUDA graph needs a CUDA device; {subject.provided.record.name} runs on {device}")
+        gen = generator(seed)
+        tokens, top_k = 24, 4
+        w13, w2 = self._float_experts(gen, self.num_experts, dtype, self.hidden_size, self.intermediate_size)
+        prepared = self._prepare(backend, device, w13, w2, self.num_experts)
+
+        def rows() -> tuple[torch.Tensor, ...]:
+            hidden = torch.randn(tokens, self.hidden_size, generator=gen).to(dtype)
+            ids = _distinct_ids(gen, tokens, top_k, torch.arange(self.num_experts))
+            return hidden.to(device), ids.to(device), _routing_weights(gen, tokens, top_k).to(device)
+
+        static = rows()
+        with torch.inference_mode():
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                backend.forward(*static, prepared)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = backend.forward(*static, prepared)
+            other = rows()
+            for buffer, value in zip(static, other, strict=True):
+                buffer.copy_(value)
+            graph.replay()
+            eager = backend.forward(*other, prepared)
+        assert torch.equal(out, eager), (
+            f"the replayed graph differs from an eager forward of the same rows ({_dtype_id(dtype)}, seed={seed})"
+        )
+
     def test_one_busy_expert(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
         """Nearly every token picks the same expert (in a random slot), the rest spread thin."""
         num_tokens, top_k = 41, 3
