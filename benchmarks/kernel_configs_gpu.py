@@ -15,15 +15,14 @@ this table.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
 import attrs
 import torch
 from common import report
-from kernel_bench import FULL, SMOKE, Bench, bench_mla, bench_sparse_mla, bench_v4_attention
-from kernels_gpu import _do_bench
+from kernel_bench import Bench, bench_mla, bench_sparse_mla, bench_v4_attention
+from kernels_gpu import _do_bench, target
 
 from powertrain.components import Availability, PlatformInfo
 from powertrain.interfaces import AttentionBackendContext
@@ -43,14 +42,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on the CPU")
     args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
-        device, shapes, capability = torch.device("cpu"), SMOKE, (10, 0)
-    elif not torch.cuda.is_available():
-        parser.error("no CUDA device is visible; this benchmark needs an NVIDIA GPU")
-    else:
-        device, shapes, capability = torch.device("cuda"), FULL, torch.cuda.get_device_capability()
+    device, shapes, capability = target(parser, args.smoke)
     from powertrain.builtin.reference_attention import TorchReferenceAttention
     from powertrain_cuda_sm100.attention import TritonAttention
     from powertrain_cuda_sm100.kernels import mla, sparse_mla, v4_attention

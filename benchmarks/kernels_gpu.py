@@ -29,6 +29,7 @@ from kernel_bench import (
     FULL,
     SMOKE,
     Bench,
+    Shapes,
     bench_gqa,
     bench_indexer,
     bench_mla,
@@ -50,19 +51,23 @@ def _do_bench(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
+def target(parser: argparse.ArgumentParser, smoke: bool) -> tuple[torch.device, Shapes, tuple[int, int]]:
+    """(device, shapes, capability): tiny shapes on the CPU under the interpreter with
+    ``--smoke``, else the full ones on the visible NVIDIA GPU (the parser errors without one)."""
+    if smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--smoke runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
+        return torch.device("cpu"), SMOKE, (10, 0)
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device is visible; this benchmark needs an NVIDIA GPU (or --smoke)")
+    return torch.device("cuda"), FULL, torch.cuda.get_device_capability()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on the CPU")
     args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--smoke runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
-        device, shapes, capability = torch.device("cpu"), SMOKE, (10, 0)
-    else:
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device is visible; this benchmark needs an NVIDIA GPU (or --smoke)")
-        device, shapes = torch.device("cuda"), FULL
-        capability = torch.cuda.get_device_capability()
+    device, shapes, capability = target(parser, args.smoke)
 
     from powertrain.builtin.bucketed_attention import BucketedAttention
     from powertrain.builtin.grouped_moe import TorchGroupedMoE
