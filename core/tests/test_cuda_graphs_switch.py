@@ -92,14 +92,18 @@ def test_each_reason_for_eager_decode_is_named() -> None:
     )
 
 
-def test_auto_logs_why_decode_runs_eager_and_on_refuses_to_start() -> None:
+def test_auto_logs_why_decode_runs_eager_and_on_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    import powertrain.assemble.engine as assembly
+
     loaded = SimpleNamespace(model=_Capturable())
     blocks = BlockManager(8, 4)
-    with structlog.testing.capture_logs() as logs:
-        assert decode_graphs(_chosen(graphs=False), loaded, blocks, 64, None, None, False) is None
-    assert {"event": "decode steps run eager", "why": "platform cuda cannot capture CUDA graphs"}.items() <= logs[
-        -1
-    ].items()
+    # The module's logger itself (a logger cached on first use bypasses capture_logs).
+    recorder = structlog.testing.CapturingLogger()
+    monkeypatch.setattr(assembly, "log", recorder)
+    assert decode_graphs(_chosen(graphs=False), loaded, blocks, 64, None, None, False) is None
+    (call,) = recorder.calls
+    assert call.args == ("decode steps run eager",)
+    assert call.kwargs == {"why": "platform cuda cannot capture CUDA graphs"}
     with pytest.raises(AssemblyError, match='cuda_graphs = "on": platform cuda cannot capture CUDA graphs'):
         decode_graphs(_chosen(graphs=False, mode="on"), loaded, blocks, 64, None, None, False)
     assert decode_graphs(_chosen(mode="off"), loaded, blocks, 64, None, None, False) is None

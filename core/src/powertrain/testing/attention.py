@@ -769,8 +769,9 @@ class AttentionBackendSuite(ComponentSuite):
     def test_cuda_graphs(self, subject: Subject, kind: str, seed: int) -> None:
         """A declared 'cuda-graphs' backend serves a decode step shaped as a captured one
         (padded with one-token sequences over a reserved block, host lengths at a bound):
-        the real rows as the step's own metadata gives them, the cache written alike; on a
-        CUDA device also captured, replayed with another step, equal to eager bit for bit
+        the real rows as the step's own metadata gives them, the cache written alike; where
+        the platform captures CUDA graphs, also captured, replayed with another step, equal
+        to eager bit for bit
         (``powertrain.testing.graphs``). First dtype and largest block size only."""
         self.require(subject.provided, "cuda-graphs", "paged", "decode", *(("mla",) if kind == "mla" else ()))
         dtype, block_size = self.dtypes[0], max(self.block_sizes)
@@ -785,6 +786,7 @@ class AttentionBackendSuite(ComponentSuite):
             device=device,
             seed=seed,
             tolerance=self.tolerances[dtype],
+            capture=subject.platform.cuda_graphs,
             what=f"{subject.provided.record.name} {kind} captured decode, {_dtype_id(dtype)}",
         )
 

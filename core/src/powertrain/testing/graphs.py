@@ -130,14 +130,16 @@ def check_captured_attention(
     device: torch.device,
     seed: int,
     tolerance: tuple[float, float],
+    capture: bool,
     what: str = "attention",
 ) -> None:
     """The attention kit's ``cuda-graphs`` case: a decode step shaped as a captured one
     (padded to a graph size with one-token sequences over a reserved block, host lengths
     at a bound, ``DecodeGraphs.load``) gives the real rows what the step's own metadata
     gives, within ``tolerance``, and writes the cache alike outside the reserved block.
-    On a CUDA device the padded step is captured in a graph, replayed after the buffers
-    took another step, and must equal an eager run of that step bit for bit."""
+    Then the padded step is captured in a CUDA graph, replayed after the buffers
+    took another step, and must equal an eager run of that step bit for bit: with
+    ``capture``, where the platform can (``PlatformInfo.cuda_graphs``)."""
     gen = torch.Generator().manual_seed(seed)
     bound = 8 * block_size
     size = 8
@@ -186,7 +188,7 @@ def check_captured_attention(
         assert torch.equal(padded_cache[name][1:], exact_cache[name][1:]), (
             f"{what}: the padded step wrote {name!r} outside the block reserved for padding rows"
         )
-    if device.type != "cuda":
+    if not capture:
         return
     # Capture the padded step, then replay it with another step's inputs and metadata.
     static = tuple(x.clone() for x in inputs)
