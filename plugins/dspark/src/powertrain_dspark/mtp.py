@@ -267,6 +267,10 @@ class MTPDrafter:
         for i, seq_id in enumerate(step.seq_ids):
             state = self._sequences.setdefault(seq_id, _Sequence(seen=self._step))
             state.seen = self._step
+            if state.tail is not None and contexts[i] <= state.tail.position:
+                # Recomputed (preempted): the tail's blocks were freed and may hold another
+                # sequence's entries now; it drafts again from the tail this recomputation ends in.
+                state.tail = state.ready = None
             start, end = starts[i], starts[i + 1]
             rows = _Rows(i, first=contexts[i])
             if state.pending is not None and state.pending[1] == rows.first - 1:
