@@ -30,6 +30,8 @@ from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache
 
 @attrs.frozen
 class Captured:
+    """One batch size: its metadata (views of the buffers) and, once captured, the graph."""
+
     metadata: AttentionMetadata
     #: The graph and its output buffer ``[G, hidden]``; None: replayed eagerly (``capture=False``).
     graph: Any = None
