@@ -37,6 +37,8 @@ from powertrain_dspark.drafter import DraftBatch
 from powertrain_dspark.mtp import MTPDrafter
 
 PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests quick
+#: The module's checkpoints' seed (set by their fixture).
+CHECKPOINT_SEED = [0]
 #: Argmaxes closer than this may differ between two correct runs (float32 rounding).
 TIE = 1e-4
 
@@ -45,6 +47,7 @@ TIE = 1e-4
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     seed = fresh_seed()
     print(f"checkpoint seed={seed}")
+    CHECKPOINT_SEED[0] = seed  # failure messages name it: each test's own seed only draws requests
     return {
         "random": write_tiny_deepseek(tmp_path_factory.mktemp("random"), seed=seed),
         "mimic": mimic_mtp_layers(write_tiny_deepseek(tmp_path_factory.mktemp("mimic"), seed=seed)),
@@ -277,11 +280,9 @@ def test_drafts_equal_a_from_scratch_mtp_run(
         # Recomputed entries (preemption) may differ from the oracle's in the last float32
         # bits, which the mimic's sharpened head turns into ~0.3% at draft 3 (seen once in
         # CI); an entry the catch-up missed would be NaN (the cache was filled with it).
-        assert confidences[: tie + 1] == pytest.approx(expected_confidences[: tie + 1], rel=5e-3, abs=1e-5), (
-            len(history),
-            seed,
-        )
-        assert drafts[:tie] == expected[:tie], (len(history), seed)
+        where = f"history of {len(history)} tokens, seed={seed}, checkpoint seed={CHECKPOINT_SEED[0]}"
+        assert confidences[: tie + 1] == pytest.approx(expected_confidences[: tie + 1], rel=5e-3, abs=1e-5), where
+        assert drafts[:tie] == expected[:tie], where
 
 
 # --------------------------------------------------------------------------- sampling

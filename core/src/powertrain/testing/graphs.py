@@ -8,6 +8,9 @@ batch may take other matmul and split paths), and with ``capture`` the replayed 
 must equal, bit for bit, an eager forward of the very same padded step. Caches start
 as NaN, so a read of a slot nobody wrote poisons the output, and after every step
 both caches must hold the same outside the block reserved for padding rows.
+
+``check_captured_attention`` is the attention kit's ``cuda-graphs`` case: one backend,
+one padded and bounded decode step, and its capture where the platform can.
 """
 
 from __future__ import annotations
