@@ -14,7 +14,6 @@ this table.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -22,10 +21,7 @@ import attrs
 import torch
 from common import report
 from kernel_bench import Bench, bench_mla, bench_sparse_mla, bench_v4_attention
-from kernels_gpu import _do_bench, target
-
-from powertrain.components import Availability, PlatformInfo
-from powertrain.interfaces import AttentionBackendContext
+from kernels_gpu import _do_bench, setup, triton_attention
 
 #: (block_h, block_n, num_warps, num_stages) candidates.
 CANDIDATES = (
@@ -39,23 +35,15 @@ CANDIDATES = (
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on the CPU")
-    args = parser.parse_args()
-    device, shapes, capability = target(parser, args.smoke)
+    smoke, device, shapes, platform = setup(__doc__.splitlines()[0])
+    capability = platform.capability
     from powertrain.builtin.reference_attention import TorchReferenceAttention
-    from powertrain_cuda_sm100.attention import TritonAttention
     from powertrain_cuda_sm100.kernels import mla, sparse_mla, v4_attention
 
-    platform = PlatformInfo(
-        name="cuda", device_type=device.type, availability=Availability.yes("benchmark"), capability=capability
-    )
-    attention = TritonAttention(
-        AttentionBackendContext(platform=platform, device=device, dtype=torch.bfloat16, block_size=shapes.block_size)
-    )
+    attention = triton_attention(platform, device, shapes)
     reference = TorchReferenceAttention()
-    bench = Bench(device, args.smoke, _do_bench)
-    bandwidth = 1.0 if args.smoke else bench.copy_bandwidth()
+    bench = Bench(device, smoke, _do_bench)
+    bandwidth = 1.0 if smoke else bench.copy_bandwidth()
     kernels = {
         "mla decode": (mla, "mla_config", lambda: bench_mla(bench, shapes, attention, reference, bandwidth)),
         "sparse mla decode": (
@@ -75,9 +63,7 @@ def main() -> int:
         ),
     }
     results: dict[str, Any] = {
-        "device": "interpreter"
-        if args.smoke
-        else f"{torch.cuda.get_device_name()} (sm_{capability[0]}{capability[1]})",
+        "device": "interpreter" if smoke else f"{torch.cuda.get_device_name()} (sm_{capability[0]}{capability[1]})",
         "measured copy bandwidth": f"{bandwidth / 1e9:.0f} GB/s",
     }
     for kernel, (module, name, run) in kernels.items():

@@ -51,43 +51,53 @@ def _do_bench(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
-def target(parser: argparse.ArgumentParser, smoke: bool) -> tuple[torch.device, Shapes, tuple[int, int]]:
-    """(device, shapes, capability): tiny shapes on the CPU under the interpreter with
-    ``--smoke``, else the full ones on the visible NVIDIA GPU (the parser errors without one)."""
+def setup(description: str) -> tuple[bool, torch.device, Shapes, PlatformInfo]:
+    """Parse ``--smoke`` and pick (smoke, device, shapes, platform): tiny shapes on the CPU
+    under the interpreter with ``--smoke``, else the full ones on the visible NVIDIA GPU
+    (the parser errors without one)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on the CPU")
+    smoke = parser.parse_args().smoke
     if smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--smoke runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
-        return torch.device("cpu"), SMOKE, (10, 0)
-    if not torch.cuda.is_available():
+        device, shapes, capability = torch.device("cpu"), SMOKE, (10, 0)
+    elif not torch.cuda.is_available():
         parser.error("no CUDA device is visible; this benchmark needs an NVIDIA GPU (or --smoke)")
-    return torch.device("cuda"), FULL, torch.cuda.get_device_capability()
+    else:
+        device, shapes, capability = torch.device("cuda"), FULL, torch.cuda.get_device_capability()
+    platform = PlatformInfo(
+        name="cuda", device_type=device.type, availability=Availability.yes("benchmark"), capability=capability
+    )
+    return smoke, device, shapes, platform
+
+
+def triton_attention(platform: PlatformInfo, device: torch.device, shapes: Shapes) -> Any:
+    """triton-sm100's attention backend in bfloat16 at the shapes' block size."""
+    from powertrain_cuda_sm100.attention import TritonAttention
+
+    return TritonAttention(
+        AttentionBackendContext(platform=platform, device=device, dtype=torch.bfloat16, block_size=shapes.block_size)
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on the CPU")
-    args = parser.parse_args()
-    device, shapes, capability = target(parser, args.smoke)
+    smoke, device, shapes, platform = setup(__doc__.splitlines()[0])
+    capability = platform.capability
 
     from powertrain.builtin.bucketed_attention import BucketedAttention
     from powertrain.builtin.grouped_moe import TorchGroupedMoE
     from powertrain.builtin.reference_attention import TorchReferenceAttention
-    from powertrain_cuda_sm100.attention import TritonAttention
     from powertrain_cuda_sm100.moe import TritonMoE
 
-    platform = PlatformInfo(
-        name="cuda", device_type=device.type, availability=Availability.yes("benchmark"), capability=capability
-    )
-    attention = TritonAttention(
-        AttentionBackendContext(platform=platform, device=device, dtype=torch.bfloat16, block_size=shapes.block_size)
-    )
+    attention = triton_attention(platform, device, shapes)
     moe = TritonMoE(MoEBackendContext(platform=platform, device=device, dtype=torch.bfloat16))
     bucketed, reference, grouped = BucketedAttention(), TorchReferenceAttention(), TorchGroupedMoE(torch.bfloat16)
 
-    bench = Bench(device, args.smoke, _do_bench)
-    bandwidth = 1.0 if args.smoke else bench.copy_bandwidth()
-    peak_bf16 = 1.0 if args.smoke else bench.matmul_peak(fp8=False)
-    peak_fp8 = 1.0 if args.smoke else bench.matmul_peak(fp8=True)
+    bench = Bench(device, smoke, _do_bench)
+    bandwidth = 1.0 if smoke else bench.copy_bandwidth()
+    peak_bf16 = 1.0 if smoke else bench.matmul_peak(fp8=False)
+    peak_fp8 = 1.0 if smoke else bench.matmul_peak(fp8=True)
     rows = [
         bench_gqa(bench, shapes, attention, bucketed, True, bandwidth, peak_bf16),
         bench_gqa(bench, shapes, attention, bucketed, False, bandwidth, peak_bf16),
@@ -103,14 +113,12 @@ def main() -> int:
         bench_moe(bench, shapes, moe, grouped, False, peak_bf16, fp4=True),
     ]
     results: dict[str, Any] = {}
-    if not args.smoke:
+    if not smoke:
         results["device"] = f"{torch.cuda.get_device_name()} (sm_{capability[0]}{capability[1]})"
         results["measured copy bandwidth"] = f"{bandwidth / 1e9:.0f} GB/s"
         results["measured matmul peak"] = f"bf16 {peak_bf16 / 1e12:.0f} TFLOP/s, fp8 {peak_fp8 / 1e12:.0f} TFLOP/s"
     results.update(results_table(rows))
-    report(
-        "powertrain-cuda-sm100 Triton kernels" + (" (smoke: interpreter, checks only)" if args.smoke else ""), results
-    )
+    report("powertrain-cuda-sm100 Triton kernels" + (" (smoke: interpreter, checks only)" if smoke else ""), results)
     return 1 if any(row.check.startswith("FAIL") for row in rows) else 0
 
 
