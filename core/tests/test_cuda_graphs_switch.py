@@ -110,6 +110,32 @@ def test_auto_logs_why_decode_runs_eager_and_on_refuses_to_start(monkeypatch: py
     assert blocks.num_free_blocks == 8  # nothing was reserved
 
 
+def test_a_capture_that_fails_falls_back_to_eager_under_auto_and_refuses_under_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Here the capture fails for real: there is no CUDA device to capture on."""
+    import powertrain.assemble.engine as assembly
+    from powertrain.engine.device_thread import DeviceThread
+
+    loaded = SimpleNamespace(model=_Capturable(), kv_caches=[])
+    recorder = structlog.testing.CapturingLogger()
+    monkeypatch.setattr(assembly, "log", recorder)
+    thread = DeviceThread()
+    try:
+        chosen = _chosen()
+        chosen.device = torch.device("cpu")
+        assert decode_graphs(chosen, loaded, BlockManager(8, 4), 64, None, thread, False) is None
+        (call,) = recorder.calls
+        assert call.method_name == "warning" and call.args == ("decode steps run eager",)
+        assert call.kwargs["why"].startswith("capturing batch sizes [1, 2, 4, 8, 16, 24, 32, 48, 64] failed: ")
+        on = _chosen(mode="on")
+        on.device = torch.device("cpu")
+        with pytest.raises(AssemblyError, match=r'cuda_graphs = "on": capturing batch sizes .* failed'):
+            decode_graphs(on, loaded, BlockManager(8, 4), 64, None, thread, False)
+    finally:
+        thread.shutdown()
+
+
 def test_reserved_blocks_are_never_handed_to_a_sequence() -> None:
     manager = BlockManager({None: 6, 8: 4}, 4)
     reserved = manager.reserve_blocks()

@@ -99,7 +99,7 @@ def build_engine(
         block_bytes=mover.block_bytes if mover else None,
     )
     max_model_len = model_length(config, checkpoint.config)
-    with startup.phase("capture decode graphs"):
+    with _released_on_failure(device_thread, experts, tiers), startup.phase("capture decode graphs"):
         runner.graphs = decode_graphs(chosen, loaded, block_manager, max_model_len, experts, device_thread, needs_moe)
     hooks = plugins.hook
     engine = LLMEngine(
@@ -194,7 +194,14 @@ def decode_graphs(
         device=chosen.device,
     )
     started = time.perf_counter()
-    device_thread.run(graphs.capture_all)
+    try:
+        device_thread.run(graphs.capture_all)
+    except Exception as exc:  # a backend that syncs or allocates from host data under capture
+        why = f"capturing batch sizes {list(graphs.sizes)} failed: {type(exc).__name__}: {exc}"
+        if options.cuda_graphs == "on":
+            raise AssemblyError([f'[engine] cuda_graphs = "on": {why}; set it to "auto" or "off"']) from exc
+        log.warning("decode steps run eager", why=why)
+        return None
     log.info("decode graphs captured", batch_sizes=list(graphs.sizes), seconds=round(time.perf_counter() - started, 2))
     return graphs
 
