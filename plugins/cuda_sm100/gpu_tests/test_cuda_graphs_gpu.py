@@ -31,10 +31,26 @@ def seed() -> int:
     return value
 
 
+def _llama_config(vocab: int, positions: int) -> object:
+    """A 3-layer Llama, 8 query heads over 2 kv heads of 32: wide enough for real tiles."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=3,
+        max_position_embeddings=positions,
+        initializer_range=0.05,
+    )
+
+
 @pytest.mark.parametrize("num_splits", [None, 8], ids=["triton-sm100", "triton-sm100-invariant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_llama_decode_graphs_replay_eager_steps(seed: int, num_splits: int | None, dtype: torch.dtype) -> None:
-    from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
     from powertrain.builtin.platforms import detect_cuda
@@ -44,18 +60,7 @@ def test_llama_decode_graphs_replay_eager_steps(seed: int, num_splits: int | Non
 
     platform: PlatformInfo = detect_cuda()
     device = torch.device("cuda")
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_hidden_layers=3,
-        max_position_embeddings=256,
-        initializer_range=0.05,
-    )
-    hf = random_hf_model(HFLlama, config)
+    hf = random_hf_model(HFLlama, _llama_config(vocab=100, positions=256))
     backend = TritonAttention(
         AttentionBackendContext(platform=platform, device=device, dtype=dtype, block_size=16), num_splits=num_splits
     )
@@ -97,22 +102,11 @@ def _prompts(count: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("attention", ["triton-sm100", "triton-sm100-invariant"])
 def test_llama_engine_with_graphs_gives_the_eager_tokens(tmp_path, seed: int, attention: str) -> None:  # noqa: ANN001
-    from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
     from powertrain.testing.checkpoints import random_hf_model, save_with_tiny_tokenizer
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_hidden_layers=3,
-        max_position_embeddings=512,
-        initializer_range=0.05,
-    )
+    config = _llama_config(vocab=512, positions=512)
     path = str(save_with_tiny_tokenizer(random_hf_model(HFLlama, config), tmp_path / "llama"))
     prompts = _prompts(12)
     eager, _ = _generate(path, "off", prompts, dtype="float32", attention=attention)

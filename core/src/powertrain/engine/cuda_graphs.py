@@ -95,12 +95,12 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size, the biggest first (smaller graphs then reuse its memory pool)."""
+        self._pad(0, self.sizes[-1])  # warm-ups and captures read the buffers, never write them
         for size in reversed(self.sizes):
             self.captured[size] = self._capture(size)
 
     def _capture(self, size: int) -> Captured:
         metadata = self._metadata(size)
-        self._pad(0, self.sizes[-1])
         ids, positions = self.input_ids[:size], self.positions[:size]
         if not self.capture:
             return Captured(metadata)

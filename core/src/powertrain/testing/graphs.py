@@ -48,17 +48,7 @@ def check_decode_graphs(
     num_blocks = sum(batches) * -(-max_model_len // block_size) + 1
     eager = _caches(model, backend, dtype, device, block_size, num_blocks)
     through_graphs = _caches(model, backend, dtype, device, block_size, num_blocks)
-    graphs = DecodeGraphs(
-        model,
-        through_graphs,
-        sizes=sizes,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        pad_blocks={None: PAD_BLOCK},
-        device=device,
-        capture=capture,
-    )
-    graphs.capture_all()
+    graphs = _captured(model, through_graphs, sizes, block_size, max_model_len, device, capture)
     free = (torch.randperm(num_blocks - 1) + 1).tolist()  # every block but the padding one
     for batch in batches:
         lengths = torch.randint(1, max_model_len - decode_steps - 8, (batch,)).tolist()
@@ -105,6 +95,30 @@ def check_decode_graphs(
     return graphs
 
 
+def _captured(
+    model: Any,
+    caches: list,
+    sizes: Sequence[int],
+    block_size: int,
+    max_model_len: int,
+    device: torch.device,
+    capture: bool,
+) -> DecodeGraphs:
+    """``DecodeGraphs`` over ``caches`` with block ``PAD_BLOCK`` for padding, every size captured."""
+    graphs = DecodeGraphs(
+        model,
+        caches,
+        sizes=sizes,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        pad_blocks={None: PAD_BLOCK},
+        device=device,
+        capture=capture,
+    )
+    graphs.capture_all()
+    return graphs
+
+
 def _caches(model: Any, backend: Any, dtype: torch.dtype, device: torch.device, block_size: int, blocks: int) -> list:
     caches = []
     for layer in model.attention_layers:
@@ -147,17 +161,7 @@ def check_captured_attention(
     bound = 8 * block_size
     size = 8
     num_blocks = 2 * size * (bound // block_size) + 1
-    graphs = DecodeGraphs(
-        None,  # type: ignore[arg-type]  # load() and the metadata need no model
-        [],
-        sizes=[size],
-        block_size=block_size,
-        max_model_len=bound,
-        pad_blocks={None: PAD_BLOCK},
-        device=device,
-        capture=False,
-    )
-    graphs.capture_all()
+    graphs = _captured(None, [], [size], block_size, bound, device, capture=False)  # load() needs no model
     cache = spec.allocate(num_blocks, device)
     for tensor in cache.values():
         tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))

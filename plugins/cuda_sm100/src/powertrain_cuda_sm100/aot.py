@@ -37,11 +37,12 @@ def specs(capability: tuple[int, int]) -> Iterator[tuple[str, dict[str, Any]]]:
         make = getattr(module, "aot_specs", None)
         if make is None:
             continue
+        specs = list(make(capability))
         # Attention kernels also list their float32 variants (other tiles: shared memory).
-        sizes = (2, 4) if "element_size" in inspect.signature(make).parameters else (2,)
-        for element_size in sizes:
-            for spec in make(capability) if element_size == 2 else make(capability, element_size=element_size):
-                yield info.name, spec
+        if "element_size" in inspect.signature(make).parameters:
+            specs += make(capability, element_size=4)
+        for spec in specs:
+            yield info.name, spec
 
 
 def compile_all(major: int) -> list[dict[str, Any]]:

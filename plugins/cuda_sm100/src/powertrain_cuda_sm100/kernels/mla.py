@@ -253,10 +253,10 @@ def mla_config(
         block_h = min(64, max(1, triton.next_power_of_2(num_heads)))
         block_q = 64 // block_h
     num_warps = 8 if block_h * block_q >= 64 else 4
-    if element_size > 2 and not interpreting:
-        return MLAConfig(block_h=min(block_h, 16), block_q=1, block_n=16, num_warps=4, num_stages=1, min_split=256)
     if interpreting:
         return MLAConfig(block_h=block_h, block_q=block_q, block_n=16, num_warps=4, num_stages=1, min_split=16)
+    if element_size > 2:
+        return MLAConfig(block_h=min(block_h, 16), block_q=1, block_n=16, num_warps=4, num_stages=1, min_split=256)
     return MLAConfig(block_h=block_h, block_q=block_q, block_n=32, num_warps=num_warps, num_stages=2, min_split=256)
 
 
