@@ -15,13 +15,14 @@
 
 use crate::{
     paged_attention, q4_linear, q8_linear, rms_norm, rotary_store, PagedAttention, RmsNorm,
-    RotaryStore, Threads,
+    RotaryStore, Scales, Threads,
 };
 
 /// Entries per projection in the layer table: format (4 or 8), group, rows ``n``, columns
 /// ``k``, codes, scales, offsets (0: none), bias (0: none), ``gemm_min_rows``, whether
-/// ``q4`` may round one- and two-row activations to 16 bits.
-const PROJECTION: usize = 10;
+/// ``q4`` may round one- and two-row activations to 16 bits, whether the scales and offsets
+/// are float16 (else float32).
+const PROJECTION: usize = 11;
 /// Entries per layer: the two norm weights, the key and value caches, four projections
 /// (qkv, o, gate/up, down), heads, kv heads, head dim, sliding window (0: none), then the
 /// norm epsilon and the attention scale as float32 bits.
@@ -39,6 +40,7 @@ struct Projection {
     bias: usize,
     gemm_min_rows: usize,
     int16: bool,
+    half_scales: bool,
 }
 
 impl Projection {
@@ -55,6 +57,7 @@ impl Projection {
             bias: at(7),
             gemm_min_rows: at(8),
             int16: at(9) != 0,
+            half_scales: at(10) != 0,
         }
     }
 
@@ -62,15 +65,13 @@ impl Projection {
     unsafe fn apply(&self, x: &[f32], out: &mut [f32], m: usize, on: Threads) {
         let (n, k, group) = (self.n, self.k, self.group);
         let groups = k / group;
-        let scales = view::<f32>(self.scales, n * groups);
-        let offsets = (self.offsets != 0).then(|| view::<f32>(self.offsets, n * groups));
+        let scales = Scales::view(self.scales, self.offsets, n * groups, self.half_scales);
         if self.q4 {
             let codes = view::<u8>(self.codes, n * k / 2);
             q4_linear(
                 x,
                 codes,
                 scales,
-                offsets,
                 out,
                 m,
                 n,
@@ -85,7 +86,6 @@ impl Projection {
                 x,
                 codes,
                 scales,
-                offsets,
                 out,
                 m,
                 n,

@@ -6,7 +6,8 @@
 //!   its low nibble and column ``j + 16`` in its high nibble.
 //! - ``q8``: i8 ``[n, k]``, groups of 16 or 32 columns.
 //!
-//! ``W[r, c] = scales[r, c / group] * code[r, c] + offsets[r, c / group]``.
+//! ``W[r, c] = scales[r, c / group] * code[r, c] + offsets[r, c / group]``, the scales and
+//! offsets float32 or float16 (``Scales``).
 //!
 //! The dot of one weight row with one activation row is computed per group as
 //! ``scale_g * sum(code_j * x_j) + offset_g * sum(x_j)``: the codes are widened to f32 and
@@ -33,6 +34,9 @@
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
 
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::sync::{Arc, OnceLock, RwLock};
 
 pub use attention::{paged_attention, Bf16, Element, PagedAttention};
@@ -93,7 +97,10 @@ fn detected() -> KernelPath {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return KernelPath::Avx2Fma;
             }
         }
@@ -228,6 +235,124 @@ pub(crate) struct OutPtr(pub(crate) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// ``count`` elements further on.
+    ///
+    /// # Safety
+    /// The result must stay within the output.
+    pub(crate) unsafe fn skip(self, count: usize) -> OutPtr {
+        OutPtr(self.0.add(count))
+    }
+}
+
+/// A weight's per-group scales and offsets (None: every offset zero) as it stores them:
+/// float32, or float16 where that holds every value exactly. GGUF's Q4_0, Q4_1 and Q8_0
+/// store float16 ones; kept so, a Q4_1 group streams 20 bytes at batch-1 decode instead of
+/// 24 (codes 16, scale and offset 2 each). The few-row kernels read them in their own type
+/// (``Scale``); the dequantising paths convert a panel's at a time.
+#[derive(Clone, Copy)]
+pub enum Scales<'a> {
+    F32(&'a [f32], Option<&'a [f32]>),
+    F16(&'a [f16], Option<&'a [f16]>),
+}
+
+impl Scales<'_> {
+    /// ``len`` scales at ``scales`` and as many offsets at ``offsets`` (0: none), float16
+    /// with ``half``, else float32.
+    ///
+    /// # Safety
+    /// The addresses must hold ``len`` initialised entries of that type, alive while in use.
+    pub unsafe fn view<'a>(scales: usize, offsets: usize, len: usize, half: bool) -> Scales<'a> {
+        unsafe fn part<'a, T>(ptr: usize, len: usize) -> &'a [T] {
+            if len == 0 {
+                return &[];
+            }
+            std::slice::from_raw_parts(ptr as *const T, len)
+        }
+        if half {
+            Scales::F16(
+                part(scales, len),
+                (offsets != 0).then(|| part(offsets, len)),
+            )
+        } else {
+            Scales::F32(
+                part(scales, len),
+                (offsets != 0).then(|| part(offsets, len)),
+            )
+        }
+    }
+
+    pub fn has_offsets(self) -> bool {
+        matches!(self, Scales::F32(_, Some(_)) | Scales::F16(_, Some(_)))
+    }
+
+    /// Entries ``start..stop`` of the scales and of the offsets as float32: borrowed, or
+    /// converted into ``buffers``.
+    pub(crate) fn to_f32<'b>(
+        self,
+        start: usize,
+        stop: usize,
+        buffers: &'b mut (Vec<f32>, Vec<f32>),
+    ) -> (&'b [f32], Option<&'b [f32]>)
+    where
+        Self: 'b,
+    {
+        match self {
+            Scales::F32(s, o) => (&s[start..stop], o.map(|o| &o[start..stop])),
+            Scales::F16(s, o) => {
+                let (scales, offsets) = buffers;
+                scales.resize(stop - start, 0.0);
+                s[start..stop].convert_to_f32_slice(scales);
+                let offsets = o.map(|o| {
+                    offsets.resize(stop - start, 0.0);
+                    o[start..stop].convert_to_f32_slice(offsets);
+                    &offsets[..]
+                });
+                (&scales[..], offsets)
+            }
+        }
+    }
+}
+
+/// Calls ``$body`` with ``$scales`` and ``$offsets`` bound to a ``Scales``' typed slices
+/// (the body is compiled once per type).
+macro_rules! with_scales {
+    ($from:expr, |$scales:ident, $offsets:ident| $body:expr) => {
+        match $from {
+            $crate::Scales::F32($scales, $offsets) => $body,
+            $crate::Scales::F16($scales, $offsets) => $body,
+        }
+    };
+}
+
+/// A scale or offset as stored: read as float32 where it is used.
+pub(crate) trait Scale: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+}
+
+impl Scale for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Scale for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// ``sum_g offsets[g] * sums[g]`` over one weight row's offsets and one row's group sums of
+/// ``x``: the offsets' part of an output (the portable path's; ``x86.rs`` has its own).
+#[inline(always)]
+pub(crate) fn offset_term<S: Scale>(offsets: Option<&[S]>, sums: &[f32]) -> f32 {
+    offsets.map_or(0.0, |o| {
+        o.iter().zip(sums).map(|(o, s)| o.to_f32() * s).sum()
+    })
+}
+
 /// ``sum(a[i] * b[i])`` in eight independent lanes: a sequential float sum is a chain of
 /// dependent adds (its latency, not the arithmetic, bounds it), and the compiler may not
 /// reorder it itself. Used for the offsets' term, one per output element.
@@ -271,8 +396,8 @@ pub(crate) const TILE: usize = 8;
 /// (``benchmarks/quantized_linear.py``).
 pub const INT16_MAX_ROWS: usize = 2;
 
-/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight (``codes [n, k/2]``, ``scales`` and
-/// ``offsets`` ``[n, k/32]``). From ``gemm_min_rows`` rows of ``x`` on, the weight is
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight (``codes [n, k/2]``, scales and
+/// offsets ``[n, k/32]``). From ``gemm_min_rows`` rows of ``x`` on, the weight is
 /// dequantised a panel at a time and multiplied (``gemm.rs``); below, codes are widened
 /// inside the dot (``x86.rs``), or, with ``int16_activations`` and at most
 /// ``INT16_MAX_ROWS`` rows on AVX2, meet activations rounded to 16 bits (``q4_i16.rs``).
@@ -280,8 +405,7 @@ pub const INT16_MAX_ROWS: usize = 2;
 pub fn q4_linear(
     x: &[f32],
     codes: &[u8],
-    scales: &[f32],
-    offsets: Option<&[f32]>,
+    scales: Scales,
     out: &mut [f32],
     m: usize,
     n: usize,
@@ -296,62 +420,77 @@ pub fn q4_linear(
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
     if m >= gemm_min_rows {
-        let groups = k / 32;
         let dequantize = |panel: OutPtr, r0: usize, r1: usize| {
-            let (codes, scales) = (&codes[r0 * k / 2..], &scales[r0 * groups..]);
-            let offsets = offsets.map(|o| &o[r0 * groups..]);
-            match path {
-                #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2Fma => unsafe {
-                    x86::q4_dequantize_rows(codes, scales, offsets, panel, k, 0, r1 - r0)
-                },
-                _ => q4::dequantize_rows(codes, scales, offsets, panel, k, 0, r1 - r0),
-            }
+            q4_dequantize_block(path, codes, scales, panel, k, r0, r1)
         };
         for_row_chunks_on(on, n, gemm::PANEL, |r0, r1| {
             gemm::rows(path, x, m, n, k, &dequantize, out_ptr, r0, r1)
         });
         return;
     }
-    let sums = offsets.map(|_| group_sums(x, m, k, 32));
-    let job = q4::Job {
-        x,
-        sums: sums.as_deref(),
-        codes,
-        scales,
-        offsets,
-        m,
-        n,
-        k,
-    };
-    #[cfg(target_arch = "x86_64")]
-    if path == KernelPath::Avx2Fma && int16_activations && m <= INT16_MAX_ROWS {
-        let activations = unsafe { q4_i16::quantize(x, m, k) };
-        let vnni = vnni();
-        for_row_chunks_on(on, n, 16, |r0, r1| unsafe {
-            if vnni {
-                q4_i16::rows_vnni(&job, &activations, out_ptr, r0, r1)
-            } else {
-                q4_i16::rows_avx2(&job, &activations, out_ptr, r0, r1)
-            }
-        });
-        return;
-    }
-    for_row_chunks_on(on, n, 16, |r0, r1| match path {
+    let sums = scales.has_offsets().then(|| group_sums(x, m, k, 32));
+    with_scales!(scales, |scales, offsets| {
+        let job = q4::Job {
+            x,
+            sums: sums.as_deref().unwrap_or(&[]),
+            codes,
+            scales,
+            offsets,
+            m,
+            n,
+            k,
+        };
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2Fma => unsafe { x86::q4_rows(&job, out_ptr, r0, r1) },
-        _ => q4::rows_scalar(&job, out_ptr, r0, r1),
-    });
+        if path == KernelPath::Avx2Fma && int16_activations && m <= INT16_MAX_ROWS {
+            let activations = unsafe { q4_i16::quantize(x, m, k) };
+            let vnni = vnni();
+            for_row_chunks_on(on, n, 16, |r0, r1| unsafe {
+                if vnni {
+                    q4_i16::rows_vnni(&job, &activations, out_ptr, r0, r1)
+                } else {
+                    q4_i16::rows_avx2(&job, &activations, out_ptr, r0, r1)
+                }
+            });
+            return;
+        }
+        for_row_chunks_on(on, n, 16, |r0, r1| match path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Fma => unsafe { x86::q4_rows(&job, out_ptr, r0, r1) },
+            _ => q4::rows_scalar(&job, out_ptr, r0, r1),
+        });
+    })
 }
 
-/// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight (``codes [n, k]``, ``scales`` and
-/// ``offsets`` ``[n, k/group]``, ``group`` 16 or 32; ``gemm_min_rows`` as for ``q4_linear``).
+/// Dense rows ``r0..r1`` of a ``q4`` weight into the ``[r1 - r0, k]`` buffer at ``out``.
+fn q4_dequantize_block(
+    path: KernelPath,
+    codes: &[u8],
+    scales: Scales,
+    out: OutPtr,
+    k: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let groups = k / 32;
+    let mut buffers = Default::default();
+    let (scales, offsets) = scales.to_f32(r0 * groups, r1 * groups, &mut buffers);
+    let codes = &codes[r0 * k / 2..r1 * k / 2];
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2Fma => unsafe {
+            x86::q4_dequantize_rows(codes, scales, offsets, out, k, 0, r1 - r0)
+        },
+        _ => q4::dequantize_rows(codes, scales, offsets, out, k, 0, r1 - r0),
+    }
+}
+
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight (``codes [n, k]``, scales and
+/// offsets ``[n, k/group]``, ``group`` 16 or 32; ``gemm_min_rows`` as for ``q4_linear``).
 #[allow(clippy::too_many_arguments)]
 pub fn q8_linear(
     x: &[f32],
     codes: &[i8],
-    scales: &[f32],
-    offsets: Option<&[f32]>,
+    scales: Scales,
     out: &mut [f32],
     m: usize,
     n: usize,
@@ -370,48 +509,65 @@ pub fn q8_linear(
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
     if m >= gemm_min_rows {
-        let groups = k / group;
         let dequantize = |panel: OutPtr, r0: usize, r1: usize| {
-            let (codes, scales) = (&codes[r0 * k..], &scales[r0 * groups..]);
-            let offsets = offsets.map(|o| &o[r0 * groups..]);
-            match path {
-                #[cfg(target_arch = "x86_64")]
-                KernelPath::Avx2Fma => unsafe {
-                    x86::q8_dequantize_rows(codes, scales, offsets, panel, k, group, 0, r1 - r0)
-                },
-                _ => q8::dequantize_rows(codes, scales, offsets, panel, k, group, 0, r1 - r0),
-            }
+            q8_dequantize_block(path, codes, scales, panel, k, group, r0, r1)
         };
         for_row_chunks_on(on, n, gemm::PANEL, |r0, r1| {
             gemm::rows(path, x, m, n, k, &dequantize, out_ptr, r0, r1)
         });
         return;
     }
-    let sums = offsets.map(|_| group_sums(x, m, k, group));
-    let job = q8::Job {
-        x,
-        sums: sums.as_deref(),
-        codes,
-        scales,
-        offsets,
-        m,
-        n,
-        k,
-        group,
-    };
-    for_row_chunks_on(on, n, 16, |r0, r1| match path {
+    let sums = scales.has_offsets().then(|| group_sums(x, m, k, group));
+    with_scales!(scales, |scales, offsets| {
+        let job = q8::Job {
+            x,
+            sums: sums.as_deref().unwrap_or(&[]),
+            codes,
+            scales,
+            offsets,
+            m,
+            n,
+            k,
+            group,
+        };
+        for_row_chunks_on(on, n, 16, |r0, r1| match path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Fma => unsafe { x86::q8_rows(&job, out_ptr, r0, r1) },
+            _ => q8::rows_scalar(&job, out_ptr, r0, r1),
+        })
+    })
+}
+
+/// Dense rows ``r0..r1`` of a ``q8`` weight into the ``[r1 - r0, k]`` buffer at ``out``.
+#[allow(clippy::too_many_arguments)]
+fn q8_dequantize_block(
+    path: KernelPath,
+    codes: &[i8],
+    scales: Scales,
+    out: OutPtr,
+    k: usize,
+    group: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let groups = k / group;
+    let mut buffers = Default::default();
+    let (scales, offsets) = scales.to_f32(r0 * groups, r1 * groups, &mut buffers);
+    let codes = &codes[r0 * k..r1 * k];
+    match path {
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2Fma => unsafe { x86::q8_rows(&job, out_ptr, r0, r1) },
-        _ => q8::rows_scalar(&job, out_ptr, r0, r1),
-    });
+        KernelPath::Avx2Fma => unsafe {
+            x86::q8_dequantize_rows(codes, scales, offsets, out, k, group, 0, r1 - r0)
+        },
+        _ => q8::dequantize_rows(codes, scales, offsets, out, k, group, 0, r1 - r0),
+    }
 }
 
 /// The dense weight ``out [n, k]`` of a ``q4`` weight, bit-equal to
 /// ``QuantizedWeight.dequantize()`` (a multiply, then an add, each rounded; no FMA).
 pub fn q4_dequantize(
     codes: &[u8],
-    scales: &[f32],
-    offsets: Option<&[f32]>,
+    scales: Scales,
     out: &mut [f32],
     n: usize,
     k: usize,
@@ -419,12 +575,10 @@ pub fn q4_dequantize(
 ) {
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    for_row_chunks_on(on, n, 16, |r0, r1| match path {
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2Fma => unsafe {
-            x86::q4_dequantize_rows(codes, scales, offsets, out_ptr, k, r0, r1)
-        },
-        _ => q4::dequantize_rows(codes, scales, offsets, out_ptr, k, r0, r1),
+    for_row_chunks_on(on, n, 16, |r0, r1| {
+        // SAFETY: rows r0..r1 of out belong to this chunk alone.
+        let rows = unsafe { out_ptr.skip(r0 * k) };
+        q4_dequantize_block(path, codes, scales, rows, k, r0, r1)
     });
 }
 
@@ -432,8 +586,7 @@ pub fn q4_dequantize(
 #[allow(clippy::too_many_arguments)]
 pub fn q8_dequantize(
     codes: &[i8],
-    scales: &[f32],
-    offsets: Option<&[f32]>,
+    scales: Scales,
     out: &mut [f32],
     n: usize,
     k: usize,
@@ -446,11 +599,9 @@ pub fn q8_dequantize(
     );
     let path = kernel_path();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    for_row_chunks_on(on, n, 16, |r0, r1| match path {
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2Fma => unsafe {
-            x86::q8_dequantize_rows(codes, scales, offsets, out_ptr, k, group, r0, r1)
-        },
-        _ => q8::dequantize_rows(codes, scales, offsets, out_ptr, k, group, r0, r1),
+    for_row_chunks_on(on, n, 16, |r0, r1| {
+        // SAFETY: rows r0..r1 of out belong to this chunk alone.
+        let rows = unsafe { out_ptr.skip(r0 * k) };
+        q8_dequantize_block(path, codes, scales, rows, k, group, r0, r1)
     });
 }

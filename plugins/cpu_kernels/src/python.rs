@@ -7,6 +7,8 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::Scales;
+
 /// # Safety
 /// ``ptr`` must address ``len`` initialised ``T`` (the Python caller's checks).
 unsafe fn view<'a, T>(ptr: usize, len: usize) -> &'a [T] {
@@ -33,7 +35,8 @@ fn check_group(group: usize) -> PyResult<()> {
     }
 }
 
-/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none. From
+/// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none, and
+/// ``half_scales`` says the scales and offsets are float16 (else float32). From
 /// ``gemm_min_rows`` rows of ``x`` on, panels of the weight are dequantised and multiplied;
 /// ``int16_activations`` lets one- and two-row products round activations to 16 bits.
 #[pyfunction]
@@ -44,6 +47,7 @@ fn q4_linear(
     codes: usize,
     scales: usize,
     offsets: usize,
+    half_scales: bool,
     out: usize,
     m: usize,
     n: usize,
@@ -53,12 +57,11 @@ fn q4_linear(
     openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
-        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / 32)));
+        let scales = Scales::view(scales, offsets, n * (k / 32), half_scales);
         crate::q4_linear(
             view(x, m * k),
             view(codes, n * (k / 2)),
-            view(scales, n * (k / 32)),
-            offsets,
+            scales,
             view_mut(out, m * n),
             m,
             n,
@@ -80,6 +83,7 @@ fn q8_linear(
     codes: usize,
     scales: usize,
     offsets: usize,
+    half_scales: bool,
     out: usize,
     m: usize,
     n: usize,
@@ -90,12 +94,11 @@ fn q8_linear(
 ) -> PyResult<()> {
     check_group(group)?;
     py.detach(|| unsafe {
-        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / group)));
+        let scales = Scales::view(scales, offsets, n * (k / group), half_scales);
         crate::q8_linear(
             view(x, m * k),
             view::<i8>(codes, n * k),
-            view(scales, n * (k / group)),
-            offsets,
+            scales,
             view_mut(out, m * n),
             m,
             n,
@@ -116,17 +119,17 @@ fn q4_dequantize(
     codes: usize,
     scales: usize,
     offsets: usize,
+    half_scales: bool,
     out: usize,
     n: usize,
     k: usize,
     openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
-        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / 32)));
+        let scales = Scales::view(scales, offsets, n * (k / 32), half_scales);
         crate::q4_dequantize(
             view(codes, n * (k / 2)),
-            view(scales, n * (k / 32)),
-            offsets,
+            scales,
             view_mut(out, n * k),
             n,
             k,
@@ -143,6 +146,7 @@ fn q8_dequantize(
     codes: usize,
     scales: usize,
     offsets: usize,
+    half_scales: bool,
     out: usize,
     n: usize,
     k: usize,
@@ -151,11 +155,10 @@ fn q8_dequantize(
 ) -> PyResult<()> {
     check_group(group)?;
     py.detach(|| unsafe {
-        let offsets = (offsets != 0).then(|| view::<f32>(offsets, n * (k / group)));
+        let scales = Scales::view(scales, offsets, n * (k / group), half_scales);
         crate::q8_dequantize(
             view::<i8>(codes, n * k),
-            view(scales, n * (k / group)),
-            offsets,
+            scales,
             view_mut(out, n * k),
             n,
             k,

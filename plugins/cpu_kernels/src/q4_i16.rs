@@ -21,6 +21,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::x86::{offset_term, ScaleX86};
 use crate::{q4, OutPtr};
 
 /// ``q`` in [-32767, 32767] per group: ``x[t, 32g + j] ~ scales[t, g] * q[t, 32g + j]``.
@@ -105,11 +106,12 @@ impl MulAdd for Vnni {
     }
 }
 
-/// ``dots[i]`` for ``ROWS`` weight rows from ``r`` (``LEN`` of them real) and the row ``t``
-/// of ``x``, over the groups from ``first`` on.
+/// ``dots[i]`` for ``ROWS`` weight rows from ``r`` (``LEN`` of them real; ``scales`` theirs,
+/// as float32) and the row ``t`` of ``x``, over the groups from ``first`` on.
 #[inline(always)]
-unsafe fn rows_dot<M: MulAdd, const LEN: usize>(
-    job: &q4::Job,
+unsafe fn rows_dot<M: MulAdd, const LEN: usize, S: ScaleX86>(
+    job: &q4::Job<S>,
+    scales: *const S,
     x: &Activations,
     r: usize,
     t: usize,
@@ -119,7 +121,6 @@ unsafe fn rows_dot<M: MulAdd, const LEN: usize>(
     let groups = k / 32;
     let nibble = _mm256_set1_epi16(0x0F);
     let codes = job.codes.as_ptr().add(r * k / 2);
-    let scales = job.scales.as_ptr().add(r * groups);
     let q = x.q.as_ptr().add(t * k);
     let dx = x.scales.as_ptr().add(t * groups);
     let mut acc = [_mm256_setzero_ps(); ROWS];
@@ -140,7 +141,7 @@ unsafe fn rows_dot<M: MulAdd, const LEN: usize>(
                 _mm256_srli_epi16::<4>(words),
                 high,
             );
-            let scale = _mm256_set1_ps(*scales.add(i * groups + g) * dx);
+            let scale = _mm256_set1_ps(S::one(scales.add(i * groups + g)) * dx);
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
         }
     }
@@ -158,8 +159,9 @@ unsafe fn rows_dot<M: MulAdd, const LEN: usize>(
 /// Lanes 0-7 of the integer dot then belong to group ``g``, lanes 8-15 to ``g + 1``. An odd
 /// last group takes the 256-bit path.
 #[inline(always)]
-unsafe fn rows_dot_pairs<const LEN: usize>(
-    job: &q4::Job,
+unsafe fn rows_dot_pairs<const LEN: usize, S: ScaleX86>(
+    job: &q4::Job<S>,
+    scales: *const S,
     x: &Activations,
     r: usize,
     t: usize,
@@ -171,14 +173,11 @@ unsafe fn rows_dot_pairs<const LEN: usize>(
     let high_half = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
     let spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     let codes = job.codes.as_ptr().add(r * k / 2);
-    let scales = job.scales.as_ptr().add(r * groups);
     let q = x.q.as_ptr().add(t * k);
     let dx = x.scales.as_ptr().add(t * groups);
     // Two consecutive floats at p, as [p[0] x 8, p[1] x 8].
-    let pair = |p: *const f32| {
-        let two = _mm_castsi128_ps(_mm_loadl_epi64(p as *const __m128i));
-        _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two))
-    };
+    let pair = |two: __m128| _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two));
+    let f32_pair = |p: *const f32| pair(_mm_castsi128_ps(_mm_loadl_epi64(p as *const __m128i)));
     let mut acc = [_mm512_setzero_ps(); ROWS];
     let mut g = 0;
     while g + 2 <= groups {
@@ -186,7 +185,7 @@ unsafe fn rows_dot_pairs<const LEN: usize>(
         let b = _mm512_loadu_si512(q.add(g * 32 + 32) as *const __m512i);
         let low = _mm512_permutex2var_epi64(a, low_half, b);
         let high = _mm512_permutex2var_epi64(a, high_half, b);
-        let dx = pair(dx.add(g));
+        let dx = f32_pair(dx.add(g));
         for (i, acc) in acc.iter_mut().enumerate().take(LEN) {
             _mm_prefetch::<_MM_HINT_T0>(
                 codes.wrapping_add(((i + PREFETCH_ROWS) * groups + g) * 16) as *const i8,
@@ -196,7 +195,7 @@ unsafe fn rows_dot_pairs<const LEN: usize>(
             let dot =
                 _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(words, nibble), low);
             let dot = _mm512_dpwssd_epi32(dot, _mm512_srli_epi16::<4>(words), high);
-            let scale = _mm512_mul_ps(pair(scales.add(i * groups + g)), dx);
+            let scale = _mm512_mul_ps(pair(S::two(scales.add(i * groups + g))), dx);
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
         }
         g += 2;
@@ -205,22 +204,23 @@ unsafe fn rows_dot_pairs<const LEN: usize>(
     for i in 0..LEN {
         dots[i] = _mm512_reduce_add_ps(acc[i]);
     }
-    with_odd_group::<Vnni, LEN>(dots, job, x, r, t, g)
+    with_odd_group::<Vnni, LEN, S>(dots, job, scales, x, r, t, g)
 }
 
 /// ``dots`` plus ``rows_dot``'s step for the odd last group ``g`` of a pairs kernel (none
 /// when ``g`` is past the last group).
 #[inline(always)]
-unsafe fn with_odd_group<M: MulAdd, const LEN: usize>(
+unsafe fn with_odd_group<M: MulAdd, const LEN: usize, S: ScaleX86>(
     mut dots: [f32; ROWS],
-    job: &q4::Job,
+    job: &q4::Job<S>,
+    scales: *const S,
     x: &Activations,
     r: usize,
     t: usize,
     g: usize,
 ) -> [f32; ROWS] {
     if g < job.k / 32 {
-        let tail = rows_dot::<M, LEN>(job, x, r, t, g);
+        let tail = rows_dot::<M, LEN, S>(job, scales, x, r, t, g);
         for i in 0..LEN {
             dots[i] += tail[i];
         }
@@ -237,8 +237,9 @@ unsafe fn with_odd_group<M: MulAdd, const LEN: usize>(
 /// and 4-7 to ``g + 1``, each scaled by its own group's scales. An odd last group takes
 /// ``rows_dot``.
 #[inline(always)]
-unsafe fn rows_dot_pairs_avx2<const LEN: usize>(
-    job: &q4::Job,
+unsafe fn rows_dot_pairs_avx2<const LEN: usize, S: ScaleX86>(
+    job: &q4::Job<S>,
+    scales: *const S,
     x: &Activations,
     r: usize,
     t: usize,
@@ -249,14 +250,11 @@ unsafe fn rows_dot_pairs_avx2<const LEN: usize>(
     let zero = _mm256_setzero_si256();
     let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     let codes = job.codes.as_ptr().add(r * k / 2);
-    let scales = job.scales.as_ptr().add(r * groups);
     let q = x.q.as_ptr().add(t * k);
     let dx = x.scales.as_ptr().add(t * groups);
     // Two consecutive floats at p, as [p[0] x 4, p[1] x 4].
-    let pair = |p: *const f32| {
-        let two = _mm_castsi128_ps(_mm_loadl_epi64(p as *const __m128i));
-        _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread)
-    };
+    let pair = |two: __m128| _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
+    let f32_pair = |p: *const f32| pair(_mm_castsi128_ps(_mm_loadl_epi64(p as *const __m128i)));
     let mut acc = [_mm256_setzero_ps(); ROWS];
     let mut g = 0;
     while g + 2 <= groups {
@@ -268,7 +266,7 @@ unsafe fn rows_dot_pairs_avx2<const LEN: usize>(
             _mm256_permute2x128_si256::<0x20>(a_high, b_high),
             _mm256_permute2x128_si256::<0x31>(a_high, b_high),
         ];
-        let dx = pair(dx.add(g));
+        let dx = f32_pair(dx.add(g));
         for (i, acc) in acc.iter_mut().enumerate().take(LEN) {
             _mm_prefetch::<_MM_HINT_T0>(
                 codes.wrapping_add(((i + PREFETCH_ROWS) * groups + g) * 16) as *const i8,
@@ -286,7 +284,7 @@ unsafe fn rows_dot_pairs_avx2<const LEN: usize>(
                     _mm256_madd_epi16(_mm256_unpackhi_epi8(high, zero), xs[3]),
                 ),
             );
-            let scale = _mm256_mul_ps(pair(scales.add(i * groups + g)), dx);
+            let scale = _mm256_mul_ps(pair(S::two(scales.add(i * groups + g))), dx);
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *acc);
         }
         g += 2;
@@ -295,36 +293,38 @@ unsafe fn rows_dot_pairs_avx2<const LEN: usize>(
     for i in 0..LEN {
         dots[i] = crate::x86::hsum(acc[i]);
     }
-    with_odd_group::<Avx2, LEN>(dots, job, x, r, t, g)
+    with_odd_group::<Avx2, LEN, S>(dots, job, scales, x, r, t, g)
 }
 
 /// Output rows ``r0..r1``; ``VNNI``: with ``rows_dot_pairs`` (AVX-512), else
 /// ``rows_dot_pairs_avx2``.
 #[inline(always)]
-unsafe fn rows_with<const VNNI: bool>(
-    job: &q4::Job,
+unsafe fn rows_with<const VNNI: bool, S: ScaleX86>(
+    job: &q4::Job<S>,
     x: &Activations,
     out: OutPtr,
     r0: usize,
     r1: usize,
 ) {
-    let n = job.n;
+    let (n, groups) = (job.n, job.k / 32);
     let mut r = r0;
     while r < r1 {
         let len = (r1 - r).min(ROWS);
+        let s = job.scales.as_ptr().add(r * groups);
         for t in 0..job.m {
             let dots = match (len, VNNI) {
-                (4, true) => rows_dot_pairs::<4>(job, x, r, t),
-                (3, true) => rows_dot_pairs::<3>(job, x, r, t),
-                (2, true) => rows_dot_pairs::<2>(job, x, r, t),
-                (_, true) => rows_dot_pairs::<1>(job, x, r, t),
-                (4, false) => rows_dot_pairs_avx2::<4>(job, x, r, t),
-                (3, false) => rows_dot_pairs_avx2::<3>(job, x, r, t),
-                (2, false) => rows_dot_pairs_avx2::<2>(job, x, r, t),
-                (_, false) => rows_dot_pairs_avx2::<1>(job, x, r, t),
+                (4, true) => rows_dot_pairs::<4, S>(job, s, x, r, t),
+                (3, true) => rows_dot_pairs::<3, S>(job, s, x, r, t),
+                (2, true) => rows_dot_pairs::<2, S>(job, s, x, r, t),
+                (_, true) => rows_dot_pairs::<1, S>(job, s, x, r, t),
+                (4, false) => rows_dot_pairs_avx2::<4, S>(job, s, x, r, t),
+                (3, false) => rows_dot_pairs_avx2::<3, S>(job, s, x, r, t),
+                (2, false) => rows_dot_pairs_avx2::<2, S>(job, s, x, r, t),
+                (_, false) => rows_dot_pairs_avx2::<1, S>(job, s, x, r, t),
             };
             for (i, dot) in dots.iter().enumerate().take(len) {
-                *out.0.add(t * n + r + i) = dot + job.offset_term(r + i, t);
+                *out.0.add(t * n + r + i) =
+                    dot + offset_term(job.offsets, job.sums, groups, r + i, t);
             }
         }
         r += len;
@@ -332,13 +332,25 @@ unsafe fn rows_with<const VNNI: bool>(
 }
 
 /// Output rows ``r0..r1`` with ``vpmaddwd``.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn rows_avx2(job: &q4::Job, x: &Activations, out: OutPtr, r0: usize, r1: usize) {
-    rows_with::<false>(job, x, out, r0, r1)
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn rows_avx2<S: ScaleX86>(
+    job: &q4::Job<S>,
+    x: &Activations,
+    out: OutPtr,
+    r0: usize,
+    r1: usize,
+) {
+    rows_with::<false, S>(job, x, out, r0, r1)
 }
 
 /// Output rows ``r0..r1`` with 512-bit ``vpdpwssd``.
-#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni,avx512vl")]
-pub(crate) unsafe fn rows_vnni(job: &q4::Job, x: &Activations, out: OutPtr, r0: usize, r1: usize) {
-    rows_with::<true>(job, x, out, r0, r1)
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+pub(crate) unsafe fn rows_vnni<S: ScaleX86>(
+    job: &q4::Job<S>,
+    x: &Activations,
+    out: OutPtr,
+    r0: usize,
+    r1: usize,
+) {
+    rows_with::<true, S>(job, x, out, r0, r1)
 }

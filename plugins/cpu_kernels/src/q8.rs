@@ -1,44 +1,30 @@
 //! ``q8``: the portable scalar path, and the parts the AVX2 path shares.
 
-use crate::OutPtr;
+use crate::{offset_term, OutPtr, Scale};
 
 /// One ``q8_linear`` call: ``x [m, k]``, ``sums [m, k/group]`` (when there are offsets),
 /// ``codes [n, k]``, ``scales`` / ``offsets`` ``[n, k/group]``.
-pub(crate) struct Job<'a> {
+pub(crate) struct Job<'a, S: Scale> {
     pub x: &'a [f32],
-    pub sums: Option<&'a [f32]>,
+    /// Empty where there are no offsets.
+    pub sums: &'a [f32],
     pub codes: &'a [i8],
-    pub scales: &'a [f32],
-    pub offsets: Option<&'a [f32]>,
+    pub scales: &'a [S],
+    pub offsets: Option<&'a [S]>,
     pub m: usize,
     pub n: usize,
     pub k: usize,
     pub group: usize,
 }
 
-impl Job<'_> {
-    /// ``sum_g offsets[r, g] * sums[t, g]``: the offsets' part of ``out[t, r]``.
-    #[inline(always)]
-    pub fn offset_term(&self, r: usize, t: usize) -> f32 {
-        match (self.offsets, self.sums) {
-            (Some(offsets), Some(sums)) => {
-                let groups = self.k / self.group;
-                let o = &offsets[r * groups..(r + 1) * groups];
-                let s = &sums[t * groups..(t + 1) * groups];
-                crate::dot(o, s)
-            }
-            _ => 0.0,
-        }
-    }
-}
-
 /// Output rows ``r0..r1`` (columns of ``out``), every row of ``x``.
-pub(crate) fn rows_scalar(job: &Job, out: OutPtr, r0: usize, r1: usize) {
+pub(crate) fn rows_scalar<S: Scale>(job: &Job<S>, out: OutPtr, r0: usize, r1: usize) {
     let (k, n, group) = (job.k, job.n, job.group);
     let groups = k / group;
     for r in r0..r1 {
         let codes = &job.codes[r * k..(r + 1) * k];
         let scales = &job.scales[r * groups..(r + 1) * groups];
+        let offsets = job.offsets.map(|o| &o[r * groups..(r + 1) * groups]);
         for t in 0..job.m {
             let x = &job.x[t * k..(t + 1) * k];
             let mut acc = 0.0f32;
@@ -46,9 +32,10 @@ pub(crate) fn rows_scalar(job: &Job, out: OutPtr, r0: usize, r1: usize) {
                 let c = &codes[g * group..(g + 1) * group];
                 let xg = &x[g * group..(g + 1) * group];
                 let dot: f32 = c.iter().zip(xg).map(|(c, x)| f32::from(*c) * x).sum();
-                acc += dot * scales[g];
+                acc += dot * scales[g].to_f32();
             }
-            let value = acc + job.offset_term(r, t);
+            let sums = job.sums.get(t * groups..(t + 1) * groups).unwrap_or(&[]);
+            let value = acc + offset_term(offsets, sums);
             // SAFETY: t < m, r < n; this chunk alone writes column r.
             unsafe { *out.0.add(t * n + r) = value };
         }

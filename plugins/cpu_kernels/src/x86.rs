@@ -6,7 +6,83 @@
 
 use std::arch::x86_64::*;
 
-use crate::{q4, q8, OutPtr, TILE};
+use half::f16;
+
+use crate::{q4, q8, OutPtr, Scale, TILE};
+
+/// Scales and offsets read as float32 vectors in whichever type they are stored: float16
+/// converts with F16C (detected with AVX2 and FMA).
+pub(crate) trait ScaleX86: Scale {
+    /// The entry at ``p``.
+    unsafe fn one(p: *const Self) -> f32;
+    /// ``p[0]`` and ``p[1]`` in the two low lanes.
+    unsafe fn two(p: *const Self) -> __m128;
+    /// ``p[0..8]``.
+    unsafe fn eight(p: *const Self) -> __m256;
+}
+
+impl ScaleX86 for f32 {
+    #[inline(always)]
+    unsafe fn one(p: *const f32) -> f32 {
+        *p
+    }
+    #[inline(always)]
+    unsafe fn two(p: *const f32) -> __m128 {
+        _mm_castsi128_ps(_mm_loadl_epi64(p as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn eight(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+}
+
+impl ScaleX86 for f16 {
+    #[inline(always)]
+    unsafe fn one(p: *const f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            (p as *const u16).read_unaligned() as i32,
+        )))
+    }
+    #[inline(always)]
+    unsafe fn two(p: *const f16) -> __m128 {
+        _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()))
+    }
+    #[inline(always)]
+    unsafe fn eight(p: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+/// ``sum_g offsets[r, g] * sums[t, g]``: the offsets' part of ``out[t, r]`` (``groups``
+/// per row; none without offsets).
+#[inline(always)]
+pub(crate) unsafe fn offset_term<S: ScaleX86>(
+    offsets: Option<&[S]>,
+    sums: &[f32],
+    groups: usize,
+    r: usize,
+    t: usize,
+) -> f32 {
+    let Some(offsets) = offsets else {
+        return 0.0;
+    };
+    let (o, s) = (
+        offsets.as_ptr().add(r * groups),
+        sums.as_ptr().add(t * groups),
+    );
+    let mut acc = _mm256_setzero_ps();
+    let mut g = 0;
+    while g + 8 <= groups {
+        acc = _mm256_fmadd_ps(S::eight(o.add(g)), _mm256_loadu_ps(s.add(g)), acc);
+        g += 8;
+    }
+    let mut total = hsum(acc);
+    while g < groups {
+        total += S::one(o.add(g)) * *s.add(g);
+        g += 1;
+    }
+    total
+}
 
 /// The sum of the eight lanes of ``v``.
 #[inline]
@@ -51,12 +127,12 @@ unsafe fn widen_i8(p: *const i8) -> __m256 {
 /// ``dots[t] = sum_g scale_g * sum_j code_gj * x[t, 32g + j]`` for the ``T`` rows of ``x``
 /// starting at ``x`` (row stride ``k``), one ``q4`` weight row.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q4_tile<const T: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_tile<const T: usize, S: ScaleX86>(
     x: *const f32,
     k: usize,
     codes: *const u8,
-    scales: *const f32,
+    scales: *const S,
     groups: usize,
     dots: &mut [f32; TILE],
 ) {
@@ -64,7 +140,7 @@ unsafe fn q4_tile<const T: usize>(
     let mut acc = [_mm256_setzero_ps(); T];
     for g in 0..groups {
         let w = widen_q4(codes.add(g * 16), mask);
-        let s = _mm256_set1_ps(*scales.add(g));
+        let s = _mm256_set1_ps(S::one(scales.add(g)));
         for (t, acc) in acc.iter_mut().enumerate() {
             *acc = _mm256_fmadd_ps(dot32(&w, &load32(x.add(t * k + g * 32))), s, *acc);
         }
@@ -76,19 +152,19 @@ unsafe fn q4_tile<const T: usize>(
 
 /// The same for a ``q8`` weight row with ``GROUP``-column groups (16 or 32).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q8_tile<const T: usize, const GROUP: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_tile<const T: usize, const GROUP: usize, S: ScaleX86>(
     x: *const f32,
     k: usize,
     codes: *const i8,
-    scales: *const f32,
+    scales: *const S,
     groups: usize,
     dots: &mut [f32; TILE],
 ) {
     let mut acc = [_mm256_setzero_ps(); T];
     for g in 0..groups {
         let c = codes.add(g * GROUP);
-        let s = _mm256_set1_ps(*scales.add(g));
+        let s = _mm256_set1_ps(S::one(scales.add(g)));
         let w0 = widen_i8(c);
         let w1 = widen_i8(c.add(8));
         if GROUP == 32 {
@@ -132,11 +208,11 @@ unsafe fn widen_q4(codes: *const u8, mask: __m128i) -> [__m256; 4] {
 /// ``dots[i] = sum_g scale_ig * sum_j code_igj * x[32g + j]`` for ``ROWS`` consecutive ``q4``
 /// weight rows and one row of ``x``; ``groups`` (x 16 bytes of codes, x 1 scale) steps between weight rows.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q4_rows_one_token(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_rows_one_token<S: ScaleX86>(
     x: *const f32,
     codes: *const u8,
-    scales: *const f32,
+    scales: *const S,
     groups: usize,
 ) -> [f32; ROWS] {
     let mask = _mm_set1_epi8(0x0F);
@@ -148,7 +224,7 @@ unsafe fn q4_rows_one_token(
             let ahead = codes.wrapping_add(((i + crate::q4_i16::PREFETCH_ROWS) * groups + g) * 16);
             _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             let w = widen_q4(codes.add((i * groups + g) * 16), mask);
-            let s = _mm256_set1_ps(*scales.add(i * groups + g));
+            let s = _mm256_set1_ps(S::one(scales.add(i * groups + g)));
             *acc = _mm256_fmadd_ps(dot32(&w, &xs), s, *acc);
         }
     }
@@ -166,11 +242,11 @@ unsafe fn q4_rows_one_token(
 /// (memory, not the chain, bounds it there). Each row's arithmetic is ``q8_tile``'s, so
 /// results do not change with the row count.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q8_rows_one_token<const GROUP: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_rows_one_token<const GROUP: usize, S: ScaleX86>(
     x: *const f32,
     codes: *const i8,
-    scales: *const f32,
+    scales: *const S,
     k: usize,
 ) -> [f32; ROWS] {
     let groups = k / GROUP;
@@ -188,7 +264,7 @@ unsafe fn q8_rows_one_token<const GROUP: usize>(
             _mm_prefetch::<_MM_HINT_T0>(
                 codes.wrapping_add((i + crate::q4_i16::PREFETCH_ROWS) * k + g * GROUP),
             );
-            let s = _mm256_set1_ps(*scales.add(i * groups + g));
+            let s = _mm256_set1_ps(S::one(scales.add(i * groups + g)));
             let (w0, w1) = (widen_i8(c), widen_i8(c.add(8)));
             let d = if GROUP == 32 {
                 dot32(&[w0, w1, widen_i8(c.add(16)), widen_i8(c.add(24))], &xs)
@@ -209,21 +285,21 @@ unsafe fn q8_rows_one_token<const GROUP: usize>(
 macro_rules! by_rows {
     ($rows:expr, $tile:ident $(, $c:literal)*; $($arg:expr),*) => {
         match $rows {
-            8 => $tile::<8 $(, $c)*>($($arg),*),
-            7 => $tile::<7 $(, $c)*>($($arg),*),
-            6 => $tile::<6 $(, $c)*>($($arg),*),
-            5 => $tile::<5 $(, $c)*>($($arg),*),
-            4 => $tile::<4 $(, $c)*>($($arg),*),
-            3 => $tile::<3 $(, $c)*>($($arg),*),
-            2 => $tile::<2 $(, $c)*>($($arg),*),
-            _ => $tile::<1 $(, $c)*>($($arg),*),
+            8 => $tile::<8 $(, $c)*, _>($($arg),*),
+            7 => $tile::<7 $(, $c)*, _>($($arg),*),
+            6 => $tile::<6 $(, $c)*, _>($($arg),*),
+            5 => $tile::<5 $(, $c)*, _>($($arg),*),
+            4 => $tile::<4 $(, $c)*, _>($($arg),*),
+            3 => $tile::<3 $(, $c)*, _>($($arg),*),
+            2 => $tile::<2 $(, $c)*, _>($($arg),*),
+            _ => $tile::<1 $(, $c)*, _>($($arg),*),
         }
     };
 }
 
 /// Output rows ``r0..r1`` of a ``q4_linear`` call.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn q4_rows(job: &q4::Job, out: OutPtr, r0: usize, r1: usize) {
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_rows<S: ScaleX86>(job: &q4::Job<S>, out: OutPtr, r0: usize, r1: usize) {
     let (m, n, k) = (job.m, job.n, job.k);
     let groups = k / 32;
     let mut dots = [0.0f32; TILE];
@@ -231,14 +307,10 @@ pub(crate) unsafe fn q4_rows(job: &q4::Job, out: OutPtr, r0: usize, r1: usize) {
     if m == 1 {
         while r + ROWS <= r1 {
             let codes = job.codes.as_ptr().add(r * k / 2);
-            let rows = q4_rows_one_token(
-                job.x.as_ptr(),
-                codes,
-                job.scales.as_ptr().add(r * groups),
-                groups,
-            );
+            let scales = job.scales.as_ptr().add(r * groups);
+            let rows = q4_rows_one_token(job.x.as_ptr(), codes, scales, groups);
             for (i, dot) in rows.iter().enumerate() {
-                *out.0.add(r + i) = dot + job.offset_term(r + i, 0);
+                *out.0.add(r + i) = dot + offset_term(job.offsets, job.sums, groups, r + i, 0);
             }
             r += ROWS;
         }
@@ -252,7 +324,8 @@ pub(crate) unsafe fn q4_rows(job: &q4::Job, out: OutPtr, r0: usize, r1: usize) {
             let x = job.x.as_ptr().add(t0 * k);
             by_rows!(rows, q4_tile; x, k, codes, scales, groups, &mut dots);
             for (t, dot) in dots.iter().enumerate().take(rows) {
-                *out.0.add((t0 + t) * n + r) = dot + job.offset_term(r, t0 + t);
+                *out.0.add((t0 + t) * n + r) =
+                    dot + offset_term(job.offsets, job.sums, groups, r, t0 + t);
             }
             t0 += rows;
         }
@@ -260,25 +333,23 @@ pub(crate) unsafe fn q4_rows(job: &q4::Job, out: OutPtr, r0: usize, r1: usize) {
 }
 
 /// Output rows ``r0..r1`` of a ``q8_linear`` call.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn q8_rows(job: &q8::Job, out: OutPtr, r0: usize, r1: usize) {
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q8_rows<S: ScaleX86>(job: &q8::Job<S>, out: OutPtr, r0: usize, r1: usize) {
     let (m, n, k, group) = (job.m, job.n, job.k, job.group);
     let groups = k / group;
     let mut dots = [0.0f32; TILE];
     let mut r = r0;
     if m == 1 {
         while r + ROWS <= r1 {
-            let (codes, scales) = (
-                job.codes.as_ptr().add(r * k),
-                job.scales.as_ptr().add(r * groups),
-            );
+            let codes = job.codes.as_ptr().add(r * k);
+            let scales = job.scales.as_ptr().add(r * groups);
             let rows = if group == 32 {
-                q8_rows_one_token::<32>(job.x.as_ptr(), codes, scales, k)
+                q8_rows_one_token::<32, S>(job.x.as_ptr(), codes, scales, k)
             } else {
-                q8_rows_one_token::<16>(job.x.as_ptr(), codes, scales, k)
+                q8_rows_one_token::<16, S>(job.x.as_ptr(), codes, scales, k)
             };
             for (i, dot) in rows.iter().enumerate() {
-                *out.0.add(r + i) = dot + job.offset_term(r + i, 0);
+                *out.0.add(r + i) = dot + offset_term(job.offsets, job.sums, groups, r + i, 0);
             }
             r += ROWS;
         }
@@ -296,7 +367,8 @@ pub(crate) unsafe fn q8_rows(job: &q8::Job, out: OutPtr, r0: usize, r1: usize) {
                 by_rows!(rows, q8_tile, 16; x, k, codes, scales, groups, &mut dots);
             }
             for (t, dot) in dots.iter().enumerate().take(rows) {
-                *out.0.add((t0 + t) * n + r) = dot + job.offset_term(r, t0 + t);
+                *out.0.add((t0 + t) * n + r) =
+                    dot + offset_term(job.offsets, job.sums, groups, r, t0 + t);
             }
             t0 += rows;
         }

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 
@@ -44,15 +45,25 @@ BF16_DENSE = NativeQuantizedLinear(bf16_dense_min_rows=1)
 BF16_BLOCKED = NativeQuantizedLinear(bf16_dense_min_rows=1, dense_block=544 * 16)
 
 
-def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool) -> QuantizedWeight:
-    """Codes over their full range, scales and offsets of both signs."""
+def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool, half: bool = False) -> QuantizedWeight:
+    """Codes over their full range, scales and offsets of both signs; with ``half``, scales
+    and offsets that float16 holds exactly (as GGUF's Q4_0, Q4_1 and Q8_0 store them)."""
     if fmt == "q4":
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     else:
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     scales = torch.randn(n, k // group) * 0.05
     shifts = torch.randn(n, k // group) * 0.2 if offsets else None
+    if half:
+        scales = scales.half().float()
+        shifts = None if shifts is None else shifts.half().float()
     return QuantizedWeight(codes=codes, scales=scales, offsets=shifts, format=fmt, group=group, source=f"test {fmt}")
+
+
+@pytest.fixture(params=[False, True], ids=["float32-scales", "float16-scales"])
+def half(request: pytest.FixtureRequest) -> bool:
+    """Whether the weights' scales fit float16, which ``prepare`` then keeps them in."""
+    return request.param
 
 
 def oracle(
@@ -90,12 +101,13 @@ def check(got: torch.Tensor, x: torch.Tensor, want: torch.Tensor, allowed: torch
 
 @pytest.mark.parametrize("m", [1, 2, 5, 17, 64])
 @pytest.mark.parametrize(("fmt", "group"), FORMATS)
-def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path: str, seed: int) -> None:
+def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path: str, half: bool, seed: int) -> None:
     case = 0
     for n in ROWS:
         for k in COLS:
             for offsets in (False, True):
-                weight = random_weight(fmt, group, n, k, offsets)
+                weight = random_weight(fmt, group, n, k, offsets, half)
+                assert INT16.prepare(weight).half_scales == half
                 # bias and dtype alternate so every pairing occurs across n
                 with_bias = (case // 2) % 2 == 1
                 dtype = torch.bfloat16 if case % 2 else torch.float32
@@ -105,7 +117,10 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                 want, allowed = oracle(x, weight, bias)
                 want16, allowed16 = oracle(x, weight, bias, activation_bits=16)
                 got = INT16.linear(x, INT16.prepare(weight), bias)
-                what = f"seed={seed} {fmt}/{group} {kernel_path} int16 m={m} n={n} k={k} offsets={offsets} {dtype}"
+                what = (
+                    f"seed={seed} {fmt}/{group} {kernel_path} int16 m={m} n={n} k={k} offsets={offsets} "
+                    f"half={half} {dtype}"
+                )
                 check(got, x, want16, allowed16, what)
                 routes = (
                     (TILES, "native, widened"),
@@ -117,7 +132,7 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                     got = kernel.linear(x, kernel.prepare(weight), bias)
                     what = (
                         f"seed={seed} {fmt}/{group} {kernel_path} {route} m={m} n={n} k={k} "
-                        f"offsets={offsets} bias={with_bias} {dtype}"
+                        f"offsets={offsets} bias={with_bias} half={half} {dtype}"
                     )
                     check(got, x, want, allowed, what)
                 if dtype == torch.bfloat16:
@@ -130,14 +145,33 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
 
 
 @pytest.mark.parametrize(("fmt", "group"), FORMATS)
-def test_dequantize_is_bit_equal(fmt: str, group: int, kernel_path: str, seed: int) -> None:
+def test_dequantize_is_bit_equal(fmt: str, group: int, kernel_path: str, half: bool, seed: int) -> None:
     for n, k in ((1, 32), (37, 544), (257, 96)):
         for offsets in (False, True):
-            weight = random_weight(fmt, group, n, k, offsets)
+            weight = random_weight(fmt, group, n, k, offsets, half)
             got = NATIVE.dequantize(NATIVE.prepare(weight))
             assert torch.equal(got, weight.dequantize()), (
-                f"seed={seed} {fmt}/{group} {kernel_path} n={n} k={k} offsets={offsets}"
+                f"seed={seed} {fmt}/{group} {kernel_path} n={n} k={k} offsets={offsets} half={half}"
             )
+
+
+def test_scales_are_kept_in_float16_only_where_it_holds_them_exactly() -> None:
+    """GGUF's own float16 scales stream in 2 bytes, not the loader's 4: a Q4_1 weight is 20
+    bytes per group of 32 read, not 24. One value float16 cannot hold keeps the whole weight's
+    scales and offsets in float32 (the kernels read them in one type)."""
+    exact = random_weight("q4", 32, 8, 64, offsets=True, half=True)
+    prepared = NATIVE.prepare(exact)
+    assert prepared.half_scales and prepared.scales.dtype == prepared.offsets.dtype == torch.float16
+    assert prepared.nbytes == 8 * 2 * (16 + 2 + 2)
+    for tensor in ("scales", "offsets"):
+        values = getattr(exact, tensor).clone()
+        values[3, 1] = 1.0 + 2.0**-12  # between two float16 values
+        inexact = NATIVE.prepare(attrs.evolve(exact, **{tensor: values}))
+        assert not inexact.half_scales and inexact.scales.dtype == torch.float32, tensor
+        assert inexact.nbytes == exact.nbytes
+    x = torch.randn(1, 64)
+    want, allowed = oracle(x, exact, None, activation_bits=16)
+    check(INT16.linear(x, prepared, None), x, want, allowed, "float16 scales")
 
 
 def test_default_kernel_batches_and_keeps_shape(kernel_path: str, seed: int) -> None:
@@ -217,9 +251,9 @@ def test_errors_say_what_and_what_to_do() -> None:
         NATIVE.linear(torch.randn(2, 32), weight, None)
     with pytest.raises(TypeError, match=r"takes a QuantizedWeight, got Tensor"):
         NATIVE.prepare(torch.randn(4, 32))
-    assert isinstance(prepared, PreparedWeight) and prepared.weight.nbytes == weight.nbytes
+    assert isinstance(prepared, PreparedWeight) and prepared.nbytes == weight.nbytes
     with pytest.raises(ValueError, match=r"q8 group must be 16 or 32, got 8"):
-        _native.q8_dequantize(0, 0, 0, 0, 0, 0, 8, 0)
+        _native.q8_dequantize(0, 0, 0, False, 0, 0, 0, 8, 0)
 
 
 @pytest.mark.skipif(
@@ -252,15 +286,15 @@ def integer_dot(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.mark.parametrize("m", [1, 2])
-def test_int16_activations_stay_within_their_rounding_bound(m: int, integer_dot: str, seed: int) -> None:
+def test_int16_activations_stay_within_their_rounding_bound(m: int, integer_dot: str, half: bool, seed: int) -> None:
     for n in (1, 3, 4, 5, 37, 257):
         for k in (32, 96, 544, 1536):
             for offsets in (False, True):
-                weight = random_weight("q4", 32, n, k, offsets)
+                weight = random_weight("q4", 32, n, k, offsets, half)
                 # activations of mixed magnitudes, as a model's are (outlier columns)
                 x = torch.randn(m, k) * torch.exp(torch.randn(k) * 1.5)
                 got = INT16.linear(x, INT16.prepare(weight), None)
-                what = f"seed={seed} {integer_dot} m={m} n={n} k={k} offsets={offsets}"
+                what = f"seed={seed} {integer_dot} m={m} n={n} k={k} offsets={offsets} half={half}"
                 check(got, x, *oracle(x, weight, None, activation_bits=16), what)
 
 

@@ -2,13 +2,14 @@
 the caller checks every dtype, shape and contiguity (the extension cannot).
 ``openmp_threads``: run on an OpenMP team of that many threads of torch's runtime
 (``threads.openmp_team``; 0 or 1: the package's pool, or the calling thread where a
-``pool`` flag says no)."""
+``pool`` flag says no). ``half_scales``: the scales and offsets are float16, else float32."""
 
 def q4_linear(
     x: int,
     codes: int,
     scales: int,
     offsets: int,
+    half_scales: bool,
     out: int,
     m: int,
     n: int,
@@ -22,6 +23,7 @@ def q8_linear(
     codes: int,
     scales: int,
     offsets: int,
+    half_scales: bool,
     out: int,
     m: int,
     n: int,
@@ -30,9 +32,19 @@ def q8_linear(
     gemm_min_rows: int,
     openmp_threads: int,
 ) -> None: ...
-def q4_dequantize(codes: int, scales: int, offsets: int, out: int, n: int, k: int, openmp_threads: int) -> None: ...
+def q4_dequantize(
+    codes: int, scales: int, offsets: int, half_scales: bool, out: int, n: int, k: int, openmp_threads: int
+) -> None: ...
 def q8_dequantize(
-    codes: int, scales: int, offsets: int, out: int, n: int, k: int, group: int, openmp_threads: int
+    codes: int,
+    scales: int,
+    offsets: int,
+    half_scales: bool,
+    out: int,
+    n: int,
+    k: int,
+    group: int,
+    openmp_threads: int,
 ) -> None: ...
 def rms_norm(
     x: int, residual: int, weight: int, normed: int, sum: int, rows: int, hidden: int, eps: float, bf16: bool

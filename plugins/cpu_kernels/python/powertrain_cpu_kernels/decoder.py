@@ -54,11 +54,10 @@ def _projection_entries(name: str, linear: object, rows: int, cols: int) -> list
     bias = getattr(linear, "bias", None)
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()):
         return f"{name}'s bias is not a contiguous float32 CPU tensor"
-    weight = prepared.weight
     codes, scales, offsets = prepared.pointers
     return [
-        4 if weight.format == "q4" else 8,
-        weight.group,
+        4 if prepared.format == "q4" else 8,
+        prepared.group,
         rows,
         cols,
         codes,
@@ -67,6 +66,7 @@ def _projection_entries(name: str, linear: object, rows: int, cols: int) -> list
         0 if bias is None else bias.data_ptr(),
         kernel.gemm_min_rows,
         int(kernel.activation_bits == 16),
+        int(prepared.half_scales),
     ]
 
 

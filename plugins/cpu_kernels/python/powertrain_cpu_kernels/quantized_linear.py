@@ -27,31 +27,65 @@ from powertrain_cpu_kernels.tuning import (
 )
 
 
+def _as_float16(values: torch.Tensor) -> torch.Tensor | None:
+    """``values`` as float16 if that holds every one exactly, else None."""
+    half = values.to(torch.float16)
+    return half if torch.equal(half.to(torch.float32), values) else None
+
+
 @attrs.frozen(eq=False)
 class PreparedWeight:
-    """A ``QuantizedWeight`` this kernel checked once: on the CPU, its tensors contiguous. Its
-    own type, because the Rust kernels trust the pointers they are given: ``linear`` takes
-    only what ``prepare`` returned. The shape and the tensors' addresses are read here once:
-    a decode step makes over a hundred calls of tens of microseconds each, and every torch
-    attribute read costs a tenth of one."""
+    """A ``QuantizedWeight`` as this kernel multiplies it: on the CPU, its tensors contiguous,
+    its scales and offsets float16 where that holds them exactly (GGUF stores Q4_0, Q4_1 and
+    Q8_0 scales as float16; the float32 the loader widened them to streams 4 more bytes per
+    32-weight group at decode: a Q4_1 group is 20 bytes read instead of 24). Its own type,
+    because the Rust kernels trust the pointers they are given: ``linear`` takes only what
+    ``prepare`` returned. The shape and the tensors' addresses are read here once: a decode
+    step makes over a hundred calls of tens of microseconds each, and every torch attribute
+    read costs a tenth of one."""
 
-    weight: QuantizedWeight
+    #: The weight as prepared: ``scales`` and ``offsets`` float16 when ``half_scales``.
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    format: str
+    group: int
+    source: str
     rows: int = attrs.field(init=False)
     cols: int = attrs.field(init=False)
+    half_scales: bool = attrs.field(init=False)
     #: ``(codes, scales, offsets or 0)`` addresses, for the native calls.
     pointers: tuple[int, int, int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        weight = self.weight
-        object.__setattr__(self, "rows", weight.shape[0])
-        object.__setattr__(self, "cols", weight.shape[1])
-        offsets = 0 if weight.offsets is None else weight.offsets.data_ptr()
-        object.__setattr__(self, "pointers", (weight.codes.data_ptr(), weight.scales.data_ptr(), offsets))
+        rows, width = self.codes.shape
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "cols", width * 2 if self.format == "q4" else width)
+        object.__setattr__(self, "half_scales", self.scales.dtype == torch.float16)
+        offsets = 0 if self.offsets is None else self.offsets.data_ptr()
+        object.__setattr__(self, "pointers", (self.codes.data_ptr(), self.scales.data_ptr(), offsets))
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight) -> PreparedWeight:
+        """``weight`` contiguous, with float16 scales and offsets if both convert exactly."""
+        scales, offsets = weight.scales.contiguous(), weight.offsets
+        offsets = None if offsets is None else offsets.contiguous()
+        half_scales = _as_float16(scales)
+        half_offsets = None if offsets is None or half_scales is None else _as_float16(offsets)
+        if half_scales is not None and (offsets is None or half_offsets is not None):
+            scales, offsets = half_scales, half_offsets
+        return cls(weight.codes.contiguous(), scales, offsets, weight.format, weight.group, weight.source)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and offsets."""
+        tensors = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
     @property
     def what(self) -> str:
         """The weight as error messages name it (built only when one is raised)."""
-        return f"{self.weight.format} from {self.weight.source or 'unknown'}"
+        return f"{self.format} from {self.source or 'unknown'}"
 
 
 class NativeQuantizedLinear:
@@ -122,15 +156,8 @@ class NativeQuantizedLinear:
         rows, cols = weight.shape
         if rows == 0 or cols == 0:
             raise ValueError(f"the {where} is empty ({rows} x {cols})")
-        # QuantizedWeight checked dtypes and shapes; here only the memory layout is made plain.
-        return PreparedWeight(
-            attrs.evolve(
-                weight,
-                codes=weight.codes.contiguous(),
-                scales=weight.scales.contiguous(),
-                offsets=None if weight.offsets is None else weight.offsets.contiguous(),
-            )
-        )
+        # QuantizedWeight checked dtypes and shapes; here only the memory layout is chosen.
+        return PreparedWeight.of(weight)
 
     def linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         # The decode case first, in the fewest torch calls (each costs a tenth of a
@@ -202,13 +229,13 @@ class NativeQuantizedLinear:
 
     def _dequantize_rows(self, prepared: PreparedWeight, start: int, stop: int, dense: torch.Tensor) -> None:
         """Rows ``start:stop`` of the weight into the contiguous ``dense [stop - start, cols]``."""
-        codes, scales = prepared.weight.codes[start:stop], prepared.weight.scales[start:stop]
-        offsets = 0 if prepared.weight.offsets is None else prepared.weight.offsets[start:stop].data_ptr()
-        args = (codes.data_ptr(), scales.data_ptr(), offsets, dense.data_ptr(), stop - start, prepared.cols)
-        if prepared.weight.format == "q4":
-            _native.q4_dequantize(*args, openmp_team())
+        codes, scales = prepared.codes[start:stop], prepared.scales[start:stop]
+        offsets = 0 if prepared.offsets is None else prepared.offsets[start:stop].data_ptr()
+        args = (codes.data_ptr(), scales.data_ptr(), offsets, prepared.half_scales, dense.data_ptr())
+        if prepared.format == "q4":
+            _native.q4_dequantize(*args, stop - start, prepared.cols, openmp_team())
         else:
-            _native.q8_dequantize(*args, prepared.weight.group, openmp_team())
+            _native.q8_dequantize(*args, stop - start, prepared.cols, prepared.group, openmp_team())
 
     def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` times the weight dequantised ``dense_block`` elements at a time, in ``x``'s
@@ -235,9 +262,9 @@ class NativeQuantizedLinear:
         m, rows, cols = x.shape[0], prepared.rows, prepared.cols
         out = torch.empty(m, rows, dtype=torch.float32)  # what the kernels write, whatever torch's default
         codes, scales, offsets = prepared.pointers
-        shared = (x.data_ptr(), codes, scales, offsets, out.data_ptr(), m, rows, cols)
-        if prepared.weight.format == "q4":
+        shared = (x.data_ptr(), codes, scales, offsets, prepared.half_scales, out.data_ptr(), m, rows, cols)
+        if prepared.format == "q4":
             _native.q4_linear(*shared, self.gemm_min_rows, self.activation_bits == 16, openmp_team())
         else:
-            _native.q8_linear(*shared, prepared.weight.group, self.gemm_min_rows, openmp_team())
+            _native.q8_linear(*shared, prepared.group, self.gemm_min_rows, openmp_team())
         return out
