@@ -114,7 +114,7 @@ def main() -> None:
             int8_mm = int8pack(w) if name != "head" else None  # slow enough here to dominate the run
             count = LAYERS if name != "head" else 1
             in_model = name == "head" or fmt == "q4"
-            bytes_per_token += count * prepared.weight.nbytes if in_model else 0
+            bytes_per_token += count * prepared.nbytes if in_model else 0
             for m in args.rows:
                 x = torch.randn(m, k)
                 times = {
@@ -124,7 +124,7 @@ def main() -> None:
                 times["F.linear f32"] = timed(partial(F.linear, x, dense), args.budget)
                 row = "  ".join(f"{label} {t * 1e6:8.1f} us" for label, t in times.items())
                 row += f"  dense/route {times['F.linear f32'] / times['route']:5.2f}x"
-                row += f"  {prepared.weight.nbytes / times['route'] / 1e9:5.1f} GB/s"
+                row += f"  {prepared.nbytes / times['route'] / 1e9:5.1f} GB/s"
                 if int8_mm is not None:
                     t_int8 = timed(partial(int8_mm, x), args.budget)
                     row += f"  int8pack_mm {t_int8 * 1e6:8.1f} us ({t_int8 / times['route']:4.2f}x route)"

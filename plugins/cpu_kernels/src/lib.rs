@@ -60,6 +60,8 @@ mod q4;
 #[cfg(target_arch = "x86_64")]
 mod q4_i16;
 mod q8;
+#[cfg(target_arch = "x86_64")]
+mod q8_i16;
 mod rotary;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -391,7 +393,8 @@ fn group_sums(x: &[f32], m: usize, k: usize, group: usize) -> Vec<f32> {
 /// Rows of ``x`` one tile holds (codes widened once per group are reused across them).
 pub(crate) const TILE: usize = 8;
 
-/// Rows of ``x`` up to which ``q4_linear`` may round activations to 16 bits: from three rows
+/// Rows of ``x`` up to which ``q4_linear`` (and ``q8_linear`` with 32-column groups) may
+/// round activations to 16 bits: from three rows
 /// on, widening the codes once per group for a tile of rows (``x86.rs``) is faster
 /// (``benchmarks/quantized_linear.py``).
 pub const INT16_MAX_ROWS: usize = 2;
@@ -485,7 +488,9 @@ fn q4_dequantize_block(
 }
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight (``codes [n, k]``, scales and
-/// offsets ``[n, k/group]``, ``group`` 16 or 32; ``gemm_min_rows`` as for ``q4_linear``).
+/// offsets ``[n, k/group]``, ``group`` 16 or 32; ``gemm_min_rows`` and
+/// ``int16_activations`` as for ``q4_linear``, the latter for 32-column groups:
+/// ``q8_i16.rs``).
 #[allow(clippy::too_many_arguments)]
 pub fn q8_linear(
     x: &[f32],
@@ -497,6 +502,7 @@ pub fn q8_linear(
     k: usize,
     group: usize,
     gemm_min_rows: usize,
+    int16_activations: bool,
     on: Threads,
 ) {
     assert!(
@@ -530,6 +536,19 @@ pub fn q8_linear(
             k,
             group,
         };
+        #[cfg(target_arch = "x86_64")]
+        if path == KernelPath::Avx2Fma && int16_activations && group == 32 && m <= INT16_MAX_ROWS {
+            let activations = unsafe { q4_i16::quantize(x, m, k) };
+            let vnni = vnni();
+            for_row_chunks_on(on, n, 16, |r0, r1| unsafe {
+                if vnni {
+                    q8_i16::rows_vnni(&job, &activations, out_ptr, r0, r1)
+                } else {
+                    q8_i16::rows_avx2(&job, &activations, out_ptr, r0, r1)
+                }
+            });
+            return;
+        }
         for_row_chunks_on(on, n, 16, |r0, r1| match path {
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2Fma => unsafe { x86::q8_rows(&job, out_ptr, r0, r1) },

@@ -74,7 +74,8 @@ fn q4_linear(
 }
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight with ``group``-column groups (panels
-/// from ``gemm_min_rows`` rows on, as ``q4_linear``).
+/// from ``gemm_min_rows`` rows on, and 16-bit activations for 32-column groups, as
+/// ``q4_linear``).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q8_linear(
@@ -90,6 +91,7 @@ fn q8_linear(
     k: usize,
     group: usize,
     gemm_min_rows: usize,
+    int16_activations: bool,
     openmp_threads: usize,
 ) -> PyResult<()> {
     check_group(group)?;
@@ -105,6 +107,7 @@ fn q8_linear(
             k,
             group,
             gemm_min_rows,
+            int16_activations,
             crate::Threads::pool_or_openmp(openmp_threads),
         )
     });

@@ -285,20 +285,31 @@ def integer_dot(request: pytest.FixtureRequest) -> Iterator[str]:
     _native.force_no_vnni(False)
 
 
+#: The formats whose one- and two-row products round activations to 16 bits on AVX2.
+INT16_FORMATS = ["q4", "q8"]  # q8 with 32-column groups only (src/q8_i16.rs)
+
+
+@pytest.mark.parametrize("fmt", INT16_FORMATS)
 @pytest.mark.parametrize("m", [1, 2])
-def test_int16_activations_stay_within_their_rounding_bound(m: int, integer_dot: str, half: bool, seed: int) -> None:
+def test_int16_activations_stay_within_their_rounding_bound(
+    fmt: str, m: int, integer_dot: str, half: bool, seed: int
+) -> None:
+    rounded = 0  # outputs that differ from the float32 kernel's: the integer path ran
     for n in (1, 3, 4, 5, 37, 257):
         for k in (32, 96, 544, 1536):
             for offsets in (False, True):
-                weight = random_weight("q4", 32, n, k, offsets, half)
+                weight = random_weight(fmt, 32, n, k, offsets, half)
                 # activations of mixed magnitudes, as a model's are (outlier columns)
                 x = torch.randn(m, k) * torch.exp(torch.randn(k) * 1.5)
                 got = INT16.linear(x, INT16.prepare(weight), None)
-                what = f"seed={seed} {integer_dot} m={m} n={n} k={k} offsets={offsets} half={half}"
+                what = f"seed={seed} {fmt} {integer_dot} m={m} n={n} k={k} offsets={offsets} half={half}"
                 check(got, x, *oracle(x, weight, None, activation_bits=16), what)
+                rounded += int((got != TILES.linear(x, TILES.prepare(weight), None)).sum())
+    assert rounded > 0, f"seed={seed} {fmt} {integer_dot}: no output moved, so no activation was rounded"
 
 
-def test_int16_activations_that_need_no_rounding_give_float32_results(integer_dot: str, seed: int) -> None:
+@pytest.mark.parametrize("fmt", INT16_FORMATS)
+def test_int16_activations_that_need_no_rounding_give_float32_results(fmt: str, integer_dot: str, seed: int) -> None:
     """Each group holding a value of magnitude exactly 32767 steps, and every value a whole
     number of steps (a power of two), rounds without error: the result must then be as close
     to the oracle as a float32 product, so a wrong scale or rounding cannot hide in the bound."""
@@ -308,13 +319,14 @@ def test_int16_activations_that_need_no_rounding_give_float32_results(integer_do
             q = torch.randint(-32767, 32768, (m, k // 32, 32)).double()
             q[:, :, torch.randint(0, 32, ())] = 32767.0 * torch.where(torch.rand(m, k // 32) < 0.5, -1.0, 1.0)
             x = (q * step).reshape(m, k).float()
-            weight = random_weight("q4", 32, n, k, offsets=True)
+            weight = random_weight(fmt, 32, n, k, offsets=True)
             got = INT16.linear(x, INT16.prepare(weight), None)
-            check(got, x, *oracle(x, weight, None), f"seed={seed} {integer_dot} m={m} n={n} k={k}")
+            check(got, x, *oracle(x, weight, None), f"seed={seed} {fmt} {integer_dot} m={m} n={n} k={k}")
 
 
-def test_int16_activations_carry_nan_and_infinity_to_the_output(integer_dot: str) -> None:
-    weight = random_weight("q4", 32, 9, 96, offsets=True)
+@pytest.mark.parametrize("fmt", INT16_FORMATS)
+def test_int16_activations_carry_nan_and_infinity_to_the_output(fmt: str, integer_dot: str) -> None:
+    weight = random_weight(fmt, 32, 9, 96, offsets=True)
     prepared = INT16.prepare(weight)
     for bad in (float("nan"), float("inf")):
         x = torch.randn(2, 96)

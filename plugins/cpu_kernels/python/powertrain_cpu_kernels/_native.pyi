@@ -30,6 +30,7 @@ def q8_linear(
     k: int,
     group: int,
     gemm_min_rows: int,
+    int16_activations: bool,
     openmp_threads: int,
 ) -> None: ...
 def q4_dequantize(
