@@ -10,7 +10,7 @@ import torch
 
 from powertrain.engine.sampler import Sampler, SamplingInputs, apply_penalties
 from powertrain.interfaces.errors import InvalidRequestError
-from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.sampling import SamplingParams, row_argmax
 
 VOCAB = 12
 
@@ -174,3 +174,22 @@ def test_logprobs_are_the_models_log_softmax() -> None:
 def test_invalid_parameters_are_refused_clearly(kwargs, message) -> None:
     with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_argmax_gives_torch_argmax_indices(dtype: torch.dtype) -> None:
+    """The numpy route for CPU rows keeps torch's rules: the first of tied maxima, a NaN
+    counting as the maximum (the first NaN), infinities; 1-d, 2-d, strided and 3-d inputs."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(6, 300, generator=gen).to(dtype)
+    values[1, [17, 250]] = float("nan")
+    values[2] = 1.0  # every entry tied
+    values[3, [5, 9]] = float("inf")
+    values[4] = float("-inf")
+    values[5, 123] = values[5].max() + 1
+    cases = [values, values[0], values[:, ::3], values.view(2, 3, 300), values[:0]]
+    for case in cases:
+        got = row_argmax(case)
+        want = case.argmax(dim=-1)
+        assert got.dtype == torch.int64 and torch.equal(got, want), f"seed={seed} {dtype} {list(case.shape)}"

@@ -77,7 +77,7 @@ from powertrain.interfaces.quantized import (
     QuantizedLinearKernel,
     QuantizedWeight,
 )
-from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, target_probs
+from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, row_argmax, target_probs
 from powertrain.interfaces.scheduling import (
     BlockAllocator,
     PrefixMatch,
@@ -160,6 +160,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "filtered_probs",
+    "row_argmax",
     "target_probs",
     # outputs
     "CompletionOutput",

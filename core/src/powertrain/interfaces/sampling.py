@@ -262,11 +262,22 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """``values.argmax(dim=-1)``: each row's first maximum, a NaN counting as the maximum.
+
+    Float CPU tensors go through numpy's argmax, which gives the same indices: torch's CPU
+    argmax took 70-80 us per row of SmolLM2's 49,152 logits on the 2-core Xeon VM (2.4 ms
+    for a 64-row step) against numpy's 4-7 us."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and values.dim() > 0:
+        return torch.as_tensor(values.detach().numpy().argmax(axis=-1), dtype=torch.int64)
+    return values.argmax(dim=-1)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the sampler draws from for ``params``, one row per position
     (float32 ``[rows, vocab]``); greedy (temperature 0) is a one-hot of the argmax.
     A speculative verifier compares drafts against exactly this."""
     logits = logits.float()
     if params.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(row_argmax(logits), logits.shape[-1]).float()
     return filtered_probs(logits / params.temperature, [params] * logits.shape[0])

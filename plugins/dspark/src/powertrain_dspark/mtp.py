@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams, target_probs
+from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams, row_argmax, target_probs
 from powertrain_dspark.confidence_head import ConfidenceHead, ConfidenceLog, acceptance_probability, head_features
 from powertrain_dspark.drafter import DraftBatch
 from powertrain_dspark.verify import draw_token
@@ -403,7 +403,7 @@ class MTPDrafter:
     ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
         """Each row's draft, the largest probability of the distribution it came from,
         and that distribution for sampled drafts (None for greedy ones)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = row_argmax(logits).tolist()
         raw = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
         q: list[torch.Tensor | None] = [None] * len(jobs)
         sampled = [row for row, job in enumerate(jobs) if job.params.temperature != 0]

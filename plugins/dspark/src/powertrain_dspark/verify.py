@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from powertrain.interfaces import SamplingParams, target_probs
+from powertrain.interfaces import SamplingParams, row_argmax, target_probs
 
 
 def verify_drafts(
@@ -38,7 +38,7 @@ def verify_drafts(
             f"{len(drafts)} drafts need {len(drafts) + 1} rows of target logits, got {target_logits.shape[0]}"
         )
     if params.temperature == 0:
-        best = target_logits.argmax(dim=-1).tolist()
+        best = row_argmax(target_logits).tolist()
         kept = []
         for j, draft in enumerate(drafts):
             if draft != best[j]:
