@@ -174,6 +174,7 @@ class TorchReferenceAttention:
         window: int,
         compress_rate: int | None = None,
         entry_indices: torch.Tensor | None = None,
+        derotate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """DeepSeek-V4 attention: V4's own torch computation, which transformers is checked against."""
         return attend_window_and_entries(
@@ -185,6 +186,7 @@ class TorchReferenceAttention:
             window=window,
             compress_rate=compress_rate,
             entry_indices=entry_indices,
+            derotate=derotate,
         )
 
     def index_topk(

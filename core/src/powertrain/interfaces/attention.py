@@ -770,7 +770,14 @@ class V4AttentionBackend(Protocol):
     ``scale * q·k``; the softmax runs over the attended keys and ``sinks[h]``, whose
     share is dropped, so a row's weights may sum to less than one. The output
     ``[num_tokens, heads, head_size]`` is in the query's dtype (rows past ``num_tokens``
-    unspecified); V4 de-rotates it afterwards, in the layer.
+    unspecified).
+
+    With ``derotate=(cos, sin)`` (each ``[num_tokens, pairs]`` in the query's dtype: the
+    rotary table at each query token's position) the output comes back de-rotated, as V4's
+    layer needs it: its trailing ``2 * pairs`` dims, as adjacent pairs, rotated by ``-sin``
+    (``rotate_trailing(out, cos, -sin)``). The rotation is linear, so a kernel applies it
+    to its unnormalised accumulator before the store (FlashMLA's fused "o-RoPE") instead
+    of another pass over the output.
     """
 
     name: str
@@ -786,6 +793,7 @@ class V4AttentionBackend(Protocol):
         window: int,
         compress_rate: int | None = None,
         entry_indices: torch.Tensor | None = None,  # int32 [num_tokens, k]: entries, -1 = padding
+        derotate: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [num_tokens, pairs]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         ...
 

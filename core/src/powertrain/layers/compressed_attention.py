@@ -166,11 +166,12 @@ def attend_window_and_entries(
     window: int,
     compress_rate: int | None = None,
     entry_indices: torch.Tensor | None = None,
+    derotate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``V4AttentionBackend.forward_v4`` in plain torch (see there), one sequence at a time:
     its window's keys and its closed entries gathered densely, a mask saying which each
-    query attends, then ``attend_with_sinks``. What the reference backend runs, and what a
-    V4 layer runs on a backend without the capability."""
+    query attends, then ``attend_with_sinks``, then the de-rotation if asked for. What the
+    reference backend runs, and what a V4 layer runs on a backend without the capability."""
     if entry_indices is not None:
         if compress_rate is None:
             raise ValueError("entry_indices name compressed entries, but compress_rate is None")
@@ -200,6 +201,9 @@ def attend_window_and_entries(
             keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, chosen), dim=1)
         out[start:end] = attend_with_sinks(query[start:end], keys, allowed, sinks, layer.scale)
+    if derotate is not None:
+        cos, sin = derotate
+        out = rotate_trailing(out, cos.unsqueeze(1), -sin.unsqueeze(1))
     return out
 
 

@@ -321,8 +321,8 @@ class V4Attention(nn.Module):
             window=a.sliding_window,
             compress_rate=None if self.compressor is None else self.compressor.rate,
             entry_indices=entry_indices,
+            derotate=(cos, sin),  # the output comes back de-rotated: the backend may fuse it
         )
-        out = rotate_trailing(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         return self.wo_b(self.wo_a(out.flatten(1)))
 
     def _compress(

@@ -891,7 +891,9 @@ class AttentionBackendSuite(ComponentSuite):
     ) -> None:
         """forward_v4 against the float64 oracle: a sliding window across block edges over
         garbage-filled pages, sinks, and every closed (HCA) or listed (CSA, -1 padding,
-        rows of none and of all) compressed entry."""
+        rows of none and of all) compressed entry. The mixed and verify batches also ask
+        for the output de-rotated on 16 trailing dims (``derotate``), as V4's layer does;
+        the decode batch for it as it is."""
         lengths_of, capabilities = _SCENARIOS[scenario]
         self.require(subject.provided, "v4-attention", *capabilities)
         candidate, device = self._v4_candidate(subject, dtype, block_size)
@@ -904,6 +906,7 @@ class AttentionBackendSuite(ComponentSuite):
             seed=seed,
             device=device,
             tolerance=self.tolerances[dtype],
+            rope_pairs=0 if scenario == "decode" else 8,
             what=f"{scenario} batch, {_dtype_id(dtype)}",
         )
 

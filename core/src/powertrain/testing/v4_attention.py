@@ -48,6 +48,7 @@ class _V4Case:
     keys: list[torch.Tensor]  # per sequence: raw keys [seq_len, d]
     entries: list[torch.Tensor]  # per sequence: compressed entries [seq_len // rate, d]
     entry_indices: torch.Tensor | None  # int32 [num_tokens, k], on the CPU
+    derotate: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [num_tokens, pairs], on the CPU
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -70,6 +71,7 @@ def _v4_case(
     dtype: torch.dtype,
     device: torch.device | str,
     gen: torch.Generator,
+    rope_pairs: int = 0,
 ) -> _V4Case:
     if kind not in V4_LAYER_KINDS:
         raise ValueError(f"V4 layer kind {kind!r}; one of {V4_LAYER_KINDS}")
@@ -110,6 +112,8 @@ def _v4_case(
         device=device,
     )
     num_tokens = sum(query_lens)
+    angles = torch.rand(num_tokens, rope_pairs, generator=gen, dtype=torch.float64) * 2 * torch.pi
+    derotate = (angles.cos().to(dtype), angles.sin().to(dtype)) if rope_pairs else None
     return _V4Case(
         context_lens=context_lens,
         query_lens=query_lens,
@@ -122,6 +126,7 @@ def _v4_case(
         entry_indices=random_index_rows([s // rate for s in seq_lens], query_lens, topk, gen)
         if kind == "csa"
         else None,
+        derotate=derotate,
     )
 
 
@@ -144,6 +149,12 @@ def _oracle(kind: str, layer: AttentionLayerSpec, case: _V4Case, window: int, ra
             top = torch.maximum(scores.amax(-1, keepdim=True), sink)
             weights = torch.exp(scores - top)
             out[token] = (weights @ keys) / (weights.sum(-1, keepdim=True) + torch.exp(sink - top))
+    if case.derotate is not None:  # the trailing dims' adjacent pairs rotated back by each token's angle
+        cos, sin = (t.double()[:, None, :] for t in case.derotate)
+        pairs = 2 * cos.shape[-1]
+        even, odd = out[..., -pairs::2].clone(), out[..., -pairs + 1 :: 2].clone()
+        out[..., -pairs::2] = even * cos + odd * sin
+        out[..., -pairs + 1 :: 2] = odd * cos - even * sin
     return out
 
 
@@ -158,6 +169,7 @@ def _call(backend: Any, kind: str, layer: AttentionLayerSpec, case: _V4Case, win
         window=window,
         compress_rate=None if kind == "sliding" else rate,
         entry_indices=None if indices is None else indices.to(device),
+        derotate=None if case.derotate is None else tuple(t.to(device) for t in case.derotate),
     )
 
 
@@ -176,6 +188,7 @@ def check_v4_attention(
     rate: int = 4,
     window: int | None = None,
     topk: int = 7,
+    rope_pairs: int = 0,
     what: str = "V4 attention",
 ) -> None:
     """Run ``backend.forward_v4`` on one random step of a ``kind`` layer (``V4_LAYER_KINDS``)
@@ -184,6 +197,8 @@ def check_v4_attention(
     ``lengths`` are ``(context_len, query_len)`` per sequence, decodes first. ``window``
     defaults to ``block_size + 3``, so windows start and end inside blocks; ``rate`` must
     divide ``block_size``. The defaults cross a 16-head tile and a power-of-two width.
+    ``rope_pairs`` > 0 asks for the output de-rotated (``derotate``) by a random angle per
+    token and pair on the trailing ``2 * rope_pairs`` dims.
     """
     gen = torch.Generator().manual_seed(seed)
     window = block_size + 3 if window is None else window
@@ -199,10 +214,11 @@ def check_v4_attention(
         dtype=dtype,
         device=device,
         gen=gen,
+        rope_pairs=rope_pairs,
     )
     where = (
         f"{what}, {kind} layer: context_lens={case.context_lens} query_lens={case.query_lens} window={window} "
-        f"rate={rate} block_size={block_size} (seed={seed})"
+        f"rate={rate} block_size={block_size} rope_pairs={rope_pairs} (seed={seed})"
     )
     before = {name: tensor.clone() for name, tensor in case.cache.items()}
     got = _call(backend, kind, layer, case, window, rate, case.entry_indices)

@@ -260,10 +260,12 @@ class TritonAttention:
         window: int,
         compress_rate: int | None = None,
         entry_indices: torch.Tensor | None = None,
+        derotate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """DeepSeek-V4 attention: each token over its window of raw keys and its compressed
         entries (all closed ones, or the listed ones), with the heads' sinks; one launch
-        for decode and prefill rows. Listed entries are range-checked before the launch."""
+        for decode and prefill rows, the de-rotation fused into its store. Listed entries
+        are range-checked before the launch."""
         _check_dtype(layer, query.dtype)
         kv = kv_cache["kv"]
         entries = None if compress_rate is None else kv_cache["compressed"]
@@ -300,6 +302,7 @@ class TritonAttention:
             window=window,
             rate=compress_rate,
             max_seq_len=metadata.max_seq_len,
+            derotate=None if derotate is None else _rotary_rows(derotate, tokens, layer.head_size),
         )
         return out
 
@@ -461,6 +464,20 @@ def _check_mla(
 
 
 # --------------------------------------------------------------------------- tensors
+
+
+def _rotary_rows(
+    derotate: tuple[torch.Tensor, torch.Tensor], tokens: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``derotate``'s cos and sin, their first ``tokens`` rows contiguous, or a ValueError
+    saying what does not fit (``[num_tokens, pairs]`` each, ``2 * pairs <= head_size``)."""
+    cos, sin = derotate
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] < tokens or 2 * cos.shape[1] > head_size:
+        raise ValueError(
+            f"triton-sm100: derotate takes cos and sin of shape [num_tokens={tokens}, pairs] with "
+            f"2 * pairs <= head_size {head_size}; got {list(cos.shape)} and {list(sin.shape)}"
+        )
+    return cos[:tokens].contiguous(), sin[:tokens].contiguous()
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,11 @@ A decode batch has few tokens, so decode-sized launches split each token's keys 
 window and entries laid end to end) like split-KV decode; ``split_kv.combine_splits``
 merges the parts. The sink joins split 0's softmax sum as a key with a zero value, which
 the merge then weighs like any other key.
+
+With ``ROPE_PAIRS`` the output leaves de-rotated (V4's "o-RoPE": the trailing dims'
+adjacent pairs turned back by the token's rotary angle). The rotation is linear, so each
+program turns its unnormalised accumulator before the store: the division by the softmax
+sum, and the split merge's weighted sum, commute with it. No pass over the output follows.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def v4_attention_kernel(
     seq_lens_ptr,  # int32 [batch]
     indices_ptr,  # int32 [num_tokens, topk]: listed entries, -1 padding (LISTED)
     sinks_ptr,  # float32 [heads]
+    cos_ptr,  # [num_tokens, ROPE_PAIRS]: the rotary table at each token's position
+    sin_ptr,  # [num_tokens, ROPE_PAIRS]
     out_ptr,  # [num_tokens, heads, head] (written when not SPLIT)
     part_out_ptr,  # float32 [num_tokens, heads, splits, head] (SPLIT)
     part_lse_ptr,  # float32 [num_tokens, heads, splits] (SPLIT)
@@ -83,6 +90,7 @@ def v4_attention_kernel(
     stride_ps,
     stride_st,
     stride_sh,
+    stride_ct,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per block
@@ -92,6 +100,7 @@ def v4_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,  # 0: the output as attended
 ):
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
@@ -155,6 +164,8 @@ def v4_attention_kernel(
         total = total * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
         m = m_new
+    if ROPE_PAIRS > 0:
+        acc = derotated(acc, cos_ptr + token * stride_ct, sin_ptr + token * stride_ct, HEAD, ROPE_PAIRS)
     store_latent_rows(
         out_ptr + token * stride_ot + head * stride_oh,
         part_out_ptr + token * stride_pt + head * stride_ph + split * stride_ps,
@@ -167,6 +178,21 @@ def v4_attention_kernel(
         dim_ok,
         SPLIT,
     )
+
+
+@triton.jit
+def derotated(acc, cos_row, sin_row, HEAD: tl.constexpr, ROPE_PAIRS: tl.constexpr):
+    """``acc [rows, HEAD_PAD]`` with its trailing ``2 * ROPE_PAIRS`` of ``HEAD`` dims, as
+    adjacent pairs ``(e, o)``, turned back by the angle whose cosine and sine are in
+    ``cos_row``/``sin_row``: ``(e cos + o sin, o cos - e sin)``; the other dims as they are."""
+    rows: tl.constexpr = acc.shape[0]
+    half: tl.constexpr = acc.shape[1] // 2
+    even, odd = tl.split(tl.reshape(acc, [rows, half, 2]))
+    rope = tl.arange(0, half) - (HEAD // 2 - ROPE_PAIRS)  # the pair's column in the table
+    turned = (rope >= 0) & (rope < ROPE_PAIRS)
+    cos = tl.load(cos_row + rope, mask=turned, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_row + rope, mask=turned, other=0.0).to(tl.float32)[None, :]
+    return tl.reshape(tl.join(even * cos + odd * sin, odd * cos - even * sin), [rows, 2 * half])
 
 
 @attrs.frozen
@@ -211,14 +237,18 @@ def v4_attention(
     rate: int | None,
     max_seq_len: int,
     num_splits: int | None = None,
+    derotate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``out[t]`` = row ``t`` of ``query`` over its window and entries (see the module doc);
     ``entries`` None for a sliding layer, ``entry_indices`` None for HCA. ``num_splits``
     overrides how each token's keys are split (by default from the longest token's keys,
-    which ``max_seq_len`` bounds)."""
+    which ``max_seq_len`` bounds). ``derotate``: ``(cos, sin)`` ``[num_tokens, pairs]``,
+    contiguous rows, to leave the output de-rotated (the module doc)."""
     num_tokens, num_heads, head = query.shape
     if num_tokens == 0:
         return
+    cos, sin = (sinks, sinks) if derotate is None else derotate  # never read without derotate
+    rope_pairs = 0 if derotate is None else cos.shape[1]
     mode = NO_ENTRIES if entries is None else ALL_CLOSED if entry_indices is None else LISTED
     topk = 0 if entry_indices is None else entry_indices.shape[1]
     config = v4_attention_config(num_heads, interpreting=support.interpreting(), element_size=query.element_size())
@@ -244,6 +274,8 @@ def v4_attention(
         seq_lens,
         indices_arg,
         sinks,
+        cos,
+        sin,
         out,
         part_out,
         part_lse,
@@ -269,6 +301,7 @@ def v4_attention(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        cos.stride(0),
         HEAD=head,
         HEAD_PAD=padded(head),
         BLOCK_SIZE=kv_cache.shape[1],
@@ -278,6 +311,7 @@ def v4_attention(
         BLOCK_N=config.block_n,
         SPLIT=split,
         DOT_F32=support.interpreting(),
+        ROPE_PAIRS=rope_pairs,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -308,6 +342,7 @@ _INTS = dict.fromkeys(
         "stride_ps",
         "stride_st",
         "stride_sh",
+        "stride_ct",
     ),
     "i32",
 )
@@ -315,7 +350,8 @@ _INTS = dict.fromkeys(
 
 def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
     """bf16 (float32 with ``element_size`` 4) DeepSeek-V4-Flash shapes (64 heads of 512,
-    block size 128: CSA rate 4, HCA 128): a sliding layer whole, CSA split and HCA split."""
+    block size 128: CSA rate 4, HCA 128; the output de-rotated on its 64 rotary dims): a
+    sliding layer whole, CSA split and HCA split."""
     types = {
         "q_ptr": "*bf16",
         "kv_ptr": "*bf16",
@@ -327,6 +363,8 @@ def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
         "seq_lens_ptr": "*i32",
         "indices_ptr": "*i32",
         "sinks_ptr": "*fp32",
+        "cos_ptr": "*bf16",
+        "sin_ptr": "*bf16",
         "out_ptr": "*bf16",
         "part_out_ptr": "*fp32",
         "part_lse_ptr": "*fp32",
@@ -350,6 +388,7 @@ def aot_specs(capability: tuple[int, int], element_size: int = 2) -> list[dict]:
             "BLOCK_N": config.block_n,
             "SPLIT": split,
             "DOT_F32": False,
+            "ROPE_PAIRS": 32,
         }
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         spec = aot_spec(
