@@ -356,11 +356,12 @@ def test_bfloat16_route_multiplies_the_weight_in_bfloat16(seed: int) -> None:
 
 
 def test_the_bfloat16_route_is_chosen_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from powertrain_cpu_kernels.tuning import BF16_DENSE_MIN_ROWS
+    from powertrain_cpu_kernels.tuning import BF16_DENSE_MIN_ROWS, BF16_DENSE_MIN_ROWS_AMX
 
     for flags, want in (
         ({"avx512_bf16", "avx2"}, BF16_DENSE_MIN_ROWS),
-        ({"amx_bf16"}, BF16_DENSE_MIN_ROWS),
+        ({"amx_bf16"}, BF16_DENSE_MIN_ROWS_AMX),
+        ({"avx512_bf16", "amx_bf16"}, BF16_DENSE_MIN_ROWS_AMX),
         ({"avx2"}, None),
     ):
         monkeypatch.setattr("powertrain.builtin.platforms.cpu_flags", lambda flags=flags: frozenset(flags))

@@ -20,6 +20,7 @@ from powertrain_cpu_kernels.threads import openmp_team, use_threads
 from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 from powertrain_cpu_kernels.tuning import (
     BF16_DENSE_MIN_ROWS,
+    BF16_DENSE_MIN_ROWS_AMX,
     DENSE_BLOCK,
     GEMM_MIN_ROWS,
     GEMV_MAX_ROWS,
@@ -135,11 +136,13 @@ class NativeQuantizedLinear:
     @classmethod
     def for_this_cpu(cls, activation_bits: int = 16) -> NativeQuantizedLinear:
         """The kernel as the plugin builds it: the bfloat16 route only where the CPU has
-        bfloat16 dot-product instructions (elsewhere bfloat16 matmuls are slower than float32)."""
+        bfloat16 dot-product instructions (elsewhere bfloat16 matmuls are slower than float32),
+        from fewer rows where they are AMX tiles."""
         from powertrain.builtin.platforms import bf16_dot_flags
 
-        fast_bf16 = bool(bf16_dot_flags())
-        return cls(activation_bits=activation_bits, bf16_dense_min_rows=BF16_DENSE_MIN_ROWS if fast_bf16 else None)
+        flags = bf16_dot_flags()
+        min_rows = BF16_DENSE_MIN_ROWS_AMX if "amx_bf16" in flags else BF16_DENSE_MIN_ROWS if flags else None
+        return cls(activation_bits=activation_bits, bf16_dense_min_rows=min_rows)
 
     def prepare(self, weight: QuantizedWeight) -> PreparedWeight:
         if not isinstance(weight, QuantizedWeight):

@@ -28,3 +28,10 @@ DENSE_BLOCK = 1 << 20
 #: 25.9; 576x1536 1.40 / 2.80 / 5.54 / 36.5 vs 1.43 / 1.81 / 2.46 / 11.2; 960x576 at 64 rows
 #: 0.72 vs 0.94. Below 128 rows the dequantisation does not pay on every shape.
 BF16_DENSE_MIN_ROWS = 128
+#: The same where the CPU has AMX tiles for bfloat16 (``amx_bf16``: oneDNN's bfloat16 matmul
+#: runs about four times the rate of its AVX-512 one). 2-core Xeon VM with AMX, a random q4
+#: weight (float16 scales), widened vs dequantised-to-bfloat16, ms at 32 / 64 / 128 rows:
+#: 3072x576 0.72 / 1.36 / 2.77 vs 0.86 / 0.97 / 1.12; 576x1536 0.37 / 0.71 / 1.38 vs
+#: 0.42 / 0.46 / 0.50; 960x576 0.24 / 0.42 / 0.80 vs 0.27 / 0.29 / 0.33; the 49152x576
+#: head 10.5 / 22.3 / 44.1 vs 15.7 / 15.1 / 18.5. From 64 rows on it pays on every shape.
+BF16_DENSE_MIN_ROWS_AMX = 64
