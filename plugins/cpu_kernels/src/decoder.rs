@@ -20,7 +20,7 @@ use crate::{
 
 /// Entries per projection in the layer table: format (4 or 8), group, rows ``n``, columns
 /// ``k``, codes, scales, offsets (0: none), bias (0: none), ``gemm_min_rows``, whether
-/// one- and two-row activations may be rounded to 16 bits, whether the scales and offsets
+/// few-row activations may be rounded to 16 bits (``int16_max_rows``), whether the scales and offsets
 /// are float16 (else float32).
 const PROJECTION: usize = 11;
 /// Entries per layer: the two norm weights, the key and value caches, four projections

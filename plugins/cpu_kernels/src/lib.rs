@@ -394,16 +394,24 @@ fn group_sums(x: &[f32], m: usize, k: usize, group: usize) -> Vec<f32> {
 pub(crate) const TILE: usize = 8;
 
 /// Rows of ``x`` up to which ``q4_linear`` (and ``q8_linear`` with 32-column groups) may
-/// round activations to 16 bits: from three rows
-/// on, widening the codes once per group for a tile of rows (``x86.rs``) is faster
-/// (``benchmarks/quantized_linear.py``).
-pub const INT16_MAX_ROWS: usize = 2;
+/// round activations to 16 bits (``benchmarks/quantized_linear.py``, SmolLM2's 30 layers +
+/// head): with ``vpmaddwd`` only, widening the codes once per group for a tile of rows
+/// (``x86.rs``) is faster from three rows on (Zen 3 EPYC); with AVX-512 VNNI the integer
+/// products stay ahead up to four (2-core Xeon VM: 8.4 vs 10.1 ms at 3 rows, 10.7 vs 11.9
+/// at 4, 15.3 vs 15.5 at 6, where the panels take over at 8).
+pub fn int16_max_rows() -> usize {
+    if vnni() {
+        4
+    } else {
+        2
+    }
+}
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight (``codes [n, k/2]``, scales and
 /// offsets ``[n, k/32]``). From ``gemm_min_rows`` rows of ``x`` on, the weight is
 /// dequantised a panel at a time and multiplied (``gemm.rs``); below, codes are widened
 /// inside the dot (``x86.rs``), or, with ``int16_activations`` and at most
-/// ``INT16_MAX_ROWS`` rows on AVX2, meet activations rounded to 16 bits (``q4_i16.rs``).
+/// ``int16_max_rows()`` rows on AVX2, meet activations rounded to 16 bits (``q4_i16.rs``).
 #[allow(clippy::too_many_arguments)]
 pub fn q4_linear(
     x: &[f32],
@@ -444,7 +452,7 @@ pub fn q4_linear(
             k,
         };
         #[cfg(target_arch = "x86_64")]
-        if path == KernelPath::Avx2Fma && int16_activations && m <= INT16_MAX_ROWS {
+        if path == KernelPath::Avx2Fma && int16_activations && m <= int16_max_rows() {
             let activations = unsafe { q4_i16::quantize(x, m, k) };
             let vnni = vnni();
             for_row_chunks_on(on, n, 16, |r0, r1| unsafe {
@@ -537,7 +545,8 @@ pub fn q8_linear(
             group,
         };
         #[cfg(target_arch = "x86_64")]
-        if path == KernelPath::Avx2Fma && int16_activations && group == 32 && m <= INT16_MAX_ROWS {
+        if path == KernelPath::Avx2Fma && int16_activations && group == 32 && m <= int16_max_rows()
+        {
             let activations = unsafe { q4_i16::quantize(x, m, k) };
             let vnni = vnni();
             for_row_chunks_on(on, n, 16, |r0, r1| unsafe {

@@ -38,7 +38,8 @@ fn check_group(group: usize) -> PyResult<()> {
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q4`` weight; ``offsets`` 0 means none, and
 /// ``half_scales`` says the scales and offsets are float16 (else float32). From
 /// ``gemm_min_rows`` rows of ``x`` on, panels of the weight are dequantised and multiplied;
-/// ``int16_activations`` lets one- and two-row products round activations to 16 bits.
+/// ``int16_activations`` lets products of up to ``int16_max_rows()`` rows round activations
+/// to 16 bits.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q4_linear(

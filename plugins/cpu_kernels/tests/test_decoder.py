@@ -41,11 +41,13 @@ VARIANTS: dict[str, Callable[[], tuple[type, Any]]] = {
     "qwen2-qkv-bias": lambda: (HFQwen2, Qwen2Config(**COMMON)),
     "mistral-sliding-window": lambda: (HFMistral, MistralConfig(**COMMON, sliding_window=8)),
 }
-#: Largest |fused - HF| logit over the largest HF one. One- and two-row products round
+#: Largest |fused - HF| logit over the largest HF one. Products of few rows round
 #: activations to 16 bits (``activation_bits``), and sums run in other orders: measured up
-#: to 9e-6 here over 24 models of 4 decode steps (SmolLM2's outlier activations give more:
-#: ``test_embedded_model``). A wrong residual, bias, row or window is of order 1e-2 or more.
-HF_TOLERANCE = 1e-4
+#: to 9e-6 here over 24 models of 4 decode steps while only one- and two-row products
+#: rounded; with VNNI the four-row decode steps round too, and then up to 2.2e-4 (SmolLM2's
+#: outlier activations give up to 7.6e-4: ``test_embedded_model``). A wrong residual, bias,
+#: row or window is of order 1e-2 or more.
+HF_TOLERANCE = 1e-3
 #: Fused against the same kernels called layer by layer: only the SiLU differs (Rust's
 #: ``exp`` against torch's), measured up to 6e-7.
 LAYERWISE_TOLERANCE = 1e-5

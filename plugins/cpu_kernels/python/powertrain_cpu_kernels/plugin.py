@@ -95,7 +95,7 @@ def powertrain_quantized_linear_backends() -> list[QuantizedLinearRecord]:
             build_native,
             "Rust q4/q8 x float matmul (AVX2+FMA where the CPU has it, else portable); "
             "few rows read each quantised byte once, more multiply dequantised panels of it; "
-            "one- and two-row q4 products round activations to 16 bits on AVX2",
+            "q4 and Q8_0 products of up to 2 rows (4 with AVX-512 VNNI) round activations to 16 bits on AVX2",
         ),
         record(
             "cpu-native-f32",

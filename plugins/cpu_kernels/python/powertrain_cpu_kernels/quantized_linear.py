@@ -100,11 +100,11 @@ class NativeQuantizedLinear:
     route. Calls run on torch's OpenMP team where it is reachable (``threads.openmp_team``);
     elsewhere on the package's pool of ``threads`` threads, the calling one included (default:
     torch's thread count when built; the engine then runs decode steps' torch ops on one
-    thread, see ``own_pool_max_rows``). ``activation_bits``: 16 lets one- and two-row ``q4`` products, and ``q8`` ones
-    with 32-column groups, on AVX2 round each 32-column group of activations to 16-bit integers and
-    multiply them by the codes in integer multiply-adds (``src/q4_i16.rs``, ``src/q8_i16.rs``:
-    1.5-2x faster at batch-1 decode; each output moves by at most
-    ``sum_g max|x_g| / 65534 * sum_j |W_gj|``);
+    thread, see ``own_pool_max_rows``). ``activation_bits``: 16 lets ``q4`` products of up
+    to two rows (four with AVX-512 VNNI), and ``q8`` ones with 32-column groups, on AVX2 round
+    each 32-column group of activations to 16-bit integers and multiply them by the codes in
+    integer multiply-adds (``src/q4_i16.rs``, ``src/q8_i16.rs``: 1.5-2x faster at batch-1
+    decode; each output moves by at most ``sum_g max|x_g| / 65534 * sum_j |W_gj|``);
     32 keeps them float32 everywhere. ``bf16_dense_min_rows``: from this many rows of bfloat16
     activations, multiply by the weight dequantised to bfloat16 block by block (torch's
     bfloat16 matmul, 1.5-3x faster than widening where the CPU has bfloat16 dot products,
