@@ -23,10 +23,12 @@ batched step the per-block dequantisation (see ``step_profile.py``).
 
 Server overhead (issue 22 item 2): the highest level's prompts also run offline through
 ``powertrain.LLM.chat`` in a process of its own (same sampling), and the ratio HTTP /
-offline output tok/s says what the server layer costs. Every engine and server runs in its
-own process (offline_throughput.py says why: OpenMP pools); servers are waited for on
-``/health``, get one short warm-up chat before the measured levels, and are always
-terminated, even when a run fails. A powertrain level with a failed request, or with
+offline output tok/s says what the server layer costs. The load generator runs on the same
+machine, which the offline run does not share: its share of the cores during that level is
+printed too (``client_cpu_s`` of the bench result), to read the ratio by. Every engine and
+server runs in its own process (offline_throughput.py says why: OpenMP pools); servers are
+waited for on ``/health``, get one short warm-up chat before the measured levels, and are
+always terminated, even when a run fails. A powertrain level with a failed request, or with
 output tokens other than requests x max-tokens, is an error; llama-server's failed requests
 are counted beside its numbers (any other llama-server error still prints powertrain's).
 ``--quick`` (16 chats of 16 words, 16 tokens, concurrency 4 and 16) checks that everything
@@ -220,6 +222,8 @@ def summary(level: dict[str, Any], requested: int, peer: bool = False) -> dict[s
         "ttft": level["ttft_ms"]["p50"],
         "tpot": level["tpot_ms"]["p50"],
         "failed": failed,
+        # the load generator's share of this machine's cores, which the server did not get
+        "client": level["client_cpu_s"] / (level["duration_s"] * (os.cpu_count() or 1)),
     }
 
 
@@ -369,6 +373,7 @@ def main() -> None:
     results["offline LLM.chat output tok/s"] = offline["tok/s"]
     results[f"HTTP c{top} output tok/s"] = ours[top]["tok/s"]
     results[f"ratio HTTP c{top} / offline output tok/s"] = ours[top]["tok/s"] / offline["tok/s"]
+    results[f"bench client's share of the cores at c{top}"] = ours[top]["client"]
     report(f"serving, powertrain vs llama-server, {args.model}", results)
 
 

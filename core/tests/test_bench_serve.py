@@ -163,6 +163,7 @@ def check_level_consistency(level: dict[str, Any]) -> None:
     assert level["ttft_ms"]["count"] == level["e2e_ms"]["count"] == requests["completed"]
     assert level["ttft_ms"]["p99"] <= level["e2e_ms"]["p99"]
     assert level["request_throughput"] == pytest.approx(requests["completed"] / level["duration_s"])
+    assert 0 < level["client_cpu_s"] < 4 * level["duration_s"]  # this process's own CPU during the level
     tokens = level["tokens"]
     assert level["output_throughput"] == pytest.approx(tokens["output"] / level["duration_s"])
     assert level["total_token_throughput"] == pytest.approx((tokens["prompt"] + tokens["output"]) / level["duration_s"])

@@ -69,6 +69,9 @@ class LevelRun:
     #: The server's prefix-cache counters before and after the level (``ChatClient.
     #: cache_counters``), where it exposes them.
     cache_counters: tuple[dict[str, float], dict[str, float]] | None = None
+    #: CPU seconds this client process spent during the level: on the server's own machine
+    #: they are cores the server did not get (a 2-core box running 64 streams: about 8%).
+    client_cpu_s: float | None = None
 
 
 class _Ready:
@@ -113,7 +116,7 @@ async def run_level(
     ready = _Ready(conversations)
     results: list[RequestResult] = []
     skipped = in_flight = peak = 0
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
 
     async def send(conversation: Conversation) -> None:
         nonlocal skipped, in_flight, peak
@@ -149,4 +152,4 @@ async def run_level(
 
         await asyncio.gather(*(closed_loop_client() for _ in range(int(load.value))))
     duration = time.perf_counter() - started
-    return LevelRun(load, planned, results, duration, skipped, peak)
+    return LevelRun(load, planned, results, duration, skipped, peak, client_cpu_s=time.process_time() - cpu_started)

@@ -58,6 +58,7 @@ def summarize(run: LevelRun) -> dict[str, Any]:
             "without_usage": sum(1 for r in ok if not r.usage_reported),
         },
         "duration_s": duration,
+        "client_cpu_s": run.client_cpu_s,
         "peak_concurrency": run.peak_concurrency,
         "request_throughput": len(ok) / duration if duration > 0 else None,
         "output_throughput": output / duration if duration > 0 else None,
