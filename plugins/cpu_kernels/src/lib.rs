@@ -34,10 +34,10 @@
 //! elements the shapes say (the Python layer checks every shape, dtype and contiguity).
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use std::sync::{Arc, OnceLock, RwLock};
 
 pub use attention::{paged_attention, Bf16, Element, PagedAttention};
 pub use decoder::{decoder_stack, Step as DecoderStep, LAYER_ENTRIES as DECODER_LAYER_ENTRIES};
