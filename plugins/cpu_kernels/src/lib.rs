@@ -288,21 +288,22 @@ impl Scales<'_> {
         matches!(self, Scales::F32(_, Some(_)) | Scales::F16(_, Some(_)))
     }
 
-    /// Entries ``start..stop`` of the scales and of the offsets as float32: borrowed, or
-    /// converted into ``buffers``.
-    pub(crate) fn to_f32<'b>(
+    /// ``f`` of entries ``start..stop`` of the scales and of the offsets as float32: borrowed,
+    /// or converted into this thread's buffers (kept between calls: a batched step converts
+    /// one panel's entries at a time, thousands of panels a step).
+    pub(crate) fn with_f32<R>(
         self,
         start: usize,
         stop: usize,
-        buffers: &'b mut (Vec<f32>, Vec<f32>),
-    ) -> (&'b [f32], Option<&'b [f32]>)
-    where
-        Self: 'b,
-    {
+        f: impl FnOnce(&[f32], Option<&[f32]>) -> R,
+    ) -> R {
+        thread_local! {
+            static CONVERTED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+                const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        }
         match self {
-            Scales::F32(s, o) => (&s[start..stop], o.map(|o| &o[start..stop])),
-            Scales::F16(s, o) => {
-                let (scales, offsets) = buffers;
+            Scales::F32(s, o) => f(&s[start..stop], o.map(|o| &o[start..stop])),
+            Scales::F16(s, o) => CONVERTED.with_borrow_mut(|(scales, offsets)| {
                 scales.resize(stop - start, 0.0);
                 s[start..stop].convert_to_f32_slice(scales);
                 let offsets = o.map(|o| {
@@ -310,8 +311,8 @@ impl Scales<'_> {
                     o[start..stop].convert_to_f32_slice(offsets);
                     &offsets[..]
                 });
-                (&scales[..], offsets)
-            }
+                f(scales, offsets)
+            }),
         }
     }
 }
@@ -483,16 +484,14 @@ fn q4_dequantize_block(
     r1: usize,
 ) {
     let groups = k / 32;
-    let mut buffers = Default::default();
-    let (scales, offsets) = scales.to_f32(r0 * groups, r1 * groups, &mut buffers);
     let codes = &codes[r0 * k / 2..r1 * k / 2];
-    match path {
+    scales.with_f32(r0 * groups, r1 * groups, |scales, offsets| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe {
             x86::q4_dequantize_rows(codes, scales, offsets, out, k, 0, r1 - r0)
         },
         _ => q4::dequantize_rows(codes, scales, offsets, out, k, 0, r1 - r0),
-    }
+    })
 }
 
 /// ``out [m, n] = x [m, k] @ W^T`` for a ``q8`` weight (``codes [n, k]``, scales and
@@ -579,16 +578,14 @@ fn q8_dequantize_block(
     r1: usize,
 ) {
     let groups = k / group;
-    let mut buffers = Default::default();
-    let (scales, offsets) = scales.to_f32(r0 * groups, r1 * groups, &mut buffers);
     let codes = &codes[r0 * k..r1 * k];
-    match path {
+    scales.with_f32(r0 * groups, r1 * groups, |scales, offsets| match path {
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2Fma => unsafe {
             x86::q8_dequantize_rows(codes, scales, offsets, out, k, group, 0, r1 - r0)
         },
         _ => q8::dequantize_rows(codes, scales, offsets, out, k, group, 0, r1 - r0),
-    }
+    })
 }
 
 /// The dense weight ``out [n, k]`` of a ``q4`` weight, bit-equal to
