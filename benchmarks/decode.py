@@ -6,7 +6,8 @@ This script measures the machine's read bandwidth (a torch sum over a 1 GiB arra
 of a few), then decodes ``--tokens`` new tokens (EOS ignored) after the same prompt on the
 embedded SmolLM2-135M-Instruct Q4_1 GGUF with each engine, and prints each engine's decode
 tok/s (prefill excluded: the first token is timed on its own), the roofline for the bytes
-that engine reads per token, and the share of it reached:
+that engine reads per token (its weights, and its KV cache at the run's mean context: the
+prompt and half the new tokens), and the share of it reached:
 
 * ``powertrain-dequantize``: ``LLM(quantization="dequantize")``, float32; reads every
   linear weight and the (tied) embedding matrix as the lm_head, 4 bytes per weight.
@@ -96,6 +97,19 @@ def bytes_per_token(gguf: Path) -> dict[str, int]:
         "llama.cpp": sum(t.n_bytes for t in tensors),
         # "hf" comes from the child: its float32 parameter bytes (tied weights counted once)
     }
+
+
+#: Bytes per element of each engine's KV cache: float32 for powertrain and HF (the model's
+#: dtype here), llama.cpp's default f16.
+KV_ELEMENT_BYTES = {"powertrain-dequantize": 4, "powertrain-keep": 4, "powertrain-keep-layerwise": 4, "hf": 4, "llama.cpp": 2}
+
+
+def kv_elements_per_position(gguf: Path) -> int:
+    """Key and value elements one cached position holds, over all layers (GQA: the kv heads)."""
+    meta = read_gguf(gguf).metadata
+    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    head_dim = meta.get("llama.attention.key_length", meta["llama.embedding_length"] // heads)
+    return meta["llama.block_count"] * 2 * kv_heads * head_dim
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -230,6 +244,10 @@ def main() -> None:
     prompt = tokenizer_from_gguf(read_gguf(gguf).metadata, source=gguf.name).encode(PROMPT)
     bandwidth = read_bandwidth()
     streamed = bytes_per_token(gguf)
+    # Each decoded token also reads every cached key and value: on average over the run, a
+    # context of the prompt and half the new tokens.
+    kv_positions = len(prompt) + args.tokens / 2
+    kv_elements = kv_elements_per_position(gguf)
     file_bytes = os.path.getsize(gguf)
     results: dict[str, Any] = {
         "gguf": f"{gguf.name} ({mib(file_bytes)})",
@@ -245,11 +263,14 @@ def main() -> None:
             results[engine] = f"failed: {row['error']}"
             continue
         rate = (row["tokens"] - 1) / row["decode_s"]
-        size = row.get("bytes_per_token", streamed.get(engine, 0))
-        roofline = bandwidth / size
+        weights = row.get("bytes_per_token", streamed.get(engine, 0))
+        kv_bytes = kv_elements * KV_ELEMENT_BYTES[engine] * kv_positions
+        roofline = bandwidth / (weights + kv_bytes)
         results[f"{engine} decode tok/s"] = rate
         results[f"{engine} prefill+first token s"] = row["prefill_s"]
-        results[f"{engine} roofline tok/s"] = f"{roofline:.1f} ({mib(size)} per token)"
+        results[f"{engine} roofline tok/s"] = (
+            f"{roofline:.1f} ({mib(weights)} weights + {kv_bytes / 2**20:.1f} MiB cache per token)"
+        )
         results[f"{engine} % of roofline"] = 100 * rate / roofline
         if "rss_loaded" in row:
             bound = 2 * file_bytes + (row["kv_cache_bytes"] or 0)
