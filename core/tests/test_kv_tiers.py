@@ -170,14 +170,16 @@ def test_a_published_prompt_is_another_caches_hit_bit_for_bit(tmp_path: Path, se
     writer.run(first)
     kept = {w: [writer.block(w, b) for b in table] for w, table in first.block_tables.items()}
     writer.manager.free_sequence(first)
-    offloads = writer.manager.prefix_offloads(prompt)
+    publication = writer.manager.prefix_publication(prompt)
+    offloads = publication.offloads
+    assert publication.elsewhere == []
     published: Future[int] = Future()
-    writer.mover.publish(offloads, published)
+    writer.mover.publish(publication, published)
     # Every block of the full class, and the sliding blocks still cached (all, here).
     assert published.result(timeout=30) == len(offloads) == 8
     assert host.get([key for _, _, key in offloads]) == [None] * 8  # the host tier is this process's own
     again: Future[int] = Future()
-    writer.mover.publish(writer.manager.prefix_offloads(prompt), again)
+    writer.mover.publish(writer.manager.prefix_publication(prompt), again)
     assert again.result(timeout=30) == 0  # the store holds them already
     writer.manager.mark_stored(prompt)  # the engine does, once a publication succeeded
     # Evicted now (another request takes every block), they are not copied out again: the
@@ -210,7 +212,7 @@ def test_a_publication_a_store_refuses_fails_with_the_reason(tmp_path: Path, see
     (tmp_path / "store").rename(tmp_path / "gone")
     (tmp_path / "store").write_bytes(b"a file where the directory was")
     published: Future[int] = Future()
-    harness.mover.publish(harness.manager.prefix_offloads(prompt), published)
+    harness.mover.publish(harness.manager.prefix_publication(prompt), published)
     with pytest.raises(OSError, match="kv store 'directory' failed to take 4 published blocks"):
         published.result(timeout=30)
     # Unmarked (the publication failed), they are copied out when evicted.
@@ -219,3 +221,63 @@ def test_a_publication_a_store_refuses_fails_with_the_reason(tmp_path: Path, see
     transfers = harness.manager.take_transfers()
     assert transfers is not None and len(transfers.offloads) == 4
     harness.mover.tiers.close()
+
+
+def test_a_publication_of_blocks_the_cache_no_longer_holds_needs_them_in_a_tier(tmp_path: Path, seed: int) -> None:
+    """A prompt whose blocks left the prefill rank's cache before the hand-off (evicted, or
+    never cached: its sequence preempted while its last step ran) publishes nothing of its
+    own. It succeeds only where the blocks are somewhere: in the shared store already, or
+    in this process's host tier (written from there); else it fails with the reason, never
+    "0 blocks written" for a hit the decode rank would then miss."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000) for _ in range(9)]  # 2 full blocks and a token
+
+    def evicted(harness: Harness) -> dict[int | None, list[list[torch.Tensor]]]:
+        first = seq_of(prompt)
+        harness.run(first)
+        kept = {w: [harness.block(w, b) for b in table] for w, table in first.block_tables.items()}
+        harness.manager.free_sequence(first)
+        harness.run(seq_of([rng.randrange(1000, 2000) for _ in range(9)]))  # takes every block
+        harness.mover.tiers.flush()
+        return kept
+
+    def publish(harness: Harness) -> Future[int]:
+        publication = harness.manager.prefix_publication(prompt)
+        # Nothing cached; a hit of 8 tokens needs both blocks of each class (the window of
+        # 6 at token 8 reaches back into the first).
+        assert publication.offloads == [] and len(publication.elsewhere) == 4, publication
+        published: Future[int] = Future()
+        harness.mover.publish(publication, published)
+        return published
+
+    # Evicted into the host tier only: published from there, bit for bit.
+    host = HostMemoryStore(None)
+    writer = Harness(
+        KVTiers([("host", host), ("directory", DirectoryStore(tmp_path / "a", None))]), {None: 3, WINDOW: 3}
+    )
+    kept = evicted(writer)
+    assert publish(writer).result(timeout=30) == 4, f"seed={seed}"
+    reader = Harness(KVTiers([("directory", DirectoryStore(tmp_path / "a", None))]), {None: 3, WINDOW: 3})
+    seq = seq_of(prompt)
+    assert reader.manager.match_prefix(seq).tier_tokens == {"directory": 8}, f"seed={seed}"
+    reader.run(seq)
+    assert same(reader.block(None, seq.block_tables[None][0]), kept[None][0]), f"seed={seed}"
+    # Evicted into the shared store itself (no host tier): already there, nothing to write.
+    shared = Harness(KVTiers([("directory", DirectoryStore(tmp_path / "b", None))]), {None: 3, WINDOW: 3})
+    evicted(shared)
+    assert publish(shared).result(timeout=30) == 0, f"seed={seed}"
+    # Nowhere (the store dropped them since): the hand-off fails and says why.
+    lost = Harness(KVTiers([("directory", DirectoryStore(tmp_path / "c", None))]), {None: 3, WINDOW: 3})
+    evicted(lost)
+    for path in (tmp_path / "c").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    with pytest.raises(LookupError, match="4 of the prompt's blocks left the cache before they were published"):
+        publish(lost).result(timeout=30)
+    # And with the store gone, the failure is the store's.
+    (tmp_path / "b").rename(tmp_path / "b-gone")
+    (tmp_path / "b").write_bytes(b"a file where the directory was")
+    with pytest.raises(OSError, match="failed to say whether it holds the prompt's blocks"):
+        publish(shared).result(timeout=30)
+    for harness in (writer, reader, shared, lost):
+        harness.mover.tiers.close()

@@ -88,6 +88,17 @@ class BlockTransfers:
     loads: list[tuple[Window, int, torch.Tensor]]
 
 
+@attrs.frozen
+class Publication:
+    """What publishing a prompt takes: copies of the blocks the pools cache (retention
+    class, block id, tier key), and the tier keys of the blocks a hit needs that the
+    pools no longer hold (evicted, or never cached: a sequence preempted while its last
+    step ran), which the store must have already."""
+
+    offloads: list[tuple[Window, int, bytes]]
+    elsewhere: list[bytes]
+
+
 @attrs.define
 class Block:
     block_id: int
@@ -539,12 +550,23 @@ class BlockManager:
                     found.append((w, block_id, block_hash))
         return found
 
-    def prefix_offloads(self, token_ids: list[int]) -> list[tuple[Window, int, bytes]]:
-        """Copies out of every block a prompt of ``token_ids`` could hit that the pools
-        cache (prefill/decode disaggregation publishes them), or none without tiers."""
+    def prefix_publication(self, token_ids: list[int]) -> Publication:
+        """Prefill/decode disaggregation's hand-off of a prompt of ``token_ids``: copies of
+        every block it could hit that the pools cache, and the keys of those its full hit
+        needs that they do not (nothing without tiers)."""
         if self.tiers is None:
-            return []
-        return [(w, block_id, tier_key(block_hash, w)) for w, block_id, block_hash in self._cached_prefix(token_ids)]
+            return Publication([], [])
+        chain = list(self._hit_chain(token_ids))
+        offloads, elsewhere = [], []
+        for w, pool in self.pools.items():
+            needed = pool.first_needed(len(chain) * self.block_size)
+            for index, (tokens, block_hash) in enumerate(chain):
+                block_id = pool.lookup(block_hash, tokens)
+                if block_id is not None:
+                    offloads.append((w, block_id, tier_key(block_hash, w)))
+                elif index >= needed:
+                    elsewhere.append(tier_key(block_hash, w))
+        return Publication(offloads, elsewhere)
 
     def mark_stored(self, token_ids: list[int]) -> None:
         """The tiers hold the cached blocks of this prompt (it was published): their

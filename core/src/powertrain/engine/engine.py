@@ -203,18 +203,20 @@ class LLMEngine:
     def publish_prefix(self, token_ids: list[int]) -> Future[int]:
         """Write the cached blocks a prompt of ``token_ids`` could hit to the shared tiers
         (prefill/decode disaggregation: a prefill rank's hand-off); the future gets how
-        many blocks were written, or the copy's or store's error. Call it after the step
+        many blocks were written, or the copy's or store's error, or that blocks the
+        prompt's hit needs are no longer cached here and not in the store (a decode rank
+        would miss them: the hand-off failed, not merely wrote nothing). Call it after the step
         that computed them was collected (``step`` returned their request finished)."""
         published: Future[int] = Future()
         mover = self.block_mover
         if mover is None or not mover.tiers.shared:
             published.set_exception(RuntimeError("no shared KV store to publish to: set [components] kv_store"))
             return published
-        offloads = self.block_manager.prefix_offloads(token_ids)
+        publication = self.block_manager.prefix_publication(token_ids)
 
         def copy_out() -> None:
             try:
-                mover.publish(offloads, published)
+                mover.publish(publication, published)
             except BaseException as error:  # the device copy failed: the hand-off did
                 published.set_exception(error)
 

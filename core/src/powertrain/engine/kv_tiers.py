@@ -59,6 +59,8 @@ class _Offered:
     ready: Callable[[], None] | None
     #: A publication: written to the shared tiers only, then this gets the blocks written.
     published: Future[int] | None = None
+    #: A publication's keys that the shared tiers must hold already (no payload here).
+    elsewhere: Sequence[bytes] = ()
 
 
 class KVTiers:
@@ -98,10 +100,18 @@ class KVTiers:
                 self._pending[key] = payload
         self._queue.put(_Offered(blocks, ready))
 
-    def publish(self, blocks: list[StoredBlock], ready: Callable[[], None] | None, published: Future[int]) -> None:
+    def publish(
+        self,
+        blocks: list[StoredBlock],
+        ready: Callable[[], None] | None,
+        published: Future[int],
+        elsewhere: Sequence[bytes] = (),
+    ) -> None:
         """Queue ``blocks`` for every shared tier; ``published`` gets how many were written
-        (those a tier held already are not), or the store's error."""
-        self._queue.put(_Offered(blocks, ready, published))
+        (those a tier held already are not), or an error: the store's, or that one of the
+        keys ``elsewhere`` (blocks the publisher's cache no longer has) is neither in the
+        shared tier nor in this process's own tiers, to be written from there."""
+        self._queue.put(_Offered(blocks, ready, published, elsewhere))
 
     def _write_loop(self) -> None:
         while (offered := self._queue.get()) is not None:
@@ -111,7 +121,7 @@ class KVTiers:
                 if offered.published is None:
                     self._put_down(0, offered.blocks)
                 else:
-                    self._publish(offered.blocks, offered.published)
+                    self._publish(offered.blocks, offered.published, offered.elsewhere)
             except Exception as error:  # the writer outlives any one batch (a failed copy, a bug)
                 if offered.published is not None:
                     offered.published.set_exception(error)
@@ -143,17 +153,41 @@ class KVTiers:
             stats.bytes_written += sum(payload.numel() for _, payload in blocks)
         return dropped
 
-    def _publish(self, blocks: list[StoredBlock], published: Future[int]) -> None:
+    def _publish(self, blocks: list[StoredBlock], published: Future[int], elsewhere: Sequence[bytes]) -> None:
         written = 0
         for name, store in self.tiers:
             if not store.shared:
                 continue
-            held = self._call(name, store.contains, [key for key, _ in blocks])
-            missing = [block for block, there in zip(blocks, held or [False] * len(blocks), strict=True) if not there]
+            held = self._call(name, store.contains, [*(key for key, _ in blocks), *elsewhere])
+            if held is None and elsewhere:
+                raise OSError(f"kv store {name!r} failed to say whether it holds the prompt's blocks (logged above)")
+            held = held or [False] * len(blocks)
+            missing = [block for block, there in zip(blocks, held[: len(blocks)], strict=True) if not there]
+            lost = []
+            for key, there in zip(elsewhere, held[len(blocks) :], strict=True):
+                own = None if there else self._own_copy(key)
+                if own is not None:
+                    missing.append((key, own))
+                elif not there:
+                    lost.append(key)
+            if lost:
+                raise LookupError(
+                    f"{len(lost)} of the prompt's blocks left the cache before they were published, and neither "
+                    f"kv store {name!r} nor this process's own tiers hold them"
+                )
             if missing and self._put(name, store, missing) is None:
                 raise OSError(f"kv store {name!r} failed to take {len(missing)} published blocks (logged above)")
             written += len(missing)
         published.set_result(written)
+
+    def _own_copy(self, key: bytes) -> torch.Tensor | None:
+        """The payload under ``key`` in a tier only this process sees (its host memory), or None."""
+        for name, store in self.tiers:
+            if not store.shared:
+                got = self._call(name, store.get, [key])
+                if got and got[0] is not None:
+                    return got[0]
+        return None
 
     def flush(self) -> None:
         """Wait until everything offered so far is written (tests, shutdown)."""

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
-from powertrain.engine.block_manager import BlockTransfers, Window
+from powertrain.engine.block_manager import BlockTransfers, Publication, Window
 from powertrain.engine.kv_tiers import KVTiers
 from powertrain.interfaces import AttentionLayerSpec, LayerKVCache
 
@@ -56,10 +56,11 @@ class BlockMover:
         for w, block_id, payload in transfers.loads:
             self._copy_in(w, block_id, payload)
 
-    def publish(self, offloads: list[tuple[Window, int, bytes]], published: Future[int]) -> None:
-        """Copy these blocks out to the shared tiers; ``published`` says when they are there."""
-        blocks = [(key, self._copy_out(w, block_id)) for w, block_id, key in offloads]
-        self.tiers.publish(blocks, self._ready(), published)
+    def publish(self, publication: Publication, published: Future[int]) -> None:
+        """Copy a prompt's cached blocks out to the shared tiers; ``published`` says when
+        they (and those it lists as elsewhere) are there."""
+        blocks = [(key, self._copy_out(w, block_id)) for w, block_id, key in publication.offloads]
+        self.tiers.publish(blocks, self._ready(), published, elsewhere=publication.elsewhere)
 
     def _copy_out(self, window: Window, block_id: int) -> torch.Tensor:
         payload = torch.empty(self.block_bytes[window], dtype=torch.uint8, pin_memory=self._pin)
