@@ -7,7 +7,7 @@ import random
 import pytest
 
 from powertrain.engine.block_manager import BlockManager
-from powertrain.engine.sequence import Request, Sequence
+from powertrain.engine.sequence import PLACEHOLDER, Request, Sequence
 from powertrain.interfaces import Scheduler
 from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.scheduling import SchedulerContext, SchedulerLimits
@@ -114,6 +114,45 @@ def test_out_of_blocks_preempts_the_newest_and_the_oldest_progresses(make) -> No
     scheduler.finish(old)
     batch = scheduler.schedule()
     assert batch.seqs == [new] and batch.num_new_tokens == [new.num_tokens - new.num_cached_tokens]
+
+
+def test_a_sequence_finishing_in_flight_is_neither_scheduled_nor_preempted(make) -> None:
+    """Async scheduling: while step N samples a sequence's last token (its placeholder is
+    the one ``max_tokens`` allows), step N+1 gives it nothing (the token would be thrown
+    away) and does not take its blocks: preempting it would lose what step N writes to its
+    cache (a prefill rank publishes that). The sequence short of blocks waits a step instead
+    of being preempted, and admits nobody meanwhile."""
+    scheduler, blocks = make(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    rng = random.Random(0)
+    old = seq_of(8, seed=1)  # two blocks, then a third at its ninth token
+    last = Request("last", None, [rng.randrange(500) for _ in range(9)], SamplingParams(max_tokens=1)).sequences[0]
+    for seq in (old, last):
+        scheduler.add(seq)
+    batch = scheduler.schedule()  # both prefill: old 2 blocks, last 3 (the cache is full)
+    assert batch.seqs == [old, last] and batch.samples == [True, True] and blocks.num_free_blocks == 0
+    for seq in batch.seqs:  # what the engine's launch does for the step in flight
+        seq.token_ids.append(PLACEHOLDER)
+    assert last.finishing and not old.finishing
+    waiting = seq_of(4, seed=2)
+    scheduler.add(waiting)
+    # Step N+1, before step N is collected: old's placeholder needs a third block, which
+    # only the finishing sequence holds. Nobody is preempted; old waits.
+    batch = scheduler.schedule()
+    assert not batch and batch.preempted == [] and last.block_tables and old.block_tables
+    assert list(scheduler.waiting) == [waiting]
+    # Step N collected: last finishes (its blocks come free, its prefix cached); old goes on.
+    old.token_ids[-1] = rng.randrange(500)
+    last.token_ids[-1] = rng.randrange(500)
+    for seq in (old, last):
+        blocks.register_computed(seq)
+    scheduler.finish(last)
+    assert blocks.match_prefix(seq_of_tokens(last.token_ids[:9])).num_tokens == 8  # its full blocks were cached
+    batch = scheduler.schedule()
+    assert old in batch.seqs and batch.preempted == []
+
+
+def seq_of_tokens(tokens: list[int]) -> Sequence:
+    return Request(f"r{random.random()}", None, list(tokens), SamplingParams()).sequences[0]
 
 
 def test_finish_frees_blocks(make) -> None:

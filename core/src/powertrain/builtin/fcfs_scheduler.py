@@ -7,6 +7,12 @@ budget and the sequence limit allow. When the cache cannot hold a running
 sequence's next tokens, the most recently admitted sequences are preempted
 (blocks freed, recomputed later), never the oldest: the oldest always progresses,
 so the engine cannot livelock, and nothing ever runs out of memory mid-step.
+
+A sequence whose step in flight samples its last token (``finishing``) is neither
+scheduled (its next token would be thrown away) nor preempted: its blocks come free
+when that step is collected, and preempting it would lose the cache that step wrote
+(a prefill rank's hand-off). Where only such sequences could make room, the one
+short of blocks waits a step instead of being preempted.
 """
 
 from __future__ import annotations
@@ -49,18 +55,21 @@ class FcfsScheduler(Generic[Seq]):
         preempted: list[Seq] = []
 
         index = 0
+        short = False  # a running sequence waits for blocks the step in flight frees
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining <= 0:  # nothing new to compute yet
+            if remaining <= 0 or seq.finishing:  # nothing new to compute (yet, or ever)
                 index += 1
                 continue
             count = min(remaining, budget)
             target = seq.num_computed_tokens + count
-            while not self.blocks.can_append(seq, target) and self.running[-1] is not seq:
-                preempted.append(self._preempt(self.running[-1]))
+            while not self.blocks.can_append(seq, target) and (victim := self._victim_after(seq)) is not None:
+                preempted.append(self._preempt(victim))
             if not self.blocks.can_append(seq, target):
-                preempted.append(self._preempt(seq))
+                short = any(other.finishing for other in self.running)
+                if not short:
+                    preempted.append(self._preempt(seq))
                 break
             self.blocks.append(seq, target)
             chosen.append((seq, count))
@@ -68,7 +77,7 @@ class FcfsScheduler(Generic[Seq]):
             index += 1
 
         # Admit new work only when memory is not tight (nothing was just preempted).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while not (preempted or short) and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             matched = self.blocks.match_prefix(seq)
             cached = matched.num_tokens
@@ -94,6 +103,15 @@ class FcfsScheduler(Generic[Seq]):
             samples=[seq.num_computed_tokens == seq.num_tokens for seq, _ in chosen],
             preempted=preempted,
         )
+
+    def _victim_after(self, seq: Seq) -> Seq | None:
+        """The most recently admitted running sequence after ``seq`` that is not finishing."""
+        for candidate in reversed(self.running):
+            if candidate is seq:
+                return None
+            if not candidate.finishing:
+                return candidate
+        return None
 
     def _preempt(self, seq: Seq) -> Seq:
         """Free ``seq``'s blocks and queue it first, to be recomputed (its full blocks

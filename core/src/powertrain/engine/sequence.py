@@ -82,6 +82,12 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def finishing(self) -> bool:
+        """``SchedulerSequence.finishing``: the step in flight fills the last placeholder
+        this sequence's ``max_tokens`` allows."""
+        return self.token_ids[-1:] == [PLACEHOLDER] and self.num_output_tokens >= self.params.max_tokens
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return self.request.stop_token_ids
 

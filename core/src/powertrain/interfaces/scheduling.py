@@ -40,6 +40,13 @@ class SchedulerSequence(Protocol):
         """Prompt and generated tokens so far (including drafts being verified)."""
         ...
 
+    @property
+    def finishing(self) -> bool:
+        """The step in flight samples this sequence's last token (its length limit): it
+        needs nothing more, and its blocks come free when that step is collected. Its
+        cache is worth keeping until then (a prefill rank publishes it)."""
+        ...
+
 
 #: The engine's sequence type, as a scheduler passes it through.
 Seq = TypeVar("Seq", bound=SchedulerSequence)
