@@ -11,10 +11,7 @@ shape, so a machine measures each shape once; delete the file to measure again.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -22,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import structlog
 import torch
 import torch.nn.functional as F
 
-log = structlog.get_logger(__name__)
+from powertrain.measurements import cache_folder, read_entries, write_entries
 
 PLAIN = "f.linear"
 PACKED = "onednn-packed"
@@ -39,6 +35,7 @@ ROW_CLASSES = {"decode": 1, "batch": 64}
 REPEATS = 5
 BUDGET_S = 0.01
 CACHE_FORMAT = 1
+WHAT = "linear choice cache"
 
 #: Seconds (best of the runs) per candidate, per row class.
 Times = dict[str, dict[str, float]]
@@ -98,12 +95,8 @@ def time_shape(shape: tuple[int, int], dtype: torch.dtype) -> Times:
 
 
 def cache_path() -> Path:
-    """``$POWERTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/powertrain``, else ``~/.cache/powertrain``."""
-    root = os.environ.get("POWERTRAIN_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = str(Path(xdg if xdg else Path.home() / ".cache") / "powertrain")
-    return Path(root) / "linear_choice.json"
+    """``linear_choice.json`` in ``measurements.cache_folder()``."""
+    return cache_folder() / "linear_choice.json"
 
 
 def cache_key(cpu: str, torch_version: str, threads: int, dtype: torch.dtype, shape: tuple[int, int]) -> str:
@@ -120,46 +113,6 @@ def valid_entry(entry: Any) -> bool:
     )
 
 
-def read_cache(path: Path) -> dict[str, dict]:
-    """The cached entries; none (with a warning) when the file cannot be read or is not what
-    this module writes, so a damaged file is measured over, never trusted."""
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, NotADirectoryError):  # nothing cached yet (writing says if it cannot be)
-        return {}
-    except (OSError, UnicodeDecodeError) as error:
-        log.warning("linear choice cache unreadable; measuring again", path=str(path), error=str(error))
-        return {}
-    try:
-        data = json.loads(text)
-        entries = data["choices"]
-        if data.get("format") != CACHE_FORMAT or not isinstance(entries, dict):
-            raise ValueError(f"not a format-{CACHE_FORMAT} linear choice cache")
-        if not all(valid_entry(entry) for entry in entries.values()):
-            raise ValueError("an entry without a known choice and its times")
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        log.warning("linear choice cache corrupt; ignoring it and measuring again", path=str(path), error=str(error))
-        return {}
-    return entries
-
-
-def write_cache(path: Path, entries: dict[str, dict]) -> None:
-    """Replace the cache atomically (a reader sees the old file or the new one); a directory
-    that cannot be written only costs measuring again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as file:
-                json.dump({"format": CACHE_FORMAT, "choices": entries}, file, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as error:
-        log.warning("linear choice cache not written; measuring again next time", path=str(path), error=str(error))
-
-
 def choose(
     shapes: Iterable[tuple[int, int]], dtype: torch.dtype, cpu: str, timer: ShapeTimer | None = None
 ) -> LinearChoice:
@@ -167,7 +120,7 @@ def choose(
     with ``timer`` (``time_shape`` unless given) and then cached."""
     timer = timer or time_shape
     path = cache_path()
-    cached = read_cache(path)
+    cached = read_entries(path, CACHE_FORMAT, valid_entry, WHAT)
     fresh: dict[str, dict] = {}
     chosen: dict[tuple[int, int], str] = {}
     ms: dict[str, dict[str, dict[str, float]]] = {}
@@ -184,5 +137,5 @@ def choose(
         chosen[shape] = entry["choice"]
         ms[shape_label(shape)] = entry["ms"]
     if fresh:
-        write_cache(path, {**cached, **fresh})
+        write_entries(path, CACHE_FORMAT, {**cached, **fresh}, WHAT)
     return LinearChoice(shapes=chosen, ms=ms, measured=bool(fresh), cache=path)
