@@ -137,12 +137,18 @@ class NativeQuantizedLinear:
     def for_this_cpu(cls, activation_bits: int = 16) -> NativeQuantizedLinear:
         """The kernel as the plugin builds it: the bfloat16 route only where the CPU has
         bfloat16 dot-product instructions (elsewhere bfloat16 matmuls are slower than float32),
-        from fewer rows where they are AMX tiles."""
+        from fewer rows where they are AMX tiles; the float32 dense route from the row count
+        this machine's timing chose (``dense_route``)."""
         from powertrain.builtin.platforms import bf16_dot_flags
 
         flags = bf16_dot_flags()
         min_rows = BF16_DENSE_MIN_ROWS_AMX if "amx_bf16" in flags else BF16_DENSE_MIN_ROWS if flags else None
-        return cls(activation_bits=activation_bits, bf16_dense_min_rows=min_rows)
+        kernel = cls(activation_bits=activation_bits, bf16_dense_min_rows=min_rows)
+        if gomp_parallel_address():  # where the kernel shares torch's team, as torch's GEMM does
+            from powertrain_cpu_kernels.dense_route import native_max_rows
+
+            kernel.gemv_max_rows = native_max_rows(kernel)
+        return kernel
 
     def prepare(self, weight: QuantizedWeight) -> PreparedWeight:
         if not isinstance(weight, QuantizedWeight):
