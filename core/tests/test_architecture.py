@@ -32,7 +32,17 @@ REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "core" / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("powertrain", "components", "config", "hookspecs", "interfaces", "log_setup", "selection", "startup"),
+    (
+        "powertrain",
+        "components",
+        "config",
+        "hookspecs",
+        "interfaces",
+        "log_setup",
+        "measurements",
+        "selection",
+        "startup",
+    ),
     ("distributed", "engine", "layers", "loader", "models", "parallel", "plugins", "tokenizer"),
     ("builtin",),
     ("assemble",),
