@@ -126,8 +126,9 @@ def test_deepseek_v3_disaggregated_equals_colocated_and_a_lost_store_costs_only_
 
 def test_smollm2_disaggregated_equals_colocated(tmp_path: Path) -> None:
     seed = fresh_seed()
-    prompts = prompts_for(seed, vocab=49152)[:8]
-    # 8 blocks: any request fits; several decoding at once do not (the decode rank preempts).
+    prompts = prompts_for(seed, vocab=49152)
+    # 8 blocks: any request fits; the twelve decoding at once do not (the decode rank preempts:
+    # with eight prompts it once did not, its scheduler waiting for finishing sequences instead).
     base = {"dtype": "float32", "quantization": "dequantize", "num_blocks": 8}
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
     colocated, _ = generate(base, prompts, params)
