@@ -163,16 +163,18 @@ class KVTiers:
                 raise OSError(f"kv store {name!r} failed to say whether it holds the prompt's blocks (logged above)")
             held = held or [False] * len(blocks)
             missing = [block for block, there in zip(blocks, held[: len(blocks)], strict=True) if not there]
-            lost = []
+            lost = 0
             for key, there in zip(elsewhere, held[len(blocks) :], strict=True):
-                own = None if there else self._own_copy(key)
-                if own is not None:
+                if there:
+                    continue
+                own = self._own_copy(key)
+                if own is None:
+                    lost += 1
+                else:
                     missing.append((key, own))
-                elif not there:
-                    lost.append(key)
             if lost:
                 raise LookupError(
-                    f"{len(lost)} of the prompt's blocks left the cache before they were published, and neither "
+                    f"{lost} of the prompt's blocks left the cache before they were published, and neither "
                     f"kv store {name!r} nor this process's own tiers hold them"
                 )
             if missing and self._put(name, store, missing) is None:

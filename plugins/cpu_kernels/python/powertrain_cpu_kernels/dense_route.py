@@ -14,8 +14,6 @@ below the smallest from which the dense route is faster on each weight at each l
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,6 +24,7 @@ import torch
 import powertrain_cpu_kernels._native as _native
 from powertrain.builtin.platforms import cpu_model
 from powertrain.interfaces.quantized import QuantizedWeight
+from powertrain.layers.linear_choice import best_time, shape_label
 from powertrain.measurements import cache_folder, read_entries, write_entries
 from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
@@ -35,7 +34,6 @@ log = structlog.get_logger(__name__)
 ROWS = (64, 128, 256, 512)
 #: (out, in) of the throwaway weights: SmolLM2-135M's MLP up and down projections' halves.
 SHAPES = ((1536, 576), (576, 1536))
-REPEATS = 3
 CACHE_FORMAT = 1
 WHAT = "cpu-native dense route cache"
 
@@ -57,16 +55,6 @@ def throwaway_weight(shape: tuple[int, int], gen: torch.Generator) -> QuantizedW
     )
 
 
-def best_ms(run: Callable[[], Any]) -> float:
-    run()  # warm-up: buffers, MKL's first call of a shape
-    best = math.inf
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return round(best * 1e3, 4)
-
-
 def time_routes(kernel: Any) -> Times:
     """Both routes of ``kernel`` on the throwaway weights at ``ROWS``."""
     gen = torch.Generator().manual_seed(0)
@@ -74,12 +62,15 @@ def time_routes(kernel: Any) -> Times:
     with torch.no_grad():
         for shape in SHAPES:
             prepared = kernel.prepare(throwaway_weight(shape, gen))
-            per_rows = times[f"{shape[0]}x{shape[1]}"] = {}
+            per_rows = times[shape_label(shape)] = {}
             for rows in ROWS:
                 x = torch.randn(rows, shape[1], generator=gen)
                 per_rows[str(rows)] = {
-                    "native": best_ms(partial(kernel._native_linear, x, prepared)),
-                    "dense": best_ms(partial(kernel._dense_linear, x, prepared, None)),
+                    route: round(best_time(run) * 1e3, 4)
+                    for route, run in (
+                        ("native", partial(kernel._native_linear, x, prepared)),
+                        ("dense", partial(kernel._dense_linear, x, prepared, None)),
+                    )
                 }
     return times
 
