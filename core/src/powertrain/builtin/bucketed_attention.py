@@ -228,11 +228,17 @@ class BucketedAttention:
         k = keys[slots].to(query.dtype).transpose(0, 1)  # [kv, seq, d]
         v = values[slots].to(query.dtype).transpose(0, 1)
         q = query.transpose(0, 1)  # [heads, q_len, d]
+        gqa = layer.num_heads != layer.num_kv_heads
+        if q_len == seq_len and (layer.sliding_window is None or layer.sliding_window >= seq_len):
+            # The whole sequence is new and plainly causal: torch's causal kernel skips the
+            # blocks above the diagonal, where a mask would be built per layer, turned into
+            # a float mask, and applied to every block. (``is_causal`` aligns the diagonal
+            # top-left, so a chunk after cached tokens keeps the mask.)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=gqa)
+            return out.transpose(0, 1)
         query_pos = positions[seq_len - q_len :, None]
         mask = positions[None, :] <= query_pos
         if layer.sliding_window is not None:
             mask &= positions[None, :] > query_pos - layer.sliding_window
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads
-        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out.transpose(0, 1)
