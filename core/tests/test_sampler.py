@@ -10,7 +10,7 @@ import torch
 
 from powertrain.engine.sampler import Sampler, SamplingInputs, apply_penalties
 from powertrain.interfaces.errors import InvalidRequestError
-from powertrain.interfaces.sampling import SamplingParams, row_argmax
+from powertrain.interfaces.sampling import SamplingParams, race_noise, row_argmax
 
 VOCAB = 12
 
@@ -51,6 +51,19 @@ def test_temperature_sampling_matches_the_softmax() -> None:
     # 40k draws: each frequency within 5 standard errors of its probability.
     stderr = (expected * (1 - expected) / 40000).sqrt()
     assert ((observed - expected).abs() <= 5 * stderr + 1e-4).all(), (seed, observed, expected)
+
+
+def test_race_noise_is_exponential_and_follows_its_generator() -> None:
+    seed = fresh_seed()
+    draws = race_noise(torch.empty(1_000_000), torch.Generator().manual_seed(seed))
+    assert not draws.isnan().any() and (draws >= 0).all(), seed
+    # Exp(1): P(q > x) = e^-x. 1M draws: each tail fraction within 5 standard errors.
+    for x in (0.01, 0.5, 1.0, 3.0, 8.0):
+        expected = torch.tensor(-x).exp().item()
+        stderr = (expected * (1 - expected) / draws.numel()) ** 0.5
+        assert abs((draws > x).double().mean().item() - expected) <= 5 * stderr, (seed, x)
+    again = race_noise(torch.empty(1000), torch.Generator().manual_seed(seed))
+    assert torch.equal(again, draws[:1000]), "a seeded generator must give the same draws"
 
 
 def test_top_k_top_p_min_p_supports_and_renormalises() -> None:

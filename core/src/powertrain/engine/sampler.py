@@ -6,7 +6,8 @@ draws its noise from its own generator, advanced once per token. Together with
 batch-invariant logits that makes a seeded request reproducible in any batch.
 
 Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks token
-``i`` with probability ``p_i`` and needs one draw per vocabulary entry per row.
+``i`` with probability ``p_i`` and needs one draw per vocabulary entry per row
+(``race_noise``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import attrs
 import torch
 
 from powertrain.engine.structured import TokenMasks
-from powertrain.interfaces.sampling import SamplingParams, filtered_probs, row_argmax
+from powertrain.interfaces.sampling import SamplingParams, filtered_probs, race_noise, row_argmax
 
 
 @attrs.frozen(kw_only=True)
@@ -79,11 +80,13 @@ class Sampler:
     def _noise(self, shape: torch.Size, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty(shape, dtype=torch.float32)
         shared = [i for i, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            return race_noise(noise, self.generator)
         if shared:
-            noise[shared] = torch.empty((len(shared), shape[1])).exponential_(generator=self.generator)
+            noise[shared] = race_noise(torch.empty((len(shared), shape[1])), self.generator)
         for i, generator in enumerate(generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
+                race_noise(noise[i], generator)
         return noise
 
 

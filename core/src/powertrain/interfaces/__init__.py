@@ -77,7 +77,14 @@ from powertrain.interfaces.quantized import (
     QuantizedLinearKernel,
     QuantizedWeight,
 )
-from powertrain.interfaces.sampling import SamplingParams, StructuredOutput, filtered_probs, row_argmax, target_probs
+from powertrain.interfaces.sampling import (
+    SamplingParams,
+    StructuredOutput,
+    filtered_probs,
+    race_noise,
+    row_argmax,
+    target_probs,
+)
 from powertrain.interfaces.scheduling import (
     BlockAllocator,
     PrefixMatch,
@@ -160,6 +167,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "filtered_probs",
+    "race_noise",
     "row_argmax",
     "target_probs",
     # outputs

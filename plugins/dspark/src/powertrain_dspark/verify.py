@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from powertrain.interfaces import SamplingParams, row_argmax, target_probs
+from powertrain.interfaces import SamplingParams, race_noise, row_argmax, target_probs
 
 
 def verify_drafts(
@@ -77,5 +77,5 @@ def _verify_point_masses(drafts: Sequence[int], probs: torch.Tensor, generator: 
 def draw_token(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token with probability proportional to ``weights``: the sampler's exponential
     race, with one float32 noise vector over the vocabulary per token, as it draws."""
-    noise = torch.empty(weights.shape[-1], dtype=torch.float32).exponential_(generator=generator)
+    noise = race_noise(torch.empty(weights.shape[-1], dtype=torch.float32), generator)
     return int((weights.float() / noise).argmax())
