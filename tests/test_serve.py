@@ -288,6 +288,34 @@ def test_api_key_is_required_when_set(engine_and_adapter: tuple[AsyncEngine, Any
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
 
 
+def test_the_access_log_has_each_request_its_status_and_a_streams_whole_duration(
+    engine_and_adapter: tuple[AsyncEngine, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import structlog
+
+    import powertrain.serve.app as app_module
+
+    recorder = structlog.testing.CapturingLogger()
+    monkeypatch.setattr(app_module, "access_log", recorder)
+    with running_server(*engine_and_adapter, ServeSettings(api_key="s3cret")) as url:
+        assert httpx.post(f"{url}/v1/chat/completions", json={}).status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        started = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=12, stream=True
+        )
+        arrivals = [time.perf_counter() for _ in stream]
+        elapsed_ms = 1000 * (time.perf_counter() - started)
+    lines = [call.kwargs for call in recorder.calls if call.args == ("request",)]
+    refused, streamed = (line for line in lines if line["path"] == "/v1/chat/completions")
+    assert (refused["status"], refused["method"]) == (401, "POST")
+    assert streamed["status"] == 200 and streamed["client"] == "127.0.0.1"
+    # Logged when the stream ends, not when its headers went out: the duration spans the
+    # chunks (half their span, for scheduling slack; the headers alone take a few ms).
+    span_ms = 1000 * (arrivals[-1] - arrivals[0])
+    assert len(arrivals) > 2 and span_ms / 2 <= streamed["duration_ms"] <= elapsed_ms, (span_ms, streamed)
+
+
 def test_oversized_bodies_get_413(engine_and_adapter: tuple[AsyncEngine, Any]) -> None:
     with running_server(*engine_and_adapter, ServeSettings(max_body_bytes=2000)) as url:
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
