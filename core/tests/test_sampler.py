@@ -66,6 +66,16 @@ def test_race_noise_is_exponential_and_follows_its_generator() -> None:
     assert torch.equal(again, draws[:1000]), "a seeded generator must give the same draws"
 
 
+def test_race_noise_is_finite_even_for_a_uniform_draw_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uniform_ returns 0 once in 2^24 entries; the race must still pick a one-hot's token."""
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, **_: self.zero_())
+    noise = race_noise(torch.empty(8))
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    one_hot = torch.zeros(8)
+    one_hot[5] = 1
+    assert int(row_argmax(one_hot / noise)) == 5
+
+
 def test_top_k_top_p_min_p_supports_and_renormalises() -> None:
     seed = fresh_seed()
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2

@@ -280,8 +280,10 @@ def race_noise(out: torch.Tensor, generator: torch.Generator | None = None) -> t
 
     torch's CPU ``exponential_`` took 56 ms to fill 64 rows of SmolLM2's 49,152 (a third of
     a 64-sequence decode step on the 2-core Xeon VM); ``uniform_`` and a log take 10. A
-    ``u`` of 0 (at most 2^-24 per entry) gives an infinite draw: that entry cannot win."""
-    return out.uniform_(generator=generator).log_().neg_()
+    ``u`` of 0 (2^-24 per entry) is raised to the smallest normal float, so every draw is
+    finite (at most 87.3): an infinite one would zero its entry's ``p / q``, and where that
+    entry held all the probability (a one-hot target) the race would go to token 0."""
+    return out.uniform_(generator=generator).clamp_(min=torch.finfo(out.dtype).tiny).log_().neg_()
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -244,24 +244,26 @@ class AccessAndErrors:
             await send(message)
 
         try:
-            if path.startswith("/v1/"):
-                self.server.authenticate(Request(scope))
-            await self.app(scope, receive, send_noting_status)
-        except Exception as exc:
-            if status is not None:  # the response has started: too late for another one
-                raise
-            await _error_response(protocol, path, exc)(scope, receive, send_noting_status)
-        if status != 200 and path in (*GENERATION_ROUTES, "/v1/completions"):
-            self.server.metrics.requests.labels(protocol, str(status)).inc()
-        client = scope.get("client")
-        access_log.info(
-            "request",
-            method=scope["method"],
-            path=path,
-            status=status,
-            duration_ms=round(1000 * (time.perf_counter() - started), 2),
-            client=client[0] if client else None,
-        )
+            try:
+                if path.startswith("/v1/"):
+                    self.server.authenticate(Request(scope))
+                await self.app(scope, receive, send_noting_status)
+            except Exception as exc:
+                if status is not None:  # the response has started: too late for another one
+                    raise
+                await _error_response(protocol, path, exc)(scope, receive, send_noting_status)
+        finally:  # a request that ended in an exception is logged too
+            if status != 200 and path in (*GENERATION_ROUTES, "/v1/completions"):
+                self.server.metrics.requests.labels(protocol, str(status)).inc()
+            client = scope.get("client")
+            access_log.info(
+                "request",
+                method=scope["method"],
+                path=path,
+                status=status,
+                duration_ms=round(1000 * (time.perf_counter() - started), 2),
+                client=client[0] if client else None,
+            )
 
 
 def _error_response(protocol: str, path: str, exc: Exception) -> Response:
