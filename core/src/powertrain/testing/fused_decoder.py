@@ -36,8 +36,13 @@ CONFIG = {
     "max_position_embeddings": 256,
 }
 #: Largest |fused - layer by layer| logit over the largest one: the same kernels, with sums
-#: and the activation possibly in another order.
-TOLERANCE = 1e-4
+#: and the activation possibly in another order. Where a kernel rounds the activations of a
+#: few rows to 16-bit integers (cpu-native with AVX-512 VNNI: up to four rows), the fused
+#: SiLU, one float32 rounding from torch's, can move an activation across a rounding step.
+#: cpu-paged on the 2-core Xeon VM, 60 seeds: median 1.0e-5, largest 9.4e-5; seed
+#: 1615309811 gave 1.15e-4 (over the former 1e-4). A stack whose residual stream comes out
+#: 1% off (scaled by 1.01) is caught: 1.4e-3 to 4.3e-3 on seeds 0-2.
+TOLERANCE = 1e-3
 
 
 def _random_model(
