@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from powertrain.measurements import cache_folder, read_entries, write_entries
+from powertrain.measurements import MeasurementFile
 
 PLAIN = "f.linear"
 PACKED = "onednn-packed"
@@ -34,8 +34,6 @@ ROW_CLASSES = {"decode": 1, "batch": 64}
 #: one after its warm-up, while a light shape slowed once by a busy core still gets all.
 REPEATS = 5
 BUDGET_S = 0.01
-CACHE_FORMAT = 1
-WHAT = "linear choice cache"
 
 #: Seconds (best of the runs) per candidate, per row class.
 Times = dict[str, dict[str, float]]
@@ -96,7 +94,7 @@ def time_shape(shape: tuple[int, int], dtype: torch.dtype) -> Times:
 
 def cache_path() -> Path:
     """``linear_choice.json`` in ``measurements.cache_folder()``."""
-    return cache_folder() / "linear_choice.json"
+    return CACHE.path
 
 
 def cache_key(cpu: str, torch_version: str, threads: int, dtype: torch.dtype, shape: tuple[int, int]) -> str:
@@ -113,29 +111,28 @@ def valid_entry(entry: Any) -> bool:
     )
 
 
+CACHE = MeasurementFile("linear_choice.json", 1, valid_entry, "linear choice cache")
+
+
+def measured_entry(timer: ShapeTimer, shape: tuple[int, int], dtype: torch.dtype) -> dict:
+    """The cache entry for ``shape``, timed now: the faster candidate and every candidate's ms."""
+    times = timer(shape, dtype)
+    best = min(CANDIDATES, key=lambda candidate: sum(times[candidate].values()))
+    return {"choice": best, "ms": {c: {row: round(s * 1e3, 4) for row, s in times[c].items()} for c in CANDIDATES}}
+
+
 def choose(
     shapes: Iterable[tuple[int, int]], dtype: torch.dtype, cpu: str, timer: ShapeTimer | None = None
 ) -> LinearChoice:
     """The faster candidate for each weight shape on this CPU, from the cache or timed now
     with ``timer`` (``time_shape`` unless given) and then cached."""
     timer = timer or time_shape
-    path = cache_path()
-    cached = read_entries(path, CACHE_FORMAT, valid_entry, WHAT)
-    fresh: dict[str, dict] = {}
-    chosen: dict[tuple[int, int], str] = {}
-    ms: dict[str, dict[str, dict[str, float]]] = {}
-    for shape in sorted(set(shapes)):
-        key = cache_key(cpu, torch.__version__, torch.get_num_threads(), dtype, shape)
-        entry = cached.get(key)
-        if entry is None:
-            times = timer(shape, dtype)
-            best = min(CANDIDATES, key=lambda candidate: sum(times[candidate].values()))
-            entry = fresh[key] = {
-                "choice": best,
-                "ms": {c: {row: round(s * 1e3, 4) for row, s in times[c].items()} for c in CANDIDATES},
-            }
-        chosen[shape] = entry["choice"]
-        ms[shape_label(shape)] = entry["ms"]
-    if fresh:
-        write_entries(path, CACHE_FORMAT, {**cached, **fresh}, WHAT)
-    return LinearChoice(shapes=chosen, ms=ms, measured=bool(fresh), cache=path)
+    keys = {
+        shape: cache_key(cpu, torch.__version__, torch.get_num_threads(), dtype, shape) for shape in sorted(set(shapes))
+    }
+    entries, measured = CACHE.entries(
+        {key: partial(measured_entry, timer, shape, dtype) for shape, key in keys.items()}
+    )
+    chosen = {shape: entries[key]["choice"] for shape, key in keys.items()}
+    ms = {shape_label(shape): entries[key]["ms"] for shape, key in keys.items()}
+    return LinearChoice(shapes=chosen, ms=ms, measured=measured, cache=CACHE.path)

@@ -25,7 +25,7 @@ import powertrain_cpu_kernels._native as _native
 from powertrain.builtin.platforms import cpu_model
 from powertrain.interfaces.quantized import QuantizedWeight
 from powertrain.layers.linear_choice import best_time, shape_label
-from powertrain.measurements import cache_folder, read_entries, write_entries
+from powertrain.measurements import MeasurementFile
 from powertrain_cpu_kernels.tuning import GEMV_MAX_ROWS
 
 log = structlog.get_logger(__name__)
@@ -34,8 +34,6 @@ log = structlog.get_logger(__name__)
 ROWS = (64, 128, 256, 512)
 #: (out, in) of the throwaway weights: SmolLM2-135M's MLP up and down projections' halves.
 SHAPES = ((1536, 576), (576, 1536))
-CACHE_FORMAT = 1
-WHAT = "cpu-native dense route cache"
 
 #: Milliseconds per shape label, per row count, per route ("native", "dense").
 Times = dict[str, dict[str, dict[str, float]]]
@@ -92,6 +90,9 @@ def valid_entry(entry: Any) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("choice"), int) and isinstance(entry.get("ms"), dict)
 
 
+CACHE = MeasurementFile("cpu_native_dense_route.json", 1, valid_entry, "cpu-native dense route cache")
+
+
 def native_max_rows(kernel: Any, timer: RouteTimer | None = None) -> int:
     """``gemv_max_rows`` for ``kernel`` on this machine: cached, else timed with ``timer``
     (``time_routes`` unless given) and cached."""
@@ -99,19 +100,17 @@ def native_max_rows(kernel: Any, timer: RouteTimer | None = None) -> int:
         f"{cpu_model() or 'unknown cpu'} | torch {torch.__version__} | {kernel.threads} threads | "
         f"{_native.kernel_path()} kernels | {kernel.dense_block} dense block"
     )
-    path = cache_folder() / "cpu_native_dense_route.json"
-    cached = read_entries(path, CACHE_FORMAT, valid_entry, WHAT)
-    entry = cached.get(key)
-    measured = entry is None
-    if entry is None:
+
+    def measure() -> dict:
         times = (timer or time_routes)(kernel)
-        entry = {"choice": native_max_rows_from(times), "ms": times}
-        write_entries(path, CACHE_FORMAT, {**cached, key: entry}, WHAT)
-    limit = entry["choice"]
+        return {"choice": native_max_rows_from(times), "ms": times}
+
+    entries, measured = CACHE.entries({key: measure})
+    limit = entries[key]["choice"]
     log.info(
         "cpu-native: dense route chosen by timing",
         dense_from_rows=None if limit >= GEMV_MAX_ROWS else limit + 1,
         measured=measured,
-        cache=str(path),
+        cache=str(CACHE.path),
     )
     return limit
