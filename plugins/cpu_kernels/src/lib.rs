@@ -46,6 +46,8 @@ pub use openmp::{openmp_available, set_openmp};
 use pool::Pool;
 pub use rotary::{rotary_store, RotaryStore};
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_x86;
@@ -145,6 +147,96 @@ pub fn force_no_vnni(on: bool) {
     NO_VNNI.store(on, Ordering::Relaxed);
 }
 
+/// Whether ``q4_linear_amx`` / ``q8_linear_amx`` can run here: AMX bfloat16 tiles that
+/// Linux granted this process (``amx.rs``), and the scalar path not forced.
+pub fn amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        kernel_path() == KernelPath::Avx2Fma && amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Rows of bfloat16 ``x`` one AMX call takes.
+pub const AMX_MAX_ROWS: usize = 64;
+
+/// ``out [m, n] = x [m, k] @ W^T`` in float32 for bfloat16 ``x`` (at most ``AMX_MAX_ROWS``
+/// rows) and a ``q4`` weight rounded to bfloat16, on AMX tiles (``amx.rs``). Panics where
+/// ``amx()`` is false.
+#[allow(clippy::too_many_arguments)]
+pub fn q4_linear_amx(
+    x: &[Bf16],
+    codes: &[u8],
+    scales: Scales,
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    on: Threads,
+) {
+    assert!(amx(), "AMX bfloat16 tiles are not available on this CPU");
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        amx::q4_linear(
+            bf16_bits(x),
+            codes,
+            scales,
+            OutPtr(out.as_mut_ptr()),
+            m,
+            n,
+            k,
+            on,
+        )
+    }
+}
+
+/// ``q4_linear_amx`` for a ``q8`` weight with ``group``-column groups (16 or 32).
+#[allow(clippy::too_many_arguments)]
+pub fn q8_linear_amx(
+    x: &[Bf16],
+    codes: &[i8],
+    scales: Scales,
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    on: Threads,
+) {
+    assert!(amx(), "AMX bfloat16 tiles are not available on this CPU");
+    assert!(
+        group == 16 || group == 32,
+        "q8 group must be 16 or 32, got {group}"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        amx::q8_linear(
+            bf16_bits(x),
+            codes,
+            scales,
+            OutPtr(out.as_mut_ptr()),
+            m,
+            n,
+            k,
+            group,
+            on,
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn bf16_bits(x: &[Bf16]) -> &[u16] {
+    // SAFETY: Bf16 is a transparent u16.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u16, x.len()) }
+}
+
 /// The best path this CPU supports, whatever is forced.
 pub fn best_kernel_path() -> KernelPath {
     detected()
@@ -231,18 +323,19 @@ fn for_row_chunks_on(on: Threads, n: usize, min_rows: usize, work: impl Fn(usize
     }
 }
 
-/// A raw output pointer that chunks running on different threads write disjoint parts of.
+/// A raw output pointer that chunks running on different threads write disjoint parts of
+/// (float32, or bfloat16 for a dense weight dequantised for torch's bfloat16 matmul).
 #[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+pub(crate) struct OutPtr<E = f32>(pub(crate) *mut E);
+unsafe impl<E> Send for OutPtr<E> {}
+unsafe impl<E> Sync for OutPtr<E> {}
 
-impl OutPtr {
+impl<E> OutPtr<E> {
     /// ``count`` elements further on.
     ///
     /// # Safety
     /// The result must stay within the output.
-    pub(crate) unsafe fn skip(self, count: usize) -> OutPtr {
+    pub(crate) unsafe fn skip(self, count: usize) -> OutPtr<E> {
         OutPtr(self.0.add(count))
     }
 }
@@ -474,11 +567,11 @@ pub fn q4_linear(
 }
 
 /// Dense rows ``r0..r1`` of a ``q4`` weight into the ``[r1 - r0, k]`` buffer at ``out``.
-fn q4_dequantize_block(
+fn q4_dequantize_block<E: Element>(
     path: KernelPath,
     codes: &[u8],
     scales: Scales,
-    out: OutPtr,
+    out: OutPtr<E>,
     k: usize,
     r0: usize,
     r1: usize,
@@ -567,11 +660,11 @@ pub fn q8_linear(
 
 /// Dense rows ``r0..r1`` of a ``q8`` weight into the ``[r1 - r0, k]`` buffer at ``out``.
 #[allow(clippy::too_many_arguments)]
-fn q8_dequantize_block(
+fn q8_dequantize_block<E: Element>(
     path: KernelPath,
     codes: &[i8],
     scales: Scales,
-    out: OutPtr,
+    out: OutPtr<E>,
     k: usize,
     group: usize,
     r0: usize,
@@ -589,11 +682,12 @@ fn q8_dequantize_block(
 }
 
 /// The dense weight ``out [n, k]`` of a ``q4`` weight, bit-equal to
-/// ``QuantizedWeight.dequantize()`` (a multiply, then an add, each rounded; no FMA).
-pub fn q4_dequantize(
+/// ``QuantizedWeight.dequantize()`` (a multiply, then an add, each rounded; no FMA); in
+/// bfloat16, that rounded to nearest even, as torch's ``.to(torch.bfloat16)`` rounds it.
+pub fn q4_dequantize<E: Element>(
     codes: &[u8],
     scales: Scales,
-    out: &mut [f32],
+    out: &mut [E],
     n: usize,
     k: usize,
     on: Threads,
@@ -607,12 +701,13 @@ pub fn q4_dequantize(
     });
 }
 
-/// The dense weight ``out [n, k]`` of a ``q8`` weight, bit-equal to ``dequantize()``.
+/// The dense weight ``out [n, k]`` of a ``q8`` weight, bit-equal to ``dequantize()`` (in
+/// bfloat16: that rounded to nearest even).
 #[allow(clippy::too_many_arguments)]
-pub fn q8_dequantize(
+pub fn q8_dequantize<E: Element>(
     codes: &[i8],
     scales: Scales,
-    out: &mut [f32],
+    out: &mut [E],
     n: usize,
     k: usize,
     group: usize,

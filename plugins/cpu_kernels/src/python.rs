@@ -7,7 +7,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::Scales;
+use crate::{Bf16, Scales};
 
 /// # Safety
 /// ``ptr`` must address ``len`` initialised ``T`` (the Python caller's checks).
@@ -115,7 +115,99 @@ fn q8_linear(
     Ok(())
 }
 
-/// The dense ``q4`` weight into ``out [n, k]`` (bit-equal to ``QuantizedWeight.dequantize()``).
+/// ``out [m, n] (float32) = x [m, k] (bfloat16) @ W^T`` for a ``q4`` weight on AMX tiles
+/// (``m`` at most ``AMX_MAX_ROWS``; only where ``amx()``).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn q4_linear_amx(
+    py: Python<'_>,
+    x: usize,
+    codes: usize,
+    scales: usize,
+    offsets: usize,
+    half_scales: bool,
+    out: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    openmp_threads: usize,
+) -> PyResult<()> {
+    check_amx(m, k)?;
+    py.detach(|| unsafe {
+        let scales = Scales::view(scales, offsets, n * (k / 32), half_scales);
+        crate::q4_linear_amx(
+            view::<Bf16>(x, m * k),
+            view(codes, n * (k / 2)),
+            scales,
+            view_mut(out, m * n),
+            m,
+            n,
+            k,
+            crate::Threads::pool_or_openmp(openmp_threads),
+        )
+    });
+    Ok(())
+}
+
+/// ``q4_linear_amx`` for a ``q8`` weight with ``group``-column groups.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn q8_linear_amx(
+    py: Python<'_>,
+    x: usize,
+    codes: usize,
+    scales: usize,
+    offsets: usize,
+    half_scales: bool,
+    out: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    openmp_threads: usize,
+) -> PyResult<()> {
+    check_group(group)?;
+    check_amx(m, k)?;
+    py.detach(|| unsafe {
+        let scales = Scales::view(scales, offsets, n * (k / group), half_scales);
+        crate::q8_linear_amx(
+            view::<Bf16>(x, m * k),
+            view::<i8>(codes, n * k),
+            scales,
+            view_mut(out, m * n),
+            m,
+            n,
+            k,
+            group,
+            crate::Threads::pool_or_openmp(openmp_threads),
+        )
+    });
+    Ok(())
+}
+
+fn check_amx(m: usize, k: usize) -> PyResult<()> {
+    if !crate::amx() {
+        return Err(PyValueError::new_err(
+            "AMX bfloat16 tiles are not available on this CPU (check amx() first)",
+        ));
+    }
+    if m > crate::AMX_MAX_ROWS || !k.is_multiple_of(32) {
+        return Err(PyValueError::new_err(format!(
+            "the AMX product takes at most {} rows and a multiple of 32 columns, got {m} x {k}",
+            crate::AMX_MAX_ROWS
+        )));
+    }
+    Ok(())
+}
+
+/// Whether the AMX products run here (AMX bfloat16 tiles granted to this process).
+#[pyfunction]
+fn amx() -> bool {
+    crate::amx()
+}
+
+/// The dense ``q4`` weight into ``out [n, k]`` (bit-equal to ``QuantizedWeight.dequantize()``),
+/// float32, or bfloat16 (``out_bf16``: that rounded to nearest even).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q4_dequantize(
@@ -125,24 +217,24 @@ fn q4_dequantize(
     offsets: usize,
     half_scales: bool,
     out: usize,
+    out_bf16: bool,
     n: usize,
     k: usize,
     openmp_threads: usize,
 ) {
     py.detach(|| unsafe {
         let scales = Scales::view(scales, offsets, n * (k / 32), half_scales);
-        crate::q4_dequantize(
-            view(codes, n * (k / 2)),
-            scales,
-            view_mut(out, n * k),
-            n,
-            k,
-            crate::Threads::pool_or_openmp(openmp_threads),
-        )
+        let codes = view(codes, n * (k / 2));
+        let on = crate::Threads::pool_or_openmp(openmp_threads);
+        if out_bf16 {
+            crate::q4_dequantize(codes, scales, view_mut::<Bf16>(out, n * k), n, k, on)
+        } else {
+            crate::q4_dequantize(codes, scales, view_mut::<f32>(out, n * k), n, k, on)
+        }
     })
 }
 
-/// The dense ``q8`` weight into ``out [n, k]``.
+/// The dense ``q8`` weight into ``out [n, k]``, float32 or bfloat16 (``out_bf16``).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn q8_dequantize(
@@ -152,6 +244,7 @@ fn q8_dequantize(
     offsets: usize,
     half_scales: bool,
     out: usize,
+    out_bf16: bool,
     n: usize,
     k: usize,
     group: usize,
@@ -160,15 +253,13 @@ fn q8_dequantize(
     check_group(group)?;
     py.detach(|| unsafe {
         let scales = Scales::view(scales, offsets, n * (k / group), half_scales);
-        crate::q8_dequantize(
-            view::<i8>(codes, n * k),
-            scales,
-            view_mut(out, n * k),
-            n,
-            k,
-            group,
-            crate::Threads::pool_or_openmp(openmp_threads),
-        )
+        let codes = view::<i8>(codes, n * k);
+        let on = crate::Threads::pool_or_openmp(openmp_threads);
+        if out_bf16 {
+            crate::q8_dequantize(codes, scales, view_mut::<Bf16>(out, n * k), n, k, group, on)
+        } else {
+            crate::q8_dequantize(codes, scales, view_mut::<f32>(out, n * k), n, k, group, on)
+        }
     });
     Ok(())
 }
@@ -252,7 +343,7 @@ fn paged_attention(
     };
     py.detach(|| unsafe {
         if bf16 {
-            run::<crate::Bf16>(pointers, shape, scale, threads)
+            run::<Bf16>(pointers, shape, scale, threads)
         } else {
             run::<f32>(pointers, shape, scale, threads)
         }
@@ -326,7 +417,7 @@ fn rotary_store(
     let shape = [tokens, stored, heads, kv_heads, dim, half, num_slots];
     py.detach(|| unsafe {
         if bf16 {
-            run::<crate::Bf16>(pointers, shape)
+            run::<Bf16>(pointers, shape)
         } else {
             run::<f32>(pointers, shape)
         }
@@ -371,7 +462,7 @@ fn rms_norm(
     let pointers = [x, residual, weight, normed, sum];
     unsafe {
         if bf16 {
-            run::<crate::Bf16>(pointers, rows, hidden, eps)
+            run::<Bf16>(pointers, rows, hidden, eps)
         } else {
             run::<f32>(pointers, rows, hidden, eps)
         }
@@ -512,6 +603,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(q8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(q4_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(q4_linear_amx, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_linear_amx, m)?)?;
+    m.add_function(wrap_pyfunction!(amx, m)?)?;
     m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_store, m)?)?;

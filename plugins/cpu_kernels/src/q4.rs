@@ -1,6 +1,6 @@
 //! ``q4``: the portable scalar path, and the parts the AVX2 path shares.
 
-use crate::{offset_term, OutPtr, Scale};
+use crate::{offset_term, Element, OutPtr, Scale};
 
 /// One ``q4_linear`` call: ``x [m, k]``, ``sums [m, k/32]`` (when there are offsets),
 /// ``codes [n, k/2]``, ``scales`` / ``offsets`` ``[n, k/32]``.
@@ -47,11 +47,11 @@ pub(crate) fn rows_scalar<S: Scale>(job: &Job<S>, out: OutPtr, r0: usize, r1: us
 /// Dense rows ``r0..r1`` of the weight into ``out [n, k]``: ``code * scale`` then ``+ offset``,
 /// each rounded, as ``QuantizedWeight.dequantize`` computes it.
 #[inline(always)]
-pub(crate) fn dequantize_rows(
+pub(crate) fn dequantize_rows<E: Element>(
     codes: &[u8],
     scales: &[f32],
     offsets: Option<&[f32]>,
-    out: OutPtr,
+    out: OutPtr<E>,
     k: usize,
     r0: usize,
     r1: usize,
@@ -68,14 +68,14 @@ pub(crate) fn dequantize_rows(
                 Some(offsets) => {
                     let o = offsets[r * groups + g];
                     for j in 0..16 {
-                        low[j] = f32::from(c[j] & 0x0F) * s + o;
-                        high[j] = f32::from(c[j] >> 4) * s + o;
+                        low[j] = E::from_f32(f32::from(c[j] & 0x0F) * s + o);
+                        high[j] = E::from_f32(f32::from(c[j] >> 4) * s + o);
                     }
                 }
                 None => {
                     for j in 0..16 {
-                        low[j] = f32::from(c[j] & 0x0F) * s;
-                        high[j] = f32::from(c[j] >> 4) * s;
+                        low[j] = E::from_f32(f32::from(c[j] & 0x0F) * s);
+                        high[j] = E::from_f32(f32::from(c[j] >> 4) * s);
                     }
                 }
             }

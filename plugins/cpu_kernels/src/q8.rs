@@ -1,6 +1,6 @@
 //! ``q8``: the portable scalar path, and the parts the AVX2 path shares.
 
-use crate::{offset_term, OutPtr, Scale};
+use crate::{offset_term, Element, OutPtr, Scale};
 
 /// One ``q8_linear`` call: ``x [m, k]``, ``sums [m, k/group]`` (when there are offsets),
 /// ``codes [n, k]``, ``scales`` / ``offsets`` ``[n, k/group]``.
@@ -45,11 +45,11 @@ pub(crate) fn rows_scalar<S: Scale>(job: &Job<S>, out: OutPtr, r0: usize, r1: us
 /// Dense rows ``r0..r1`` of the weight into ``out [n, k]`` (``code * scale`` then ``+ offset``).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dequantize_rows(
+pub(crate) fn dequantize_rows<E: Element>(
     codes: &[i8],
     scales: &[f32],
     offsets: Option<&[f32]>,
-    out: OutPtr,
+    out: OutPtr<E>,
     k: usize,
     group: usize,
     r0: usize,
@@ -68,12 +68,12 @@ pub(crate) fn dequantize_rows(
                 Some(offsets) => {
                     let o = offsets[r * groups + g];
                     for (d, c) in d.iter_mut().zip(c) {
-                        *d = f32::from(*c) * s + o;
+                        *d = E::from_f32(f32::from(*c) * s + o);
                     }
                 }
                 None => {
                     for (d, c) in d.iter_mut().zip(c) {
-                        *d = f32::from(*c) * s;
+                        *d = E::from_f32(f32::from(*c) * s);
                     }
                 }
             }

@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use crate::{q4, q8, OutPtr, Scale, TILE};
+use crate::{q4, q8, Element, OutPtr, Scale, TILE};
 
 /// Scales and offsets read as float32 vectors in whichever type they are stored: float16
 /// converts with F16C (detected with AVX2 and FMA).
@@ -376,32 +376,97 @@ pub(crate) unsafe fn q8_rows<S: ScaleX86>(job: &q8::Job<S>, out: OutPtr, r0: usi
 }
 
 /// ``q4::dequantize_rows`` compiled for AVX2 (the compiler vectorises it; a multiply then
-/// an add, never contracted to an FMA, so the result stays bit-equal to torch's).
+/// an add, never contracted to an FMA, so the result stays bit-equal to torch's). Into
+/// bfloat16, a row at a time: dequantised into a float32 row in cache, then rounded
+/// (``to_bf16``; the compiler does not vectorise the rounding written per element).
 #[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn q4_dequantize_rows(
+pub(crate) unsafe fn q4_dequantize_rows<E: Element>(
     codes: &[u8],
     scales: &[f32],
     offsets: Option<&[f32]>,
-    out: OutPtr,
+    out: OutPtr<E>,
     k: usize,
     r0: usize,
     r1: usize,
 ) {
-    q4::dequantize_rows(codes, scales, offsets, out, k, r0, r1)
+    if !E::BF16 {
+        return q4::dequantize_rows(codes, scales, offsets, out, k, r0, r1);
+    }
+    let groups = k / 32;
+    let mut row = vec![0.0f32; k];
+    for r in r0..r1 {
+        let rows = r * groups..(r + 1) * groups;
+        let offsets = offsets.map(|o| &o[rows.clone()]);
+        let codes = &codes[r * k / 2..(r + 1) * k / 2];
+        q4::dequantize_rows(
+            codes,
+            &scales[rows],
+            offsets,
+            OutPtr(row.as_mut_ptr()),
+            k,
+            0,
+            1,
+        );
+        to_bf16(&row, out.0.add(r * k) as *mut u16);
+    }
 }
 
-/// ``q8::dequantize_rows`` compiled for AVX2.
+/// ``q8::dequantize_rows`` compiled for AVX2 (into bfloat16 a row at a time, as for ``q4``).
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn q8_dequantize_rows(
+pub(crate) unsafe fn q8_dequantize_rows<E: Element>(
     codes: &[i8],
     scales: &[f32],
     offsets: Option<&[f32]>,
-    out: OutPtr,
+    out: OutPtr<E>,
     k: usize,
     group: usize,
     r0: usize,
     r1: usize,
 ) {
-    q8::dequantize_rows(codes, scales, offsets, out, k, group, r0, r1)
+    if !E::BF16 {
+        return q8::dequantize_rows(codes, scales, offsets, out, k, group, r0, r1);
+    }
+    let groups = k / group;
+    let mut row = vec![0.0f32; k];
+    for r in r0..r1 {
+        let rows = r * groups..(r + 1) * groups;
+        let offsets = offsets.map(|o| &o[rows.clone()]);
+        let codes = &codes[r * k..(r + 1) * k];
+        q8::dequantize_rows(
+            codes,
+            &scales[rows],
+            offsets,
+            OutPtr(row.as_mut_ptr()),
+            k,
+            group,
+            0,
+            1,
+        );
+        to_bf16(&row, out.0.add(r * k) as *mut u16);
+    }
+}
+
+/// ``values`` rounded to bfloat16 at ``out`` as ``Bf16::from_f32`` rounds them (nearest, ties
+/// to even; a NaN stays a quiet NaN), 16 at a time. ``values.len()`` is a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn to_bf16(values: &[f32], out: *mut u16) {
+    let one = _mm256_set1_epi32(1);
+    let half = _mm256_set1_epi32(0x7FFF);
+    let quiet = _mm256_set1_epi32(0x40);
+    let round = |v: __m256| {
+        let bits = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), one);
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        let kept = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), quiet);
+        _mm256_blendv_epi8(rounded, kept, nan)
+    };
+    for (i, chunk) in values.chunks_exact(16).enumerate() {
+        let low = round(_mm256_loadu_ps(chunk.as_ptr()));
+        let high = round(_mm256_loadu_ps(chunk.as_ptr().add(8)));
+        // packus interleaves 128-bit lanes (values fit 16 bits unsigned); the permute undoes it.
+        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(low, high));
+        _mm256_storeu_si256(out.add(i * 16) as *mut __m256i, packed);
+    }
 }

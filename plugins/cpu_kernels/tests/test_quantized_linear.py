@@ -43,6 +43,11 @@ BLOCKED = NativeQuantizedLinear(gemv_max_rows=0, dense_block=544 * 16)  # the sa
 # bfloat16 activations times the weight dequantised to bfloat16 (F.linear in bfloat16), whole and blocked
 BF16_DENSE = NativeQuantizedLinear(bf16_dense_min_rows=1)
 BF16_BLOCKED = NativeQuantizedLinear(bf16_dense_min_rows=1, dense_block=544 * 16)
+# bfloat16 activations on AMX tiles (src/amx.rs), where this CPU and OS provide them
+AMX = NativeQuantizedLinear(bf16_amx_min_rows=1) if _native.amx() else None
+needs_amx = pytest.mark.skipif(
+    AMX is None, reason="this CPU or OS gives no AMX bfloat16 tiles (_native.amx() is False): the AMX kernel cannot run"
+)
 
 
 def random_weight(fmt: str, group: int, n: int, k: int, offsets: bool, half: bool = False) -> QuantizedWeight:
@@ -141,7 +146,10 @@ def test_linear_matches_float64_oracle(fmt: str, group: int, m: int, kernel_path
                     # Weights and bias rounded to bfloat16 (2**-9 relative), and the product may be
                     # rounded once more before the bias is added (another 2**-9 of the terms' scale).
                     want_b, allowed_b = oracle(x, weight, bias, weight_rounding=2.0**-8)
-                    for kernel, route in ((BF16_DENSE, "bfloat16 dequantise"), (BF16_BLOCKED, "bfloat16 blocked")):
+                    bf16_routes = [(BF16_DENSE, "bfloat16 dequantise"), (BF16_BLOCKED, "bfloat16 blocked")]
+                    if AMX is not None and kernel_path != "scalar":
+                        bf16_routes.append((AMX, "AMX tiles"))
+                    for kernel, route in bf16_routes:
                         got = kernel.linear(x, kernel.prepare(weight), bias)
                         check(got, x, want_b, allowed_b, f"seed={seed} {fmt}/{group} {route} m={m} n={n} k={k}")
 
@@ -151,10 +159,13 @@ def test_dequantize_is_bit_equal(fmt: str, group: int, kernel_path: str, half: b
     for n, k in ((1, 32), (37, 544), (257, 96)):
         for offsets in (False, True):
             weight = random_weight(fmt, group, n, k, offsets, half)
-            got = NATIVE.dequantize(NATIVE.prepare(weight))
-            assert torch.equal(got, weight.dequantize()), (
-                f"seed={seed} {fmt}/{group} {kernel_path} n={n} k={k} offsets={offsets} half={half}"
-            )
+            prepared = NATIVE.prepare(weight)
+            got = NATIVE.dequantize(prepared)
+            what = f"seed={seed} {fmt}/{group} {kernel_path} n={n} k={k} offsets={offsets} half={half}"
+            assert torch.equal(got, weight.dequantize()), what
+            # straight to bfloat16: torch's rounding of the float32 weight, bit for bit
+            got = NATIVE.dequantize(prepared, torch.bfloat16)
+            assert torch.equal(got, weight.dequantize().to(torch.bfloat16)), f"{what} bfloat16"
 
 
 def test_scales_are_kept_in_float16_only_where_it_holds_them_exactly() -> None:
@@ -255,7 +266,9 @@ def test_errors_say_what_and_what_to_do() -> None:
         NATIVE.prepare(torch.randn(4, 32))
     assert isinstance(prepared, PreparedWeight) and prepared.nbytes == weight.nbytes
     with pytest.raises(ValueError, match=r"q8 group must be 16 or 32, got 8"):
-        _native.q8_dequantize(0, 0, 0, False, 0, 0, 0, 8, 0)
+        _native.q8_dequantize(0, 0, 0, False, 0, False, 0, 0, 8, 0)
+    with pytest.raises(ValueError, match=r"the dense weight is float32 or bfloat16, got torch.float16"):
+        NATIVE.dequantize(prepared, torch.float16)
 
 
 @pytest.mark.skipif(
@@ -365,18 +378,90 @@ def test_bfloat16_route_multiplies_the_weight_in_bfloat16(seed: int) -> None:
         assert torch.equal(got, blockwise) == taken, f"m={m} (seed {seed})"
 
 
-def test_the_bfloat16_route_is_chosen_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from powertrain_cpu_kernels.tuning import BF16_DENSE_MIN_ROWS, BF16_DENSE_MIN_ROWS_AMX
+def test_the_bfloat16_routes_are_chosen_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dequantised bfloat16 only where the CPU has bfloat16 dot products; with AMX tiles the
+    kernels can use, the AMX kernel below ``AMX_MAX_ROWS`` rows and the route above."""
+    from powertrain_cpu_kernels.tuning import (
+        AMX_MAX_ROWS,
+        BF16_AMX_MIN_ROWS,
+        BF16_DENSE_MIN_ROWS,
+        BF16_DENSE_MIN_ROWS_AMX,
+    )
 
-    for flags, want in (
-        ({"avx512_bf16", "avx2"}, BF16_DENSE_MIN_ROWS),
-        ({"amx_bf16"}, BF16_DENSE_MIN_ROWS_AMX),
-        ({"avx512_bf16", "amx_bf16"}, BF16_DENSE_MIN_ROWS_AMX),
-        ({"avx2"}, None),
+    for flags, tiles, want in (
+        ({"avx512_bf16", "avx2"}, True, (BF16_DENSE_MIN_ROWS, None)),
+        ({"amx_bf16"}, False, (BF16_DENSE_MIN_ROWS_AMX, None)),
+        ({"avx512_bf16", "amx_bf16"}, False, (BF16_DENSE_MIN_ROWS_AMX, None)),
+        ({"avx512_bf16", "amx_bf16"}, True, (AMX_MAX_ROWS + 1, BF16_AMX_MIN_ROWS)),
+        ({"avx2"}, True, (None, None)),
     ):
         monkeypatch.setattr("powertrain.builtin.platforms.cpu_flags", lambda flags=flags: frozenset(flags))
-        assert NativeQuantizedLinear.for_this_cpu().bf16_dense_min_rows == want, flags
+        monkeypatch.setattr(_native, "amx", lambda tiles=tiles: tiles)
+        kernel = NativeQuantizedLinear.for_this_cpu()
+        assert (kernel.bf16_dense_min_rows, kernel.bf16_amx_min_rows) == want, (flags, tiles)
         assert NativeQuantizedLinear.for_this_cpu(activation_bits=32).activation_bits == 32
+
+
+def test_the_amx_kernel_is_refused_where_the_tiles_are_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native, "amx", lambda: False)
+    with pytest.raises(ValueError, match=r"bf16_amx_min_rows needs AMX bfloat16 tiles.*leave it None"):
+        NativeQuantizedLinear(bf16_amx_min_rows=4)
+
+
+@needs_amx
+@pytest.mark.parametrize(("fmt", "group"), FORMATS)
+def test_amx_tiles_multiply_the_weight_rounded_to_bfloat16(fmt: str, group: int, half: bool, seed: int) -> None:
+    """The AMX kernel's float32 product is that of the weight rounded to bfloat16 (torch's
+    rounding of the dequantised weight), summed in float32: within float32's tolerance of
+    the float64 product by that weight. A weight rounded any other way (truncated, or left
+    in float32) is about 2**-9 off per element and fails this. Row counts across the 16-row
+    tiles of x and of the weight, the last ones partial."""
+    for n, k in ((1, 32), (37, 96), (300, 544)):
+        for offsets in (False, True):
+            weight = random_weight(fmt, group, n, k, offsets, half)
+            prepared = AMX.prepare(weight)
+            dense = weight.dequantize().to(torch.bfloat16).to(torch.float64)
+            for m in (1, 5, 16, 17, 33, 64):
+                x = torch.randn(m, k).to(torch.bfloat16)
+                got = AMX._amx_linear(x, prepared)
+                x64 = x.to(torch.float64)
+                error = (got.to(torch.float64) - x64 @ dense.T).abs()
+                allowed = F32_TOL * (x64.abs() @ dense.abs().T) + 1e-30
+                what = f"seed={seed} {fmt}/{group} m={m} n={n} k={k} offsets={offsets} half={half}"
+                assert got.dtype == torch.float32 and (error <= allowed).all(), (
+                    f"{what}: error {(error / allowed).max().item():.3g}x the tolerance"
+                )
+
+
+@needs_amx
+def test_amx_rows_and_routes(seed: int) -> None:
+    """``linear`` takes the AMX kernel from ``bf16_amx_min_rows`` to ``AMX_MAX_ROWS`` rows of
+    bfloat16 activations (bias added in float32, one rounding to bfloat16), the dequantised
+    route above, and widens below; a NaN scale makes its weight row's outputs NaN and no other."""
+    from powertrain_cpu_kernels.tuning import AMX_MAX_ROWS
+
+    kernel = NativeQuantizedLinear(bf16_amx_min_rows=4, bf16_dense_min_rows=AMX_MAX_ROWS + 1)
+    weight = random_weight("q4", 32, 70, 96, offsets=True, half=True)
+    prepared = kernel.prepare(weight)
+    bias = torch.randn(70).to(torch.bfloat16)
+    calls = []
+    amx_linear = kernel._amx_linear
+    kernel._amx_linear = lambda x, prepared: calls.append(x.shape[0]) or amx_linear(x, prepared)
+    for m in (3, 4, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(m, 96).to(torch.bfloat16)
+        got = kernel.linear(x.view(1, m, 96), prepared, bias)
+        assert got.shape == (1, m, 70) and got.dtype == torch.bfloat16
+        if m in (4, AMX_MAX_ROWS):
+            want = (amx_linear(x, prepared) + bias.to(torch.float32)).to(torch.bfloat16)
+            assert torch.equal(got[0], want), f"m={m} (seed {seed})"
+    assert calls == [4, AMX_MAX_ROWS]
+    scales = weight.scales.clone()
+    scales[5, 2] = float("nan")
+    poisoned = AMX.prepare(attrs.evolve(weight, scales=scales))
+    got = AMX._amx_linear(torch.randn(20, 96).to(torch.bfloat16), poisoned)
+    assert got[:, 5].isnan().all() and not got[:, torch.arange(70) != 5].isnan().any()
+    with pytest.raises(ValueError, match=r"at most 64 rows and a multiple of 32 columns, got 65 x 96"):
+        AMX._amx_linear(torch.randn(65, 96).to(torch.bfloat16), prepared)
 
 
 def test_activation_bits_are_16_or_32() -> None:

@@ -33,8 +33,42 @@ def q8_linear(
     int16_activations: bool,
     openmp_threads: int,
 ) -> None: ...
+def q4_linear_amx(
+    x: int,
+    codes: int,
+    scales: int,
+    offsets: int,
+    half_scales: bool,
+    out: int,
+    m: int,
+    n: int,
+    k: int,
+    openmp_threads: int,
+) -> None: ...
+def q8_linear_amx(
+    x: int,
+    codes: int,
+    scales: int,
+    offsets: int,
+    half_scales: bool,
+    out: int,
+    m: int,
+    n: int,
+    k: int,
+    group: int,
+    openmp_threads: int,
+) -> None: ...
+def amx() -> bool: ...
 def q4_dequantize(
-    codes: int, scales: int, offsets: int, half_scales: bool, out: int, n: int, k: int, openmp_threads: int
+    codes: int,
+    scales: int,
+    offsets: int,
+    half_scales: bool,
+    out: int,
+    out_bf16: bool,
+    n: int,
+    k: int,
+    openmp_threads: int,
 ) -> None: ...
 def q8_dequantize(
     codes: int,
@@ -42,6 +76,7 @@ def q8_dequantize(
     offsets: int,
     half_scales: bool,
     out: int,
+    out_bf16: bool,
     n: int,
     k: int,
     group: int,

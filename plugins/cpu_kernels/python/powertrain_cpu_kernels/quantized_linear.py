@@ -5,7 +5,9 @@ builds the dense weight. More rows are compute-bound instead: the native kernel 
 dequantises the weight a cache-sized panel at a time and multiplies every row by it
 (``src/gemm.rs``). Dequantising into a temporary float32 ``[rows, cols]`` for torch's
 ``F.linear`` (MKL/oneDNN) remains as a route above ``gemv_max_rows``
-(``benchmarks/quantized_linear.py`` measures the crossovers).
+(``benchmarks/quantized_linear.py`` measures the crossovers). Bfloat16 activations go to
+AMX tiles where the CPU has them (``src/amx.rs``, 4-64 rows) and to torch's bfloat16
+matmul on the weight dequantised to bfloat16 above that.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from powertrain.interfaces.quantized import GROUPS, QuantizedWeight
 from powertrain_cpu_kernels.threads import openmp_team, use_threads
 from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 from powertrain_cpu_kernels.tuning import (
+    AMX_MAX_ROWS,
+    BF16_AMX_MIN_ROWS,
     BF16_DENSE_MIN_ROWS,
     BF16_DENSE_MIN_ROWS_AMX,
     DENSE_BLOCK,
@@ -109,7 +113,10 @@ class NativeQuantizedLinear:
     activations, multiply by the weight dequantised to bfloat16 block by block (torch's
     bfloat16 matmul, 1.5-3x faster than widening where the CPU has bfloat16 dot products,
     ``tuning.BF16_DENSE_MIN_ROWS``); None: bfloat16 activations are always widened. The
-    weight then carries bfloat16's rounding, as the dequantised bfloat16 model's does."""
+    weight then carries bfloat16's rounding, as the dequantised bfloat16 model's does.
+    ``bf16_amx_min_rows``: from this many up to ``AMX_MAX_ROWS`` rows of bfloat16 activations,
+    multiply on AMX tiles by the weight rounded to bfloat16 16 x 32 values at a time
+    (``src/amx.rs``; only where ``_native.amx()``); None: never."""
 
     formats = frozenset({"q4", "q8"})
 
@@ -121,6 +128,7 @@ class NativeQuantizedLinear:
         gemm_min_rows: int = GEMM_MIN_ROWS,
         activation_bits: int = 16,
         bf16_dense_min_rows: int | None = None,
+        bf16_amx_min_rows: int | None = None,
     ) -> None:
         if activation_bits not in (16, 32):
             raise ValueError(f"activation_bits must be 16 or 32, got {activation_bits!r}")
@@ -132,18 +140,33 @@ class NativeQuantizedLinear:
         self.dense_block = dense_block
         self.threads = torch.get_num_threads() if threads is None else max(1, threads)
         self.bf16_dense_min_rows = None if bf16_dense_min_rows is None else max(1, bf16_dense_min_rows)
+        if bf16_amx_min_rows is not None and not _native.amx():
+            raise ValueError(
+                "bf16_amx_min_rows needs AMX bfloat16 tiles, which this CPU or operating system does not "
+                "provide (_native.amx() is False); leave it None"
+            )
+        self.bf16_amx_min_rows = None if bf16_amx_min_rows is None else max(1, bf16_amx_min_rows)
 
     @classmethod
     def for_this_cpu(cls, activation_bits: int = 16) -> NativeQuantizedLinear:
         """The kernel as the plugin builds it: the bfloat16 route only where the CPU has
         bfloat16 dot-product instructions (elsewhere bfloat16 matmuls are slower than float32),
-        from fewer rows where they are AMX tiles; the float32 dense route from the row count
-        this machine's timing chose (``dense_route``)."""
+        from fewer rows where they are AMX tiles, and below it the AMX kernel where the
+        kernels can use the tiles; the float32 dense route from the row count this machine's
+        timing chose (``dense_route``)."""
         from powertrain.builtin.platforms import bf16_dot_flags
 
         flags = bf16_dot_flags()
-        min_rows = BF16_DENSE_MIN_ROWS_AMX if "amx_bf16" in flags else BF16_DENSE_MIN_ROWS if flags else None
-        kernel = cls(activation_bits=activation_bits, bf16_dense_min_rows=min_rows)
+        amx = "amx_bf16" in flags and _native.amx()
+        if amx:
+            min_rows = AMX_MAX_ROWS + 1
+        else:
+            min_rows = BF16_DENSE_MIN_ROWS_AMX if "amx_bf16" in flags else BF16_DENSE_MIN_ROWS if flags else None
+        kernel = cls(
+            activation_bits=activation_bits,
+            bf16_dense_min_rows=min_rows,
+            bf16_amx_min_rows=BF16_AMX_MIN_ROWS if amx else None,
+        )
         if gomp_parallel_address():  # where the kernel shares torch's team, as torch's GEMM does
             from powertrain_cpu_kernels.dense_route import native_max_rows
 
@@ -208,6 +231,13 @@ class NativeQuantizedLinear:
                 f"bias must be a CPU tensor of shape [{rows}], got {list(bias.shape)} on {bias.device} "
                 f"(weight {prepared.what})"
             )
+        if x.dtype == torch.bfloat16 and self.bf16_amx_min_rows is not None and cols % 32 == 0:
+            m = x.numel() // cols
+            if self.bf16_amx_min_rows <= m <= AMX_MAX_ROWS and _native.amx():  # False where scalar is forced
+                out = self._amx_linear(x.reshape(m, cols).contiguous(), prepared)
+                if bias is not None:
+                    out += bias.to(torch.float32)
+                return out.view(*x.shape[:-1], rows).to(torch.bfloat16)
         if (
             x.dtype == torch.bfloat16
             and self.bf16_dense_min_rows is not None
@@ -230,18 +260,26 @@ class NativeQuantizedLinear:
             out = self._dense_linear(x2, prepared, bias32)
         return out if plain else out.view(*x.shape[:-1], rows).to(x.dtype)
 
-    def dequantize(self, prepared: PreparedWeight) -> torch.Tensor:
-        """The dense float32 ``[rows, cols]`` weight (bit-equal to ``QuantizedWeight.dequantize()``)."""
+    def dequantize(self, prepared: PreparedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense ``[rows, cols]`` weight: float32 bit-equal to ``QuantizedWeight.dequantize()``,
+        or bfloat16 bit-equal to that ``.to(torch.bfloat16)``."""
         use_threads(self.threads)
-        dense = torch.empty((prepared.rows, prepared.cols), dtype=torch.float32)
+        dense = torch.empty((prepared.rows, prepared.cols), dtype=dtype)
         self._dequantize_rows(prepared, 0, prepared.rows, dense)
         return dense
 
     def _dequantize_rows(self, prepared: PreparedWeight, start: int, stop: int, dense: torch.Tensor) -> None:
-        """Rows ``start:stop`` of the weight into the contiguous ``dense [stop - start, cols]``."""
-        codes, scales = prepared.codes[start:stop], prepared.scales[start:stop]
-        offsets = 0 if prepared.offsets is None else prepared.offsets[start:stop].data_ptr()
-        args = (codes.data_ptr(), scales.data_ptr(), offsets, prepared.half_scales, dense.data_ptr())
+        """Rows ``start:stop`` of the weight into the contiguous float32 or bfloat16
+        ``dense [stop - start, cols]``, written in that dtype (no float32 copy in between)."""
+        if dense.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the dense weight is float32 or bfloat16, got {dense.dtype} ({prepared.what})")
+        codes, scales, offsets = prepared.pointers
+        groups = prepared.scales.shape[1]
+        scale_bytes = groups * prepared.scales.element_size()
+        codes += start * prepared.codes.shape[1] * prepared.codes.element_size()
+        scales += start * scale_bytes
+        offsets = offsets and offsets + start * scale_bytes
+        args = (codes, scales, offsets, prepared.half_scales, dense.data_ptr(), dense.dtype == torch.bfloat16)
         if prepared.format == "q4":
             _native.q4_dequantize(*args, stop - start, prepared.cols, openmp_team())
         else:
@@ -249,22 +287,37 @@ class NativeQuantizedLinear:
 
     def _dense_linear(self, x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` times the weight dequantised ``dense_block`` elements at a time, in ``x``'s
-        dtype (float32, or bfloat16 on the bfloat16 route)."""
+        dtype (float32, or bfloat16 on the bfloat16 route: dequantised straight to bfloat16,
+        half the bytes written and no conversion pass)."""
         use_threads(self.threads)
         rows, cols = prepared.rows, prepared.cols
         block_rows = min(rows, max(1, self.dense_block // cols))
-        buffer = torch.empty((block_rows, cols), dtype=torch.float32)
+        buffer = torch.empty((block_rows, cols), dtype=x.dtype)
         out = None  # one block's product is the output itself
         for start in range(0, rows, block_rows):
             stop = min(start + block_rows, rows)
             block = buffer[: stop - start]
             self._dequantize_rows(prepared, start, stop, block)
-            product = F.linear(x, block.to(x.dtype), None if bias is None else bias[start:stop])
+            product = F.linear(x, block, None if bias is None else bias[start:stop])
             if block_rows == rows:
                 return product
             if out is None:
                 out = torch.empty((x.shape[0], rows), dtype=x.dtype)
             out[:, start:stop] = product
+        return out
+
+    def _amx_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
+        """The float32 product of contiguous bfloat16 ``x`` (at most ``AMX_MAX_ROWS`` rows) on
+        AMX tiles."""
+        use_threads(self.threads)
+        m, rows, cols = x.shape[0], prepared.rows, prepared.cols
+        out = torch.empty(m, rows, dtype=torch.float32)
+        codes, scales, offsets = prepared.pointers
+        shared = (x.data_ptr(), codes, scales, offsets, prepared.half_scales, out.data_ptr(), m, rows, cols)
+        if prepared.format == "q4":
+            _native.q4_linear_amx(*shared, openmp_team())
+        else:
+            _native.q8_linear_amx(*shared, prepared.group, openmp_team())
         return out
 
     def _native_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:

@@ -29,9 +29,19 @@ DENSE_BLOCK = 1 << 20
 #: 0.72 vs 0.94. Below 128 rows the dequantisation does not pay on every shape.
 BF16_DENSE_MIN_ROWS = 128
 #: The same where the CPU has AMX tiles for bfloat16 (``amx_bf16``: oneDNN's bfloat16 matmul
-#: runs about four times the rate of its AVX-512 one). 2-core Xeon VM with AMX, a random q4
-#: weight (float16 scales), widened vs dequantised-to-bfloat16, ms at 32 / 64 / 128 rows:
-#: 3072x576 0.72 / 1.36 / 2.77 vs 0.86 / 0.97 / 1.12; 576x1536 0.37 / 0.71 / 1.38 vs
-#: 0.42 / 0.46 / 0.50; 960x576 0.24 / 0.42 / 0.80 vs 0.27 / 0.29 / 0.33; the 49152x576
-#: head 10.5 / 22.3 / 44.1 vs 15.7 / 15.1 / 18.5. From 64 rows on it pays on every shape.
-BF16_DENSE_MIN_ROWS_AMX = 64
+#: runs about four times the rate of its AVX-512 one) but the kernels cannot use them
+#: (``_native.amx()`` false: not Linux, or the tile state refused). 2-core Xeon VM with AMX,
+#: SmolLM2-135M's decode step (``benchmarks/step_profile.py --dtype bfloat16 --quantization
+#: keep``), linears widened vs dequantised straight to bfloat16: 50.4 vs 53.4 ms at 24 rows,
+#: 77.5 vs 58.6 at 40.
+BF16_DENSE_MIN_ROWS_AMX = 32
+#: Rows of bfloat16 activations from which ``linear`` multiplies on AMX tiles (``src/amx.rs``)
+#: where ``_native.amx()``, up to ``AMX_MAX_ROWS`` (the crate's limit per call; above it the
+#: route dequantises to bfloat16 for oneDNN). 2-core Xeon VM, random weights (float16
+#: scales), AMX vs widened vs dequantised-to-bfloat16 + oneDNN, ms: q4 1536x576 at 4 / 8 /
+#: 16 / 64 rows 0.111 / 0.080 / 0.095 / 0.154 vs 0.079 / 0.105 / 0.174 / 0.548 vs - / 0.195 /
+#: 0.195 / 0.243; q8 49152x576 3.37 / 3.13 / 3.50 / 5.42 vs 1.98 / 3.83 / 5.93 / 20.4 vs
+#: - / 7.88 / 7.93 / 10.0.
+BF16_AMX_MIN_ROWS = 4
+#: The crate's ``AMX_MAX_ROWS``: rows of ``x`` one AMX call takes (four 16-row tiles).
+AMX_MAX_ROWS = 64
