@@ -340,6 +340,37 @@ def bench_indexer(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth:
     )
 
 
+def bench_row_topk(bench: Bench, shapes: Shapes, bandwidth: float) -> Row:
+    """The indexer's top-k alone (``kernels/row_topk.py``) against ``torch.topk`` on the same
+    float32 scores (a decode step's rows over the sparse context, the last tenth of each row
+    ``-inf`` as for keys a token cannot see yet); the bytes are the scores read once."""
+    from powertrain_cuda_sm100.kernels.row_topk import row_topk
+
+    s = shapes
+    scores = bench.randn(s.batch, s.sparse_context, dtype=torch.float32)
+    scores[:, s.sparse_context - s.sparse_context // 10 :] = float("-inf")
+    width = min(s.topk, s.sparse_context)
+
+    def peer() -> torch.Tensor:
+        values, columns = scores.topk(width, dim=-1)
+        return columns.masked_fill(values == float("-inf"), -1).to(torch.int32)
+
+    same = torch.equal(row_topk(scores, width), peer())
+    ms = bench.time_ms(lambda: row_topk(scores, width))
+    peer_ms = bench.time_ms(peer)
+    moved = s.batch * s.sparse_context * 4
+    achieved = None if ms is None else moved / (ms * 1e-3)
+    return Row(
+        "indexer top-k (radix select + sort)",
+        f"{s.batch} rows x {s.sparse_context} float32 scores, top-{width}",
+        "ok (equal to torch.topk)" if same else "FAIL (differs from torch.topk)",
+        ms,
+        "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
+        None if achieved is None else achieved / bandwidth,
+        peer_ms,
+    )
+
+
 def bench_moe(bench: Bench, shapes: Shapes, ours: Any, peer: Any, fp8: bool, peak: float, fp4: bool = False) -> Row:
     s = shapes
     w13 = bench.randn(s.experts, 2 * s.intermediate, s.hidden, dtype=torch.float32, scale=s.hidden**-0.5)

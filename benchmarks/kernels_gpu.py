@@ -4,8 +4,8 @@ against what the device can do.
 Each kernel runs through the pack's backends (the same calls the engine makes), is
 checked against the builtin torch implementation on the same inputs, and is timed
 with ``triton.testing.do_bench`` (median). Memory-bound kernels (decode attention, MLA
-decode, sparse MLA, indexer and V4 attention decode, RMSNorm, rotary + cache write)
-report achieved bandwidth as a fraction of the device's measured copy bandwidth;
+decode, sparse MLA, indexer, its top-k and V4 attention decode, RMSNorm, rotary + cache
+write) report achieved bandwidth as a fraction of the device's measured copy bandwidth;
 compute-bound ones (prefill, MoE GEMMs) report TFLOP/s as a fraction of the measured bf16
 (or FP8) matmul peak. Each row also gives the time of the builtin torch peer on the same
 inputs.
@@ -36,6 +36,7 @@ from kernel_bench import (
     bench_moe,
     bench_rmsnorm,
     bench_rotary,
+    bench_row_topk,
     bench_sparse_mla,
     bench_v4_attention,
     results_table,
@@ -104,6 +105,7 @@ def main() -> int:
         bench_mla(bench, shapes, attention, reference, bandwidth),
         bench_sparse_mla(bench, shapes, attention, reference, bandwidth),
         bench_indexer(bench, shapes, attention, reference, bandwidth),
+        bench_row_topk(bench, shapes, bandwidth),
         bench_v4_attention(bench, shapes, attention, reference, bandwidth, csa=True),
         bench_v4_attention(bench, shapes, attention, reference, bandwidth, csa=False),
         bench_rotary(bench, shapes, attention, bucketed, bandwidth),

@@ -23,6 +23,7 @@ from powertrain.interfaces import (
 from powertrain.interfaces.attention import score_rows
 from powertrain_cuda_sm100.kernels.cache_write import rotary_cache_write
 from powertrain_cuda_sm100.kernels.indexer import index_scores
+from powertrain_cuda_sm100.kernels.row_topk import MAX_WIDTH, row_topk
 from powertrain_cuda_sm100.kernels.mla import mla_attention
 from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
 from powertrain_cuda_sm100.kernels.prefill import prefill
@@ -317,7 +318,8 @@ class TritonAttention:
         tokens_per_entry: int = 1,
     ) -> torch.Tensor:
         """The Lightning Indexer: every token's scores over its sequence's cached keys in one
-        launch (``-inf`` where it cannot see), then ``torch.topk`` over each row."""
+        launch (``-inf`` where it cannot see), then each row's best in another (``row_topk``:
+        radix select, then a sort of the picks; ``torch.topk`` past ``MAX_WIDTH``)."""
         if query.dtype not in SUPPORTED_DTYPES or keys.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"triton-sm100: indexer queries in {query.dtype}, keys in {keys.dtype}; the kernel takes "
@@ -351,8 +353,11 @@ class TritonAttention:
                 tokens_per_entry=tokens_per_entry,
                 first_token=first,
             )
-            best, chosen = scores.topk(width, dim=-1)
-            picked[first:last] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
+            if width <= MAX_WIDTH:
+                picked[first:last] = row_topk(scores, width)
+            else:
+                best, chosen = scores.topk(width, dim=-1)
+                picked[first:last] = chosen.masked_fill(best == float("-inf"), -1).to(torch.int32)
         return picked
 
 
