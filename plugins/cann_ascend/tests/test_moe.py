@@ -76,14 +76,41 @@ def test_prepare_refuses_fp8_block_experts(standin_ops) -> None:
         _backend(standin_ops).prepare(weights)
 
 
-def test_prepare_refuses_a_swiglu_limit(standin_ops) -> None:
-    """DeepSeek-V4's clamped SwiGLU is not what npu_swiglu computes: refused, never ignored."""
-    w13, w2 = _experts(generator(fresh_seed()), 2, 32, 16)
-    weights = ExpertWeights(w13=w13, w2=w2, num_experts=2, swiglu_limit=10.0)
-    with pytest.raises(
-        ValueError, match=r"ascend-cann MoE cannot run these experts: .*swiglu_limit = 10\.0.*'swiglu-limit'"
-    ):
-        _backend(standin_ops).prepare(weights)
+def test_a_swiglu_limit_goes_through_npu_clipped_swiglu(standin_ops) -> None:
+    """DeepSeek-V4's clamped SwiGLU (``swiglu_limit``) is npu_clipped_swiglu with front/back
+    halves, alpha 1, bias 0 and the limit; plain experts keep npu_swiglu."""
+    gen = generator(fresh_seed())
+    w13, w2 = _experts(gen, 2, 32, 16)
+    backend = _backend(standin_ops)
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    hidden = (4 * torch.randn(2, 32, generator=gen)).bfloat16()
+    for limit in (None, 0.5):
+        standin_ops.moe_calls.clear()
+        prepared = backend.prepare(ExpertWeights(w13=w13, w2=w2, num_experts=2, swiglu_limit=limit))
+        backend.forward(hidden, ids, torch.rand(2, 2, generator=gen), prepared)
+        calls = dict(standin_ops.moe_calls)
+        if limit is None:
+            assert "npu_swiglu" in calls and "npu_clipped_swiglu" not in calls
+        else:
+            assert "npu_swiglu" not in calls
+            assert calls["npu_clipped_swiglu"] == {
+                "dim": -1, "alpha": 1.0, "limit": 0.5, "bias": 0.0, "interleaved": False
+            }  # fmt: skip
+
+
+def test_the_clipped_swiglu_stand_in_follows_the_documented_formula(standin_ops) -> None:
+    """op-plugin's torch_npu-npu_clipped_swiglu.md: A and B the front/back halves (or the
+    even/odd columns), A <= limit, -limit <= B <= limit, y = A * sigmoid(alpha * A) * (B + bias);
+    inputs that cross the limit on both sides."""
+    x = 6 * torch.randn(5, 8, 3, generator=generator(fresh_seed()))  # split along dim 1
+    for interleaved, (a, b) in ((False, x.chunk(2, dim=1)), (True, (x[:, ::2], x[:, 1::2]))):
+        a, b = a.double().clamp(max=2.5), b.double().clamp(min=-2.5, max=2.5)
+        want = a * torch.sigmoid(1.5 * a) * (b + 0.25)
+        got = standin_ops.npu_clipped_swiglu(x, dim=1, alpha=1.5, limit=2.5, bias=0.25, interleaved=interleaved)
+        assert got.shape == (5, 4, 3) and got.dtype == x.dtype
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="group_index"):
+        standin_ops.npu_clipped_swiglu(x, dim=1, group_index=torch.tensor([2]))
 
 
 def test_prepare_refuses_float32_experts(standin_ops) -> None:

@@ -104,7 +104,7 @@ def test_plugins_command_says_which_deepseek_capabilities_are_absent_and_why() -
     assert {"sparse-mla", "lightning-indexer"} <= record.capabilities
     assert set(attention["absent"]) == {"v4-attention"}
     (moe,) = row["provides"]["moe"]
-    assert set(moe["absent"]) == {"fp4", "swiglu-limit"}
+    assert set(moe["absent"]) == {"fp4"}
     table = subprocess.run(
         [sys.executable, "-m", "powertrain.cli", "plugins"], capture_output=True, text=True, timeout=120
     )

@@ -177,26 +177,30 @@ def test_tiny_deepseek_v32_through_the_ascend_pack(tmp_path, seed: int) -> None:
     assert not ops.attention_calls  # every V3.2 layer attends sparsely: no dense MLA call
 
 
-def test_tiny_deepseek_v4_indexer_through_the_ascend_pack(tmp_path, seed: int) -> None:  # noqa: ANN001
+def test_tiny_deepseek_v4_indexer_and_moe_through_the_ascend_pack(tmp_path, seed: int) -> None:  # noqa: ANN001
     # V4's attention itself has no documented operator (v4-attention is absent), so its layers
     # compute it in torch; the CSA layers' indexer runs on npu_lightning_indexer over one key
-    # per 4 tokens. The MoE is torch's: V4's clamped SwiGLU (swiglu-limit) is absent here too.
+    # per 4 tokens, and the routed experts on the MoE operators, their clamped SwiGLU
+    # (swiglu_limit) on npu_clipped_swiglu.
     path = write_tiny_deepseek_v4(tmp_path, seed=seed, **ASCEND_INDEXER)
     checkpoint = load_checkpoint(str(path))
     ops = StandInOps()
-    attention, _ = _ascend(ops)
+    attention, moe = _ascend(ops)
     config = checkpoint.config
+    assert config["swiglu_limit"] > 0
     window = config["sliding_window"]
     lengths = (("one", 1), ("short", window - 3), ("long", 5 * window + 3))
     assert (5 * window + 3) // config["compress_rates"]["compressed_sparse_attention"] > config["index_topk"]
     prompts = {name: torch.randint(0, config["vocab_size"], (n,)).tolist() for name, n in lengths}
-    ours = _run(_build(DeepseekV4ForCausalLM, checkpoint, attention, TorchGroupedMoE(DTYPE)), attention, prompts, 3)
+    ours = _run(_build(DeepseekV4ForCausalLM, checkpoint, attention, moe), attention, prompts, 3)
     reference_attention = _RoundedIndexerWeights()
     reference_model = _build(DeepseekV4ForCausalLM, checkpoint, reference_attention, TorchGroupedMoE(DTYPE))
     reference = _run(reference_model, reference_attention, prompts, decode_steps=3)
-    _assert_close(ours, reference, "DeepSeek-V4 (indexer on the operator)", routing_flips=4)
+    _assert_close(ours, reference, "DeepSeek-V4 (indexer and experts on the operators)", routing_flips=4)
     csa_layers = config["layer_types"].count("compressed_sparse_attention")
     assert [name for name, _ in ops.sparse_calls] == ["npu_lightning_indexer"] * csa_layers * 4
+    swiglus = [call for name, call in ops.moe_calls if "swiglu" in name]
+    assert swiglus and all(call["limit"] == config["swiglu_limit"] for call in swiglus), swiglus
 
 
 def test_tiny_llama_through_the_ascend_pack(seed: int) -> None:

@@ -6,7 +6,9 @@ One layer's forward is five ops, as the torch_npu API reference documents them
     npu_moe_init_routing_v2   (token, slot) pairs sorted by expert; pairs of experts
                               outside this rank's ``active_expert_range`` are left out
     npu_grouped_matmul        gate/up: one [H, 2I] matrix per expert over its rows
-    npu_swiglu                silu(first half) * second half
+    npu_swiglu                silu(first half) * second half; with DeepSeek-V4's
+                              swiglu_limit, npu_clipped_swiglu (front/back halves,
+                              alpha 1, bias 0, both halves clamped at the limit)
     npu_grouped_matmul        down: [I, H] per expert
     npu_moe_finalize_routing  sum over slots of weight * row, back in token order
 
@@ -59,12 +61,14 @@ class AscendExperts:
 
     ``w13`` is ``[local, hidden, 2 * intermediate]`` (gate columns first, as
     npu_swiglu gates the first half), ``w2`` is ``[local, intermediate, hidden]``.
+    ``swiglu_limit``: DeepSeek-V4's clamp of the SwiGLU's inputs (None: plain SwiGLU).
     """
 
     w13: torch.Tensor
     w2: torch.Tensor
     num_experts: int
     first_expert: int
+    swiglu_limit: float | None = None
 
     @property
     def local_experts(self) -> int:
@@ -133,7 +137,6 @@ class AscendMoE:
                 "ascend-cann multiplies bf16/fp16 experts; FP8 block-scaled experts are not supported "
                 "(the record does not declare fp8-block): load the checkpoint dequantized"
             )
-        # e.g. npu_swiglu has no clamp: DeepSeek-V4's clamped SwiGLU would silently become plain SwiGLU.
         weights.refuse_unsupported("ascend-cann", MOE_CAPABILITIES)
         if weights.w13.dtype not in EXPERT_DTYPES or weights.w2.dtype != weights.w13.dtype:
             raise ValueError(
@@ -152,6 +155,7 @@ class AscendMoE:
             w2=weights.w2.transpose(1, 2).contiguous(),
             num_experts=weights.num_experts,
             first_expert=weights.first_expert,
+            swiglu_limit=weights.swiglu_limit,
         )
 
     def forward(
@@ -227,7 +231,13 @@ class AscendMoE:
         group_list = torch.cumsum(counts.to(torch.int64), dim=0)
         grouped = {"group_list": group_list, "group_list_type": 0, "group_type": 0, "split_item": 3}
         gate_up = self.ops.npu_grouped_matmul([rows], [weights.w13], **grouped)[0]
-        activated = self.ops.npu_swiglu(gate_up, dim=-1)
+        if weights.swiglu_limit is None:
+            activated = self.ops.npu_swiglu(gate_up, dim=-1)
+        else:  # silu(min(gate, limit)) * clamp(up, -limit, limit), as ExpertWeights.swiglu_limit says
+            limit = float(weights.swiglu_limit)
+            activated = self.ops.npu_clipped_swiglu(
+                gate_up, dim=-1, alpha=1.0, limit=limit, bias=0.0, interleaved=False
+            )
         return self.ops.npu_grouped_matmul([activated], [weights.w2], **grouped)[0]
 
     @staticmethod

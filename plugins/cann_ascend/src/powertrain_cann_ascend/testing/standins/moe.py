@@ -267,6 +267,34 @@ class MoEOpsStandIn:
         gate, up = x.float().chunk(2, dim=dim)
         return (F.silu(gate) * up).to(x.dtype)
 
+    def npu_clipped_swiglu(
+        self,
+        x: torch.Tensor,
+        *,
+        group_index: torch.Tensor | None = None,
+        dim: int = -1,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        bias: float = 1.0,
+        interleaved: bool = True,
+    ) -> torch.Tensor:
+        """The documented formula (op-plugin ``torch_npu-npu_clipped_swiglu.md``): ``x`` split
+        along ``dim`` into ``A`` and ``B`` (even/odd columns with ``interleaved``, else front
+        and back halves), ``A`` clamped above at ``limit``, ``B`` to ``[-limit, limit]``,
+        ``y = A * sigmoid(alpha * A) * (B + bias)``; computed in float32 here (the operator's
+        internal precision is not documented), returned in ``x``'s dtype."""
+        op = "npu_clipped_swiglu"
+        self._record(op, dim=dim, alpha=alpha, limit=limit, bias=bias, interleaved=interleaved)
+        _require(x.dtype in FLOAT_DTYPES and x.dim() > 1, op, "x must be a fp32/fp16/bf16 tensor of 2 or more dims")
+        _require(x.is_contiguous(), op, "x must be contiguous")
+        _require(x.shape[dim] % 2 == 0, op, f"dim {dim} of {tuple(x.shape)} must split in two halves")
+        if group_index is not None:
+            raise _unsupported(op, "group_index")
+        values = x.float().movedim(dim, -1)
+        a, b = (values[..., ::2], values[..., 1::2]) if interleaved else values.chunk(2, dim=-1)
+        a, b = a.clamp(max=limit), b.clamp(min=-limit, max=limit)
+        return (a * torch.sigmoid(alpha * a) * (b + bias)).movedim(-1, dim).to(x.dtype)
+
     def npu_moe_finalize_routing(
         self,
         expanded_permuted_rows: torch.Tensor,
