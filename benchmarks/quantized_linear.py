@@ -13,7 +13,13 @@ the default route is faster) and the weight bytes the route reads per second. Th
 model (30 q4 layers + the q8 head) per row count and route, and whether the kernels' threads
 and torch's OpenMP threads slow each other down when calls alternate.
 
-    uv run python benchmarks/quantized_linear.py
+With ``--dtype bfloat16`` the activations are bfloat16 and the routes are those for them:
+``widened`` (activations widened to float32 for the native kernel), ``bf16 blocks`` (the
+weight dequantised straight to bfloat16 4 MB at a time for oneDNN's bfloat16 matmul),
+``amx`` (``src/amx.rs``, up to 128 rows, where ``_native.amx()``) and ``route`` (the plugin's
+``for_this_cpu`` choice); the peer is ``F.linear`` on the dense bfloat16 weight.
+
+    uv run python benchmarks/quantized_linear.py [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from common import report
 
 from powertrain.interfaces.quantized import QuantizedWeight
 from powertrain_cpu_kernels import NativeQuantizedLinear, _native
+from powertrain_cpu_kernels.tuning import BF16_AMX_MAX_ROWS
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, 30 layers, 49152 tokens.
 LAYERS = 30
@@ -85,20 +92,33 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--budget", type=float, default=0.25, help="seconds of timing per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (the kernels' pool follows)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the activations'")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    routes = {
-        "widened": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30, activation_bits=32),
-        "int16": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30),
-        "panels": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1),
-        "blocks": NativeQuantizedLinear(gemv_max_rows=0),
-        "route": NativeQuantizedLinear(),
-    }
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16:
+        routes = {
+            "widened": NativeQuantizedLinear(),
+            "bf16 blocks": NativeQuantizedLinear(bf16_dense_min_rows=1),
+            **({"amx": NativeQuantizedLinear(bf16_amx_min_rows=1)} if _native.amx() else {}),
+            "route": NativeQuantizedLinear.for_this_cpu(),
+        }
+    else:
+        routes = {
+            "widened": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30, activation_bits=32),
+            "int16": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1 << 30),
+            "panels": NativeQuantizedLinear(gemv_max_rows=1 << 30, gemm_min_rows=1),
+            "blocks": NativeQuantizedLinear(gemv_max_rows=0),
+            "route": NativeQuantizedLinear(),
+        }
     route = routes["route"]
+    peer = f"F.linear {'bf16' if dtype == torch.bfloat16 else 'f32'}"
     results: dict[str, object] = {
+        "activations": args.dtype,
         "kernel_path": _native.kernel_path(),
+        "amx": _native.amx(),
         "gemm_min_rows": route.gemm_min_rows,
         "gemv_max_rows": route.gemv_max_rows,
     }
@@ -110,20 +130,21 @@ def main() -> None:
         for name, n, k, fmt in cases:
             w = weight(fmt, n, k)
             prepared = route.prepare(w)
-            dense = w.dequantize()
-            int8_mm = int8pack(w) if name != "head" else None  # slow enough here to dominate the run
+            dense = w.dequantize().to(dtype)
+            int8_mm = int8pack(w) if name != "head" and dtype == torch.float32 else None  # slow: it would dominate
             count = LAYERS if name != "head" else 1
             in_model = name == "head" or fmt == "q4"
             bytes_per_token += count * prepared.nbytes if in_model else 0
             for m in args.rows:
-                x = torch.randn(m, k)
+                x = torch.randn(m, k).to(dtype)
                 times = {
                     label: timed(partial(kernel.linear, x, prepared, None), args.budget)
                     for label, kernel in routes.items()
+                    if not (label == "amx" and m > BF16_AMX_MAX_ROWS)  # above it, another route would run
                 }
-                times["F.linear f32"] = timed(partial(F.linear, x, dense), args.budget)
+                times[peer] = timed(partial(F.linear, x, dense), args.budget)
                 row = "  ".join(f"{label} {t * 1e6:8.1f} us" for label, t in times.items())
-                row += f"  dense/route {times['F.linear f32'] / times['route']:5.2f}x"
+                row += f"  dense/route {times[peer] / times['route']:5.2f}x"
                 row += f"  {prepared.nbytes / times['route'] / 1e9:5.1f} GB/s"
                 if int8_mm is not None:
                     t_int8 = timed(partial(int8_mm, x), args.budget)
@@ -140,7 +161,7 @@ def main() -> None:
                 row += f"; {bytes_per_token / 1e6:.1f} MB quantised, route {rate:.1f} GB/s"
             results[f"model (30 layers q4 + head q8), m={m}"] = row
         results.update(thread_interplay(args.budget))
-    report("weight-only quantised linear on the CPU: native q4/q8 vs torch float32 F.linear (SmolLM2-135M)", results)
+    report(f"weight-only quantised linear on the CPU: native q4/q8 vs torch {peer} (SmolLM2-135M)", results)
 
 
 def thread_interplay(budget: float) -> dict[str, str]:

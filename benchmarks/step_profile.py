@@ -145,7 +145,14 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, attention=args.attention)
+    # Room for every sequence at once: the timed steps are those that decode all of them.
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        attention=args.attention,
+        max_num_seqs=max(64, args.batch),
+    )
     runner = llm.engine.runner
     timers = Timers()
     steps = DecodeSteps(llm, args.batch)

@@ -380,9 +380,9 @@ def test_bfloat16_route_multiplies_the_weight_in_bfloat16(seed: int) -> None:
 
 def test_the_bfloat16_routes_are_chosen_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dequantised bfloat16 only where the CPU has bfloat16 dot products; with AMX tiles the
-    kernels can use, the AMX kernel below ``AMX_MAX_ROWS`` rows and the route above."""
+    kernels can use, the AMX kernel up to ``BF16_AMX_MAX_ROWS`` rows and the route above."""
     from powertrain_cpu_kernels.tuning import (
-        AMX_MAX_ROWS,
+        BF16_AMX_MAX_ROWS,
         BF16_AMX_MIN_ROWS,
         BF16_DENSE_MIN_ROWS,
         BF16_DENSE_MIN_ROWS_AMX,
@@ -392,7 +392,7 @@ def test_the_bfloat16_routes_are_chosen_from_the_cpu_flags(monkeypatch: pytest.M
         ({"avx512_bf16", "avx2"}, True, (BF16_DENSE_MIN_ROWS, None)),
         ({"amx_bf16"}, False, (BF16_DENSE_MIN_ROWS_AMX, None)),
         ({"avx512_bf16", "amx_bf16"}, False, (BF16_DENSE_MIN_ROWS_AMX, None)),
-        ({"avx512_bf16", "amx_bf16"}, True, (AMX_MAX_ROWS + 1, BF16_AMX_MIN_ROWS)),
+        ({"avx512_bf16", "amx_bf16"}, True, (BF16_AMX_MAX_ROWS + 1, BF16_AMX_MIN_ROWS)),
         ({"avx2"}, True, (None, None)),
     ):
         monkeypatch.setattr("powertrain.builtin.platforms.cpu_flags", lambda flags=flags: frozenset(flags))
@@ -421,7 +421,7 @@ def test_amx_tiles_multiply_the_weight_rounded_to_bfloat16(fmt: str, group: int,
             weight = random_weight(fmt, group, n, k, offsets, half)
             prepared = AMX.prepare(weight)
             dense = weight.dequantize().to(torch.bfloat16).to(torch.float64)
-            for m in (1, 5, 16, 17, 33, 64):
+            for m in (1, 5, 16, 17, 33, 64, 100):  # 100: two calls
                 x = torch.randn(m, k).to(torch.bfloat16)
                 got = AMX._amx_linear(x, prepared)
                 x64 = x.to(torch.float64)
@@ -435,33 +435,41 @@ def test_amx_tiles_multiply_the_weight_rounded_to_bfloat16(fmt: str, group: int,
 
 @needs_amx
 def test_amx_rows_and_routes(seed: int) -> None:
-    """``linear`` takes the AMX kernel from ``bf16_amx_min_rows`` to ``AMX_MAX_ROWS`` rows of
-    bfloat16 activations (bias added in float32, one rounding to bfloat16), the dequantised
+    """``linear`` takes the AMX kernel from ``bf16_amx_min_rows`` to ``BF16_AMX_MAX_ROWS`` rows
+    of bfloat16 activations (bias added in float32, one rounding to bfloat16), the dequantised
     route above, and widens below; a NaN scale makes its weight row's outputs NaN and no other."""
-    from powertrain_cpu_kernels.tuning import AMX_MAX_ROWS
+    from powertrain_cpu_kernels.tuning import AMX_MAX_ROWS, BF16_AMX_MAX_ROWS
 
-    kernel = NativeQuantizedLinear(bf16_amx_min_rows=4, bf16_dense_min_rows=AMX_MAX_ROWS + 1)
+    kernel = NativeQuantizedLinear(bf16_amx_min_rows=4, bf16_dense_min_rows=BF16_AMX_MAX_ROWS + 1)
     weight = random_weight("q4", 32, 70, 96, offsets=True, half=True)
     prepared = kernel.prepare(weight)
     bias = torch.randn(70).to(torch.bfloat16)
     calls = []
     amx_linear = kernel._amx_linear
     kernel._amx_linear = lambda x, prepared: calls.append(x.shape[0]) or amx_linear(x, prepared)
-    for m in (3, 4, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    taken = (4, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, BF16_AMX_MAX_ROWS)
+    for m in (3, *taken, BF16_AMX_MAX_ROWS + 1):
         x = torch.randn(m, 96).to(torch.bfloat16)
         got = kernel.linear(x.view(1, m, 96), prepared, bias)
         assert got.shape == (1, m, 70) and got.dtype == torch.bfloat16
-        if m in (4, AMX_MAX_ROWS):
+        if m in taken:
             want = (amx_linear(x, prepared) + bias.to(torch.float32)).to(torch.bfloat16)
             assert torch.equal(got[0], want), f"m={m} (seed {seed})"
-    assert calls == [4, AMX_MAX_ROWS]
+    assert calls == list(taken)
+    # Past one call's rows, each 64-row slice is that slice's own product.
+    x = torch.randn(AMX_MAX_ROWS + 9, 96).to(torch.bfloat16)
+    whole = amx_linear(x, prepared)
+    assert torch.equal(whole[AMX_MAX_ROWS:], amx_linear(x[AMX_MAX_ROWS:].contiguous(), prepared))
     scales = weight.scales.clone()
     scales[5, 2] = float("nan")
     poisoned = AMX.prepare(attrs.evolve(weight, scales=scales))
     got = AMX._amx_linear(torch.randn(20, 96).to(torch.bfloat16), poisoned)
     assert got[:, 5].isnan().all() and not got[:, torch.arange(70) != 5].isnan().any()
+    x = torch.randn(65, 96).to(torch.bfloat16)
+    out = torch.empty(65, 70)
+    codes, scales, offsets = prepared.pointers
     with pytest.raises(ValueError, match=r"at most 64 rows and a multiple of 32 columns, got 65 x 96"):
-        AMX._amx_linear(torch.randn(65, 96).to(torch.bfloat16), prepared)
+        _native.q4_linear_amx(x.data_ptr(), codes, scales, offsets, prepared.half_scales, out.data_ptr(), 65, 70, 96, 0)
 
 
 def test_activation_bits_are_16_or_32() -> None:

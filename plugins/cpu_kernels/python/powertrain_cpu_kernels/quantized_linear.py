@@ -6,7 +6,7 @@ dequantises the weight a cache-sized panel at a time and multiplies every row by
 (``src/gemm.rs``). Dequantising into a temporary float32 ``[rows, cols]`` for torch's
 ``F.linear`` (MKL/oneDNN) remains as a route above ``gemv_max_rows``
 (``benchmarks/quantized_linear.py`` measures the crossovers). Bfloat16 activations go to
-AMX tiles where the CPU has them (``src/amx.rs``, 4-64 rows) and to torch's bfloat16
+AMX tiles where the CPU has them (``src/amx.rs``, 4-128 rows) and to torch's bfloat16
 matmul on the weight dequantised to bfloat16 above that.
 """
 
@@ -22,6 +22,7 @@ from powertrain_cpu_kernels.threads import openmp_team, use_threads
 from powertrain_cpu_kernels.torch_openmp import gomp_parallel_address
 from powertrain_cpu_kernels.tuning import (
     AMX_MAX_ROWS,
+    BF16_AMX_MAX_ROWS,
     BF16_AMX_MIN_ROWS,
     BF16_DENSE_MIN_ROWS,
     BF16_DENSE_MIN_ROWS_AMX,
@@ -114,9 +115,10 @@ class NativeQuantizedLinear:
     bfloat16 matmul, 1.5-3x faster than widening where the CPU has bfloat16 dot products,
     ``tuning.BF16_DENSE_MIN_ROWS``); None: bfloat16 activations are always widened. The
     weight then carries bfloat16's rounding, as the dequantised bfloat16 model's does.
-    ``bf16_amx_min_rows``: from this many up to ``AMX_MAX_ROWS`` rows of bfloat16 activations,
-    multiply on AMX tiles by the weight rounded to bfloat16 16 x 32 values at a time
-    (``src/amx.rs``; only where ``_native.amx()``); None: never."""
+    ``bf16_amx_min_rows``: from this many up to ``BF16_AMX_MAX_ROWS`` rows of bfloat16
+    activations, multiply on AMX tiles by the weight rounded to bfloat16 16 x 32 values at a
+    time, ``AMX_MAX_ROWS`` rows a call (``src/amx.rs``; only where ``_native.amx()``); None:
+    never."""
 
     formats = frozenset({"q4", "q8"})
 
@@ -159,7 +161,7 @@ class NativeQuantizedLinear:
         flags = bf16_dot_flags()
         amx = "amx_bf16" in flags and _native.amx()
         if amx:
-            min_rows = AMX_MAX_ROWS + 1
+            min_rows = BF16_AMX_MAX_ROWS + 1
         else:
             min_rows = BF16_DENSE_MIN_ROWS_AMX if "amx_bf16" in flags else BF16_DENSE_MIN_ROWS if flags else None
         kernel = cls(
@@ -233,7 +235,7 @@ class NativeQuantizedLinear:
             )
         if x.dtype == torch.bfloat16 and self.bf16_amx_min_rows is not None and cols % 32 == 0:
             m = x.numel() // cols
-            if self.bf16_amx_min_rows <= m <= AMX_MAX_ROWS and _native.amx():  # False where scalar is forced
+            if self.bf16_amx_min_rows <= m <= BF16_AMX_MAX_ROWS and _native.amx():  # False where scalar is forced
                 out = self._amx_linear(x.reshape(m, cols).contiguous(), prepared)
                 if bias is not None:
                     out += bias.to(torch.float32)
@@ -307,17 +309,19 @@ class NativeQuantizedLinear:
         return out
 
     def _amx_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:
-        """The float32 product of contiguous bfloat16 ``x`` (at most ``AMX_MAX_ROWS`` rows) on
-        AMX tiles."""
+        """The float32 product of contiguous bfloat16 ``x`` on AMX tiles, ``AMX_MAX_ROWS``
+        rows a call."""
         use_threads(self.threads)
         m, rows, cols = x.shape[0], prepared.rows, prepared.cols
         out = torch.empty(m, rows, dtype=torch.float32)
         codes, scales, offsets = prepared.pointers
-        shared = (x.data_ptr(), codes, scales, offsets, prepared.half_scales, out.data_ptr(), m, rows, cols)
-        if prepared.format == "q4":
-            _native.q4_linear_amx(*shared, openmp_team())
-        else:
-            _native.q8_linear_amx(*shared, prepared.group, openmp_team())
+        for start in range(0, m, AMX_MAX_ROWS):
+            part = min(AMX_MAX_ROWS, m - start)
+            shared = (x[start].data_ptr(), codes, scales, offsets, prepared.half_scales, out[start].data_ptr())
+            if prepared.format == "q4":
+                _native.q4_linear_amx(*shared, part, rows, cols, openmp_team())
+            else:
+                _native.q8_linear_amx(*shared, part, rows, cols, prepared.group, openmp_team())
         return out
 
     def _native_linear(self, x: torch.Tensor, prepared: PreparedWeight) -> torch.Tensor:

@@ -36,12 +36,16 @@ BF16_DENSE_MIN_ROWS = 128
 #: 77.5 vs 58.6 at 40.
 BF16_DENSE_MIN_ROWS_AMX = 32
 #: Rows of bfloat16 activations from which ``linear`` multiplies on AMX tiles (``src/amx.rs``)
-#: where ``_native.amx()``, up to ``AMX_MAX_ROWS`` (the crate's limit per call; above it the
-#: route dequantises to bfloat16 for oneDNN). 2-core Xeon VM, random weights (float16
-#: scales), AMX vs widened vs dequantised-to-bfloat16 + oneDNN, ms: q4 1536x576 at 4 / 8 /
-#: 16 / 64 rows 0.111 / 0.080 / 0.095 / 0.154 vs 0.079 / 0.105 / 0.174 / 0.548 vs - / 0.195 /
-#: 0.195 / 0.243; q8 49152x576 3.37 / 3.13 / 3.50 / 5.42 vs 1.98 / 3.83 / 5.93 / 20.4 vs
-#: - / 7.88 / 7.93 / 10.0.
+#: where ``_native.amx()``. 2-core Xeon VM, SmolLM2's 30 q4 layers + q8 head
+#: (``benchmarks/quantized_linear.py --dtype bfloat16``), AMX vs widened vs dequantised to
+#: bfloat16 for oneDNN, ms: 10.11 / 4.38 / 29.2 at 1 row, 10.54 / 10.94 / 37.6 at 4, 10.84 /
+#: 19.67 / 37.9 at 8, 12.19 / 32.06 / 39.0 at 16, 23.38 / 102.4 / 48.9 at 64 (oneDNN on the
+#: dense bfloat16 weight: 5.32, 10.68, 10.73, 11.13, 18.75).
 BF16_AMX_MIN_ROWS = 4
 #: The crate's ``AMX_MAX_ROWS``: rows of ``x`` one AMX call takes (four 16-row tiles).
 AMX_MAX_ROWS = 64
+#: Rows of bfloat16 activations up to which ``linear`` stays on AMX tiles, 64 rows a call
+#: (the weight dequantised again per call); above, the dequantised-to-bfloat16 route. Same VM,
+#: SmolLM2's 30 q4 layers + q8 head, 64-row AMX calls vs the route: 39.9 vs 51.5 ms at 96
+#: rows, 57.3 vs 61.4 at 128, 70.7 vs 68.3 at 192, 101.7 vs 82.8 at 256.
+BF16_AMX_MAX_ROWS = 128
