@@ -76,22 +76,44 @@ def _run(model: object, backend: object, prompts: dict[str, list[int]], decode_s
     return outputs
 
 
-def _assert_close(ours: list[torch.Tensor], reference: list[torch.Tensor], what: str, routing_flips: int = 0) -> None:
+#: How far a row may move when an earlier token of its sequence took another expert (a
+#: routing flip): it attends to that token's keys and values. Seen: tiny V4, seed 1880532785,
+#: one prompt row flipped (0.28) and the prompt's later rows at 0.040-0.063; tiny V3.2, seed
+#: 4251245916, later rows at 0.033-0.047.
+AFTER_FLIP_TOLERANCE = 0.1
+
+
+def _assert_close(
+    ours: list[torch.Tensor], reference: list[torch.Tensor], what: str, routing_flips: int = 0, sequences: int = 1
+) -> None:
     """Every logits row within RELATIVE_TOLERANCE of its output's largest reference logit,
     except at most ``routing_flips`` rows of the whole run: in a MoE model a bf16 rounding
     difference upstream can tip a near tie in the router, and that token then takes another
     expert (seen with seed 2463030970: 36 of 37 prompt rows within 0.008, one at 0.32; tiny
-    V3.2, 18 seeds: 3 with one to three such rows, every other row within 0.013). A wrong
-    mapping moves every row after the first wrong one, not a few."""
-    errors = []
+    V3.2, 18 seeds: 3 with one to three such rows, every other row within 0.013). Rows of the
+    same sequence after a flipped one attend to it, and may be off by AFTER_FLIP_TOLERANCE.
+    ``ours`` / ``reference``: ``_run``'s outputs, one per sequence per step in turn
+    (``sequences`` of them a step). A wrong mapping moves every row from a sequence's first
+    one on, and by more."""
+    errors = []  # (error, output), each sequence's rows in order
+    by_sequence: list[list[float]] = [[] for _ in range(sequences)]
     for i, (got, want) in enumerate(zip(ours, reference, strict=True)):
         rows = (got - want).abs().reshape(-1, got.shape[-1]).amax(dim=-1) / want.abs().max()
         errors += [(error, i) for error in rows.tolist()]
-    errors.sort(reverse=True)
-    error, output = errors[min(routing_flips, len(errors) - 1)]
-    assert error <= RELATIVE_TOLERANCE, (
-        f"{what}: {routing_flips + 1} rows off by {error:.2e} of the largest logit or more (output {output}; "
-        f"rows by error: {[(round(e, 4), i) for e, i in errors[:6]]})"
+        by_sequence[i % sequences] += rows.tolist()
+    flips = 0  # rows off that no earlier flip of their sequence explains
+    for rows in by_sequence:
+        flipped = False
+        for error in rows:
+            if error > AFTER_FLIP_TOLERANCE or (error > RELATIVE_TOLERANCE and not flipped):
+                flips += 1
+            flipped = flipped or error > RELATIVE_TOLERANCE
+    off = sum(error > RELATIVE_TOLERANCE for error, _ in errors)
+    worst = [(round(e, 4), i) for e, i in sorted(errors, reverse=True)[:6]]
+    assert flips <= routing_flips and off <= len(errors) // 4, (
+        f"{what}: {off} of {len(errors)} rows off by more than {RELATIVE_TOLERANCE} of the largest logit, "
+        f"{flips} of them not explained by an earlier routing flip of their sequence (at most {routing_flips}, and "
+        f"at most a quarter of the rows, may be off); rows by error (error, output): {worst}"
     )
 
 
@@ -119,7 +141,7 @@ def test_tiny_deepseek_v3_through_the_ascend_pack(tmp_path, seed: int) -> None: 
     ours = _run(build(attention, moe), attention, prompts, decode_steps=3)
     reference_attention = TorchReferenceAttention()
     reference = _run(build(reference_attention, TorchGroupedMoE(DTYPE)), reference_attention, prompts, decode_steps=3)
-    _assert_close(ours, reference, "DeepSeek-V3 (MLA + MoE)", routing_flips=4)
+    _assert_close(ours, reference, "DeepSeek-V3 (MLA + MoE)", routing_flips=4, sequences=len(prompts))
     # The operators did the work: fused attention, the gating op and the grouped matmuls.
     used = {name for name, _ in ops.moe_calls}
     assert {"npu_moe_gating_top_k", "npu_grouped_matmul", "npu_moe_finalize_routing"} <= used, used
@@ -170,7 +192,9 @@ def test_tiny_deepseek_v32_through_the_ascend_pack(tmp_path, seed: int) -> None:
     reference_attention = _RoundedIndexerWeights()
     reference_model = _build(DeepseekV32ForCausalLM, checkpoint, reference_attention, TorchGroupedMoE(DTYPE))
     reference = _run(reference_model, reference_attention, prompts, decode_steps=3)
-    _assert_close(ours, reference, "DeepSeek-V3.2 (sparse MLA + indexer + MoE)", routing_flips=4)
+    _assert_close(
+        ours, reference, "DeepSeek-V3.2 (sparse MLA + indexer + MoE)", routing_flips=4, sequences=len(prompts)
+    )
     used = [name for name, _ in ops.sparse_calls]
     layers = checkpoint.config["num_hidden_layers"]
     assert used.count("npu_sparse_flash_attention") == used.count("npu_lightning_indexer") == layers * 4, used
@@ -196,7 +220,9 @@ def test_tiny_deepseek_v4_indexer_and_moe_through_the_ascend_pack(tmp_path, seed
     reference_attention = _RoundedIndexerWeights()
     reference_model = _build(DeepseekV4ForCausalLM, checkpoint, reference_attention, TorchGroupedMoE(DTYPE))
     reference = _run(reference_model, reference_attention, prompts, decode_steps=3)
-    _assert_close(ours, reference, "DeepSeek-V4 (indexer and experts on the operators)", routing_flips=4)
+    _assert_close(
+        ours, reference, "DeepSeek-V4 (indexer and experts on the operators)", routing_flips=4, sequences=len(prompts)
+    )
     csa_layers = config["layer_types"].count("compressed_sparse_attention")
     assert [name for name, _ in ops.sparse_calls] == ["npu_lightning_indexer"] * csa_layers * 4
     swiglus = [call for name, call in ops.moe_calls if "swiglu" in name]
