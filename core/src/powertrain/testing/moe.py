@@ -513,7 +513,8 @@ class MoEBackendSuite(ComponentSuite):
     def test_swiglu_limit(self, subject: Subject, dtype: torch.dtype, seed: int) -> None:
         """Clamped SwiGLU (DeepSeek-V4), through forward and forward_grouped, on hidden states
         scaled so that the clamp changes a good share of the gate/up values (asserted, so a
-        backend computing plain SwiGLU fails)."""
+        backend computing plain SwiGLU fails), and on unit-scale ones (so a backend computing
+        another gate than SiLU fails)."""
         self.require(subject.provided, "swiglu-limit")
         backend, device = self._build(subject, dtype)
         gen = generator(seed)
@@ -536,6 +537,12 @@ class MoEBackendSuite(ComponentSuite):
             f"plain SwiGLU would pass this test: {where}"
         )
         self._check_forward(backend, prepared, device, hidden, topk_ids, topk_weights, want, where)
+        # At unit scale the clamp rarely acts and the gate's own shape decides: at the scale
+        # above, x * sigmoid(1.702 x) in place of SiLU moves rows by only 0.6-1.9%, inside
+        # bfloat16's tolerance; here by far more.
+        small = torch.randn(num_tokens, self.hidden_size, generator=gen).to(dtype)
+        want = reference_moe(small, topk_ids, topk_weights, w13, w2, swiglu_limit=limit)
+        self._check_forward(backend, prepared, device, small, topk_ids, topk_weights, want, f"unit scale, {where}")
 
         counts = torch.randint(0, 6, (self.num_experts,), generator=gen)
         rows = (scale * torch.randn(int(counts.sum()), self.hidden_size, generator=gen)).to(dtype)
