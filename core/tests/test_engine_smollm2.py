@@ -8,7 +8,6 @@ is the oracle.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from powertrain import LLM, SamplingParams
 from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.testing.base import fresh_seed
 from powertrain.testing.oracle import prefill_logits
 
 PROMPTS = [
@@ -88,7 +88,7 @@ def _mixed_prompts(seed: int) -> list[str]:
 
 
 def test_batch_invariance_greedy_and_seeded(llm: LLM) -> None:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     prompts = _mixed_prompts(seed)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     sampled = [
@@ -104,7 +104,7 @@ def test_batch_invariance_greedy_and_seeded(llm: LLM) -> None:
 
 
 def test_memory_pressure_preempts_and_outputs_are_unchanged(llm: LLM) -> None:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     prompts = _mixed_prompts(seed)[:8]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -182,6 +182,45 @@ def test_torchrun_ranks_run_the_same_command(tiny_v3: Path, reference: list[list
     assert json.loads(lines[0])["text"] == expected
 
 
+def test_rank0_announces_its_front_end_port_in_torchruns_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers learn rank 0's port from torchrun's store (a free port, not MASTER_PORT + 1,
+    which a connection's local port had taken in 1 of 52 runs), and a port never announced
+    ends in a clear error."""
+    from torch.distributed import TCPStore
+
+    from powertrain.deploy import launch
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    torchrun = launch.TorchrunRank(
+        rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="127.0.0.1", master_port=server.port
+    )
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setattr(launch, "ANNOUNCE_TIMEOUT_S", 0.5)
+    with pytest.raises(ConnectionError, match="did not announce its front end's port.*frontend_port"):
+        launch._announced_port(torchrun)
+    port = random.randrange(20000, 60000)
+    launch._torchrun_store(torchrun).set(launch.FRONTEND_PORT_KEY, str(port))
+    assert launch._announced_port(torchrun) == port
+    # A launcher that serves no store there: the fixed default.
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert launch._announced_port(torchrun) == server.port + 1
+
+
+@pytest.mark.parametrize(("args", "code"), [(["--version"], 0), (["generate", "hello"], 1)])
+def test_a_torchrun_rank_keeps_its_exit_code_and_output(args: list[str], code: int) -> None:
+    """Under torchrun the command leaves without the interpreter's teardown (where a native
+    thread aborted ranks): what it printed and its exit code survive."""
+    env = {**os.environ, "LOCAL_RANK": "0"}  # torchrun's, without the rest: a clear error for generate
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "powertrain"), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == code, done.stderr
+    if code == 0:
+        assert done.stdout.startswith("powertrain, version")
+    else:
+        assert "torchrun-style environment without 'RANK'" in done.stderr
+
+
 # --------------------------------------------------------------------------- in one process
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import attrs
 import pytest
 import torch
@@ -11,12 +9,9 @@ import torch
 from powertrain.engine.sampler import Sampler, SamplingInputs, apply_penalties
 from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.interfaces.sampling import SamplingParams, race_noise, row_argmax
+from powertrain.testing.base import fresh_seed
 
 VOCAB = 12
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def inputs(params: list[SamplingParams], generators=None, history=None, num_output=None, banned=None) -> SamplingInputs:

@@ -547,5 +547,21 @@ def bench_serve_command(
         _fail([f"no request completed at {load['mode']} {load['target']}" for load in idle])
 
 
+def run() -> None:
+    """The ``powertrain`` command. A rank under torchrun ends without the interpreter's
+    teardown, however the command ended (``deploy.launch.leave``)."""
+    from powertrain.deploy.launch import launched_by_torchrun, leave
+
+    try:
+        main()
+    except SystemExit as ended:
+        if not launched_by_torchrun():
+            raise
+        if ended.code is None or isinstance(ended.code, int):
+            leave(ended.code or 0)
+        click.echo(ended.code, err=True)
+        leave(EXIT_PROBLEM)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    run()

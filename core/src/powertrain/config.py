@@ -173,8 +173,8 @@ class ParallelConfig:
     #: (a hung filesystem, a stalled server) hands the request on anyway: the decode rank
     #: computes what it misses.
     handoff_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    #: Under torchrun, the port rank 0's front end listens on for the workers
-    #: (0: MASTER_PORT + 1).
+    #: Under torchrun, the port rank 0's front end listens on for the workers (0: a free
+    #: port, announced in torchrun's store; MASTER_PORT + 1 where torchrun serves none).
     frontend_port: int = attrs.field(default=0, validator=_port)
     #: Seconds the workers may take to load the model and join the process group.
     startup_timeout_s: float = attrs.field(default=1800.0, validator=_positive)

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from powertrain.testing.base import fresh_seed
 from powertrain_cpu_kernels import _native
 
 # The conformance kit is a pytest plugin; plugin packages enable it here.
@@ -16,7 +16,7 @@ pytest_plugins = ["powertrain.testing"]
 def seed() -> int:
     """A fresh seed per test (never a fixed one), torch's global generator seeded with it,
     and printed so a failure can be replayed."""
-    value = int.from_bytes(os.urandom(4), "little")
+    value = fresh_seed()
     torch.manual_seed(value)
     print(f"seed={value}")
     return value

@@ -44,10 +44,12 @@ VARIANTS: dict[str, Callable[[], tuple[type, Any]]] = {
 #: Largest |fused - HF| logit over the largest HF one. Products of few rows round
 #: activations to 16 bits (``activation_bits``), and sums run in other orders: measured up
 #: to 9e-6 here over 24 models of 4 decode steps while only one- and two-row products
-#: rounded; with VNNI the four-row decode steps round too, and then up to 2.2e-4 (SmolLM2's
-#: outlier activations give up to 7.6e-4: ``test_embedded_model``). A wrong residual, bias,
-#: row or window is of order 1e-2 or more.
-HF_TOLERANCE = 1e-3
+#: rounded; with VNNI the four-row decode steps round too, and then up to 1.16e-3 over 13
+#: llama-gqa models (seeds 11-16, 21-26, 3522646431 at 1.04e-3, which failed CI at 1e-3;
+#: the same seeds with ``activation_bits=32``: 3e-6). A wrong model is further off: HF
+#: without Mistral's window 0.64, one layer's q bias dropped from Qwen2 1.0e-2 (the least
+#: over 8 seeds).
+HF_TOLERANCE = 3e-3
 #: Fused against the same kernels called layer by layer: only the SiLU differs (Rust's
 #: ``exp`` against torch's), measured up to 6e-7 in float32 products. Where that last bit
 #: moves an activation across a 16-bit rounding step (``activation_bits``: four-row steps

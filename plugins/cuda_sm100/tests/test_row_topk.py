@@ -4,17 +4,16 @@ values best first and distinct columns; ``-inf`` (keys a token cannot see) gives
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from powertrain.testing.base import fresh_seed
 from powertrain_cuda_sm100.kernels.row_topk import MAX_WIDTH, row_topk
 
 
 @pytest.fixture
 def gen() -> torch.Generator:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
 

@@ -8,11 +8,13 @@ they join torch.distributed through a ``file://`` rendezvous. Under ``torchrun``
 rank 0's worker (in a thread), the others only work and exit when it stops them; the
 process group comes from torchrun's environment (``env://``) and the workers reach the
 front end at ``MASTER_ADDR:frontend_port``, authenticated with the shared secret
-``POWERTRAIN_PARALLEL_SECRET``.
+``POWERTRAIN_PARALLEL_SECRET``. Without a configured ``frontend_port`` rank 0 listens on
+a free port and announces it in torchrun's own store.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import multiprocessing
 import os
@@ -22,6 +24,7 @@ import tempfile
 import threading
 import weakref
 from multiprocessing.connection import Listener
+from typing import Any, NoReturn
 
 import attrs
 import structlog
@@ -41,6 +44,24 @@ from powertrain.plugins import PluginManager
 log = structlog.get_logger(__name__)
 
 SECRET_ENV = "POWERTRAIN_PARALLEL_SECRET"
+#: Where rank 0 announces its front end's port in torchrun's store.
+FRONTEND_PORT_KEY = "powertrain/frontend_port"
+#: How long a worker waits for rank 0 to announce its port (rank 0 loads no weights first).
+ANNOUNCE_TIMEOUT_S = 600.0
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def leave(code: int) -> NoReturn:
+    """End a torchrun rank's process once its work is done and its process group destroyed,
+    without the interpreter's teardown: there a native thread torch.distributed left
+    joinable aborted the process (SIGABRT, "terminate called without an active exception"),
+    on rank 1 in 1 of 2 CI runs under load and, once that one left this way, on rank 0."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @attrs.frozen
@@ -57,7 +78,7 @@ class TorchrunRank:
     @classmethod
     def from_environment(cls) -> TorchrunRank | None:
         env = os.environ
-        if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:
+        if not launched_by_torchrun():
             return None
         try:
             return cls(
@@ -156,32 +177,60 @@ def _start_under_torchrun(
             f"torchrun started {torchrun.world_size} processes, but data_parallel={layout.data_parallel}, "
             f"expert_parallel={layout.expert_parallel} need {layout.world_size}; match --nnodes × --nproc-per-node"
         )
-    port = config.parallel.frontend_port or torchrun.master_port + 1
     authkey = _secret(torchrun)
     placement = RankPlacement(layout=layout, rank=torchrun.rank, init_method="env://", local_rank=torchrun.local_rank)
     visible_devices = _platform(config, plugins).visible_devices_env
     several_machines = torchrun.world_size > torchrun.local_world_size
-    frontend = (torchrun.master_addr if several_machines else "127.0.0.1", port)
-    worker_args = (config, placement, frontend, authkey)
+    frontend_host = torchrun.master_addr if several_machines else "127.0.0.1"
     worker_kwargs = {"visible_devices": visible_devices, "log_level": current_level}
     if torchrun.rank != 0:
-        run_worker(*worker_args, **worker_kwargs)
+        port = config.parallel.frontend_port or _announced_port(torchrun)
+        run_worker(config, placement, (frontend_host, port), authkey, **worker_kwargs)
         # Rank 0's front end stopped this worker and its process group is destroyed: the
-        # command ends here. Leave without interpreter teardown, where a library's native
-        # thread still joinable at exit aborted the process (SIGABRT, "terminate called
-        # without an active exception") in 1 of 2 CI runs under load.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # command ends here.
+        leave(0)
 
     checkpoint = load_checkpoint(config.model.path)
+    store = None if config.parallel.frontend_port else _torchrun_store(torchrun)
+    # Announced: any free port. MASTER_PORT + 1, the old default, was at times another
+    # socket's (a connection's local port): "Address already in use" in 1 of 52 runs.
+    port = config.parallel.frontend_port or (0 if store is not None else torchrun.master_port + 1)
     listener = Listener(("0.0.0.0" if several_machines else "127.0.0.1", port), authkey=authkey)  # noqa: S104
+    if store is not None:
+        store.set(FRONTEND_PORT_KEY, str(listener.address[1]))
     engine = ParallelEngine(config, checkpoint, layout, listener, silence_timeout_s=config.parallel.silence_timeout_s)
+    worker_args = (config, placement, (frontend_host, listener.address[1]), authkey)
     own = threading.Thread(target=run_worker, args=worker_args, kwargs=worker_kwargs, name="powertrain-rank0")
     own.daemon = True
     engine.own_worker = own
     own.start()
     return _ready(engine, config)
+
+
+def _torchrun_store(torchrun: TorchrunRank) -> Any:
+    """torchrun's own store (its agent serves it at ``MASTER_ADDR:MASTER_PORT``, one per
+    attempt), as a client; None where the launcher serves none there."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S)
+    return TCPStore(torchrun.master_addr, torchrun.master_port, is_master=False, timeout=timeout)
+
+
+def _announced_port(torchrun: TorchrunRank) -> int:
+    """The port rank 0's front end announced (``MASTER_PORT + 1`` without torchrun's store)."""
+    store = _torchrun_store(torchrun)
+    if store is None:
+        return torchrun.master_port + 1
+    try:
+        return int(store.get(FRONTEND_PORT_KEY))
+    except RuntimeError:  # torch's DistStoreError: not announced in time
+        raise ConnectionError(
+            f"rank 0 did not announce its front end's port in torchrun's store at {torchrun.master_addr}:"
+            f"{torchrun.master_port} within {ANNOUNCE_TIMEOUT_S:.0f} s; check that rank 0 is running, "
+            "or set [parallel] frontend_port on every node"
+        ) from None
 
 
 def _ready(engine: ParallelEngine, config: EngineConfig) -> ParallelEngine:
