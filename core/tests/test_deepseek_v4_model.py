@@ -249,19 +249,24 @@ def test_ngram_speculation_is_greedy_identical(path: Path, seed: int) -> None:
     window keys, compressor rows and entries behind, which later steps must overwrite before
     anything reads them. A prompt quoting the model's own continuation of a prompt, then that
     prompt again, gets drafts the model follows for a while; a repeated motif gets drafts it
-    does not."""
-    quoted = [random_tokens(path, n) for n in (9, 12, 15, 20)]
-    continuations, _ = engine_greedy(path, quoted, block_size=BLOCK)
-    prompts = [q + c + q for q, c in zip(quoted, continuations, strict=True)]
-    prompts.append(random_tokens(path, 30) + random_tokens(path, 6) * 3)
-    plain, _ = engine_greedy(path, prompts, block_size=BLOCK)
-    with LLM(str(path), dtype="float32", speculative="fixed-k", block_size=BLOCK) as llm:
-        params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
-        speculated = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-        stats = llm.engine.stats()
-    accepted, verified = stats.speculative_accepted_tokens, stats.speculative_verified_tokens
-    print(f"drafts: {accepted} of {verified} accepted")
+    does not. The model rarely follows a quote in the longer context: four more quoted
+    prompts are drawn while no draft was accepted (none of 137 were for one checkpoint in
+    ten; 3-17 for the others)."""
+    prompts = [random_tokens(path, 30) + random_tokens(path, 6) * 3]
+    for _ in range(4):
+        quoted = [random_tokens(path, n) for n in (9, 12, 15, 20)]
+        continuations, _ = engine_greedy(path, quoted, block_size=BLOCK)
+        prompts += [q + c + q for q, c in zip(quoted, continuations, strict=True)]
+        with LLM(str(path), dtype="float32", speculative="fixed-k", block_size=BLOCK) as llm:
+            params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+            speculated = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            stats = llm.engine.stats()
+        accepted, verified = stats.speculative_accepted_tokens, stats.speculative_verified_tokens
+        print(f"{len(prompts)} prompts, drafts: {accepted} of {verified} accepted")
+        if accepted:
+            break
     assert 0 < accepted < verified, "drafts must be both accepted and rejected for this to test rollback"
+    plain, _ = engine_greedy(path, prompts, block_size=BLOCK)
     assert speculated == plain, f"seed={seed}"
 
 
