@@ -131,8 +131,11 @@ def test_overlapped_steps_give_the_tokens_of_synchronous_ones() -> None:
         )
         with LLM(config=config) as llm:
             outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
-            results[overlapped] = (summary(outputs), llm.engine.stats(), llm.engine.runner.overlapped_steps)
+            runner = llm.engine.runner
+            results[overlapped] = (summary(outputs), llm.engine.stats(), runner.overlapped_steps)
+            left_out = runner.ended_rows_left_out  # sequences the step before ended
     (synchronous, _, no_overlaps), (overlapped_outputs, stats, overlaps) = results[False], results[True]
     assert overlapped_outputs == synchronous
     assert no_overlaps == 0 and overlaps > 0
+    assert left_out > 0
     assert stats.speculative_accepted_tokens > 0

@@ -132,8 +132,8 @@ def test_overlapped_steps_give_the_tokens_of_synchronous_ones(checkpoints: dict[
     """Async scheduling (the MTP's catch-up and drafts for step N+1 run on the device
     thread after step N, while the engine thread already scheduled N+1) gives the tokens
     of synchronous speculative steps: greedy, and seeded sampling with the MTP's sampled
-    drafts (fixed-k: the lengths do not depend on which finished sequences a step still
-    carries)."""
+    drafts (fixed-k: the lengths do not depend on the batch). A sequence the step before
+    ended leaves the overlapped step, so both verify the same drafts, as many times."""
     batch = requests(seed)
     generator = torch.Generator().manual_seed(seed + 1)
     for i, n in enumerate((6, 19)):
@@ -149,11 +149,15 @@ def test_overlapped_steps_give_the_tokens_of_synchronous_ones(checkpoints: dict[
         )
         with LLM(config=config) as llm:
             outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])
-            results[overlapped] = ([o.outputs[0].token_ids for o in outputs], llm.engine.runner.overlapped_steps)
-            stats = llm.engine.stats()
+            runner, stats = llm.engine.runner, llm.engine.stats()
+            counts = (stats.speculative_request_steps, stats.speculative_verified_tokens)  # type: ignore[attr-defined]
+            results[overlapped] = ([o.outputs[0].token_ids for o in outputs], runner.overlapped_steps, counts)
+            left_out = runner.ended_rows_left_out
     assert results[True][0] == results[False][0]
     assert results[False][1] == 0 and results[True][1] > 0
     assert stats.speculative_accepted_tokens > 0  # type: ignore[attr-defined]
+    assert results[True][2] == results[False][2], "request-steps and verified drafts, overlapped vs synchronous"
+    assert left_out > 0
 
 
 REGEX = r"[ -~]{4,40}\."  # printable ASCII on one line: most of the tiny vocabulary, not all

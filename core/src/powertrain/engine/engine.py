@@ -30,7 +30,7 @@ from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.kv_transfer import BlockMover
 from powertrain.engine.model_runner import ModelRunner, StepResult
-from powertrain.engine.sequence import PLACEHOLDER, Request, SequenceSnapshot
+from powertrain.engine.sequence import PLACEHOLDER, Request, SequenceSnapshot, ends_at
 from powertrain.engine.sequence import Sequence as Seq
 from powertrain.engine.speculative import can_speculate
 from powertrain.interfaces.engine import EngineStats
@@ -373,7 +373,8 @@ class LLMEngine:
         detokenizer = self._detokenizers[seq.seq_id]
         previous = self._texts[seq.seq_id]
         reason = None
-        stop_token = produced >= params.min_tokens and token in request.stop_token_ids
+        ending = ends_at(params, request.stop_token_ids, token, produced, position + 1, self.max_model_len)
+        stop_token = ending == "stop"
         # A stop token (EOS) ends the text without appearing in it, even when special
         # tokens are kept (a protocol adapter that parses markup asks for them).
         text = previous if stop_token else previous + detokenizer.add(token)
@@ -385,7 +386,7 @@ class LLMEngine:
                 start = max(0, len(previous) - max(len(s) for s in params.stop) + 1)
                 text, hit = _cut_at_stop(text, params.stop, params.include_stop_str_in_output, start)
                 reason = "stop" if hit else None
-        if reason is None and (produced >= params.max_tokens or position + 1 >= self.max_model_len):
+        if reason is None and ending == "length":
             reason = "length"
             text += detokenizer.finish()  # a character still held back is all there will be
         self._texts[seq.seq_id] = text

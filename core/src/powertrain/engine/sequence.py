@@ -98,6 +98,19 @@ class Sequence:
         )
 
 
+def ends_at(
+    params: SamplingParams, stop_token_ids: tuple[int, ...], token: int, produced: int, length: int, max_model_len: int
+) -> str | None:
+    """Why a sequence ends with ``token``, its ``produced``-th output token and ``length``-th
+    token, whatever its text: "stop" for a stop token (once ``min_tokens`` are out),
+    "length" at ``max_tokens`` or the model's length; None where only a stop string could."""
+    if produced >= params.min_tokens and token in stop_token_ids:
+        return "stop"
+    if produced >= params.max_tokens or length >= max_model_len:
+        return "length"
+    return None
+
+
 @attrs.define(kw_only=True)
 class SequenceSnapshot:
     """A sequence as the engine thread saw it when it launched a speculative step: the

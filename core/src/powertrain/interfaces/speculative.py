@@ -14,7 +14,8 @@ Overlap (async scheduling). The engine thread schedules step N+1 and reserves ca
 blocks for its drafts while step N runs; it cannot draft, because N+1's drafts follow
 from the tokens N keeps. So it hands the device thread a snapshot of each sequence, and
 the device thread, once N has run, puts N's kept tokens in (a sequence that accepted
-drafts moves on by as many positions), asks the policy to ``propose`` and choose
+drafts moves on by as many positions; one whose kept tokens end it, by a stop token or
+its length, leaves the step), asks the policy to ``propose`` and choose
 ``verify_lengths``, prepares the step and runs it. Meanwhile the engine thread turns N's
 tokens into outputs (detokenization, stop strings). What the policy sees, and so what
 it decides, is what it would see with synchronous steps; a policy may also plan its
