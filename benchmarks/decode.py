@@ -101,7 +101,13 @@ def bytes_per_token(gguf: Path) -> dict[str, int]:
 
 #: Bytes per element of each engine's KV cache: float32 for powertrain and HF (the model's
 #: dtype here), llama.cpp's default f16.
-KV_ELEMENT_BYTES = {"powertrain-dequantize": 4, "powertrain-keep": 4, "powertrain-keep-layerwise": 4, "hf": 4, "llama.cpp": 2}
+KV_ELEMENT_BYTES = {
+    "powertrain-dequantize": 4,
+    "powertrain-keep": 4,
+    "powertrain-keep-layerwise": 4,
+    "hf": 4,
+    "llama.cpp": 2,
+}
 
 
 def kv_elements_per_position(gguf: Path) -> int:

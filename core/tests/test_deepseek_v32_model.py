@@ -282,3 +282,35 @@ def test_config_check_reports_the_indexer_group_and_the_dense_comparison(path: P
     qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     dense = config["num_attention_heads"] * (qk + config["v_head_dim"]) * layers * 4
     assert cache["dense_bytes_per_token"] == dense > cache["bytes_per_token"]  # what MLA saves
+
+
+def test_indices_refused_on_the_device_fail_the_step_with_the_hosts_message(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend that must not sync (a captured step) refuses on the device; the runner
+    raises the refusal once the step has run. The reference stands in for such a
+    backend (``refuse_sparse_indices`` in place of its host check, the one thing
+    patched), and then the indexer picks one position past the end of each row's sequence."""
+    real_forward, real_topk = TorchReferenceAttention.forward_mla_sparse, TorchReferenceAttention.index_topk
+    past_the_end = False
+
+    def refusing_on_the_device(self, layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, indices):  # noqa: ANN001, ANN202
+        cleaned = metadata.refuse_sparse_indices(indices)
+        return real_forward(self, layer, q_latent, q_rope, latent, k_rope, kv_cache, metadata, cleaned)
+
+    def picks(self, query, weights, keys, metadata, **kwargs):  # noqa: ANN001, ANN202
+        picked = real_topk(self, query, weights, keys, metadata, **kwargs)
+        if past_the_end:
+            picked[: metadata.num_tokens, 0] = metadata.seq_lens[metadata.token_sequences].to(torch.int32)
+        return picked
+
+    prompt = list(range(5, 25))
+    expected = engine_greedy(path, [prompt])[0][0][:4]  # the reference as it is, checking on the host
+    monkeypatch.setattr(TorchReferenceAttention, "forward_mla_sparse", refusing_on_the_device)
+    monkeypatch.setattr(TorchReferenceAttention, "index_topk", picks)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(path), dtype="float32", prefix_caching=False) as llm:
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected  # nothing refused
+        past_the_end = True
+        with pytest.raises(Exception, match=r"sparse index 20 at query row 0 \(column 0\) is out of range"):
+            llm.generate([prompt], params)

@@ -431,3 +431,45 @@ def test_sparse_over_every_visible_position_equals_dense_mla(seed: int) -> None:
     dense = backend.forward_mla(MLA_LAYER, q_latent, q_rope, *new, dense_cache, metadata)
 
     torch.testing.assert_close(sparse, dense, atol=1e-12, rtol=1e-12, msg=lambda m: f"{m}\n(seed={seed})")
+
+
+@pytest.mark.parametrize("tokens_per_entry", [1, 4])
+def test_refusing_on_the_device_reads_refused_indices_as_padding_and_raises_after(
+    seed: int, tokens_per_entry: int
+) -> None:
+    """``refuse_sparse_indices`` (a captured step's check, no sync): every out-of-range
+    index reads as -1, the rest unchanged, and ``raise_refused`` raises what the host
+    check would for the step's first refusal, in any window view; nothing without one."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [9, 14, 23]
+    tables = {
+        None: [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12, 13]],
+        8: [[0, 0, 3], [0, 0, 6, 7], [0, 0, 0, 0, 12, 13]],
+    }
+    metadata = AttentionMetadata.build(query_lens=[1, 1, 5], seq_lens=lengths, block_tables=tables, block_size=4)
+    tokens, width = metadata.num_tokens, 6
+    sequences = metadata.token_sequences.tolist()
+    bounds = torch.tensor([lengths[s] // tokens_per_entry for s in sequences])[:, None]
+    good = (torch.rand(tokens, width, generator=gen) * bounds).to(torch.int32)
+    good[torch.rand(tokens, width, generator=gen) < 0.3] = -1
+    assert metadata.refuse_sparse_indices(good, tokens_per_entry).equal(good)
+    metadata.raise_refused()  # nothing refused
+    metadata.check_sparse_indices(good, tokens_per_entry)
+
+    bad = good.clone()
+    row = int(torch.randint(0, tokens, (1,), generator=gen))
+    column = int(torch.randint(0, width - 1, (1,), generator=gen))
+    bad[row, column] = int(bounds[row]) + int(torch.randint(0, 3, (1,), generator=gen))
+    bad[tokens - 1, width - 1] = -5  # a later refusal: the first one is reported
+    view = metadata.for_window(8)  # a layer of another retention class refuses through its view
+    cleaned = view.refuse_sparse_indices(bad, tokens_per_entry)
+    expected = good.clone()
+    expected[row, column] = -1
+    expected[tokens - 1, width - 1] = -1
+    assert cleaned.equal(expected)
+    with pytest.raises(ValueError) as on_host:
+        metadata.check_sparse_indices(bad, tokens_per_entry)
+    with pytest.raises(ValueError) as after:
+        metadata.raise_refused()
+    assert str(after.value) == str(on_host.value)
+    assert f"sparse index {bad[row, column]} at query row {row} (column {column})" in str(after.value)

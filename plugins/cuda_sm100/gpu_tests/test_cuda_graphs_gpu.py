@@ -130,6 +130,20 @@ def test_tiny_deepseek_v3_engine_with_graphs(tmp_path) -> None:  # noqa: ANN001
     assert [t[0] for t in graphs] == [t[0] for t in eager]
 
 
+def test_tiny_deepseek_v32_engine_with_graphs(tmp_path) -> None:  # noqa: ANN001
+    """V3.2's sparse decode steps captured (the indexer's picks refused on the device, no
+    sync): bfloat16 as for V3; the first tokens agree, and no step refused an index."""
+    from powertrain.testing.checkpoints import write_tiny_deepseek_v32
+
+    path = str(write_tiny_deepseek_v32(tmp_path / "v32", num_nextn_predict_layers=0, dtype=torch.bfloat16))
+    prompts = _prompts(12)
+    eager, _ = _generate(path, "off", prompts, dtype="bfloat16")
+    graphs, replays = _generate(path, "on", prompts, dtype="bfloat16")
+    assert replays > 0
+    print(f"whole outputs equal: {sum(a == b for a, b in zip(graphs, eager, strict=True))}/{len(prompts)}")
+    assert [t[0] for t in graphs] == [t[0] for t in eager]
+
+
 @pytest.mark.parametrize("target", ["decode", "chunk"])
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

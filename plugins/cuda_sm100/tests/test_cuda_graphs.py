@@ -59,3 +59,50 @@ def test_padded_decode_steps_equal_eager_ones(num_splits: int | None, interprete
         model, backend, dtype=torch.float32, device=torch.device("cpu"), capture=False, batches=(1, 5, 3)
     )
     assert graphs.replays == 3 * 3
+
+
+def test_padded_sparse_decode_steps_equal_eager_ones(tmp_path, interpreter_platform) -> None:  # noqa: ANN001
+    """DeepSeek-V3.2 captures its decode steps (``captures_decode``): the indexer scores
+    every key up to the model's length (host lengths are bounds in a captured step), the
+    padding rows pick their one token, and out-of-range picks are refused on the device;
+    so a padded step equals the eager one and refuses nothing."""
+    from powertrain.builtin.grouped_moe import TorchGroupedMoE
+    from powertrain.loader import load_checkpoint
+    from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from powertrain.testing.base import fresh_seed
+    from powertrain.testing.checkpoints import write_tiny_deepseek_v32
+    from powertrain_cuda_sm100.attention import TritonAttention
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    print(f"seed={seed}")
+    checkpoint = load_checkpoint(str(write_tiny_deepseek_v32(tmp_path, seed=seed)))
+    backend = TritonAttention(
+        AttentionBackendContext(
+            platform=interpreter_platform, device=torch.device("cpu"), dtype=torch.float32, block_size=4
+        )
+    )
+    context = ModelContext(
+        config=checkpoint.config,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        attention=backend,
+        moe=TorchGroupedMoE(torch.float32),
+    )
+    model = DeepseekV32ForCausalLM(context)
+    model.load_weights(checkpoint.tensors())
+    assert DeepseekV32ForCausalLM.captures_decode
+    graphs = check_decode_graphs(
+        model,
+        backend,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        capture=False,
+        batches=(3,),
+        decode_steps=2,
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    assert graphs.replays == 2
+    record = graphs.captured[4].metadata.refused.record  # the size a batch of 3 ran at
+    assert record is not None and record[0] == 0, "the sparse layers refuse on the device, and refused nothing"

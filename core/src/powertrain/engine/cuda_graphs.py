@@ -181,7 +181,10 @@ class DecodeGraphs:
         if self._filled > batch:
             self._pad(batch, self._filled)
         self._filled = batch
-        return self.captured[size]
+        captured = self.captured[size]
+        if captured.metadata.refused.record is not None:  # a backend refuses sparse indices on the device
+            captured.metadata.refused.record.zero_()
+        return captured
 
     def _pad(self, start: int, end: int) -> None:
         """Make rows ``start:end`` padding: position 0 of a one-token sequence in the

@@ -342,12 +342,15 @@ class ModelRunner:
         size = None if self.graphs is None else self.graphs.size_for(step.metadata)
         if size is None:
             hidden = self.model.forward(input_ids, step.positions, self.kv_caches, step.metadata)
+            ran = step.metadata
         else:
             hidden = self.graphs.forward(input_ids, step.positions, step.metadata, size)  # type: ignore[union-attr]
+            ran = self.graphs.captured[size].metadata  # type: ignore[union-attr]
         if step.speculation is not None:
             result = self._verify(step, hidden)
         else:
             result = self._sample(step, self.model.compute_logits(hidden[step.sample_rows]).cpu())
+        ran.raise_refused()  # sparse indices a backend refused on the device: the step fails
         if self.speculative is not None:
             self._observe(step, input_ids, hidden, result)
         if self.lockstep is not None:  # peers may still run a drafter's MoE layers

@@ -37,8 +37,9 @@ host values are fixed at capture: ``seq_lens_host`` and ``max_seq_len`` are then
 bounds (the model's length), not the step's lengths. A backend that declares the tag
 must, on decode rows: take lengths from ``seq_lens`` on the device and use the host
 values only to size launches (so its split counts are fixed per captured size), never
-read a value back to the host, and create no tensor from host data; allocating
-through torch's allocator is fine (a graph keeps its own pool).
+read a value back to the host (sparse indices are refused on the device:
+``AttentionMetadata.refuse_sparse_indices``), and create no tensor from host data;
+allocating through torch's allocator is fine (a graph keeps its own pool).
 """
 
 from __future__ import annotations
@@ -325,6 +326,16 @@ def pool_blocks(window: int | None, usable: int) -> int:
     return usable + (window is not None)
 
 
+@attrs.define(eq=False)
+class RefusedIndices:
+    """The first sparse index a backend refused on the device this step
+    (``AttentionMetadata.refuse_sparse_indices``), shared by a step's window views:
+    int64 ``[refused, row, column, index, seq_len, tokens_per_entry]``, all 0 while none
+    was; None until a backend refuses on the device."""
+
+    record: torch.Tensor | None = None
+
+
 @attrs.frozen(kw_only=True)
 class AttentionMetadata:
     """One step's batch as every attention backend sees it (see the module docstring).
@@ -367,6 +378,8 @@ class AttentionMetadata:
     #: Every retention class's ``(block_tables, slot_mapping)``; empty or one entry when
     #: all layers share one class.
     window_tables: Mapping[int | None, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
+    #: Sparse indices refused on the device, raised once the step has run (``raise_refused``).
+    refused: RefusedIndices = attrs.field(factory=RefusedIndices, eq=False, repr=False)
     _views: dict[int | None, AttentionMetadata] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def for_window(self, window: int | None) -> AttentionMetadata:
@@ -439,9 +452,59 @@ class AttentionMetadata:
         ``seq_len`` tokens holds ``seq_len // m`` of them.
 
         The range check reads one flag back to the host, a device sync per call; a
-        kernel that wants to avoid it may check on the device instead, as long as a bad
-        index is still refused rather than read.
+        backend that must not sync (a captured decode step) refuses on the device instead
+        (``refuse_sparse_indices``).
         """
+        real, lengths, bad = self._sparse_range(indices, tokens_per_entry)
+        if bool(bad.any()):  # the one device sync
+            row, column = (int(x) for x in bad.nonzero()[0].tolist())
+            raise ValueError(_refusal(int(real[row, column]), row, column, int(lengths[row, 0]), tokens_per_entry))
+
+    def refuse_sparse_indices(self, indices: torch.Tensor, tokens_per_entry: int = 1) -> torch.Tensor:
+        """``check_sparse_indices`` without a device sync: ``indices`` with every refused
+        index read as -1 (padding), so a kernel never reads outside its sequence, and the
+        first refusal recorded on the device; the runner raises the same ValueError once
+        the step has run (``raise_refused``), so the step fails and its outputs are
+        never used. Shapes and dtype are still checked on the host."""
+        real, lengths, bad = self._sparse_range(indices, tokens_per_entry)
+        if real.numel() == 0:
+            return indices
+        flat = bad.flatten()
+        first = torch.argmax(flat.to(torch.int32))  # 0 where none is refused: the flag says so
+        row, column = first // real.shape[1], first % real.shape[1]
+        found = torch.stack(
+            [
+                flat.any().to(torch.int64),
+                row,
+                column,
+                real.flatten()[first].to(torch.int64),
+                lengths.flatten()[row].to(torch.int64),
+                torch.full_like(row, tokens_per_entry),
+            ]
+        )
+        record = self.refused.record
+        if record is None or record.device != found.device:
+            self.refused.record = record = torch.zeros(6, dtype=torch.int64, device=found.device)
+        record.copy_(torch.where(record[0].bool(), record, found))  # the step's first refusal stays
+        cleaned = indices.clone()
+        cleaned[: self.num_tokens] = real.masked_fill(bad, -1)
+        return cleaned
+
+    def raise_refused(self) -> None:
+        """Raise the ValueError ``check_sparse_indices`` would have for the first index a
+        backend refused on the device this step (a device sync; nothing if none did)."""
+        record = self.refused.record
+        if record is None:
+            return
+        refused, row, column, index, seq_len, tokens_per_entry = record.tolist()
+        if refused:
+            raise ValueError(_refusal(index, row, column, seq_len, tokens_per_entry))
+
+    def _sparse_range(
+        self, indices: torch.Tensor, tokens_per_entry: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The real rows of ``indices``, their sequences' lengths ``[n, 1]`` and the mask of
+        out-of-range indices, after the host-side checks of shape and dtype."""
         if indices.dim() != 2 or indices.shape[0] < self.num_tokens:
             raise ValueError(
                 f"sparse indices must be [num_tokens, topk] with num_tokens >= {self.num_tokens}, "
@@ -451,20 +514,7 @@ class AttentionMetadata:
             raise ValueError(f"sparse indices must be int32 token positions, got {indices.dtype}")
         real = indices[: self.num_tokens]
         lengths = self.seq_lens[self.token_sequences].to(device=real.device, dtype=torch.int32)[:, None]
-        bad = (real >= lengths // tokens_per_entry) | (real < -1)
-        if bool(bad.any()):  # the one device sync
-            row, column = (int(x) for x in bad.nonzero()[0].tolist())
-            seq_len = int(lengths[row, 0])
-            if tokens_per_entry == 1:
-                bound, what = "positions must be 0 <= p < seq_len", "cached tokens"
-            else:
-                bound = f"entries must be 0 <= e < seq_len // {tokens_per_entry} = {seq_len // tokens_per_entry}"
-                what = "closed compressed entries"
-            raise ValueError(
-                f"sparse index {int(real[row, column])} at query row {row} (column {column}) is out of range "
-                f"for its sequence of seq_len={seq_len}: {bound}, or -1 for padding; the indexer must pick "
-                f"only this sequence's {what}"
-            )
+        return real, lengths, (real >= lengths // tokens_per_entry) | (real < -1)
 
     @classmethod
     def build(
@@ -520,6 +570,19 @@ class AttentionMetadata:
             window=window,
             window_tables=window_tables if len(window_tables) > 1 else {},
         )
+
+
+def _refusal(index: int, row: int, column: int, seq_len: int, tokens_per_entry: int) -> str:
+    """What a refused sparse index is told (``check_sparse_indices``)."""
+    if tokens_per_entry == 1:
+        bound, what = "positions must be 0 <= p < seq_len", "cached tokens"
+    else:
+        bound = f"entries must be 0 <= e < seq_len // {tokens_per_entry} = {seq_len // tokens_per_entry}"
+        what = "closed compressed entries"
+    return (
+        f"sparse index {index} at query row {row} (column {column}) is out of range for its sequence of "
+        f"seq_len={seq_len}: {bound}, or -1 for padding; the indexer must pick only this sequence's {what}"
+    )
 
 
 def _paging(
@@ -720,10 +783,13 @@ class SparseMLAAttentionBackend(Protocol):
       mask of its own (the indexer already chose visible tokens).
     * A row that is all ``-1`` attends to nothing and outputs zeros.
     * A position ``>= seq_len`` or ``< -1`` is refused with a ValueError naming the
-      query row, the index and the length (``AttentionMetadata.check_sparse_indices``
-      does it on the host, one device sync per call; a kernel may check on the device
-      instead). The error comes before any output; the reference raises it before
-      writing the cache, so a refused step leaves the cache as it was.
+      query row, the index and the length: before any output, on the host
+      (``AttentionMetadata.check_sparse_indices``, one device sync per call; the
+      reference raises it before writing the cache, so a refused step leaves the cache
+      as it was), or, in a backend that must not sync (a captured decode step), on the
+      device (``AttentionMetadata.refuse_sparse_indices``: refused indices are read as
+      padding, and the runner raises the same error once the step has run, its outputs
+      unused; only the step's own slots may have been written).
     """
 
     name: str
@@ -763,8 +829,9 @@ class V4AttentionBackend(Protocol):
     * with ``entry_indices`` (CSA): the entries its row lists, int32
       ``[num_tokens, k]``, ``-1`` padding anywhere in the row, attended as listed (the
       indexer chose visible ones). An entry ``>= seq_len // m`` or below -1 is refused
-      with a ValueError naming the row, the entry and the length, before any output
-      (``AttentionMetadata.check_sparse_indices(indices, m)``).
+      with a ValueError naming the row, the entry and the length, on the host before
+      any output (``AttentionMetadata.check_sparse_indices(indices, m)``) or on the
+      device as for sparse MLA (``refuse_sparse_indices(indices, m)``).
 
     Each key is also its value (one shared head of ``head_size``). Scores are
     ``scale * q·k``; the softmax runs over the attended keys and ``sinks[h]``, whose

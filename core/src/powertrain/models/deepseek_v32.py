@@ -131,8 +131,9 @@ def indexed_mla(args: DeepseekArgs, ctx: ModelContext) -> IndexedMLA:
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2 (``interfaces.CausalLM``): V3 with an indexer in every attention layer."""
 
-    #: Sparse attention range-checks the indexer's picks on the host (one sync per layer).
-    captures_decode = False
+    #: Nothing outside the backends syncs: a backend declaring ``cuda-graphs`` refuses the
+    #: indexer's out-of-range picks on the device (``AttentionMetadata.refuse_sparse_indices``).
+    captures_decode = True
 
     def __init__(self, ctx: ModelContext) -> None:
         ctx_config = read_v32_config(ctx.config)

@@ -435,6 +435,10 @@ class V4Block(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """Implements ``interfaces.CausalLM`` for DeepSeek-V4 (parameters under native names)."""
 
+    #: The compressors find the windows a step closes from each sequence's host lengths,
+    #: which a captured step holds only as bounds: decode steps run eager.
+    captures_decode = False
+
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         self.args = args = V4Args.from_config(ctx.config)

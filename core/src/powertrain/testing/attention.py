@@ -1146,6 +1146,7 @@ def check_sparse_mla(
         f"block_size={block_size} (seed={seed})"
     )
     before = {name: t.clone() for name, t in case.cache.items()}
+    metadata = batch.metadata(block_size, device)
     got = backend.forward_mla_sparse(
         layer,
         case.q_latent.to(device),
@@ -1153,9 +1154,10 @@ def check_sparse_mla(
         case.new["latent"].to(device),
         case.new["rope"].to(device),
         case.cache,
-        batch.metadata(block_size, device),
+        metadata,
         case.indices.to(device),
     )
+    metadata.raise_refused()  # nothing in range is refused (a backend may refuse on the device)
     shape = tuple(case.q_latent.shape)
     assert isinstance(got, torch.Tensor), f"forward_mla_sparse returned {type(got).__name__}, not a tensor: {where}"
     assert tuple(got.shape) == shape, f"output shape {tuple(got.shape)}, expected {shape}: {where}"
@@ -1186,7 +1188,9 @@ def check_sparse_mla_refuses(
 ) -> None:
     """Plant one bad index (past its sequence's length in a ``decode`` or ``prefill`` row,
     or ``below-minus-one``) and assert ``forward_mla_sparse`` raises a ValueError naming
-    the row, the index and the length, with no cached token but this step's changed.
+    the row, the index and the length (or refuses it on the device, raised by
+    ``metadata.raise_refused()`` as the runner does), with no cached token but this
+    step's changed.
 
     ``lengths`` must hold a decode (first) and a prefill (last) sequence.
     """
@@ -1209,6 +1213,7 @@ def check_sparse_mla_refuses(
         f"context_lens={batch.context_lens} query_lens={batch.query_lens} (seed={seed})"
     )
     before = {name: t.clone() for name, t in case.cache.items()}
+    metadata = batch.metadata(block_size, device)
     with pytest.raises(ValueError) as refused:
         backend.forward_mla_sparse(
             layer,
@@ -1217,9 +1222,10 @@ def check_sparse_mla_refuses(
             case.new["latent"].to(device),
             case.new["rope"].to(device),
             case.cache,
-            batch.metadata(block_size, device),
+            metadata,
             indices.to(device),
         )
+        metadata.raise_refused()  # a backend that refuses on the device: raised once the step ran
     assert_names_numbers(str(refused.value), ((row, "row"), (bad, "index"), (seq_len, "length")), where)
     # Only this step's own slots may have been written (a fused kernel writes them first).
     slots = set(batch.metadata(block_size, "cpu").slot_mapping.tolist())

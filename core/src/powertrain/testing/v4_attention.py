@@ -160,7 +160,7 @@ def _oracle(kind: str, layer: AttentionLayerSpec, case: _V4Case, window: int, ra
 
 def _call(backend: Any, kind: str, layer: AttentionLayerSpec, case: _V4Case, window: int, rate: int, indices: Any):
     device = case.cache["kv"].device
-    return backend.forward_v4(
+    out = backend.forward_v4(
         layer,
         case.query.to(device),
         case.cache,
@@ -171,6 +171,8 @@ def _call(backend: Any, kind: str, layer: AttentionLayerSpec, case: _V4Case, win
         entry_indices=None if indices is None else indices.to(device),
         derotate=None if case.derotate is None else tuple(t.to(device) for t in case.derotate),
     )
+    case.metadata.raise_refused()  # entries a backend refused on the device: as the runner does after a step
+    return out
 
 
 def check_v4_attention(
@@ -253,8 +255,8 @@ def check_v4_attention_refuses(
 ) -> None:
     """Plant one entry past its sequence's ``seq_len // rate`` in a ``decode`` or ``prefill``
     row (or ``below-minus-one``) of a CSA layer and assert ``forward_v4`` raises a
-    ValueError naming the row, the entry and the length. ``lengths``: a decode first, a
-    prefill last."""
+    ValueError naming the row, the entry and the length (or refuses it on the device,
+    raised by ``metadata.raise_refused()``). ``lengths``: a decode first, a prefill last."""
     gen = torch.Generator().manual_seed(seed)
     layer, window = v4_layer(20, 48), block_size + 3
     case = _v4_case(

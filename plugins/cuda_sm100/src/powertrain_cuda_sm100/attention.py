@@ -23,11 +23,11 @@ from powertrain.interfaces import (
 from powertrain.interfaces.attention import score_rows
 from powertrain_cuda_sm100.kernels.cache_write import rotary_cache_write
 from powertrain_cuda_sm100.kernels.indexer import index_scores
-from powertrain_cuda_sm100.kernels.row_topk import MAX_WIDTH, row_topk
 from powertrain_cuda_sm100.kernels.mla import mla_attention
 from powertrain_cuda_sm100.kernels.paged_decode import paged_decode
 from powertrain_cuda_sm100.kernels.prefill import prefill
 from powertrain_cuda_sm100.kernels.rmsnorm import rms_norm
+from powertrain_cuda_sm100.kernels.row_topk import MAX_WIDTH, row_topk
 from powertrain_cuda_sm100.kernels.sparse_mla import sparse_mla_attention
 from powertrain_cuda_sm100.kernels.v4_attention import v4_attention
 
@@ -223,14 +223,15 @@ class TritonAttention:
     ) -> torch.Tensor:
         """DeepSeek-V3.2's sparse MLA: write the new latent/rope keys, then each query token
         attends to the positions its row of ``indices`` lists (decode and prefill rows alike,
-        one launch). Out-of-range indices are refused before the cache is written."""
+        one launch). Out-of-range indices are refused on the device (no sync, so a decode
+        step can be captured): read as padding, raised by the runner once the step has run."""
         if layer.kind != "mla":
             raise ValueError(f"forward_mla_sparse() serves MLA layers, got a {layer.kind!r} layer")
         latent_cache, rope_cache = kv_cache["latent"], kv_cache["rope"]
         _check_mla(layer, q_latent, q_rope, latent_cache, rope_cache, metadata)
-        metadata.check_sparse_indices(indices)
         if indices.device != q_latent.device:
             raise ValueError(f"triton-sm100: sparse indices on {indices.device}, the queries on {q_latent.device}")
+        indices = metadata.refuse_sparse_indices(indices)
         metadata.store(latent_cache, latent)
         metadata.store(rope_cache, k_rope)
         out = _output_like(q_latent, metadata)
@@ -266,7 +267,7 @@ class TritonAttention:
         """DeepSeek-V4 attention: each token over its window of raw keys and its compressed
         entries (all closed ones, or the listed ones), with the heads' sinks; one launch
         for decode and prefill rows, the de-rotation fused into its store. Listed entries
-        are range-checked before the launch."""
+        are range-checked on the device, as ``forward_mla_sparse``'s indices are."""
         _check_dtype(layer, query.dtype)
         kv = kv_cache["kv"]
         entries = None if compress_rate is None else kv_cache["compressed"]
@@ -275,7 +276,7 @@ class TritonAttention:
         if entry_indices is not None:
             if entries is None:
                 raise ValueError("triton-sm100: entry_indices name compressed entries, but compress_rate is None")
-            metadata.check_sparse_indices(entry_indices, compress_rate)
+            entry_indices = metadata.refuse_sparse_indices(entry_indices, compress_rate)
         windowed, full = metadata.for_window(window), metadata.for_window(None)
         _check_metadata(kv, windowed)
         if entries is not None and entries.shape[1] * compress_rate != metadata.block_size:

@@ -6,8 +6,9 @@ and ``BLOCK_H`` of its heads, which share the token's list: each latent tile it 
 (positions -> block table -> slots) serves every one of those heads as key and as value.
 ``-1`` entries are padding wherever they sit; the positions are attended as listed, with
 no causal mask (the indexer chose visible tokens). A row that lists nothing outputs
-zeros. The range of the positions is checked before the launch
-(``AttentionMetadata.check_sparse_indices``), so the kernel never reads past a table.
+zeros. Positions out of range are refused before the launch
+(``AttentionMetadata.refuse_sparse_indices`` reads them as padding), so the kernel never
+reads past a table.
 
 Decode batches have few tokens, and a top-k list of 2048 keeps one program busy long
 after the others finished, so decode-sized launches split each list like split-KV decode
@@ -177,7 +178,7 @@ def sparse_mla_attention(
     num_splits: int | None = None,
 ) -> None:
     """Each row ``t`` of ``q_latent``/``q_rope`` attends to the positions ``indices[t]``
-    lists of sequence ``token_seqs[t]`` (already range-checked); ``out[t]`` gets the
+    lists of sequence ``token_seqs[t]`` (out-of-range ones already read as -1); ``out[t]`` gets the
     latent output. ``num_splits`` overrides how the lists are split."""
     num_tokens, num_heads, rank = q_latent.shape
     if num_tokens == 0:
