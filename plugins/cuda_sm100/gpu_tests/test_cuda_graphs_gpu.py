@@ -130,12 +130,17 @@ def test_tiny_deepseek_v3_engine_with_graphs(tmp_path) -> None:  # noqa: ANN001
     assert [t[0] for t in graphs] == [t[0] for t in eager]
 
 
-def test_tiny_deepseek_v32_engine_with_graphs(tmp_path) -> None:  # noqa: ANN001
-    """V3.2's sparse decode steps captured (the indexer's picks refused on the device, no
-    sync): bfloat16 as for V3; the first tokens agree, and no step refused an index."""
-    from powertrain.testing.checkpoints import write_tiny_deepseek_v32
+@pytest.mark.parametrize("version", ["v3.2", "v4"])
+def test_tiny_sparse_deepseek_engine_with_graphs(tmp_path, version: str) -> None:  # noqa: ANN001
+    """V3.2's and V4's decode steps captured (the indexer's picks refused on the device,
+    V4's closed windows found on the device): bfloat16 as for V3; the first tokens agree
+    (a refused index would have failed the run)."""
+    from powertrain.testing.checkpoints import write_tiny_deepseek_v4, write_tiny_deepseek_v32
 
-    path = str(write_tiny_deepseek_v32(tmp_path / "v32", num_nextn_predict_layers=0, dtype=torch.bfloat16))
+    if version == "v3.2":
+        path = str(write_tiny_deepseek_v32(tmp_path / "v32", num_nextn_predict_layers=0, dtype=torch.bfloat16))
+    else:
+        path = str(write_tiny_deepseek_v4(tmp_path / "v4", dtype=torch.bfloat16))
     prompts = _prompts(12)
     eager, _ = _generate(path, "off", prompts, dtype="bfloat16")
     graphs, replays = _generate(path, "on", prompts, dtype="bfloat16")

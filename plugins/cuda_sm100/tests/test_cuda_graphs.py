@@ -61,48 +61,51 @@ def test_padded_decode_steps_equal_eager_ones(num_splits: int | None, interprete
     assert graphs.replays == 3 * 3
 
 
-def test_padded_sparse_decode_steps_equal_eager_ones(tmp_path, interpreter_platform) -> None:  # noqa: ANN001
-    """DeepSeek-V3.2 captures its decode steps (``captures_decode``): the indexer scores
-    every key up to the model's length (host lengths are bounds in a captured step), the
-    padding rows pick their one token, and out-of-range picks are refused on the device;
-    so a padded step equals the eager one and refuses nothing."""
+@pytest.mark.parametrize("version", ["v3.2", "v4"])
+def test_padded_sparse_decode_steps_equal_eager_ones(version: str, tmp_path, interpreter_platform) -> None:  # noqa: ANN001
+    """DeepSeek-V3.2 and V4 capture their decode steps (``captures_decode``): the indexer
+    scores every key up to the model's length (host lengths are bounds in a captured
+    step), V4's compressors find the windows a step closes from the lengths on the
+    device, the padding rows pick their one token, and out-of-range picks are refused on
+    the device; so a padded step equals the eager one and refuses nothing."""
     from powertrain.builtin.grouped_moe import TorchGroupedMoE
     from powertrain.loader import load_checkpoint
+    from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM
     from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
     from powertrain.testing.base import fresh_seed
-    from powertrain.testing.checkpoints import write_tiny_deepseek_v32
+    from powertrain.testing.checkpoints import write_tiny_deepseek_v4, write_tiny_deepseek_v32
     from powertrain_cuda_sm100.attention import TritonAttention
 
     seed = fresh_seed()
     torch.manual_seed(seed)
     print(f"seed={seed}")
-    checkpoint = load_checkpoint(str(write_tiny_deepseek_v32(tmp_path, seed=seed)))
+    write, model_class, block_size = {
+        "v3.2": (write_tiny_deepseek_v32, DeepseekV32ForCausalLM, 4),
+        "v4": (write_tiny_deepseek_v4, DeepseekV4ForCausalLM, 8),  # a multiple of its compression rates
+    }[version]
+    checkpoint = load_checkpoint(str(write(tmp_path, seed=seed)))
+    cpu = torch.device("cpu")
     backend = TritonAttention(
-        AttentionBackendContext(
-            platform=interpreter_platform, device=torch.device("cpu"), dtype=torch.float32, block_size=4
-        )
+        AttentionBackendContext(platform=interpreter_platform, device=cpu, dtype=torch.float32, block_size=block_size)
     )
     context = ModelContext(
-        config=checkpoint.config,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        attention=backend,
-        moe=TorchGroupedMoE(torch.float32),
+        config=checkpoint.config, dtype=torch.float32, device=cpu, attention=backend, moe=TorchGroupedMoE(torch.float32)
     )
-    model = DeepseekV32ForCausalLM(context)
+    model = model_class(context)
     model.load_weights(checkpoint.tensors())
-    assert DeepseekV32ForCausalLM.captures_decode
+    assert model_class.captures_decode
     graphs = check_decode_graphs(
         model,
         backend,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=cpu,
         capture=False,
         batches=(3,),
-        decode_steps=2,
+        decode_steps=2 if version == "v3.2" else 4,  # V4: four lengths in a row close a CSA window (rate 4)
+        block_size=block_size,
         atol=1e-4,
         rtol=1e-4,
     )
-    assert graphs.replays == 2
+    assert graphs.replays == (2 if version == "v3.2" else 4)
     record = graphs.captured[4].metadata.refused.record  # the size a batch of 3 ran at
     assert record is not None and record[0] == 0, "the sparse layers refuse on the device, and refused nothing"

@@ -101,10 +101,26 @@ class Compressor(nn.Module):
         if kv.shape[0] % self.rate:
             raise ValueError(f"compressed entries need whole windows of {self.rate} rows, got {rows.shape[0]}")
         kv, gate = kv.view(-1, self.rate, kv.shape[1]), gate.view(-1, self.rate, gate.shape[1])
-        if self.overlap:  # first halves of the window before, second halves of the window's own
-            d = self.head_dim
-            kv = torch.cat((kv[:-1, :, :d], kv[1:, :, d:]), dim=1)
-            gate = torch.cat((gate[:-1, :, :d], gate[1:, :, d:]), dim=1)
+        if self.overlap:  # each entry's rows: the window before's, then its own
+            kv, gate = torch.cat((kv[:-1], kv[1:]), dim=1), torch.cat((gate[:-1], gate[1:]), dim=1)
+        return self._mix(kv, gate, dtype)
+
+    def window_entries(self, rows: torch.Tensor, present: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One entry per row of ``rows`` ``[n, window_tokens, row_width]``, each its window's
+        rows (with overlap, the window before's first) in position order; ``present``
+        ``[n, window_tokens]`` is False for slots before position 0 (weight 0)."""
+        kv, gate = rows.float().split(self.wkv.out_features, dim=-1)
+        absent = ~present[..., None]
+        return self._mix(kv.masked_fill(absent, 0.0), gate.masked_fill(absent, float("-inf")), dtype)
+
+    def _mix(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Entries ``[windows, head_dim]`` from each window's ``[windows, window_tokens, width]``
+        rows: with overlap, the first halves of the window before's rows and the second
+        halves of its own; the gates' softmax over the slots weighs them, then the norm."""
+        if self.overlap:
+            d, rate = self.head_dim, self.rate
+            kv = torch.cat((kv[:, :rate, :d], kv[:, rate:, d:]), dim=1)
+            gate = torch.cat((gate[:, :rate, :d], gate[:, rate:, d:]), dim=1)
         weights = gate.softmax(dim=1).to(dtype)
         return self.norm((kv.to(dtype) * weights).sum(dim=1))
 

@@ -220,6 +220,38 @@ def _write(store: torch.Tensor, table: torch.Tensor, first: int, values: torch.T
     store.view(-1, *store.shape[2:]).index_copy_(0, slots.to(store.device), values.to(store.dtype))
 
 
+def _compress_decodes(
+    compressor: Compressor,
+    rows_cache: torch.Tensor,
+    entries_cache: torch.Tensor,
+    rows_view: AttentionMetadata,
+    full: AttentionMetadata,
+    table: RotaryEmbedding,
+    dtype: torch.dtype,
+) -> None:
+    """``_compress`` for a step of one token per sequence, on the device, from the lengths
+    on the device (a captured step holds the host ones only as bounds): each sequence's
+    entry for the window its token closed, written there; where its token closed none,
+    the entry of its open window, written to that window's slot, which nothing reads
+    before the window closes and is written again (its block holds this token)."""
+    rate, span = compressor.rate, compressor.window_tokens
+    seq_lens = full.seq_lens.long()
+    closed = seq_lens % rate == 0
+    entry = torch.where(closed, seq_lens // rate - 1, seq_lens // rate)
+    positions = ((entry + 1) * rate - span)[:, None] + torch.arange(span, device=seq_lens.device)
+    present = positions >= 0  # with overlap, window 0 has no window before it
+    at = positions.clamp(min=0)
+    rows_per_block = rows_cache.shape[1]
+    slots = rows_view.block_tables.long().gather(1, at // rows_per_block) * rows_per_block + at % rows_per_block
+    rows = rows_cache.view(-1, rows_cache.shape[-1])[slots]
+    made = compressor.window_entries(rows, present, dtype)
+    cos, sin = table(entry * rate, full.max_seq_len, dtype)
+    per_block = entries_cache.shape[1]
+    blocks = full.block_tables.long().gather(1, (entry // per_block)[:, None]).squeeze(1)
+    store = entries_cache.view(-1, *entries_cache.shape[2:])
+    store.index_copy_(0, blocks * per_block + entry % per_block, rotate_trailing(made, cos, sin).to(store.dtype))
+
+
 class V4Attention(nn.Module):
     """One V4 attention layer (see the module docstring), over its own cache groups."""
 
@@ -341,6 +373,11 @@ class V4Attention(nn.Module):
         rows_view = metadata.for_window(compressor.window_tokens)
         rows_view.store(kv_cache[f"{name}_rows"], compressor.rows(hidden, positions))
         full = metadata.for_window(None)
+        if metadata.num_decodes == metadata.batch_size:
+            _compress_decodes(
+                compressor, kv_cache[f"{name}_rows"], kv_cache[entries], rows_view, full, table, hidden.dtype
+            )
+            return
         rate = compressor.rate
         for seq, (context, seq_len) in enumerate(zip(metadata.context_lens_host, metadata.seq_lens_host, strict=True)):
             first, last = context // rate, seq_len // rate  # windows closing in this step: [first, last)
@@ -435,9 +472,9 @@ class V4Block(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """Implements ``interfaces.CausalLM`` for DeepSeek-V4 (parameters under native names)."""
 
-    #: The compressors find the windows a step closes from each sequence's host lengths,
-    #: which a captured step holds only as bounds: decode steps run eager.
-    captures_decode = False
+    #: Nothing outside the backends syncs: in a step of decodes the compressors find the
+    #: windows it closes from the lengths on the device (``_compress_decodes``).
+    captures_decode = True
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
