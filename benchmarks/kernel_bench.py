@@ -20,7 +20,9 @@ from powertrain.interfaces import (
     AttentionMetadata,
     ExpertWeights,
 )
+from powertrain.layers.indexer import index_scores
 from powertrain.layers.norm import RMSNorm
+from powertrain.layers.paged import read_entries
 from powertrain.layers.rotary import apply_rotary
 from powertrain.loader.fp4 import dequantize_fp4
 from powertrain.loader.fp8 import dequantize_blocks, quantize_blocks
@@ -311,10 +313,35 @@ def bench_v4_attention(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandw
     )
 
 
+def _index_scores_f64(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, meta: Any) -> torch.Tensor:
+    """float64 ``[tokens, max_seq_len]`` indexer scores of decode rows, -inf past each sequence."""
+    scores = torch.full((meta.num_tokens, meta.max_seq_len), float("-inf"), dtype=torch.float64)
+    for row, seq_len in enumerate(meta.seq_lens_host):
+        cached = read_entries(keys, meta.block_tables[row], 0, seq_len).double().cpu()
+        scores[row, :seq_len] = index_scores(
+            query[row : row + 1].double().cpu(), weights[row : row + 1].double().cpu(), cached
+        )[0]
+    return scores
+
+
+def _check_picks(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> str:
+    """Top-k picks against the peer's: the same, or swapped near-ties (see ``bench_indexer``)."""
+    got, want = got.cpu().long(), want.cpu().long()
+    agree = sum(len(set(a) & set(b)) for a, b in zip(got.tolist(), want.tolist(), strict=True)) / want.numel()
+    lowest = scores.gather(1, want.clamp(min=0)).masked_fill(want < 0, float("inf")).amin(1, keepdim=True)
+    picked = scores.gather(1, got.clamp(min=0)).masked_fill(got < 0, float("inf"))
+    tolerance = 1e-2 * scores.masked_fill(scores == float("-inf"), 0).abs().amax(1, keepdim=True)
+    short = float((lowest - picked).clamp(min=0).div(tolerance).max())
+    verdict = "ok" if short <= 1 else "FAIL"
+    return f"{verdict} ({agree:.4f} of picks agree; the others {short:.2f} of the tolerance short of the peer's lowest)"
+
+
 def bench_indexer(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth: float) -> Row:
     """DeepSeek-V3.2's Lightning Indexer at decode: each token scores every cached key of
-    its sequence and keeps the top ``topk``; the bytes are the keys read. The check is the
-    share of picks both agree on (bf16 inputs, float32 sums: near-ties may swap)."""
+    its sequence and keeps the top ``topk``; the bytes are the keys read. The check: every
+    pick the peer does not make scores, in float64, within 1% of the largest score of the
+    peer's lowest pick (bf16 inputs, float32 sums: near-ties may swap; the smoke shapes
+    failed the old check, 99% of picks agreeing, 2 runs in 15, on one swapped near-tie)."""
     s = shapes
     meta = _paged(bench, [(s.sparse_context - 1, 1)] * s.batch, s.block_size)
     keys = bench.randn(int(meta.block_tables.max()) + 1, s.block_size, s.index_dim)
@@ -324,7 +351,7 @@ def bench_indexer(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth:
     weights = bench.randn(s.batch, s.index_heads, dtype=torch.float32).bfloat16().float()
     got = ours.index_topk(query, weights, keys, meta, topk=s.topk)
     want = peer.index_topk(query, weights, keys, meta, topk=s.topk)
-    agree = sum(len(set(a) & set(b)) for a, b in zip(got.tolist(), want.tolist(), strict=True)) / want.numel()
+    check = _check_picks(got, want, _index_scores_f64(query, weights, keys, meta))
     ms = bench.time_ms(lambda: ours.index_topk(query, weights, keys, meta, topk=s.topk))
     peer_ms = bench.time_ms(lambda: peer.index_topk(query, weights, keys, meta, topk=s.topk))
     moved = s.batch * s.sparse_context * s.index_dim * 2
@@ -332,7 +359,7 @@ def bench_indexer(bench: Bench, shapes: Shapes, ours: Any, peer: Any, bandwidth:
     return Row(
         "lightning indexer decode (V3.2)",
         f"{s.batch} seqs x {s.sparse_context} keys, top-{s.topk}, {s.index_heads} heads of {s.index_dim}, bf16",
-        f"ok ({agree:.4f} of picks agree)" if agree >= 0.99 else f"FAIL ({agree:.4f} of picks agree < 0.99)",
+        check,
         ms,
         "" if achieved is None else f"{achieved / 1e9:.0f} GB/s",
         None if achieved is None else achieved / bandwidth,

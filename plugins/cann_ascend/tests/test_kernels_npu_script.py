@@ -30,5 +30,5 @@ def test_smoke_run_checks_every_operator_path() -> None:
     for row in ROWS:
         assert row in lines, f"no row for {row!r} in:\n{done.stdout}"
         assert ": ok (row err" in lines[row], lines[row]
-    assert ": ok (1.0000 of picks agree)" in lines["lightning indexer decode (V3.2)"]
+    assert ": ok (1.0000 of picks agree;" in lines["lightning indexer decode (V3.2)"]
     assert "moe gating top-k (DeepSeek-V3)" in lines and ": ok (same experts" in lines["moe gating top-k (DeepSeek-V3)"]
