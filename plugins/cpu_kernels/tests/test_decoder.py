@@ -158,7 +158,10 @@ def test_steps_it_does_not_take_run_layer_by_layer(seed: int) -> None:
     _, model, attention = make_models("llama-gqa")
     fused = attention.fuse_decoder(model.decoder_layer_parts())
     assert isinstance(fused, NativeDecoderStack)
-    assert fused.max_rows == FUSED_MAX_ROWS
+    # Its own limit, or fewer where this machine's timing gave the native kernel fewer rows
+    # (``dense_route``: once 255, the dense route measured faster from 256 rows).
+    kernel_rows = model.model.layers[0].mlp.down_proj.kernel.gemv_max_rows
+    assert fused.max_rows == min(FUSED_MAX_ROWS, kernel_rows)
     fused.max_rows = 3  # a limit this test can pass with a cache of 96 blocks
     counted = Counted(fused)
     model.use_fused_decoder(counted)
