@@ -79,8 +79,10 @@ def _run(model: object, backend: object, prompts: dict[str, list[int]], decode_s
 #: How far a row may move when an earlier token of its sequence took another expert (a
 #: routing flip): it attends to that token's keys and values. Seen: tiny V4, seed 1880532785,
 #: one prompt row flipped (0.28) and the prompt's later rows at 0.040-0.063; tiny V3.2, seed
-#: 4251245916, later rows at 0.033-0.047.
-AFTER_FLIP_TOLERANCE = 0.1
+#: 4251245916, later rows at 0.033-0.047; tiny V4, seed 3074736849, 11 rows of one prompt off,
+#: up to 0.32, five of them past 0.1 (the same with V4's compressors on the host path). What
+#: keeps the check sharp is the quarter: a wrong mapping moves every row (all 58).
+AFTER_FLIP_TOLERANCE = 0.35
 
 
 def _assert_close(
