@@ -212,11 +212,16 @@ def _rope_tables(config: Mapping[str, Any], partial: float) -> tuple[RopeParamet
 # --------------------------------------------------------------------------- attention
 
 
+def _slots(tables: torch.Tensor, index: torch.Tensor, per_block: int) -> torch.Tensor:
+    """Flat slots of entries ``index`` ``[n, k]`` of ``n`` sequences in a paged group
+    tensor of ``per_block`` entries a block, through their block-table rows ``[n, width]``."""
+    return tables.long().gather(1, index // per_block) * per_block + index % per_block
+
+
 def _write(store: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
     """Entries ``first, first + 1, ...`` of one sequence into a paged group tensor."""
-    per_block = store.shape[1]
     index = torch.arange(first, first + values.shape[0], device=table.device)
-    slots = table[index // per_block].long() * per_block + index % per_block
+    slots = _slots(table[None], index[None], store.shape[1])[0]
     store.view(-1, *store.shape[2:]).index_copy_(0, slots.to(store.device), values.to(store.dtype))
 
 
@@ -240,16 +245,12 @@ def _compress_decodes(
     entry = torch.where(closed, seq_lens // rate - 1, seq_lens // rate)
     positions = ((entry + 1) * rate - span)[:, None] + torch.arange(span, device=seq_lens.device)
     present = positions >= 0  # with overlap, window 0 has no window before it
-    at = positions.clamp(min=0)
-    rows_per_block = rows_cache.shape[1]
-    slots = rows_view.block_tables.long().gather(1, at // rows_per_block) * rows_per_block + at % rows_per_block
-    rows = rows_cache.view(-1, rows_cache.shape[-1])[slots]
-    made = compressor.window_entries(rows, present, dtype)
+    slots = _slots(rows_view.block_tables, positions.clamp(min=0), rows_cache.shape[1])
+    made = compressor.window_entries(rows_cache.view(-1, rows_cache.shape[-1])[slots], present, dtype)
     cos, sin = table(entry * rate, full.max_seq_len, dtype)
-    per_block = entries_cache.shape[1]
-    blocks = full.block_tables.long().gather(1, (entry // per_block)[:, None]).squeeze(1)
     store = entries_cache.view(-1, *entries_cache.shape[2:])
-    store.index_copy_(0, blocks * per_block + entry % per_block, rotate_trailing(made, cos, sin).to(store.dtype))
+    entry_slots = _slots(full.block_tables, entry[:, None], entries_cache.shape[1])[:, 0]
+    store.index_copy_(0, entry_slots, rotate_trailing(made, cos, sin).to(store.dtype))
 
 
 class V4Attention(nn.Module):
