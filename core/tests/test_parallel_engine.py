@@ -221,6 +221,23 @@ def test_a_torchrun_rank_keeps_its_exit_code_and_output(args: list[str], code: i
         assert "torchrun-style environment without 'RANK'" in done.stderr
 
 
+@pytest.mark.parametrize("torchrun", [True, False], ids=["under-torchrun", "plain"])
+def test_only_a_torchrun_rank_skips_the_interpreters_teardown(torchrun: bool) -> None:
+    """An exit handler is the interpreter's teardown: it runs after a plain command, and
+    not after one a torchrun rank runs (there ``cli.run`` leaves with ``os._exit``)."""
+    script = (
+        "import atexit, sys; atexit.register(lambda: print('teardown ran'));"
+        "sys.argv = ['powertrain', '--version']; from powertrain.cli import run; run()"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    if torchrun:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("powertrain, version")
+    assert ("teardown ran" in done.stdout) is not torchrun, done.stdout
+
+
 # --------------------------------------------------------------------------- in one process
 
 
