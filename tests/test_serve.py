@@ -389,6 +389,48 @@ def test_clients_killed_mid_stream_free_their_blocks(base_url: str) -> None:
     assert metric(base_url, "powertrain_requests_total", '{protocol="openai.chat",status="499"}') >= 8
 
 
+def test_clients_gone_before_a_whole_answer_abort_their_requests(base_url: str) -> None:
+    """A non-streaming request whose client left stops generating: every endpoint, each
+    request long enough (100,000 tokens, or a regex of 5,000 words) to fill the context
+    for minutes if nothing aborted it."""
+    wait_until_idle(base_url)
+    story = [{"role": "user", "content": "Tell me a very long story about a dragon."}]
+    forever = {"regex": "(la ){5000}"}  # Responses and Messages have no ignore_eos
+    requests = {
+        "openai.chat": ("/v1/chat/completions", {"messages": story, "max_tokens": 100_000, "ignore_eos": True}),
+        "openai.completions": (
+            "/v1/completions",
+            {"prompt": "Once upon a time", "max_tokens": 100_000, "ignore_eos": True},
+        ),
+        "openai.responses": ("/v1/responses", {"input": story, "structured_outputs": forever}),
+        "anthropic.messages": (
+            "/v1/messages",
+            {"messages": story, "max_tokens": 100_000, "structured_outputs": forever},
+        ),
+    }
+    gone = '{{protocol="{}",status="499"}}'
+    before = {protocol: metric(base_url, "powertrain_requests_total", gone.format(protocol)) for protocol in requests}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            posts = [
+                asyncio.create_task(client.post(path, json={"model": MODEL, **body}))
+                for path, body in requests.values()
+            ]
+            deadline = time.monotonic() + 60
+            while metric(base_url, "powertrain_requests_running") < len(posts):  # all four are generating
+                assert time.monotonic() < deadline and not any(post.done() for post in posts)
+                await asyncio.sleep(0.05)
+            for post in posts:  # the clients give up: their connections close
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+
+    asyncio.run(main())
+    wait_until_idle(base_url, timeout=15)  # without the watch: minutes, until the context is full
+    for protocol in requests:
+        assert metric(base_url, "powertrain_requests_total", gone.format(protocol)) == before[protocol] + 1, protocol
+
+
 def test_metrics_move_with_requests(oai: openai.OpenAI, base_url: str) -> None:
     before = {
         (name, labels): metric(base_url, name, labels)

@@ -25,6 +25,7 @@ from powertrain.engine.async_engine import AsyncEngine
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from powertrain.interfaces.protocol import ParsedRequest, ParserEvent, ProtocolAdapter
 from powertrain.serve.completions import CompletionsEndpoint
+from powertrain.serve.disconnect import unless_disconnected
 from powertrain.serve.errors import ApiError, error_body
 from powertrain.serve.generation import Generation, sampling_params
 from powertrain.serve.metrics import ServerMetrics
@@ -128,7 +129,9 @@ class Server:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        final = await generation.final()
+        final = await unless_disconnected(request.receive, generation.final())
+        if isinstance(final, Response):  # the client left: the request was aborted
+            return final
         self.metrics.requests.labels(protocol, "200").inc()
         return _json(200, self.adapter.render_response(protocol, parsed, final))
 

@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.interfaces.sampling import SamplingParams
+from powertrain.serve.disconnect import unless_disconnected
 from powertrain.serve.errors import ApiError
 from powertrain.serve.generation import Generation
 
@@ -66,7 +67,9 @@ class CompletionsEndpoint:
                 self._stream(generation, body["model"], bool(options.get("include_usage"))),
                 media_type="text/event-stream",
             )
-        final = await generation.final()
+        final = await unless_disconnected(request.receive, generation.final())
+        if isinstance(final, Response):  # the client left: the request was aborted
+            return final
         choices = [
             {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
             for c in final.outputs
