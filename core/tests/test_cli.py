@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from powertrain.cli import main
@@ -129,3 +130,23 @@ def test_generate_json_for_several_prompts_and_clear_errors(tmp_path: Path) -> N
     proc = run("generate", "--data-parallel", "2", "--prefill-ranks", "1", "hi")  # no store to hand blocks over
     assert proc.returncode == 1 and "prefill_ranks = 1" in proc.stderr and "kv_store" in proc.stderr
     assert run("generate").returncode == 1
+
+
+HEAVY = ("torch", "numpy", "powertrain.assemble", "powertrain.engine", "powertrain.loader", "structlog")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["generate", "--help"], ["serve", "--help"]])
+def test_help_and_version_import_nothing_heavy(args: list[str]) -> None:
+    """``--help`` and ``--version`` answer in a fifth of a second (0.2 s on the 2-core EPYC;
+    importing torch first took 3-7 s): they must not import torch or the engine. Checked
+    by what the process imported, not by a clock."""
+    probe = (
+        "import sys\nfrom powertrain.cli import run\n"
+        f"sys.argv = ['powertrain', *{args!r}]\n"
+        "try:\n    run()\nexcept SystemExit as ended:\n    assert not ended.code, ended.code\n"
+        f"print('IMPORTED', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "powertrain" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "IMPORTED []"

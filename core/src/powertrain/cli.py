@@ -1,4 +1,8 @@
-"""`powertrain ...`: the command line. The only place that configures logging."""
+"""`powertrain ...`: the command line. The only place that configures logging.
+
+Each command imports what it needs when it runs: ``--help`` and ``--version`` answer
+without importing torch (seconds) or the engine.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,42 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
-import structlog
-from rich.console import Console
-from rich.table import Table
 
-from powertrain import __version__, startup
-from powertrain.assemble import AssemblyError, describe_kv_cache, plan
-from powertrain.components import Availability
-from powertrain.config import ConfigError, load_config
-from powertrain.loader import LoadError
-from powertrain.log_setup import configure_logging
-from powertrain.plugins import PluginError, PluginInfo, PluginManager
+from powertrain import __version__
+from powertrain.deploy.torchrun import launched_by_torchrun, leave
 
 if TYPE_CHECKING:
+    from powertrain.components import Availability
     from powertrain.interfaces.outputs import RequestOutput
+    from powertrain.plugins import PluginInfo, PluginManager
 
 EXIT_PROBLEM = 1
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LoggedCommand(click.Command):
+    """A command that configures logging when it runs, not when the group parses its
+    options: ``powertrain generate --help`` then imports no logging setup (structlog and
+    rich take a quarter of a second) before printing help."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        import structlog
+
+        from powertrain import startup
+        from powertrain.log_setup import configure_logging
+
+        configure_logging(ctx.find_root().params["log_level"])
+        structlog.get_logger(__name__).info(
+            "startup phase", phase="python and imports", seconds=startup.since_process_start()
+        )
+        return super().invoke(ctx)
+
+
+class _Commands(click.Group):
+    command_class = _LoggedCommand
+    group_class = type  # subgroups (config, bench) are _Commands too
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="powertrain")
 @click.option(
     "--log-level",
@@ -37,10 +58,6 @@ EXIT_PROBLEM = 1
 )
 def main(log_level: str) -> None:
     """powertrain: an open, pluggable LLM inference engine."""
-    configure_logging(log_level)
-    structlog.get_logger(__name__).info(
-        "startup phase", phase="python and imports", seconds=startup.since_process_start()
-    )
 
 
 def _fail(lines: list[str] | str) -> None:
@@ -50,6 +67,8 @@ def _fail(lines: list[str] | str) -> None:
 
 
 def _load_config_or_exit(path: str | None) -> Any:
+    from powertrain.config import ConfigError, load_config
+
     try:
         return load_config(path)
     except ConfigError as exc:
@@ -61,6 +80,8 @@ def _load_config_or_exit(path: str | None) -> Any:
 
 def _component_availability(manager: PluginManager, kind: str, record: Any) -> Availability:
     """Usable on some platform detected here? Records without a platform always are."""
+    from powertrain.components import Availability
+
     if kind == "platform":
         return manager.platforms()[record.name].availability
     if not hasattr(record, "availability"):
@@ -71,6 +92,8 @@ def _component_availability(manager: PluginManager, kind: str, record: Any) -> A
 
 def describe_plugins(manager: PluginManager) -> dict[str, Any]:
     """Everything `powertrain plugins` shows, as plain data (also its --json output)."""
+    from powertrain.components import Availability
+
     plugins = []
     for info in manager.plugins.values():
         provides: dict[str, list[dict[str, Any]]] = {}
@@ -136,6 +159,8 @@ def _plugin_status(info: PluginInfo, provides: dict[str, list[dict[str, Any]]]) 
 )
 def plugins_command(as_json: bool, config_path: str | None) -> None:
     """List plugins, what they provide, and whether they can run here."""
+    from powertrain.plugins import PluginError, PluginManager
+
     config = _load_config_or_exit(config_path)
     try:
         manager = PluginManager.load(config.plugins, strict=False)
@@ -155,6 +180,9 @@ def plugins_command(as_json: bool, config_path: str | None) -> None:
 
 
 def _print_plugins(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     # Piped output gets a wide fixed width instead of wrapping names at 80 columns.
     console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"powertrain {report['powertrain']} plugins", expand=False)
@@ -189,6 +217,10 @@ def _print_plugins(report: dict[str, Any]) -> None:
 
 def _kv_cache_or_error(config: Any, manager: PluginManager) -> tuple[dict[str, Any] | None, str | None]:
     """The KV cache accounting of ``config`` (``assemble.describe_kv_cache``), or why none."""
+    from powertrain.assemble import AssemblyError, describe_kv_cache
+    from powertrain.loader import LoadError
+    from powertrain.plugins import PluginError
+
     try:
         return describe_kv_cache(config, manager), None
     except (LoadError, AssemblyError, PluginError, ValueError) as exc:
@@ -226,6 +258,10 @@ def config_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def config_check(path: str, as_json: bool) -> None:
     """Validate PATH and show what each component resolves to here, and why."""
+    from powertrain.assemble import AssemblyError, plan
+    from powertrain.config import ConfigError
+    from powertrain.plugins import PluginError, PluginManager
+
     config = _load_config_or_exit(path)
     try:
         manager = PluginManager.load(config.plugins)
@@ -336,11 +372,14 @@ def generate_command(
     **sampling: Any,
 ) -> None:
     """Generate text for PROMPTS (default model: the embedded SmolLM2-135M-Instruct)."""
+    from powertrain.assemble import AssemblyError
+    from powertrain.config import ConfigError
     from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
     from powertrain.interfaces.sampling import SamplingParams
     from powertrain.llm import LLM
     from powertrain.loader import LoadError
     from powertrain.parallel.layout import ParallelLayoutError
+    from powertrain.plugins import PluginError
 
     texts = list(prompts) + ([line.rstrip("\n") for line in prompt_file if line.strip()] if prompt_file else [])
     if not texts:
@@ -432,9 +471,13 @@ def serve_command(
     prefill_ranks: int | None,
 ) -> None:
     """Serve OpenAI- and Anthropic-compatible APIs (default model: the embedded SmolLM2-135M-Instruct)."""
+    from powertrain.assemble import AssemblyError
+    from powertrain.config import ConfigError
     from powertrain.llm import apply_overrides
     from powertrain.loader import LoadError
+    from powertrain.log_setup import configure_logging
     from powertrain.parallel.layout import ParallelLayoutError
+    from powertrain.plugins import PluginError
     from powertrain.serve.run import NoProtocolAdapterError, serve
     from powertrain.serve.settings import ServeSettings
 
@@ -519,6 +562,8 @@ def bench_serve_command(
     """
     from pathlib import Path
 
+    from rich.console import Console
+
     from powertrain.bench.client import ServerError
     from powertrain.bench.load import Load
     from powertrain.bench.serve import BenchConfig, run
@@ -549,9 +594,7 @@ def bench_serve_command(
 
 def run() -> None:
     """The ``powertrain`` command. A rank under torchrun ends without the interpreter's
-    teardown, however the command ended (``deploy.launch.leave``)."""
-    from powertrain.deploy.launch import launched_by_torchrun, leave
-
+    teardown, however the command ended (``deploy.torchrun.leave``)."""
     try:
         main()
     except SystemExit as ended:

@@ -19,12 +19,11 @@ import hashlib
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import weakref
 from multiprocessing.connection import Listener
-from typing import Any, NoReturn
+from typing import Any
 
 import attrs
 import structlog
@@ -34,6 +33,7 @@ from powertrain.assemble.tiers import build_store
 from powertrain.components import PlatformInfo
 from powertrain.config import EngineConfig
 from powertrain.deploy.frontend import ParallelEngine
+from powertrain.deploy.torchrun import launched_by_torchrun, leave
 from powertrain.deploy.worker import run_worker
 from powertrain.interfaces.engine import Engine
 from powertrain.loader import load_checkpoint
@@ -48,20 +48,6 @@ SECRET_ENV = "POWERTRAIN_PARALLEL_SECRET"
 FRONTEND_PORT_KEY = "powertrain/frontend_port"
 #: How long a worker waits for rank 0 to announce its port (rank 0 loads no weights first).
 ANNOUNCE_TIMEOUT_S = 600.0
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
-def leave(code: int) -> NoReturn:
-    """End a torchrun rank's process once its work is done and its process group destroyed,
-    without the interpreter's teardown: there a native thread torch.distributed left
-    joinable aborted the process (SIGABRT, "terminate called without an active exception"),
-    on rank 1 in 1 of 2 CI runs under load and, once that one left this way, on rank 0."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @attrs.frozen
