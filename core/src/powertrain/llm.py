@@ -71,6 +71,12 @@ class LLM:
 
         return self.engine.runner.speculative if isinstance(self.engine, LLMEngine) else None
 
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        """``SamplingParams(**fields)`` with the model's own sampling settings for what
+        ``fields`` leaves unset (what ``generate`` uses without params; ``[model]
+        generation_config`` says where they come from)."""
+        return self.engine.sampling_defaults.params(**fields)
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -114,7 +120,7 @@ class LLM:
         """Generate for one prompt, yielding its state after every step (``outputs[0].text``
         only ever grows; the last one is finished): what a terminal prints as it goes.
         Closing the iterator early aborts the request."""
-        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        request_id = self.engine.add_request(prompt, sampling_params)
         finished = False
         try:
             while not finished:
@@ -152,9 +158,9 @@ class LLM:
 
 def _params_per_prompt(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
+) -> list[SamplingParams | None]:
+    if sampling_params is None:  # the engine's sampling defaults (the model's own settings)
+        return [None] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     params = list(sampling_params)

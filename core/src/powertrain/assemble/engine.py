@@ -35,7 +35,7 @@ from powertrain.engine.kv_tiers import KVTiers
 from powertrain.engine.model_runner import ModelRunner
 from powertrain.engine.sampler import Sampler
 from powertrain.engine.structured import StructuredOutputs
-from powertrain.loader import load_checkpoint
+from powertrain.loader import load_checkpoint, sampling_defaults
 from powertrain.parallel.expert import ExpertParallel
 from powertrain.parallel.layout import RankPlacement
 from powertrain.parallel.lockstep import Lockstep
@@ -58,6 +58,7 @@ def build_engine(
         plugins = plugins or PluginManager.load(config.plugins)
     with startup.phase("open checkpoint", model=config.model.path):
         checkpoint = load_checkpoint(config.model.path)
+        defaults = sampling_defaults(config.model.generation_config, checkpoint)
     with startup.phase("plan components"):
         architecture = find_architecture(plugins, checkpoint.config, str(checkpoint.path))
         requirements = model_requirements(architecture, checkpoint, config)
@@ -113,6 +114,7 @@ def build_engine(
         on_shutdown=lambda e: _stopped(hooks, e, experts),
         model_name=config.model.path,
         model_config=checkpoint.config,
+        sampling_defaults=defaults,
         device_thread=device_thread,
         kv_cache=loaded.layout.report(loaded.num_blocks),
         block_mover=mover,

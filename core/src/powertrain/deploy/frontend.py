@@ -48,6 +48,7 @@ from powertrain.interfaces.engine import EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
+from powertrain.loader import sampling_defaults
 from powertrain.parallel.layout import ParallelLayout
 
 log = structlog.get_logger(__name__)
@@ -111,6 +112,7 @@ class ParallelEngine:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.model_name = config.model.path
+        self.sampling_defaults = sampling_defaults(config.model.generation_config, checkpoint)
         self.max_model_len = model_length(config, checkpoint.config)
         self.silence_timeout_s = silence_timeout_s
         self._listener = listener
@@ -216,7 +218,7 @@ class ParallelEngine:
         admitted = admit(  # a grammar is compiled here to refuse a bad one; the rank compiles its own
             self.tokenizer,
             prompt,
-            params,
+            params or self.sampling_defaults.params(),
             request_id,
             in_use=self._requests,
             new_id=lambda: f"req-{next(self._ids)}",

@@ -36,7 +36,7 @@ from powertrain.engine.speculative import can_speculate
 from powertrain.interfaces.engine import EngineStats
 from powertrain.interfaces.errors import EngineDeadError
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
-from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.sampling import SamplingDefaults, SamplingParams
 from powertrain.interfaces.scheduling import ScheduledBatch, Scheduler, SequenceStatus
 from powertrain.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -79,6 +79,7 @@ class LLMEngine:
         on_shutdown: Callable[[LLMEngine], None] | None = None,
         model_name: str = "",
         model_config: Mapping[str, Any] | None = None,
+        sampling_defaults: SamplingDefaults | None = None,
         device_thread: DeviceThread | None = None,
         kv_cache: Mapping[str, Any] | None = None,
         block_mover: BlockMover | None = None,
@@ -93,6 +94,8 @@ class LLMEngine:
         #: The checkpoint's config (config.json semantics): protocol adapters read the
         #: model family from it.
         self.model_config: Mapping[str, Any] = model_config or {}
+        #: What a request leaves unset gets (the model's own sampling settings, or ours).
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         #: The KV cache's accounting: its groups' bytes per token, the total, what a dense
         #: uncompressed cache would take, the blocks per pool (``CacheLayout.report``).
         self.kv_cache: Mapping[str, Any] = kv_cache or {}
@@ -130,7 +133,7 @@ class LLMEngine:
         admitted = admit(
             self.tokenizer,
             prompt,
-            params,
+            params or self.sampling_defaults.params(),
             request_id,
             in_use=self._requests,
             new_id=lambda: f"req-{next(self._request_ids)}",

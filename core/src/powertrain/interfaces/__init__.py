@@ -78,6 +78,7 @@ from powertrain.interfaces.quantized import (
     QuantizedWeight,
 )
 from powertrain.interfaces.sampling import (
+    SamplingDefaults,
     SamplingParams,
     StructuredOutput,
     filtered_probs,
@@ -164,6 +165,7 @@ __all__ = [
     "StepsPerSecondProbe",
     "VerifyBatch",
     # sampling
+    "SamplingDefaults",
     "SamplingParams",
     "StructuredOutput",
     "filtered_probs",

@@ -16,7 +16,7 @@ import attrs
 
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.protocol import ModelTokenizer
-from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.sampling import SamplingDefaults, SamplingParams
 
 
 @attrs.frozen(kw_only=True)
@@ -94,6 +94,9 @@ class Engine(Protocol):
     model_config: Mapping[str, Any]
     #: Tokens per sequence, prompt and output together.
     max_model_len: int
+    #: What a request leaves unset gets: the model's own sampling settings, or ours
+    #: (``[model] generation_config``); ``add_request`` without params uses them.
+    sampling_defaults: SamplingDefaults
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None

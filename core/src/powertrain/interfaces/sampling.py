@@ -229,6 +229,41 @@ class SamplingParams:
         return self.temperature == 0
 
 
+#: The sampling fields a model's own defaults may set (generation_config.json spells them so too).
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingDefaults:
+    """What a request gets for the sampling fields it leaves unset: the model's own
+    defaults (its ``generation_config.json``, as vLLM and transformers read it) where it
+    has them, ``SamplingParams``' own elsewhere. ``source`` says where they came from."""
+
+    values: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
+    source: str = "powertrain's defaults"
+
+    @classmethod
+    def from_generation_config(cls, config: Mapping[str, Any], source: str) -> SamplingDefaults:
+        """The defaults a ``generation_config.json`` sets. An explicit ``do_sample: false``
+        means greedy, as transformers' ``generate`` reads it; a value SamplingParams would
+        refuse raises InvalidRequestError naming the key and ``source``."""
+        if config.get("do_sample") is False:
+            return cls(values={"temperature": 0.0}, source=f"{source} (do_sample: false, so greedy)")
+        values = {name: config[name] for name in DEFAULTABLE if config.get(name) is not None}
+        try:
+            SamplingParams(**values)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{source}: {exc}") from exc
+        return (
+            cls(values=values, source=source) if values else cls(source=f"powertrain's defaults ({source} sets none)")
+        )
+
+    def params(self, **fields: Any) -> SamplingParams:
+        """``SamplingParams(**fields)`` with these defaults where a field is left out or None."""
+        given = {name: value for name, value in fields.items() if value is not None}
+        return SamplingParams(**{**self.values, **given})
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

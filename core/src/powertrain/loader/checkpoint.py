@@ -45,8 +45,11 @@ class Checkpoint:
     #: HF names of the tensors ``tensors()`` yields, in that order (FP8 and FP4 scales folded into their weights).
     tensor_names: tuple[str, ...] = attrs.field(repr=False)
     tokenizer: Tokenizer
-    #: generation_config.json, or {} when the checkpoint has none.
+    #: generation_config.json, or {} when the checkpoint has none (a GGUF file's
+    #: ``general.sampling.*`` keys in its names; an embedded model's recommended settings).
     generation_config: Mapping[str, Any] = attrs.field(converter=_read_only, factory=dict)
+    #: Where ``generation_config`` came from (a file, GGUF metadata, a model card), or "".
+    generation_source: str = ""
     #: ``read_tensors(wanted)``: the stored tensors whose HF names ``wanted`` accepts.
     _read_tensors: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]] = attrs.field(
         alias="read_tensors", repr=False, eq=False

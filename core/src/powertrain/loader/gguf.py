@@ -108,12 +108,28 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
         config=config,
         tensor_names=tuple(names.values()),
         tokenizer=tokenizer,
-        generation_config={},
+        generation_config=(sampling := _sampling_metadata(metadata)),
+        generation_source=f"{source} (GGUF general.sampling.*)" if sampling else "",
         read_tensors=read_tensors,
         quantized_formats=frozenset(
             KEPT_FORMATS[tensor.tensor_type] for tensor in gguf_file.tensors if tensor.tensor_type in KEPT_FORMATS
         ),
     )
+
+
+#: llama.cpp's recommended-sampling metadata (``general.sampling.*``) -> generation_config.json's names.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def _sampling_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling settings a GGUF file recommends, in generation_config.json's names."""
+    return {name: metadata[key] for key, name in _SAMPLING_KEYS.items() if key in metadata}
 
 
 def hf_tensor_name(gguf_name: str, source: str = "") -> str:

@@ -39,8 +39,8 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_hf_folder(folder: Path) -> Checkpoint:
     """Read config, tokenizer and the safetensors headers now; tensor data when ``tensors()`` is iterated."""
-    config = with_both_rope_spellings(_read_json(folder / "config.json", required=True))
-    generation_config = _read_json(folder / "generation_config.json") or {}
+    config = with_both_rope_spellings(read_json(folder / "config.json", required=True))
+    generation_config = read_json(folder / "generation_config.json") or {}
     fp8_block = fp8_block_from_config(config, source=str(folder / "config.json"))
     fp4_experts = fp4_experts_from_config(config, source=str(folder / "config.json"))
     deepseek = is_deepseek(config)  # only these may come in DeepSeek's native names
@@ -81,6 +81,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         tensor_names=tuple(tensor_names),
         tokenizer=tokenizer,
         generation_config=generation_config,
+        generation_source=str(folder / "generation_config.json") if generation_config else "",
         read_tensors=read_tensors,
         fp8_block=fp8_block,
         fp4_experts=fp4_experts,
@@ -252,7 +253,7 @@ def _tensor_locations(folder: Path) -> dict[Path, list[str]]:
     """Shard file -> names of the tensors it holds, checked against the index if there is one."""
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        index = _read_json(index_path, required=True)
+        index = read_json(index_path, required=True)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, Mapping) or not weight_map:
             raise CorruptCheckpointError(
@@ -338,7 +339,7 @@ def _tokenizer(folder: Path, config: Mapping[str, Any], generation_config: Mappi
     except Exception as error:  # tokenizers raises plain Exception for malformed files
         raise CorruptCheckpointError(f"{path}: cannot be read as a tokenizer ({error}). Download it again.") from error
 
-    tokenizer_config = _read_json(folder / "tokenizer_config.json") or {}
+    tokenizer_config = read_json(folder / "tokenizer_config.json") or {}
 
     def special(name: str) -> str | None:
         value = tokenizer_config.get(name)
@@ -374,12 +375,12 @@ def _chat_template(folder: Path, tokenizer_config: Mapping[str, Any]) -> str | N
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, Mapping)}
         template = named.get("default")
-    if template is None and (legacy := _read_json(folder / "chat_template.json")):
+    if template is None and (legacy := read_json(folder / "chat_template.json")):
         template = legacy.get("chat_template")
     return template if isinstance(template, str) else None
 
 
-def _read_json(path: Path, *, required: bool = False) -> dict[str, Any] | None:
+def read_json(path: Path, *, required: bool = False) -> dict[str, Any] | None:
     if not path.is_file():
         if required:
             raise CorruptCheckpointError(f"{path} is missing. Download the checkpoint again.")

@@ -6,9 +6,10 @@ default model needs no download), a Hugging Face checkpoint folder, or a ``.gguf
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -27,6 +28,10 @@ class EmbeddedModel:
     description: str
     #: Why the distribution is installed with --no-deps, for the install hint.
     no_deps_reason: str
+    #: The sampling settings its authors recommend (generation_config.json's names; GGUF
+    #: files of this model carry none), and where they say so.
+    generation_config: Mapping[str, Any] = attrs.field(factory=dict)
+    generation_source: str = ""
 
 
 #: Embedded model names -> where their file lives. Add a row to embed another model.
@@ -39,6 +44,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             "its own dependencies (the `llm` CLI and llama-cpp-python, which compiles llama.cpp) are only "
             "needed to use it as an `llm` plugin; powertrain reads just the GGUF file it contains"
         ),
+        # At the sampler's plain defaults (temperature 1) the 135M model rambles.
+        generation_config={"do_sample": True, "temperature": 0.2, "top_p": 0.9},
+        generation_source="the SmolLM2-135M-Instruct model card's generate() example",
     ),
 }
 

@@ -55,6 +55,7 @@ class Server:
         self.settings = settings
         self.model_name = settings.served_model_name or engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.sampling_defaults = engine.engine.sampling_defaults
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())
 
@@ -118,7 +119,9 @@ class Server:
             )
         self.check_prompt_length(len(parsed.prompt_token_ids))
         try:
-            params = sampling_params(parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed))
+            params = sampling_params(
+                parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed), self.sampling_defaults
+            )
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
         request_id = uuid.uuid4().hex[:24]

@@ -113,7 +113,9 @@ class CompletionsEndpoint:
         values = {key: body[key] for key in _SAMPLING if body.get(key) is not None}
         values |= _vllm_extensions(body)
         try:
-            return SamplingParams(**values, stop=stop, logit_bias=_logit_bias(body.get("logit_bias")))
+            return self.server.sampling_defaults.params(
+                **values, stop=stop, logit_bias=_logit_bias(body.get("logit_bias"))
+            )
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
 

@@ -11,14 +11,20 @@ from collections.abc import AsyncIterator
 from powertrain.engine.async_engine import AsyncEngine
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.protocol import ParsedRequest
-from powertrain.interfaces.sampling import SamplingParams, StructuredOutput
+from powertrain.interfaces.sampling import SamplingDefaults, SamplingParams, StructuredOutput
 from powertrain.serve.errors import ApiError
 from powertrain.serve.metrics import ServerMetrics
 
 
-def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_grammar: str | None = None) -> SamplingParams:
+def sampling_params(
+    request: ParsedRequest,
+    max_model_len: int,
+    tool_call_grammar: str | None = None,
+    defaults: SamplingDefaults | None = None,
+) -> SamplingParams:
     """The engine's settings for a parsed request; what the server cannot honour is a 400.
-    ``tool_call_grammar`` (from the adapter) forces the tool call the request requires."""
+    ``tool_call_grammar`` (from the adapter) forces the tool call the request requires;
+    ``defaults`` (the model's own sampling settings) fill what the request leaves unset."""
     sampling = request.sampling
     logprobs = None
     if sampling.logprobs:
@@ -43,8 +49,8 @@ def sampling_params(request: ParsedRequest, max_model_len: int, tool_call_gramma
         "logprobs": logprobs,
         "n": sampling.n,
     }
-    return SamplingParams(
-        **{key: value for key, value in values.items() if value is not None},
+    return (defaults or SamplingDefaults()).params(
+        **values,
         # The engine stops at a stop string but keeps it: the adapter's parser cuts the text
         # and reports which one matched (Anthropic's stop_sequence).
         stop=sampling.stop,
