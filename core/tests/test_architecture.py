@@ -4,7 +4,7 @@ The modules are parsed, not imported, and every import counts: module level and
 function-local alike (a function-local import is still a dependency, just a late
 one). Only ``if TYPE_CHECKING:`` blocks are left out: they never run, they name types.
 
-Core's layers, bottom to top (README "Architecture"); a module may import from its own
+Core's layers, bottom to top (docs/architecture.md); a module may import from its own
 layer and the layers below, never above:
 
 0. contracts: the public records, Protocols, hook specs and config a plugin sees;
