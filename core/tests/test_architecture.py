@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "powertrain",
         "components",
         "config",
+        "cpu_budget",
         "hookspecs",
         "interfaces",
         "log_setup",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,8 @@ def test_cpu_is_available_with_real_numbers() -> None:
     info = detect_cpu()
     assert info.available and info.device_type == "cpu" and info.dist_backend == "gloo"
     assert info.total_memory_bytes > 2**30
-    assert info.availability.reason.endswith("cores")
+    assert info.availability.reason.startswith(f"{os.cpu_count()} cores, {info.host_cpus} usable")
+    assert 1 <= info.host_cpus <= os.cpu_count()
 
 
 def test_cuda_without_a_gpu_says_why() -> None:

@@ -203,6 +203,11 @@ class PlatformInfo:
     #: Ranks on this family compute on the host's cores, so a launcher splits torch's
     #: threads among the local ranks instead of oversubscribing them.
     shares_host_cores: bool = False
+    #: Where ranks compute on the host's cores: the CPUs this process may use (its affinity
+    #: mask and cgroup CPU quota, ``powertrain.cpu_budget``), which caps torch's threads
+    #: and the launcher's split; and what limits them. None: not such a platform.
+    host_cpus: int | None = None
+    host_cpus_reason: str = ""
     #: Makes a device this process's current one (``torch.cuda.set_device``); collective
     #: backends set up groups and barriers on the current device. None: nothing to select.
     set_device: Callable[[torch.device], None] | None = attrs.field(default=None, validator=_callable)

@@ -23,7 +23,14 @@ from powertrain.assemble.building import (
     join_expert_parallel,
     step_observer,
 )
-from powertrain.assemble.loading import LoadedModel, describe_cache, load_model, model_length, resolve_dtype
+from powertrain.assemble.loading import (
+    LoadedModel,
+    describe_cache,
+    fit_threads,
+    load_model,
+    model_length,
+    resolve_dtype,
+)
 from powertrain.assemble.planning import AssemblyError, Plan, find_architecture, plan
 from powertrain.assemble.tiers import block_mover, build_tiers, cache_namespace
 from powertrain.config import EngineConfig
@@ -64,6 +71,7 @@ def build_engine(
         requirements = model_requirements(architecture, checkpoint, config)
         needs_moe = "moe" in requirements
         chosen = plan(config, plugins, requirements=requirements)
+        fit_threads(chosen.platform)  # before any kernel takes torch's thread count
         dtype = resolve_dtype(config.model.dtype, chosen.platform, checkpoint.config)
         attention = build_attention(chosen, dtype)
         check_expert_parallel_fits(placement, needs_moe, checkpoint, architecture.record.name)

@@ -6,6 +6,7 @@ where the forward passes will use it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +57,25 @@ def resolve_dtype(requested: str, platform: PlatformInfo, checkpoint_config: Map
     dtype = torch.float16 if stored.endswith("float16") and "b" not in stored else torch.bfloat16
     log.info("dtype auto", dtype=str(dtype), platform=platform.name, why=f"the checkpoint's half precision ({stored})")
     return dtype
+
+
+def fit_threads(platform: PlatformInfo) -> None:
+    """Keep torch's threads (and so the native kernels', which take torch's count) within
+    the CPUs this process may use, where ranks compute on the host's cores: a container
+    limited to 2 CPUs on a 64-core host would otherwise run 64 threads that wait at every
+    parallel region for the ones the scheduler parked. An explicit ``OMP_NUM_THREADS`` is
+    the user's word and stays."""
+    cpus = platform.host_cpus
+    threads = torch.get_num_threads()
+    if not platform.shares_host_cores or cpus is None or threads <= cpus:
+        return
+    if "OMP_NUM_THREADS" in os.environ:
+        log.warning(
+            "threads exceed the usable CPUs", torch_threads=threads, cpus=cpus, reason=platform.host_cpus_reason
+        )
+        return
+    torch.set_num_threads(cpus)
+    log.info("threads fitted to the usable CPUs", torch_threads=cpus, were=threads, reason=platform.host_cpus_reason)
 
 
 def model_length(config: EngineConfig, checkpoint_config: Mapping[str, Any]) -> int:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from powertrain import hookimpl
 from powertrain.components import Availability, PlatformInfo, PlatformRecord
+from powertrain.cpu_budget import cpu_budget
 
 if TYPE_CHECKING:
     import torch
@@ -90,10 +91,11 @@ def detect_cpu() -> PlatformInfo:
         memory = 0
     packed, note = cpu_linear_packing()
     bf16_dot = bf16_dot_flags()
+    budget = cpu_budget()
     return PlatformInfo(
         name="cpu",
         device_type="cpu",
-        availability=Availability.yes(f"{os.cpu_count()} cores"),
+        availability=Availability.yes(f"{os.cpu_count()} cores, {budget.cpus} usable ({budget.reason})"),
         device_count=1,
         device_name=cpu_model() or platform.processor() or platform.machine(),
         total_memory_bytes=memory,
@@ -113,6 +115,8 @@ def detect_cpu() -> PlatformInfo:
             + "; GGUF weights kept quantised read the same bytes in either"
         ),
         shares_host_cores=True,
+        host_cpus=budget.cpus,
+        host_cpus_reason=budget.reason,
         packed_linear_dtypes=packed,
         linear_packing_note=note,
     )

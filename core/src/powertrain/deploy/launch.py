@@ -120,7 +120,8 @@ def _start_local(config: EngineConfig, plugins: PluginManager | None, layout: Pa
     authkey = os.urandom(32)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     rendezvous = tempfile.mkdtemp(prefix="powertrain-dist-")
-    threads = max(1, (os.cpu_count() or 1) // layout.world_size) if platform.shares_host_cores else None
+    cpus = platform.host_cpus or os.cpu_count() or 1  # the usable CPUs, not the host's core count
+    threads = max(1, cpus // layout.world_size) if platform.shares_host_cores else None
     context = multiprocessing.get_context("spawn")
     processes = {}
     for rank in range(layout.world_size):

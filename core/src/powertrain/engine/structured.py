@@ -21,7 +21,6 @@ logits, and ``advance`` feeds the matcher every token the sequence kept.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +30,7 @@ import attrs
 import numpy as np
 import torch
 
+from powertrain.cpu_budget import cpu_budget
 from powertrain.interfaces.errors import InvalidRequestError
 from powertrain.interfaces.sampling import KIND_NAMES, StructuredOutput
 
@@ -86,7 +86,7 @@ class StructuredOutputs:
     def __init__(self, tokenizer: Tokenizer, *, threads: int | None = None) -> None:
         self.tokenizer = tokenizer
         # llguidance fans a step's matchers out over its own threads; leave cores to the forward.
-        self._threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._threads = threads or max(1, min(8, cpu_budget().cpus // 2))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._worker: ThreadPoolExecutor | None = None
