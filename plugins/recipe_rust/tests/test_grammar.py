@@ -261,6 +261,19 @@ def adapters() -> dict[str, RecipeAdapter]:
     }
 
 
+def test_the_tool_syntax_comes_from_the_template_the_prompt_is_rendered_with() -> None:
+    hermes = (FIXTURES / "qwen_like_tools.jinja").read_text()
+    smollm2 = TOKENIZER.read_text()
+    assert adapters()["plain"].tool_syntax == "json"
+    assert adapters()["hermes"].tool_syntax == "hermes"
+    # A list of named templates: "default", else the first (as the encoder chooses).
+    for templates, syntax in [
+        ([{"name": "tool_use", "template": hermes}, {"name": "default", "template": "{{ messages }}"}], "json"),
+        ([{"name": "tool_use", "template": hermes}, {"name": "rag", "template": "{{ messages }}"}], "hermes"),
+    ]:
+        assert RecipeAdapter(smollm2, {**SMOLLM2_CONFIG, "chat_template": templates}, {}).tool_syntax == syntax
+
+
 def openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": tool} for tool in tools]
 

@@ -261,12 +261,14 @@ class RecipeAdapter:
 
 
 def _chat_template_text(template: Any) -> str | None:
-    """tokenizer_config.json's ``chat_template``: a string, or a list of named templates
-    (all of them, joined: any may be the one used)."""
+    """The chat template the encoder renders with: tokenizer_config.json's ``chat_template``
+    string, or from a list of named templates the one named "default", else the first."""
     if isinstance(template, str):
         return template
     if isinstance(template, list):
-        return "\n".join(str(item.get("template", "")) for item in template if isinstance(item, Mapping))
+        named = [item for item in template if isinstance(item, Mapping) and isinstance(item.get("template"), str)]
+        chosen = next((item for item in named if item.get("name") == "default"), named[0] if named else None)
+        return chosen["template"] if chosen else None
     return None
 
 
@@ -284,10 +286,12 @@ def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> t
 
 
 def _chat_template_text(template: Any) -> str | None:
-    """tokenizer_config.json's ``chat_template``: a string, or a list of named templates
-    (all of them, joined: any may be the one used)."""
+    """The chat template the encoder renders with: tokenizer_config.json's ``chat_template``
+    string, or from a list of named templates the one named "default", else the first."""
     if isinstance(template, str):
         return template
     if isinstance(template, list):
-        return "\n".join(str(item.get("template", "")) for item in template if isinstance(item, Mapping))
+        named = [item for item in template if isinstance(item, Mapping) and isinstance(item.get("template"), str)]
+        chosen = next((item for item in named if item.get("name") == "default"), named[0] if named else None)
+        return chosen["template"] if chosen else None
     return None

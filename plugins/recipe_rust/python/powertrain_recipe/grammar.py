@@ -4,8 +4,8 @@ When a request requires a tool call (``tool_choice`` required, or a named tool) 
 forces one, as vLLM does: decoding is constrained to the model's tool-call syntax with each
 forced tool's JSON schema on its arguments (strict or not: a forced call must validate;
 llguidance's ``lenient`` mode for tools not marked strict, so a keyword it cannot enforce is
-skipped instead of refusing the request). Required allows one call or several, named
-exactly one call of that tool. ``auto`` forces nothing; only for DeepSeek-V3 markup and at
+skipped instead of refusing the request). Required allows one call or several (DeepSeek-V3
+markup: one), named exactly one call of that tool. ``auto`` forces nothing; only for DeepSeek-V3 markup and at
 least one strict tool it keeps a call the model starts well formed (a strict tool's schema,
 any JSON object for the others). ``none`` is never constrained. Written in llguidance's
 Lark dialect (``%json`` embeds a schema; ``&`` and ``~`` intersect and negate a lexeme's
@@ -31,7 +31,9 @@ The syntax per output format:
   newline.
 - ``plain`` otherwise (e.g. SmolLM2), vLLM's form: for required, a JSON array
   ``[{"name": NAME, "parameters": ARGS}, ...]``; for a named tool, its arguments object
-  alone.
+  alone. The chat template gets the request's tools (``tools``, as transformers passes
+  them); one that does not show them, like SmolLM2's, leaves them out of the prompt, as
+  it would in vLLM: the grammar alone then spells the call's names and keys.
 
 A plain model's output is read back as calls only when the stream parser is told the
 form (``forced_call``); the DeepSeek formats parse their markup whatever the request.
