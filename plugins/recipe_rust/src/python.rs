@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::conversation::{EngineRequest, Protocol};
 use crate::error::RecipeError as Error;
-use crate::output::parser::{OutputEvent, OutputFormat, StreamParser as RustParser};
+use crate::output::parser::{ForcedCall, OutputEvent, OutputFormat, StreamParser as RustParser};
 use crate::output::response::{FinishReason, Usage};
 use crate::output::sse::SseWriter;
 use crate::render::Encoder;
@@ -251,13 +251,18 @@ impl StreamParser {
     /// ``prompt``: the request's prompt text, when the parser should start where it
     /// left the answer (in reasoning after ``<think>``, in a tool-call block the
     /// prompt opened).
+    /// ``forced_call``: for a "plain" model whose request forced a tool call, the form
+    /// its output was constrained to: "arguments" (the output is the arguments of
+    /// ``tool_name``), "json_list" or "hermes" (see the parser's ``ForcedCall``).
     #[new]
-    #[pyo3(signature = (format, stop = Vec::new(), id_prefix = None, prompt = None))]
+    #[pyo3(signature = (format, stop = Vec::new(), id_prefix = None, prompt = None, forced_call = None, tool_name = None))]
     fn new(
         format: &str,
         stop: Vec<String>,
         id_prefix: Option<String>,
         prompt: Option<&str>,
+        forced_call: Option<&str>,
+        tool_name: Option<String>,
     ) -> PyResult<Self> {
         let format = OutputFormat::parse(format).ok_or_else(|| {
             PyValueError::new_err(format!(
@@ -267,6 +272,9 @@ impl StreamParser {
         let mut inner = RustParser::new(format, stop, false);
         if let Some(prompt) = prompt {
             inner = inner.after_prompt(prompt);
+        }
+        if let Some(form) = forced_call {
+            inner = inner.with_forced_call(forced_call_form(form, tool_name)?);
         }
         if let Some(prefix) = id_prefix {
             inner = inner.with_id_prefix(prefix);
@@ -289,6 +297,24 @@ impl StreamParser {
         let events = self.inner.finish();
         events_to_list(py, &events)
     }
+}
+
+fn forced_call_form(form: &str, tool_name: Option<String>) -> PyResult<ForcedCall> {
+    Ok(match (form, tool_name) {
+        ("arguments", Some(name)) => ForcedCall::Arguments { name },
+        ("arguments", None) => {
+            return Err(PyValueError::new_err(
+                "forced_call \"arguments\" needs the tool_name the arguments are for",
+            ))
+        }
+        ("json_list", _) => ForcedCall::JsonList,
+        ("hermes", _) => ForcedCall::Hermes,
+        (other, _) => {
+            return Err(PyValueError::new_err(format!(
+                "unknown forced_call {other:?}; known: arguments, json_list, hermes"
+            )))
+        }
+    })
 }
 
 fn finish_reason(reason: &str, stop_sequence: Option<String>) -> PyResult<FinishReason> {

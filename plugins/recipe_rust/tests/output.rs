@@ -3,7 +3,8 @@
 
 use powertrain_recipe::output::parser::{merge_deltas, parse_all};
 use powertrain_recipe::output::{
-    FinishReason, OutputEvent, OutputFormat, ResponseBuilder, SseWriter, StreamParser, Usage,
+    FinishReason, ForcedCall, OutputEvent, OutputFormat, ResponseBuilder, SseWriter, StreamParser,
+    Usage,
 };
 use powertrain_recipe::Protocol;
 use proptest::prelude::*;
@@ -107,6 +108,164 @@ fn plain_is_verbatim() {
         one_shot(OutputFormat::Plain, &[], true, "hi"),
         vec![Text("hi".into())]
     );
+}
+
+// ---------------------------------------------------------------- forced calls (plain models)
+
+/// A plain parser reading `forced`, fed `chunks`; events merged.
+fn forced_chunks(forced: ForcedCall, stops: &[&str], chunks: &[&str]) -> Vec<OutputEvent> {
+    let mut p = StreamParser::new(
+        OutputFormat::Plain,
+        stops.iter().map(|s| s.to_string()).collect(),
+        false,
+    )
+    .with_forced_call(forced);
+    let mut events = Vec::new();
+    for c in chunks {
+        events.extend(p.push(c));
+    }
+    events.extend(p.finish());
+    merge_deltas(events)
+}
+
+/// Every char as its own chunk gives the same events as the whole text.
+fn forced_all_ways(forced: ForcedCall, text: &str) -> Vec<OutputEvent> {
+    let whole = forced_chunks(forced.clone(), &[], &[text]);
+    let chars: Vec<String> = text.chars().map(String::from).collect();
+    let refs: Vec<&str> = chars.iter().map(|s| s.as_str()).collect();
+    assert_eq!(forced_chunks(forced, &[], &refs), whole, "{text:?}");
+    whole
+}
+
+fn whole_call(index: usize, name: &str, arguments: &str) -> Vec<OutputEvent> {
+    vec![
+        start(index, name),
+        args(index, arguments),
+        ToolCallEnd { index },
+    ]
+}
+
+#[test]
+fn forced_arguments_are_the_named_tools_call() {
+    let named = || ForcedCall::Arguments {
+        name: "get_weather".into(),
+    };
+    let text = r#"{"city": "Paris", "days": 3}"#;
+    assert_eq!(
+        forced_all_ways(named(), text),
+        whole_call(0, "get_weather", text)
+    );
+    // The call starts with the first text and its arguments stream as they come.
+    let mut p = StreamParser::new(OutputFormat::Plain, vec![], false).with_forced_call(named());
+    assert_eq!(
+        p.push(r#"{"city": "#),
+        vec![start(0, "get_weather"), args(0, r#"{"city": "#)]
+    );
+    assert_eq!(p.push(r#""Lima"}"#), vec![args(0, r#""Lima"}"#)]);
+    assert_eq!(p.finish(), vec![ToolCallEnd { index: 0 }]);
+    // No output at all: still the call, with empty arguments. Stop strings are not
+    // looked for inside a call.
+    assert_eq!(
+        forced_all_ways(named(), ""),
+        whole_call(0, "get_weather", "{}")
+    );
+    assert_eq!(
+        forced_chunks(named(), &["}"], &[r#"{"a": 1}"#]),
+        whole_call(0, "get_weather", r#"{"a": 1}"#)
+    );
+}
+
+#[test]
+fn forced_json_list_gives_one_call_per_item() {
+    let text = r#"[{"name": "get_weather", "parameters": {"city": "Pa}r]is\"{"}}, {"name": "get_time", "parameters": {}}]"#;
+    let mut expected = whole_call(0, "get_weather", r#"{"city": "Pa}r]is\"{"}"#);
+    expected.extend(whole_call(1, "get_time", "{}"));
+    assert_eq!(forced_all_ways(ForcedCall::JsonList, text), expected);
+    // Whitespace anywhere JSON allows it; another key order is read as JSON.
+    let text = "[ {\"name\" :\"f\" ,\n \"parameters\": {\"x\": [1, 2]} } ]";
+    assert_eq!(
+        forced_all_ways(ForcedCall::JsonList, text),
+        whole_call(0, "f", r#"{"x": [1, 2]}"#)
+    );
+    let text = r#"[{"parameters": {"x": 1}, "name": "f"}]"#;
+    assert_eq!(
+        forced_all_ways(ForcedCall::JsonList, text),
+        whole_call(0, "f", r#"{"x":1}"#)
+    );
+    // A call is emitted as soon as its item closes.
+    let mut p = StreamParser::new(OutputFormat::Plain, vec![], false)
+        .with_forced_call(ForcedCall::JsonList);
+    assert_eq!(p.push(r#"[{"name": "f", "parameters": {"#), vec![]);
+    assert_eq!(p.push(r#"}}, {"#), whole_call(0, "f", "{}"));
+}
+
+#[test]
+fn forced_json_list_cut_off_closes_a_named_call_and_gives_back_the_rest() {
+    // Out of tokens inside the arguments: the call, with what was written.
+    let text = r#"[{"name": "get_weather", "parameters": {"city": "Par"#;
+    assert_eq!(
+        forced_all_ways(ForcedCall::JsonList, text),
+        whole_call(0, "get_weather", r#"{"city": "Par"#)
+    );
+    // Right after the name: the call with empty arguments.
+    assert_eq!(
+        forced_all_ways(ForcedCall::JsonList, r#"[{"name": "f", "param"#),
+        whole_call(0, "f", "{}")
+    );
+    // Inside the name: no call, the item's text.
+    assert_eq!(
+        forced_all_ways(ForcedCall::JsonList, r#"[{"name": "get_wea"#),
+        vec![Text(r#"{"name": "get_wea"#.into())]
+    );
+    // Text the grammar would not allow is text; an item that is no call is text too.
+    assert_eq!(
+        forced_all_ways(ForcedCall::JsonList, r#"Sure! [{"x": 1}]"#),
+        vec![Text(r#"Sure!{"x": 1}"#.into())]
+    );
+}
+
+#[test]
+fn forced_hermes_blocks() {
+    let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"</tool\"}}\n</tool_call>";
+    // A `</tool_call>` inside the JSON string ends the block: Hermes has no escape for
+    // it, and the grammar forbids it there.
+    assert_eq!(
+        forced_all_ways(ForcedCall::Hermes, text),
+        whole_call(0, "get_weather", "{\"city\": \"</tool\"}")
+    );
+    let text = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+    let mut expected = whole_call(0, "f", "{\"a\": 1}");
+    expected.extend(whole_call(1, "g", "{}"));
+    assert_eq!(forced_all_ways(ForcedCall::Hermes, text), expected);
+    // Cut off inside the arguments, or before the name is complete.
+    assert_eq!(
+        forced_all_ways(
+            ForcedCall::Hermes,
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": "
+        ),
+        whole_call(0, "f", "{\"a\": ")
+    );
+    assert_eq!(
+        forced_all_ways(ForcedCall::Hermes, "<tool_call>\n{\"na"),
+        vec![Text("<tool_call>\n{\"na".into())]
+    );
+}
+
+#[test]
+fn a_forced_call_is_text_without_the_flag_and_ignored_by_deepseek_formats() {
+    let text = r#"[{"name": "f", "parameters": {}}]"#;
+    assert_eq!(
+        one_shot(OutputFormat::Plain, &[], false, text),
+        vec![Text(text.into())]
+    );
+    for format in [OutputFormat::DeepseekV3, OutputFormat::DeepseekV4] {
+        let parser =
+            StreamParser::new(format, vec![], false).with_forced_call(ForcedCall::JsonList);
+        let mut parser = parser;
+        let mut events = parser.push(text);
+        events.extend(parser.finish());
+        assert_eq!(merge_deltas(events), vec![Text(text.into())], "{format:?}");
+    }
 }
 
 #[test]
@@ -1051,6 +1210,31 @@ fn output_text() -> impl Strategy<Value = String> {
     proptest::collection::vec(frag, 0..24).prop_map(|v| v.concat())
 }
 
+fn forced_forms() -> impl Strategy<Value = ForcedCall> {
+    prop_oneof![
+        Just(ForcedCall::Arguments { name: "f".into() }),
+        Just(ForcedCall::JsonList),
+        Just(ForcedCall::Hermes),
+    ]
+}
+
+fn forced_text() -> impl Strategy<Value = String> {
+    let frag = prop_oneof![
+        3 => proptest::sample::select(vec![
+            "[", "]", ", ", "{", "}", "\"", "\\", "\n", " ", ":",
+            "{\"name\": \"f\", \"parameters\": ",
+            "{\"name\": \"g\", \"arguments\": ",
+            "{\"a\": [1, {\"b\": \"}]\"}]}",
+            "\"name\"", "\"parameters\"", "\"arguments\"",
+            "<tool_call>", "</tool_call>", "<tool_", "call>", "</",
+            "é", "hello",
+        ])
+        .prop_map(|s| s.to_string()),
+        1 => "[a-z \n\"{}<>\\[\\],:]{0,6}",
+    ];
+    proptest::collection::vec(frag, 0..24).prop_map(|v| v.concat())
+}
+
 fn formats() -> impl Strategy<Value = OutputFormat> {
     prop_oneof![
         Just(OutputFormat::Plain),
@@ -1125,6 +1309,26 @@ proptest! {
         prop_assert_eq!(parse_chunks(format, stops, sir, &refs), whole.clone());
         // Byte by byte through push_bytes.
         let mut p = StreamParser::new(format, stops.iter().map(|s| s.to_string()).collect(), sir);
+        let mut ev = Vec::new();
+        for b in text.as_bytes() {
+            ev.extend(p.push_bytes(std::slice::from_ref(b)));
+        }
+        ev.extend(p.finish());
+        prop_assert_eq!(merge_deltas(ev), whole);
+    }
+
+    #[test]
+    fn forced_calls_chunked_equals_one_shot(
+        forced in forced_forms(),
+        text in forced_text(),
+        cuts in proptest::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let whole = forced_chunks(forced.clone(), &[], &[&text]);
+        check_invariants(&whole);
+        let chunks = split_at_chars(&text, &cuts);
+        let refs: Vec<&str> = chunks.iter().map(|s| s.as_str()).collect();
+        prop_assert_eq!(forced_chunks(forced.clone(), &[], &refs), whole.clone());
+        let mut p = StreamParser::new(OutputFormat::Plain, vec![], false).with_forced_call(forced);
         let mut ev = Vec::new();
         for b in text.as_bytes() {
             ev.extend(p.push_bytes(std::slice::from_ref(b)));

@@ -521,6 +521,40 @@ fn conv13_named_tool_choice_and_sampling() {
 }
 
 #[test]
+fn a_named_tool_choice_of_an_undeclared_tool_names_it_and_the_declared_ones() {
+    let bodies = [
+        (
+            CHAT,
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                "tools": weather_tools_chat(), "tool_choice": {"type": "function", "function": {"name": "get_wether"}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            Protocol::Responses,
+            json!({"model": "m", "input": "x",
+                "tools": weather_tools_responses(), "tool_choice": {"type": "function", "name": "get_wether"}}),
+            "tool_choice.name",
+        ),
+        (
+            Protocol::AnthropicMessages,
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                "tools": weather_tools_anthropic(), "tool_choice": {"type": "tool", "name": "get_wether"}}),
+            "tool_choice.name",
+        ),
+    ];
+    for (protocol, body, path) in bodies {
+        let e = parse_value(protocol, &body).expect_err("an undeclared tool is refused");
+        assert_eq!((e.kind, e.path.as_str()), (Inv, path), "{protocol:?}");
+        assert!(
+            e.message.contains("\"get_wether\"")
+                && e.message.contains("\"get_weather\", \"get_time\""),
+            "{protocol:?}: {}",
+            e.message
+        );
+    }
+}
+
+#[test]
 fn conv14_thinking_settings_chat_and_anthropic() {
     let c = ok(
         CHAT,

@@ -17,7 +17,7 @@ from powertrain.interfaces import (
     StructuredOutputsField,
 )
 from powertrain_recipe._native import PromptEncoder, ResponseWriter, StreamParser, parse_request_json
-from powertrain_recipe.grammar import tool_call_grammar
+from powertrain_recipe.grammar import forced_call, tool_call_grammar, tool_syntax
 
 #: Protocol names as the core's ProtocolAdapterRecord spells them -> the native names.
 PROTOCOLS = {
@@ -114,6 +114,8 @@ class RecipeAdapter:
     def __init__(self, tokenizer_json: str, tokenizer_config: Mapping[str, Any], model_config: Mapping[str, Any]):
         self.encoder = PromptEncoder(tokenizer_json, json.dumps(dict(tokenizer_config)), json.dumps(dict(model_config)))
         self.output_format = output_format(model_config)
+        #: How a plain model writes a tool call (its chat template's form, else vLLM's JSON).
+        self.tool_syntax = tool_syntax(_chat_template_text(tokenizer_config.get("chat_template")))
         self._tokenizer_json = tokenizer_json
         self._token_texts: dict[int, str] = {}
         self._decoder: Any = None  # a tokenizers.Tokenizer, built when logprobs are first asked for
@@ -136,14 +138,19 @@ class RecipeAdapter:
     def stream_parser(self, request: ParsedRequest, id_prefix: str | None = None) -> StreamParser:
         """A parser for this request's generated text (its stop sequences), starting where
         the prompt left the answer: in reasoning when it opened a thinking block, in a
-        tool-call block when it opened one. With include_stop_str_in_output the parser is
-        given no stop strings, so it leaves the matched one in the text."""
+        tool-call block when it opened one; a plain model's output read as the tool call
+        the request forced, in the form ``tool_call_grammar`` held it to. With
+        include_stop_str_in_output the parser is given no stop strings, so it leaves the
+        matched one in the text."""
         sampling = request.sampling
+        forced, tool_name = forced_call(self.output_format, self.tool_syntax, request.native) or (None, None)
         return StreamParser(
             self.output_format,
             [] if sampling.include_stop_str_in_output else list(sampling.stop),
             id_prefix=id_prefix,
             prompt=request.prompt,
+            forced_call=forced,
+            tool_name=tool_name,
         )
 
     def response_writer(
@@ -170,9 +177,11 @@ class RecipeAdapter:
         )
 
     def tool_call_grammar(self, request: ParsedRequest) -> str | None:
-        """A Lark grammar forcing the tool call the request requires, in this model's markup
-        (strict tools' arguments follow their schema); None when no call is forced."""
-        return tool_call_grammar(self.output_format, request.native)
+        """A Lark grammar forcing the tool call the request requires, in this model's syntax,
+        its arguments following the tool's schema (see ``grammar``); None when nothing is
+        forced (or, for DeepSeek-V3 with ``auto`` and strict tools, a grammar that keeps a
+        call well formed)."""
+        return tool_call_grammar(self.output_format, request.native, prompt=request.prompt, syntax=self.tool_syntax)
 
     def token_logprobs(
         self, token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]], top: int
@@ -251,6 +260,18 @@ class RecipeAdapter:
         return json.dumps(merged).encode()
 
 
+def _chat_template_text(template: Any) -> str | None:
+    """The chat template the encoder renders with: tokenizer_config.json's ``chat_template``
+    string, or from a list of named templates the one named "default", else the first."""
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = [item for item in template if isinstance(item, Mapping) and isinstance(item.get("template"), str)]
+        chosen = next((item for item in named if item.get("name") == "default"), named[0] if named else None)
+        return chosen["template"] if chosen else None
+    return None
+
+
 def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> tuple[str, str | None]:
     """The writer's finish reason from all of a response's parser events and the engine's
     reason ("stop", "length", "abort"); with the stop sequence that ended it, if any."""
@@ -262,3 +283,15 @@ def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> t
     if any(e["type"] == "tool_call_start" for e in events):
         return "tool_calls", None
     return "stop", None
+
+
+def _chat_template_text(template: Any) -> str | None:
+    """The chat template the encoder renders with: tokenizer_config.json's ``chat_template``
+    string, or from a list of named templates the one named "default", else the first."""
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = [item for item in template if isinstance(item, Mapping) and isinstance(item.get("template"), str)]
+        chosen = next((item for item in named if item.get("name") == "default"), named[0] if named else None)
+        return chosen["template"] if chosen else None
+    return None

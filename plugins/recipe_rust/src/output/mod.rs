@@ -10,6 +10,6 @@ pub mod parser;
 pub mod response;
 pub mod sse;
 
-pub use parser::{OutputEvent, OutputFormat, StreamParser};
+pub use parser::{ForcedCall, OutputEvent, OutputFormat, StreamParser};
 pub use response::{FinishReason, ResponseBuilder, Segment, Usage};
 pub use sse::SseWriter;

@@ -33,6 +33,15 @@
 //!   are JSON text (kept when they parse, else turned into a JSON string); a missing
 //!   `string` attribute is treated like `"false"`.
 //!
+//! - Forced calls of a [`OutputFormat::Plain`] model ([`ForcedCall`], set by
+//!   [`StreamParser::with_forced_call`] when the request's ``tool_choice`` was required or
+//!   named and the engine constrained the output to one of these forms): a named tool's
+//!   arguments object alone (vLLM's form for a named choice), a JSON array
+//!   `[{"name": N, "parameters": ARGS}, ...]` (vLLM's form for "required"), or Hermes
+//!   blocks `<tool_call>\n{"name": N, "arguments": ARGS}\n</tool_call>` joined by newlines
+//!   (models whose chat template writes `<tool_call>`). Without a forced call a plain
+//!   model's output is all text: the parser does not guess at tool syntax.
+//!
 //! # Behaviour
 //!
 //! - Markers and stop strings may be split across pushes at any byte: the parser holds
@@ -61,11 +70,20 @@
 //!   parameters: `{` at the invoke, `"P": ` + value per parameter (`, ` between), `}` at
 //!   the invoke's end; string values stream escaped, JSON values come whole at their
 //!   closing tag. A call that produced no argument text gets `{}`.
+//! - Forced calls of a plain model: the arguments of a named tool stream as the model
+//!   writes them (the call starts with the output); a JSON-list item or a Hermes block is
+//!   emitted whole when it closes, its arguments the model's own text. Around Hermes
+//!   blocks whitespace goes as in DeepSeek formats (the newline between blocks is
+//!   dropped); between list items whitespace and the list's `[`, `,` and `]` are dropped.
+//!   Other text (which the grammar does not allow) is answer text.
 //! - Malformed markup at `finish` never panics: a call whose name was not complete yet
 //!   is emitted as answer text (its raw markup, markers included); a call whose name
 //!   was known is closed best-effort (DSML closes an open string and the object, V3
 //!   arguments are left as the model wrote them) and gets its `ToolCallEnd`.
 //!   `<｜tool▁call▁end｜>` before any `<｜tool▁sep｜>` makes the raw markup text too.
+//!   A forced call cut off (the output ran out of tokens) is closed the same way: a
+//!   JSON-list item or Hermes block whose name is complete becomes that call with the
+//!   arguments written so far, one whose name is not is answer text.
 
 /// Which markup the model writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -87,6 +105,18 @@ impl OutputFormat {
             _ => None,
         }
     }
+}
+
+/// The form in which a plain model writes the tool call its request forced (see the
+/// module doc); the grammar that constrained its output wrote exactly this form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForcedCall {
+    /// The whole output is this tool's arguments object.
+    Arguments { name: String },
+    /// A JSON array of `{"name": N, "parameters": ARGS}` objects.
+    JsonList,
+    /// `<tool_call>\n{"name": N, "arguments": ARGS}\n</tool_call>` blocks.
+    Hermes,
 }
 
 /// What the parser found, in order.
@@ -122,6 +152,8 @@ pub const V3_SEP: &str = "<\u{FF5C}tool\u{2581}sep\u{FF5C}>";
 const V3_FENCE_OPEN: &str = "```json";
 const V3_FENCE_CLOSE: &str = "\n```";
 const TAG_CLOSE: &str = ">";
+pub const HERMES_OPEN: &str = "<tool_call>";
+pub const HERMES_CLOSE: &str = "</tool_call>";
 
 /// One DSML spelling: its section, invoke and parameter markers (the invoke and
 /// parameter openers are followed by attributes and `>`). V3.2 wraps the invokes in
@@ -181,6 +213,45 @@ enum State {
     DsmlInvoke { dialect: Dialect },
     DsmlParamTag { dialect: Dialect },
     DsmlParamValue { dialect: Dialect, string: bool },
+    // A plain model's forced call (see `ForcedCall`): the arguments of the named tool; a
+    // JSON list between items and inside one (`json` scans it); a Hermes block.
+    ForcedArguments,
+    JsonList,
+    JsonItem,
+    HermesCall,
+}
+
+/// Where a scan of JSON text stands: nesting depth, inside a string, after a backslash.
+#[derive(Debug, Clone, Copy, Default)]
+struct JsonScan {
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl JsonScan {
+    /// Takes one character; true when it closed the outermost value.
+    fn step(&mut self, c: char) -> bool {
+        if self.in_string {
+            match (self.escaped, c) {
+                (true, _) => self.escaped = false,
+                (false, '\\') => self.escaped = true,
+                (false, '"') => self.in_string = false,
+                _ => {}
+            }
+            return false;
+        }
+        match c {
+            '"' => self.in_string = true,
+            '{' | '[' => self.depth += 1,
+            '}' | ']' => {
+                self.depth = self.depth.saturating_sub(1);
+                return self.depth == 0;
+            }
+            _ => {}
+        }
+        false
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,6 +272,8 @@ enum Mk {
     DsmlParam,
     DsmlParamEnd,
     TagClose,
+    HermesOpen,
+    HermesClose,
     Stop(usize),
 }
 
@@ -227,6 +300,9 @@ pub struct StreamParser {
     params: usize,
     /// Answer whitespace held back: dropped if a tool call section follows.
     pending_ws: String,
+    /// The call a plain model's request forced, and the scan of its JSON list.
+    forced: Option<ForcedCall>,
+    json: JsonScan,
     done: bool,
 }
 
@@ -252,8 +328,26 @@ impl StreamParser {
             call: None,
             params: 0,
             pending_ws: String::new(),
+            forced: None,
+            json: JsonScan::default(),
             done: false,
         }
+    }
+
+    /// Reads a plain model's output as the tool call its request forced, in the form
+    /// the output was constrained to (see [`ForcedCall`]). DeepSeek formats parse their
+    /// own markup whatever the request, so for them this changes nothing.
+    pub fn with_forced_call(mut self, forced: ForcedCall) -> StreamParser {
+        if self.format != OutputFormat::Plain {
+            return self;
+        }
+        self.state = match forced {
+            ForcedCall::Arguments { .. } => State::ForcedArguments,
+            ForcedCall::JsonList => State::JsonList,
+            ForcedCall::Hermes => State::Answer,
+        };
+        self.forced = Some(forced);
+        self
     }
 
     /// Starts where the prompt left the answer: inside a DSML tool-call block when the
@@ -379,6 +473,23 @@ impl StreamParser {
                 self.args(&mut out, "}");
                 self.end_call(&mut out);
             }
+            State::ForcedArguments => {
+                self.start_forced(&mut out);
+                self.end_call(&mut out);
+            }
+            State::JsonItem => {
+                let item = std::mem::take(&mut self.acc);
+                self.forced_item(&mut out, &item, "parameters", false);
+            }
+            State::HermesCall => {
+                let block = std::mem::take(&mut self.raw);
+                let body = std::mem::take(&mut self.acc);
+                self.state = State::Answer;
+                match call_object(&body, "arguments", false) {
+                    Some((name, arguments)) => self.whole_call(&mut out, name, arguments),
+                    None => self.emit_text(&mut out, &block),
+                }
+            }
             _ => {}
         }
         self.flush_ws(&mut out);
@@ -404,10 +515,15 @@ impl StreamParser {
                         m.push((dialect.calls_begin, Mk::DsmlBegin { dialect }));
                     }
                 }
+                if self.forced == Some(ForcedCall::Hermes) {
+                    m.push((HERMES_OPEN, Mk::HermesOpen));
+                }
                 for (i, s) in self.stops.iter().enumerate() {
                     m.push((s.as_str(), Mk::Stop(i)));
                 }
             }
+            State::HermesCall => m.push((HERMES_CLOSE, Mk::HermesClose)),
+            State::ForcedArguments | State::JsonList | State::JsonItem => {}
             State::Reasoning => m.push((THINK_CLOSE, Mk::ThinkClose)),
             State::V3Section => {
                 m.push((V3_CALL_BEGIN, Mk::V3CallBegin));
@@ -556,11 +672,76 @@ impl StreamParser {
                 self.args(out, &escaped);
             }
             State::V3AfterArgs | State::DsmlInvoke { .. } => {}
+            State::ForcedArguments => {
+                self.start_forced(out);
+                self.args(out, s);
+            }
+            State::JsonList | State::JsonItem => self.json_list(out, s),
+            State::HermesCall => {
+                self.acc.push_str(s);
+                self.raw.push_str(s);
+            }
         }
     }
 
+    /// Starts the named call a plain model's output is the arguments of (once).
+    fn start_forced(&mut self, out: &mut Vec<OutputEvent>) {
+        if let (None, Some(ForcedCall::Arguments { name })) = (self.call, &self.forced) {
+            let name = name.clone();
+            self.start_call(out, name);
+        }
+    }
+
+    /// A forced JSON list: each `{...}` item is collected and emitted when it closes.
+    fn json_list(&mut self, out: &mut Vec<OutputEvent>, s: &str) {
+        let mut text = String::new(); // outside the grammar's form: answer text
+        for c in s.chars() {
+            if self.state == State::JsonItem {
+                self.acc.push(c);
+                if self.json.step(c) {
+                    let item = std::mem::take(&mut self.acc);
+                    self.forced_item(out, &item, "parameters", true);
+                }
+            } else if c == '{' {
+                if !text.is_empty() {
+                    self.emit_text(out, &std::mem::take(&mut text));
+                }
+                self.state = State::JsonItem;
+                self.json = JsonScan::default();
+                self.json.step(c);
+                self.acc.push(c);
+            } else if !(c.is_whitespace() || matches!(c, '[' | ',' | ']')) {
+                text.push(c);
+            }
+        }
+        if !text.is_empty() {
+            self.emit_text(out, &text);
+        }
+    }
+
+    /// One JSON-list item (`complete` or cut off at the end): its call, or its text.
+    fn forced_item(&mut self, out: &mut Vec<OutputEvent>, item: &str, key: &str, complete: bool) {
+        self.state = State::JsonList;
+        match call_object(item, key, complete) {
+            Some((name, arguments)) => self.whole_call(out, name, arguments),
+            None => self.emit_text(out, item),
+        }
+    }
+
+    fn whole_call(&mut self, out: &mut Vec<OutputEvent>, name: String, arguments: String) {
+        self.start_call(out, name);
+        self.args(out, &arguments);
+        self.end_call(out);
+    }
+
+    /// Plain text is passed through as is, unless it surrounds a forced call, whose
+    /// whitespace goes as DeepSeek formats' does.
+    fn verbatim(&self) -> bool {
+        self.format == OutputFormat::Plain && self.forced.is_none()
+    }
+
     fn trim_leading(&mut self, s: &str) -> String {
-        if self.format == OutputFormat::Plain || !self.leading {
+        if self.verbatim() || !self.leading {
             return s.to_string();
         }
         let t = s.trim_start();
@@ -578,7 +759,7 @@ impl StreamParser {
         if self.state == State::Answer {
             self.think_allowed = false;
         }
-        if self.format == OutputFormat::Plain || self.state != State::Answer {
+        if self.verbatim() || self.state != State::Answer {
             push_merge(out, OutputEvent::Text(s));
             return;
         }
@@ -779,6 +960,22 @@ impl StreamParser {
                 self.close_param(out, string);
                 self.state = State::DsmlInvoke { dialect };
             }
+            (_, Mk::HermesOpen) => {
+                self.pending_ws.clear();
+                self.state = State::HermesCall;
+                self.acc.clear();
+                self.raw = marker.to_string();
+            }
+            (_, Mk::HermesClose) => {
+                self.raw.push_str(marker);
+                let block = std::mem::take(&mut self.raw);
+                let body = std::mem::take(&mut self.acc);
+                self.state = State::Answer;
+                match call_object(&body, "arguments", true) {
+                    Some((name, arguments)) => self.whole_call(out, name, arguments),
+                    None => self.emit_text(out, &block),
+                }
+            }
             // Every marker is only offered in the states handled above.
             _ => {}
         }
@@ -812,6 +1009,50 @@ pub fn merge_deltas(events: impl IntoIterator<Item = OutputEvent>) -> Vec<Output
 fn json_escape(s: &str) -> String {
     let quoted = serde_json::Value::String(s.to_string()).to_string();
     quoted[1..quoted.len() - 1].to_string()
+}
+
+/// A forced call's object, `{"name": N, "KEY": ARGS}` in that order (the grammar's
+/// layout; any JSON whitespace between tokens): N and ARGS as the model wrote them. Cut off
+/// (`complete` false): once N is complete, ARGS as far as they go (empty before they
+/// start). Another layout of a complete object is read as JSON (ARGS re-serialised);
+/// anything else is None.
+fn call_object(text: &str, key: &str, complete: bool) -> Option<(String, String)> {
+    let rest = text.trim_start().strip_prefix('{')?.trim_start();
+    let named = rest
+        .strip_prefix("\"name\"")
+        .and_then(|r| r.trim_start().strip_prefix(':'))
+        .map(str::trim_start)
+        .and_then(|r| {
+            let mut names = serde_json::Deserializer::from_str(r).into_iter::<String>();
+            let name = names.next()?.ok()?;
+            Some((name, &r[names.byte_offset()..]))
+        });
+    if let Some((name, rest)) = named {
+        let arguments = rest
+            .trim_start()
+            .strip_prefix(',')
+            .map(str::trim_start)
+            .and_then(|r| r.strip_prefix(&format!("\"{key}\"")))
+            .and_then(|r| r.trim_start().strip_prefix(':'))
+            .map(str::trim_start);
+        match (arguments, complete) {
+            (Some(arguments), true) => {
+                if let Some(arguments) = arguments.trim_end().strip_suffix('}') {
+                    return Some((name, arguments.trim_end().to_string()));
+                }
+            }
+            (Some(arguments), false) => return Some((name, arguments.to_string())),
+            (None, false) => return Some((name, String::new())),
+            (None, true) => {}
+        }
+    }
+    if !complete {
+        return None;
+    }
+    let value: serde_json::Value = serde_json::from_str(text).ok()?;
+    let name = value.get("name")?.as_str()?.to_string();
+    let arguments = value.get(key).map(|v| v.to_string()).unwrap_or_default();
+    Some((name, arguments))
 }
 
 /// `key="value"` from a tag's attribute text.

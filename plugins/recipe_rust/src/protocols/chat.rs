@@ -442,9 +442,15 @@ fn parse_tool_choice(value: &Value, path: &str, tools: &[Tool]) -> Result<ToolCh
 /// A named tool_choice must name a declared tool.
 pub(crate) fn named_choice(name: &str, path: &str, tools: &[Tool]) -> Result<ToolChoice> {
     if !tools.iter().any(|t| t.name == name) {
+        let known: Vec<String> = tools.iter().map(|t| format!("{:?}", t.name)).collect();
+        let known = if known.is_empty() {
+            "the request declares no tools".to_string()
+        } else {
+            format!("the request's tools are {}", known.join(", "))
+        };
         return Err(RecipeError::invalid(
             path,
-            format!("tool_choice names {name:?}, which is not in tools"),
+            format!("tool_choice names the tool {name:?}, which is not in tools ({known}); name one of them, or declare it in tools"),
         ));
     }
     Ok(ToolChoice::Named(name.to_string()))
