@@ -274,13 +274,20 @@ def test_errors_say_what_and_what_to_do() -> None:
 @pytest.mark.skipif(
     sys.platform != "linux" or not torch.backends.openmp.is_available(), reason="torch here does not use libgomp"
 )
-def test_torch_openmp_runtime_is_found_where_torch_uses_libgomp() -> None:
-    """Linux wheels of torch parallelise with libgomp: the kernels must find its team there,
-    or every call falls back to a pool that fights torch's workers for the cores."""
-    assert gomp_parallel_address() != 0
-    with torch_threads(2):
-        assert openmp_team() == 2
-    assert _native.openmp_available()
+def test_torch_openmp_runtime_is_found_where_torch_uses_libgomp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linux wheels of torch parallelise with libgomp: asked to (``POWERTRAIN_CPU_OPENMP=1``),
+    the kernels must find its team there; by default they keep to their own pool."""
+    assert gomp_parallel_address() == 0  # the default: the pool (torch_openmp.SWITCH says why)
+    monkeypatch.setenv("POWERTRAIN_CPU_OPENMP", "1")
+    gomp_parallel_address.cache_clear()
+    try:
+        assert gomp_parallel_address() != 0
+        with torch_threads(2):
+            assert openmp_team() == 2
+        assert _native.openmp_available()
+    finally:
+        monkeypatch.delenv("POWERTRAIN_CPU_OPENMP")
+        gomp_parallel_address.cache_clear()
 
 
 @pytest.fixture(params=["vnni", "avx2"])
