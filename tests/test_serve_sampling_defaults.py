@@ -11,15 +11,9 @@ import anthropic
 import openai
 import pytest
 
-from powertrain.assemble import build_engine
-from powertrain.config import EngineConfig
-from powertrain.engine.async_engine import AsyncEngine
-from powertrain.llm import apply_overrides
-from powertrain.plugins import PluginManager
-from powertrain.serve.run import protocol_adapter
 from powertrain.serve.settings import ServeSettings
 from powertrain.testing.checkpoints import write_tiny_deepseek
-from powertrain.testing.server import running_server
+from powertrain.testing.server import serving
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
@@ -29,15 +23,8 @@ MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = write_tiny_deepseek(tmp_path_factory.mktemp("tiny") / "model", num_nextn_predict_layers=0)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "do_sample": True, "top_k": 1}))
-    config = apply_overrides(EngineConfig(), {"path": str(folder), "dtype": "float32"})
-    plugins = PluginManager.load(config.plugins)
-    engine = AsyncEngine(build_engine(config, plugins))
-    try:
-        adapter = protocol_adapter(plugins, engine.engine.tokenizer, engine.engine.model_config)
-        with running_server(engine, adapter, ServeSettings(served_model_name=MODEL)) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with serving({"path": str(folder), "dtype": "float32"}, ServeSettings(served_model_name=MODEL)) as url:
+        yield url
 
 
 def test_requests_without_top_k_take_the_checkpoints(base_url: str) -> None:

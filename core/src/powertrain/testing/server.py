@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import uvicorn
@@ -51,3 +51,24 @@ def running_server(engine: AsyncEngine, adapter: Any, settings: ServeSettings | 
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def serving(overrides: Mapping[str, Any], settings: ServeSettings | None = None) -> Iterator[str]:
+    """An engine built from ``EngineConfig`` with ``overrides`` (``LLM``'s keywords), its
+    protocol adapter and a server on it, for the block; yields the base URL."""
+    from powertrain.assemble import build_engine
+    from powertrain.config import EngineConfig
+    from powertrain.llm import apply_overrides
+    from powertrain.plugins import PluginManager
+    from powertrain.serve.run import protocol_adapter
+
+    config = apply_overrides(EngineConfig(), overrides)
+    plugins = PluginManager.load(config.plugins)
+    engine = AsyncEngine(build_engine(config, plugins))
+    try:
+        adapter = protocol_adapter(plugins, engine.engine.tokenizer, engine.engine.model_config)
+        with running_server(engine, adapter, settings) as url:
+            yield url
+    finally:
+        engine.shutdown()

@@ -283,15 +283,3 @@ def finish_reason(events: Sequence[ParserEvent], engine_reason: str | None) -> t
     if any(e["type"] == "tool_call_start" for e in events):
         return "tool_calls", None
     return "stop", None
-
-
-def _chat_template_text(template: Any) -> str | None:
-    """The chat template the encoder renders with: tokenizer_config.json's ``chat_template``
-    string, or from a list of named templates the one named "default", else the first."""
-    if isinstance(template, str):
-        return template
-    if isinstance(template, list):
-        named = [item for item in template if isinstance(item, Mapping) and isinstance(item.get("template"), str)]
-        chosen = next((item for item in named if item.get("name") == "default"), named[0] if named else None)
-        return chosen["template"] if chosen else None
-    return None
