@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+#: The conformance kit (with one run seed for every test: POWERTRAIN_TEST_SEED), and no process left behind.
+pytest_plugins = ["powertrain.testing", "powertrain.testing.processes"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):

@@ -58,6 +58,9 @@ from powertrain.testing.kv_store import KVStoreSuite
 from powertrain.testing.moe import MoEBackendSuite
 from powertrain.testing.quantized_linear import QuantizedLinearSuite
 
+#: Every test's seeds come from one run seed (POWERTRAIN_TEST_SEED): see powertrain.testing.seeds.
+pytest_plugins = ["powertrain.testing.seeds"]
+
 __all__ = [
     "AttentionBackendSuite",
     "CommunicatorSuite",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -13,21 +12,7 @@ import torch
 
 from powertrain.components import PlatformInfo
 from powertrain.plugins import PluginManager, Provided
-
-#: Set to a failed test's printed seed to replay it (``POWERTRAIN_TEST_SEED=3522646431 pytest ...``).
-SEED_ENV = "POWERTRAIN_TEST_SEED"
-
-
-def fresh_seed() -> int:
-    """A new seed per test run (never a fixed one), to be printed with any failure; the
-    value of ``POWERTRAIN_TEST_SEED`` instead where it is set, to replay a failure."""
-    replay = os.environ.get(SEED_ENV)
-    if replay:
-        try:
-            return int(replay)
-        except ValueError:
-            raise ValueError(f"{SEED_ENV}={replay!r} is not an integer; set it to a seed a test printed") from None
-    return int.from_bytes(os.urandom(4), "little")
+from powertrain.testing.seeds import fresh_seed
 
 
 def generator(seed: int) -> torch.Generator:

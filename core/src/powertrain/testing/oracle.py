@@ -34,6 +34,44 @@ def hf_greedy(hf: Any, prompt: Sequence[int], steps: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
+def top_two_gap(row: torch.Tensor) -> float:
+    """How far a greedy pick is from a tie: (largest - second largest logit) / max |logit|."""
+    top = row.double().topk(2).values
+    return ((top[0] - top[1]) / row.double().abs().max()).item()
+
+
+def assert_greedy_agrees(
+    got: Sequence[int],
+    expected: Sequence[int],
+    oracle_row: Any,
+    tolerance: float,
+    what: str = "greedy tokens",
+) -> int | None:
+    """``got`` equals the oracle's greedy ``expected`` tokens, or first departs from them where
+    the oracle's own pick was a tie within ``tolerance``: there, rounding at the tolerance the
+    logits are checked to may pick either token, and the paths differ from then on, so the rest
+    is not compared. ``oracle_row(i)`` gives the oracle's logits for token ``i`` along its own
+    path (``expected[:i]`` generated). Returns the index of such a tie, or None.
+
+    A departure where the oracle's top two differ by more than ``tolerance`` fails, saying so."""
+    index = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+    if index is None:
+        return None
+    gap = top_two_gap(oracle_row(index))
+    assert gap <= tolerance, (
+        f"{what} depart from the oracle's at token {index} ({got[index]} instead of {expected[index]}) where the "
+        f"oracle's top two logits are {gap:.2e} of the largest apart, more than the tolerance {tolerance:.0e}: "
+        f"not a rounding tie.\n got      {list(got)}\n expected {list(expected)}"
+    )
+    print(f"{what}: a tie at token {index} (top two {gap:.2e} apart); compared up to it")
+    return index
+
+
+def hf_greedy_row(hf: Any, prompt: Sequence[int], expected: Sequence[int]) -> Any:
+    """``oracle_row`` for ``assert_greedy_agrees`` with an HF model: its logits after ``expected[:i]``."""
+    return lambda i: hf_logits(hf, [*prompt, *expected[:i]])[-1]
+
+
 def prefill_logits(llm: Any, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """All prompts in one ragged flat batch through an ``LLM``'s model (in this process): float32
     logits at every position, from fresh caches shaped like the engine's."""
