@@ -31,11 +31,23 @@ from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM, native_name
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek_v4
-from powertrain.testing.oracle import hf_greedy, hf_logits, relative_error, startup_event
+from powertrain.testing.oracle import (
+    assert_greedy_agrees,
+    hf_greedy,
+    hf_greedy_row,
+    hf_logits,
+    relative_error,
+    startup_event,
+)
 from powertrain.testing.paged import PagedRunner
 
 #: Relative to the largest reference logit: float32 rounding through a few layers is ~1e-6.
 RELATIVE_TOLERANCE = 1e-4
+#: Two sets of logits within RELATIVE_TOLERANCE of each other (of the largest) can order two
+#: tokens differently only where those are within twice that: a greedy departure there is a
+#: rounding tie, not a fault (float32 chunked prefill departed from plain decoding once in 79
+#: checkpoints, at a top-two gap of 2.4e-7; never in float64).
+TIE = 2 * RELATIVE_TOLERANCE
 DECODE_STEPS = 32
 #: The largest compression rate of the tiny config (HCA): block sizes must be multiples of it.
 BLOCK = 8
@@ -112,7 +124,8 @@ def test_prefill_and_decode_beside_a_neighbour_match_hf(path: Path, hf: Any, pre
     error = relative_error(logits, reference)
     print(f"prefill {len(prompt)} + {DECODE_STEPS} decodes: max |diff| / max |logit| = {error:.2e}")
     assert error <= RELATIVE_TOLERANCE, f"logits off by {error:.2e} (seed={seed})"
-    assert generated == hf_greedy(hf, prompt, DECODE_STEPS), f"greedy continuation differs (seed={seed})"
+    expected = hf_greedy(hf, prompt, DECODE_STEPS)
+    assert_greedy_agrees(generated, expected, hf_greedy_row(hf, prompt, expected), TIE)
 
 
 def test_every_stored_name_form_loads(path: Path) -> None:
@@ -142,10 +155,20 @@ def test_engine_greedy_equals_hf_beside_a_neighbour(path: Path, hf: Any, seed: i
     prompts = [random_tokens(path, random.randint(20, 40)), random_tokens(path, random.randint(9, 20))]
     got, _ = engine_greedy(path, prompts, block_size=BLOCK, num_blocks=64, prefix_caching=False)
     for prompt, tokens in zip(prompts, got, strict=True):
-        assert tokens == hf_greedy(hf, prompt, DECODE_STEPS), f"seed={seed}"
+        expected = hf_greedy(hf, prompt, DECODE_STEPS)
+        assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE)
 
 
-def test_engine_prefix_cache_chunks_and_preemption_change_nothing(path: Path, seed: int) -> None:
+def assert_same_greedy(
+    got: list[list[int]], plain: list[list[int]], prompts: Sequence[Sequence[int]], hf: Any, what: str
+) -> None:
+    """Each request's tokens are plain decoding's, or depart from them only at a tie of
+    transformers' logits along plain decoding's path (see TIE)."""
+    for prompt, tokens, expected in zip(prompts, got, plain, strict=True):
+        assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, what)
+
+
+def test_engine_prefix_cache_chunks_and_preemption_change_nothing(path: Path, hf: Any, seed: int) -> None:
     shared = random_tokens(path, 27)  # ends inside open CSA and HCA windows
     prompts = [shared + random_tokens(path, n) for n in (5, 9, 3, 12)]
     plain, _ = engine_greedy(
@@ -156,15 +179,15 @@ def test_engine_prefix_cache_chunks_and_preemption_change_nothing(path: Path, se
         first = llm.generate([prompts[0]], params)
         rest = llm.generate(prompts[1:], params)
     assert all(o.num_cached_tokens == 24 for o in rest), [o.num_cached_tokens for o in rest]
-    assert [list(o.outputs[0].token_ids) for o in first + rest] == plain, f"prefix caching (seed={seed})"
+    assert_same_greedy([list(o.outputs[0].token_ids) for o in first + rest], plain, prompts, hf, "prefix caching")
     chunked, _ = engine_greedy(
         path, prompts, block_size=BLOCK, num_blocks=64, prefix_caching=False, max_num_batched_tokens=8
     )
-    assert chunked == plain, f"chunked prefill of 8 tokens a step (seed={seed})"
+    assert_same_greedy(chunked, plain, prompts, hf, "chunked prefill of 8 tokens a step")
     # 10 full-history blocks of 8 tokens: one request (<= 71 tokens = 9 blocks) fits, four at once do not.
     tight, scheduler = engine_greedy(path, prompts, block_size=BLOCK, num_blocks=10, prefix_caching=False)
     assert scheduler.num_preemptions > 0
-    assert tight == plain, f"under memory pressure (seed={seed})"
+    assert_same_greedy(tight, plain, prompts, hf, "under memory pressure")
 
 
 def test_engine_allocates_each_cache_group(path: Path) -> None:
@@ -244,29 +267,26 @@ def test_data_and_expert_parallel_give_the_same_greedy_tokens(path: Path, seed: 
     assert [list(o.outputs[0].token_ids) for o in outputs] == one, f"seed={seed}"
 
 
-def test_ngram_speculation_is_greedy_identical(path: Path, seed: int) -> None:
-    """DSpark's n-gram drafter on V4 (fixed-k verifies every draft): rejected drafts leave
-    window keys, compressor rows and entries behind, which later steps must overwrite before
-    anything reads them. A prompt quoting the model's own continuation of a prompt, then that
-    prompt again, gets drafts the model follows for a while; a repeated motif gets drafts it
-    does not. The model rarely follows a quote in the longer context: four more quoted
-    prompts are drawn while no draft was accepted (none of 137 were for one checkpoint in
-    ten; 3-17 for the others)."""
-    prompts = [random_tokens(path, 30) + random_tokens(path, 6) * 3]
-    for _ in range(4):
-        quoted = [random_tokens(path, n) for n in (9, 12, 15, 20)]
-        continuations, _ = engine_greedy(path, quoted, block_size=BLOCK)
-        prompts += [q + c + q for q, c in zip(quoted, continuations, strict=True)]
-        with LLM(str(path), dtype="float32", speculative="fixed-k", block_size=BLOCK) as llm:
-            params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
-            speculated = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-            stats = llm.engine.stats()
-        accepted, verified = stats.speculative_accepted_tokens, stats.speculative_verified_tokens
-        print(f"{len(prompts)} prompts, drafts: {accepted} of {verified} accepted")
-        if accepted:
-            break
-    assert 0 < accepted < verified, "drafts must be both accepted and rejected for this to test rollback"
+def test_speculation_is_greedy_identical(path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculative decoding on V4 (fixed-k verifies every draft): rejected drafts leave window
+    keys, compressor rows and entries behind, which later steps must overwrite before anything
+    reads them. The drafts are plain decoding's own tokens with one made wrong in every other
+    proposal, at a depth cycling through the draft (``ScriptedDrafter``), so drafts are accepted
+    and rejected at every depth by construction, whatever the checkpoint."""
+    scripted = pytest.importorskip("powertrain_dspark.scripted")
+    import powertrain_dspark.plugin
+
+    prompts = [random_tokens(path, n) for n in (9, 12, 30, 20)]
     plain, _ = engine_greedy(path, prompts, block_size=BLOCK)
+    drafter = scripted.scripted({tuple(p): tokens for p, tokens in zip(prompts, plain, strict=True)})
+    monkeypatch.setattr(powertrain_dspark.plugin, "make_drafter", drafter)
+    with LLM(str(path), dtype="float32", block_size=BLOCK, speculative="fixed-k") as llm:
+        params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+        speculated = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    accepted, verified = stats.speculative_accepted_tokens, stats.speculative_verified_tokens
+    print(f"drafts: {accepted} of {verified} accepted; {drafter.built.wrong} made wrong")
+    assert drafter.built.wrong > 0 and 0 < accepted < verified
     assert speculated == plain, f"seed={seed}"
 
 

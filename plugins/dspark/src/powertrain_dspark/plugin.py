@@ -103,14 +103,7 @@ def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
     config: DSparkConfig = context.config or DSparkConfig()
     if config.ngram_min > config.ngram_max:
         raise ValueError(f"[dspark] ngram_min ({config.ngram_min}) must not exceed ngram_max ({config.ngram_max})")
-    if config.drafter == "mtp":
-        from powertrain_dspark.mtp import MTPDrafter
-
-        drafter: Drafter = MTPDrafter.from_context(context, config)
-    else:
-        from powertrain_dspark.ngram import NgramDrafter
-
-        drafter = NgramDrafter(config.ngram_min, config.ngram_max, config.max_draft_tokens)
+    drafter = make_drafter(context, config)
     sps = None
     if rule == "dspark":  # only DSpark weighs tokens against step time
         # probed as the batches it will verify: each sequence a token and its drafts
@@ -144,6 +137,17 @@ def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
         lagged_budget=config.lagged_budget,
         log_path=config.log or None,
     )
+
+
+def make_drafter(context: SpeculativeContext, config: DSparkConfig) -> Drafter:
+    """The drafter ``[dspark] drafter`` names (tests replace it with one whose drafts they know)."""
+    if config.drafter == "mtp":
+        from powertrain_dspark.mtp import MTPDrafter
+
+        return MTPDrafter.from_context(context, config)
+    from powertrain_dspark.ngram import NgramDrafter
+
+    return NgramDrafter(config.ngram_min, config.ngram_max, config.max_draft_tokens)
 
 
 def build_dspark(context: SpeculativeContext) -> SpeculativeDecoder:
