@@ -186,6 +186,10 @@ pub struct Conversation {
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
     pub thinking: Thinking,
+    /// At most one tool call (OpenAI's ``parallel_tool_calls: false``, Anthropic's
+    /// ``disable_parallel_tool_use``): a required call is then constrained to exactly one.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub single_tool_call: bool,
 }
 
 impl Conversation {

@@ -53,8 +53,8 @@ def accepts(grammar: str, text: str) -> bool:
     return matcher.consume_tokens(ids) and matcher.is_accepting()
 
 
-def request(choice: dict, tools: list[dict] = TOOLS) -> dict:
-    return {"conversation": {"tools": tools, "tool_choice": choice}}
+def request(choice: dict, tools: list[dict] = TOOLS, **conversation: Any) -> dict:
+    return {"conversation": {"tools": tools, "tool_choice": choice, **conversation}}
 
 
 def test_a_required_call_must_be_well_formed_and_follow_the_schema() -> None:
@@ -242,6 +242,26 @@ def test_plain_with_a_hermes_template_writes_tool_call_blocks() -> None:
     assert not accepts(grammar, '[{"name": "note", "parameters": {"text": "hi"}}]')
     named = tool_call_grammar("plain", request({"type": "named", "name": "note"}, PLAIN_TOOLS), syntax="hermes")
     assert accepts(named, block) and not accepts(named, block + "\n" + block)
+
+
+def test_required_without_parallel_calls_allows_exactly_one_call_in_every_syntax() -> None:
+    """``single_tool_call`` (parallel_tool_calls false, disable_parallel_tool_use) under
+    required: one call of any forced tool, never two; the same request with parallel
+    calls takes two."""
+    time = invoke("get_time", ("zone", True, "UTC"))
+    note = '{"name": "note", "parameters": {"text": "hi"}}'
+    block = '<tool_call>\n{"name": "note", "arguments": {"text": "hi"}}\n</tool_call>'
+    cases = [
+        ("deepseek_v4", "json", V4_TOOLS, V4_OPENED, v4_calls(time), v4_calls(time, time)),
+        ("plain", "json", PLAIN_TOOLS, "", f"[{note}]", f"[{note}, {note}]"),
+        ("plain", "hermes", PLAIN_TOOLS, "", block, block + "\n" + block),
+    ]
+    for output_format, syntax, tools, prompt, one, two in cases:
+        single = request({"type": "required"}, tools, single_tool_call=True)
+        grammar = tool_call_grammar(output_format, single, prompt=prompt, syntax=syntax)
+        assert accepts(grammar, one) and not accepts(grammar, two), (output_format, syntax)
+        parallel = tool_call_grammar(output_format, request({"type": "required"}, tools), prompt=prompt, syntax=syntax)
+        assert accepts(parallel, two), (output_format, syntax)
 
 
 # --------------------------------------------------------------------------- grammar -> parser

@@ -5,7 +5,8 @@ forces one, as vLLM does: decoding is constrained to the model's tool-call synta
 forced tool's JSON schema on its arguments (strict or not: a forced call must validate;
 llguidance's ``lenient`` mode for tools not marked strict, so a keyword it cannot enforce is
 skipped instead of refusing the request). Required allows one call or several (DeepSeek-V3
-markup: one), named exactly one call of that tool. ``auto`` forces nothing; only for DeepSeek-V3 markup and at
+markup: one; exactly one when the request allows no parallel calls, ``single_tool_call``),
+named exactly one call of that tool. ``auto`` forces nothing; only for DeepSeek-V3 markup and at
 least one strict tool it keeps a call the model starts well formed (a strict tool's schema,
 any JSON object for the others). ``none`` is never constrained. Written in llguidance's
 Lark dialect (``%json`` embeds a schema; ``&`` and ``~`` intersect and negate a lexeme's
@@ -134,20 +135,21 @@ def tool_call_grammar(
     if not tools:
         return None
     forced = forced_tools(tools, choice)
-    named = choice.get("type") == "named"
+    # One call: a named tool, or parallel calls turned off (protocols refuse that under auto).
+    single = choice.get("type") == "named" or bool(conversation.get("single_tool_call"))
     if output_format == "deepseek_v3":
         return _v3_grammar(tools, forced, choice)
     if not forced:
         return None
     if output_format == "deepseek_v4":
-        return _dsml_grammar(forced, named, prompt)
+        return _dsml_grammar(forced, single, prompt)
     if output_format != "plain":
         return None
     if syntax == "hermes":
-        return _hermes_grammar(forced, named)
-    if named:
+        return _hermes_grammar(forced, single)
+    if choice.get("type") == "named":
         return "start: args_0\n" + _arguments_rule(0, forced[0], forced=True)
-    return _json_list_grammar(forced)
+    return _json_list_grammar(forced, single)
 
 
 def _arguments_schema(tool: Mapping[str, Any], forced: bool) -> dict[str, Any]:
@@ -202,10 +204,11 @@ def _v3_grammar(
     return "\n".join(lines) + "\n"
 
 
-def _json_list_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
-    """vLLM's form for a required call: ``[{"name": N, "parameters": ARGS}, ...]``."""
+def _json_list_grammar(tools: Sequence[Mapping[str, Any]], single: bool) -> str:
+    """vLLM's form for a required call: ``[{"name": N, "parameters": ARGS}, ...]`` (one
+    element when ``single``)."""
     lines = [
-        'start: "[" call (", " call)* "]"',
+        'start: "[" call "]"' if single else 'start: "[" call (", " call)* "]"',
         "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
     ]
     for i, tool in enumerate(tools):
@@ -215,10 +218,10 @@ def _json_list_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _hermes_grammar(tools: Sequence[Mapping[str, Any]], named: bool) -> str:
+def _hermes_grammar(tools: Sequence[Mapping[str, Any]], single: bool) -> str:
     """Hermes blocks: ``<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>``."""
     lines = [
-        "start: call" if named else 'start: call ("\\n" call)*',
+        "start: call" if single else 'start: call ("\\n" call)*',
         "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
     ]
     for i, tool in enumerate(tools):
@@ -228,7 +231,7 @@ def _hermes_grammar(tools: Sequence[Mapping[str, Any]], named: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _dsml_grammar(tools: Sequence[Mapping[str, Any]], named: bool, prompt: str) -> str:
+def _dsml_grammar(tools: Sequence[Mapping[str, Any]], single: bool, prompt: str) -> str:
     """DSML invokes for the forced tools (see the module doc)."""
     spelling = next(
         (key for key, (block, _) in _DSML_SPELLINGS.items() if prompt.endswith(f"{_DSML}{block}>\n")),
@@ -239,7 +242,7 @@ def _dsml_grammar(tools: Sequence[Mapping[str, Any]], named: bool, prompt: str) 
     # Each invoke's closing tag takes the newline after it, so what may follow (another
     # invoke, the block's end) starts with a tag: a lone "\n" lexeme beside "\n</..." would
     # be lexed greedily into the wrong one.
-    invokes = "invoke" if named else "invoke invoke*"
+    invokes = "invoke" if single else "invoke invoke*"
     calls_end = _literal(f"{_DSML_END}{block}>")
     if spelling is None:
         lines = [f"start: {_literal(chr(10) * 2 + _DSML + block + '>' + chr(10))} {invokes} {calls_end}"]

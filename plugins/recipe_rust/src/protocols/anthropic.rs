@@ -5,7 +5,7 @@
 //! ``data:<media_type>;base64,...`` reference, url -> the url) / ``tool_result``,
 //! assistant blocks ``text`` / ``tool_use`` / ``thinking``, ``tools`` (custom tools:
 //! name, description, input_schema), ``tool_choice`` (auto / any -> Required / none /
-//! tool), ``thinking`` (enabled with budget_tokens >= 1024 and < max_tokens;
+//! tool; ``disable_parallel_tool_use`` only with any / tool), ``thinking`` (enabled with budget_tokens >= 1024 and < max_tokens;
 //! adaptive: on, no budget, the model decides how much; or disabled),
 //! ``thinking.display`` ("summarized" only), ``output_config.effort`` (none / minimal /
 //! low / medium / high / xhigh / max, read as Chat's ``reasoning_effort``),
@@ -79,9 +79,9 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         Some(items) => parse_tools(items, &top.at("tools"))?,
         None => Vec::new(),
     };
-    let tool_choice = match top.object("tool_choice")? {
+    let (tool_choice, single_tool_call) = match top.object("tool_choice")? {
         Some(f) => parse_tool_choice(&f, &tools)?,
-        None => ToolChoice::Auto,
+        None => (ToolChoice::Auto, false),
     };
 
     let mut messages = Vec::new();
@@ -213,6 +213,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             tools,
             tool_choice,
             thinking,
+            single_tool_call,
         },
         sampling,
         response_format,
@@ -288,7 +289,8 @@ fn parse_tools(items: &[Value], path: &str) -> Result<Vec<Tool>> {
     Ok(tools)
 }
 
-fn parse_tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice> {
+/// The tool choice and whether it allows at most one call (``disable_parallel_tool_use``).
+fn parse_tool_choice(f: &Fields, tools: &[Tool]) -> Result<(ToolChoice, bool)> {
     let ty = f.req_str("type")?;
     let choice = match ty {
         "auto" | "any" => {
@@ -314,15 +316,15 @@ fn parse_tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice> {
             ))
         }
     };
-    if f.bool("disable_parallel_tool_use")? == Some(true) {
-        return Err(unsupported_field(
-            &f.at("disable_parallel_tool_use"),
-            "disable_parallel_tool_use",
-            "limiting the model to one tool call",
-        ));
-    }
     super::chat::check_choice_has_tools(&choice, &f.path, tools)?;
-    Ok(choice)
+    let single = super::single_tool_call(
+        f.bool("disable_parallel_tool_use")? == Some(true),
+        &choice,
+        tools,
+        &f.at("disable_parallel_tool_use"),
+        "disable_parallel_tool_use",
+    )?;
+    Ok((choice, single))
 }
 
 fn system_content(value: &Value, path: &str) -> Result<Vec<ContentPart>> {

@@ -2,7 +2,7 @@
 //!
 //! Accepted: ``model`` (required), ``messages`` (system / developer / user /
 //! assistant / tool), ``tools`` (type function), ``tool_choice``,
-//! ``parallel_tool_calls`` (true only), ``response_format``, ``temperature``,
+//! ``parallel_tool_calls`` (false only with a forced tool choice), ``response_format``, ``temperature``,
 //! ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``n``,
 //! ``logprobs``, ``top_logprobs``, ``presence_penalty``, ``frequency_penalty``,
 //! ``stream``, ``stream_options.include_usage``, ``metadata``, ``user``,
@@ -125,6 +125,13 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         Some(v) => parse_tool_choice(v, &top.at("tool_choice"), &tools)?,
         None => ToolChoice::Auto,
     };
+    let single_tool_call = single_tool_call(
+        top.bool("parallel_tool_calls")? == Some(false),
+        &tool_choice,
+        &tools,
+        &top.at("parallel_tool_calls"),
+        "parallel_tool_calls: false",
+    )?;
 
     let messages_value = top.require("messages")?;
     let messages = parse_messages(
@@ -172,6 +179,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             tools,
             tool_choice,
             thinking,
+            single_tool_call,
         },
         sampling,
         response_format,

@@ -436,8 +436,8 @@ pub(crate) fn schema_object(value: &Value, path: &str) -> Result<Value> {
 }
 
 /// The schema a tool without ``parameters`` gets.
-/// ``service_tier`` and ``parallel_tool_calls``, which both OpenAI protocols carry:
-/// only the values that change nothing here are accepted.
+/// ``service_tier``, which both OpenAI protocols carry: only the values that change
+/// nothing here are accepted.
 pub(crate) fn check_openai_options(top: &Fields) -> Result<()> {
     if let Some(tier) = top.str("service_tier")? {
         if tier != "auto" && tier != "default" {
@@ -448,14 +448,28 @@ pub(crate) fn check_openai_options(top: &Fields) -> Result<()> {
             ));
         }
     }
-    if top.bool("parallel_tool_calls")? == Some(false) {
-        return Err(unsupported_field(
-            &top.at("parallel_tool_calls"),
-            "parallel_tool_calls",
-            "limiting the model to one tool call",
+    Ok(())
+}
+
+/// Whether the request allows at most one tool call (``parallel_tool_calls: false``,
+/// ``disable_parallel_tool_use: true``, at ``path``). It is enforced by constraining a
+/// forced call (required: exactly one; a named tool is one call anyway); under ``auto``
+/// nothing holds the model to one call, so that combination is refused rather than
+/// promised.
+pub(crate) fn single_tool_call(
+    single: bool,
+    choice: &ToolChoice,
+    tools: &[Tool],
+    path: &str,
+    field: &str,
+) -> Result<bool> {
+    if single && *choice == ToolChoice::Auto && !tools.is_empty() {
+        return Err(RecipeError::invalid(
+            path,
+            format!("{field} limits the model to one tool call, which this server enforces only when the call is forced: use tool_choice \"required\" (or a named tool) with it, or drop {field}"),
         ));
     }
-    Ok(())
+    Ok(single)
 }
 
 /// OpenAI's ``safety_identifier`` and ``prompt_cache_key`` (strings, carried as

@@ -5,7 +5,7 @@
 //! string or parts ``input_text`` / ``output_text`` / ``refusal`` / ``input_image``
 //! (by ``image_url``); ``function_call``; ``function_call_output``; ``reasoning``),
 //! ``instructions`` (a system message first), ``tools`` (type function),
-//! ``tool_choice``, ``parallel_tool_calls`` (true only), ``reasoning.effort``,
+//! ``tool_choice``, ``parallel_tool_calls`` (false only with a forced tool choice), ``reasoning.effort``,
 //! ``reasoning.summary`` (-> ``EngineRequest::reasoning_summary``), ``text.format``,
 //! ``temperature``, ``top_p``, ``max_output_tokens``, ``top_logprobs`` (0..=20),
 //! ``stream``, ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``
@@ -160,6 +160,13 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         Some(v) => parse_tool_choice(v, &top.at("tool_choice"), &tools)?,
         None => ToolChoice::Auto,
     };
+    let single_tool_call = single_tool_call(
+        top.bool("parallel_tool_calls")? == Some(false),
+        &tool_choice,
+        &tools,
+        &top.at("parallel_tool_calls"),
+        "parallel_tool_calls: false",
+    )?;
 
     let mut messages = Vec::new();
     if let Some(instructions) = top.str("instructions")? {
@@ -339,6 +346,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
             tools,
             tool_choice,
             thinking,
+            single_tool_call,
         },
         sampling,
         response_format,
