@@ -33,6 +33,7 @@ from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek_v4
 from powertrain.testing.oracle import (
     assert_greedy_agrees,
+    assert_same_greedy,
     hf_greedy,
     hf_greedy_row,
     hf_logits,
@@ -159,15 +160,6 @@ def test_engine_greedy_equals_hf_beside_a_neighbour(path: Path, hf: Any, seed: i
         assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE)
 
 
-def assert_same_greedy(
-    got: list[list[int]], plain: list[list[int]], prompts: Sequence[Sequence[int]], hf: Any, what: str
-) -> None:
-    """Each request's tokens are plain decoding's, or depart from them only at a tie of
-    transformers' logits along plain decoding's path (see TIE)."""
-    for prompt, tokens, expected in zip(prompts, got, plain, strict=True):
-        assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, what)
-
-
 def test_engine_prefix_cache_chunks_and_preemption_change_nothing(path: Path, hf: Any, seed: int) -> None:
     shared = random_tokens(path, 27)  # ends inside open CSA and HCA windows
     prompts = [shared + random_tokens(path, n) for n in (5, 9, 3, 12)]
@@ -179,15 +171,15 @@ def test_engine_prefix_cache_chunks_and_preemption_change_nothing(path: Path, hf
         first = llm.generate([prompts[0]], params)
         rest = llm.generate(prompts[1:], params)
     assert all(o.num_cached_tokens == 24 for o in rest), [o.num_cached_tokens for o in rest]
-    assert_same_greedy([list(o.outputs[0].token_ids) for o in first + rest], plain, prompts, hf, "prefix caching")
+    assert_same_greedy([list(o.outputs[0].token_ids) for o in first + rest], plain, prompts, hf, TIE, "prefix caching")
     chunked, _ = engine_greedy(
         path, prompts, block_size=BLOCK, num_blocks=64, prefix_caching=False, max_num_batched_tokens=8
     )
-    assert_same_greedy(chunked, plain, prompts, hf, "chunked prefill of 8 tokens a step")
+    assert_same_greedy(chunked, plain, prompts, hf, TIE, "chunked prefill of 8 tokens a step")
     # 10 full-history blocks of 8 tokens: one request (<= 71 tokens = 9 blocks) fits, four at once do not.
     tight, scheduler = engine_greedy(path, prompts, block_size=BLOCK, num_blocks=10, prefix_caching=False)
     assert scheduler.num_preemptions > 0
-    assert_same_greedy(tight, plain, prompts, hf, "under memory pressure")
+    assert_same_greedy(tight, plain, prompts, hf, TIE, "under memory pressure")
 
 
 def test_engine_allocates_each_cache_group(path: Path) -> None:

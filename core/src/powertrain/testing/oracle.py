@@ -72,6 +72,22 @@ def hf_greedy_row(hf: Any, prompt: Sequence[int], expected: Sequence[int]) -> An
     return lambda i: hf_logits(hf, [*prompt, *expected[:i]])[-1]
 
 
+def assert_same_greedy(
+    got: Sequence[Sequence[int]],
+    expected: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]],
+    hf: Any,
+    tolerance: float,
+    what: str = "greedy tokens",
+) -> None:
+    """Each request's tokens are ``expected`` (e.g. plain decoding's, the same engine run
+    another way), or depart from them only at a tie within ``tolerance`` of the transformers
+    model ``hf``'s logits along the expected path (``assert_greedy_agrees``): two correct runs
+    whose batches differ in shape round differently, and may pick either side of a tie."""
+    for prompt, tokens, reference in zip(prompts, got, expected, strict=True):
+        assert_greedy_agrees(list(tokens), list(reference), hf_greedy_row(hf, prompt, list(reference)), tolerance, what)
+
+
 def prefill_logits(llm: Any, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """All prompts in one ragged flat batch through an ``LLM``'s model (in this process): float32
     logits at every position, from fresh caches shaped like the engine's."""
