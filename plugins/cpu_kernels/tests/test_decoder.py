@@ -41,15 +41,18 @@ VARIANTS: dict[str, Callable[[], tuple[type, Any]]] = {
     "qwen2-qkv-bias": lambda: (HFQwen2, Qwen2Config(**COMMON)),
     "mistral-sliding-window": lambda: (HFMistral, MistralConfig(**COMMON, sliding_window=8)),
 }
-#: Largest |fused - HF| logit over the largest HF one. Products of few rows round
-#: activations to 16 bits (``activation_bits``), and sums run in other orders: measured up
-#: to 9e-6 here over 24 models of 4 decode steps while only one- and two-row products
-#: rounded; with VNNI the four-row decode steps round too, and then up to 1.16e-3 over 13
-#: llama-gqa models (seeds 11-16, 21-26, 3522646431 at 1.04e-3, which failed CI at 1e-3;
-#: the same seeds with ``activation_bits=32``: 3e-6). A wrong model is further off: HF
-#: without Mistral's window 0.64, one layer's q bias dropped from Qwen2 1.0e-2 (the least
-#: over 8 seeds).
-HF_TOLERANCE = 3e-3
+#: Largest |fused - HF| logit over the largest HF one, with float32 activations
+#: (``activation_bits=32``): both multiply the same float32 weight values (HF gets them
+#: dequantised, exactly), so only summation order differs. A dot product of k terms rounds
+#: by at most k * 2^-24 of its size (k <= 96 here), and a token's logits pass through 7
+#: products per layer, 3 layers, and the head: (3 * 7 + 1) * 96 * 2^-24 = 1.3e-4 in the worst
+#: case where every rounding adds up; measured 3e-6. A wrong model is much further off: HF
+#: without Mistral's window 0.64, one layer's q bias dropped from Qwen2 1.0e-2 (the least over
+#: 8 seeds). The 16-bit activations of few-row products are held to their rounding bound by
+#: the kernel's own float64 oracle (test_quantized_linear) and, fused, to the same kernels
+#: layer by layer (LAYERWISE_TOLERANCE); against HF they added up to 1.16e-3 over 13 seeds,
+#: a measured spread this test no longer relies on.
+HF_TOLERANCE = 2e-4
 #: Fused against the same kernels called layer by layer: only the SiLU differs (Rust's
 #: ``exp`` against torch's), measured up to 6e-7 in float32 products. Where that last bit
 #: moves an activation across a 16-bit rounding step (``activation_bits``: four-row steps
@@ -58,9 +61,10 @@ HF_TOLERANCE = 3e-3
 LAYERWISE_TOLERANCE = 1e-4
 
 
-def make_models(variant: str) -> tuple[Any, LlamaForCausalLM, NativePagedAttention]:
+def make_models(variant: str, activation_bits: int = 16) -> tuple[Any, LlamaForCausalLM, NativePagedAttention]:
     """HF's model and ours, on the same weights: projections quantised (ours keeps the codes,
-    HF gets them dequantised), the rest HF's random values."""
+    HF gets them dequantised), the rest HF's random values; ``activation_bits`` is the
+    kernel's (16: few-row products round activations to 16-bit integers)."""
     hf = random_hf_model(*VARIANTS[variant]())
     o_group = (16, 32)[draw(0, 1)]
     generator = torch.Generator().manual_seed(draw(0, 2**31))
@@ -78,7 +82,7 @@ def make_models(variant: str) -> tuple[Any, LlamaForCausalLM, NativePagedAttenti
         dtype=torch.float32,
         device=torch.device("cpu"),
         attention=attention,
-        quantized_linear=NativeQuantizedLinear.for_this_cpu(),
+        quantized_linear=NativeQuantizedLinear.for_this_cpu(activation_bits=activation_bits),
     )
     model = LlamaForCausalLM(ctx)
     state = hf.state_dict()
@@ -116,9 +120,12 @@ class Counted:
         return result
 
 
+@pytest.mark.parametrize("activation_bits", [32, 16])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_fused_steps_match_hf_and_the_layers_one_by_one(variant: str, seed: int) -> None:
-    hf, model, attention = make_models(variant)
+def test_fused_steps_match_hf_and_the_layers_one_by_one(variant: str, activation_bits: int, seed: int) -> None:
+    """Fused steps equal the same kernels layer by layer, with either activation width; with
+    float32 activations they equal HF within float32 summation (HF_TOLERANCE)."""
+    hf, model, attention = make_models(variant, activation_bits)
     assert isinstance(attention, DecoderStackKernel)
     fused = attention.fuse_decoder(model.decoder_layer_parts())
     assert isinstance(fused, NativeDecoderStack), fused
@@ -150,7 +157,8 @@ def test_fused_steps_match_hf_and_the_layers_one_by_one(variant: str, seed: int)
             reference = hf_logits(hf, history)[-len(new) :]
             where = f"{variant} step {number}, {name} at {len(history)} tokens (seed={seed})"
             assert relative_error(ours, theirs) < LAYERWISE_TOLERANCE, where
-            assert relative_error(ours, reference) < HF_TOLERANCE, where
+            if activation_bits == 32:
+                assert relative_error(ours, reference) < HF_TOLERANCE, where
     assert counted.ran == 5, f"the fused stack ran {counted.ran} of 5 short steps (seed={seed})"
 
 
