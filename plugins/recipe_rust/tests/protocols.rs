@@ -190,27 +190,47 @@ fn one_tool_call_at_most_is_carried_with_a_forced_choice_and_refused_under_auto(
             "tool_choice": {"type": "any", "disable_parallel_tool_use": true}}),
     );
     assert!(conv.single_tool_call && conv.tool_choice == ToolChoice::Required);
-    let named = ok(ANTH, &json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(),
-        "messages": user, "tool_choice": {"type": "tool", "name": "get_time", "disable_parallel_tool_use": true}}));
+    let named = ok(
+        ANTH,
+        &json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(),
+        "messages": user, "tool_choice": {"type": "tool", "name": "get_time", "disable_parallel_tool_use": true}}),
+    );
     assert!(named.conversation.single_tool_call);
-    let parallel = ok(CHAT, &json!({"model": "m", "tools": weather_tools_chat(), "messages": user,
-        "tool_choice": "required", "parallel_tool_calls": true}));
+    let parallel = ok(
+        CHAT,
+        &json!({"model": "m", "tools": weather_tools_chat(), "messages": user,
+        "tool_choice": "required", "parallel_tool_calls": true}),
+    );
     assert!(!parallel.conversation.single_tool_call);
     for (protocol, body, path) in [
-        (CHAT, json!({"model": "m", "tools": weather_tools_chat(), "messages": user,
-            "parallel_tool_calls": false}), "parallel_tool_calls"),
-        (RESP, json!({"model": "m", "tools": weather_tools_responses(), "input": user,
-            "tool_choice": "auto", "parallel_tool_calls": false}), "parallel_tool_calls"),
-        (ANTH, json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(), "messages": user,
+        (
+            CHAT,
+            json!({"model": "m", "tools": weather_tools_chat(), "messages": user,
+            "parallel_tool_calls": false}),
+            "parallel_tool_calls",
+        ),
+        (
+            RESP,
+            json!({"model": "m", "tools": weather_tools_responses(), "input": user,
+            "tool_choice": "auto", "parallel_tool_calls": false}),
+            "parallel_tool_calls",
+        ),
+        (
+            ANTH,
+            json!({"model": "m", "max_tokens": 50, "tools": weather_tools_anthropic(), "messages": user,
             "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}),
-            "tool_choice.disable_parallel_tool_use"),
+            "tool_choice.disable_parallel_tool_use",
+        ),
     ] {
         let e = parse_value(protocol, &body).unwrap_err();
         assert_eq!((e.path.as_str(), e.status()), (path, 400), "{}", e.message);
         assert!(e.message.contains("required"), "{}", e.message);
     }
     // Without tools there is nothing to limit.
-    ok(CHAT, &json!({"model": "m", "messages": user, "parallel_tool_calls": false}));
+    ok(
+        CHAT,
+        &json!({"model": "m", "messages": user, "parallel_tool_calls": false}),
+    );
 }
 
 #[test]

@@ -435,7 +435,6 @@ pub(crate) fn schema_object(value: &Value, path: &str) -> Result<Value> {
     Ok(value.clone())
 }
 
-/// The schema a tool without ``parameters`` gets.
 /// ``service_tier``, which both OpenAI protocols carry: only the values that change
 /// nothing here are accepted.
 pub(crate) fn check_openai_options(top: &Fields) -> Result<()> {
@@ -546,6 +545,7 @@ pub(crate) fn function_tool(f: &Fields, earlier: &[Tool]) -> Result<Tool> {
     })
 }
 
+/// The schema a tool without ``parameters`` gets.
 pub(crate) fn empty_parameters() -> Value {
     serde_json::json!({"type": "object", "properties": {}})
 }
