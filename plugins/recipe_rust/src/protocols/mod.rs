@@ -471,6 +471,21 @@ pub(crate) fn single_tool_call(
     Ok(single)
 }
 
+/// ``parallel_tool_calls: false``, which both OpenAI protocols carry (see ``single_tool_call``).
+pub(crate) fn openai_single_tool_call(
+    top: &Fields,
+    choice: &ToolChoice,
+    tools: &[Tool],
+) -> Result<bool> {
+    single_tool_call(
+        top.bool("parallel_tool_calls")? == Some(false),
+        choice,
+        tools,
+        &top.at("parallel_tool_calls"),
+        "parallel_tool_calls: false",
+    )
+}
+
 /// OpenAI's ``safety_identifier`` and ``prompt_cache_key`` (strings, carried as
 /// given) and ``prompt_cache_retention`` (only "in_memory", what a prefix cache in
 /// this process's memory is, is accepted).

@@ -160,13 +160,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         Some(v) => parse_tool_choice(v, &top.at("tool_choice"), &tools)?,
         None => ToolChoice::Auto,
     };
-    let single_tool_call = single_tool_call(
-        top.bool("parallel_tool_calls")? == Some(false),
-        &tool_choice,
-        &tools,
-        &top.at("parallel_tool_calls"),
-        "parallel_tool_calls: false",
-    )?;
+    let single_tool_call = openai_single_tool_call(&top, &tool_choice, &tools)?;
 
     let mut messages = Vec::new();
     if let Some(instructions) = top.str("instructions")? {
