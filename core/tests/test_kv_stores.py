@@ -4,7 +4,7 @@ never an exception on the serving path."""
 
 from __future__ import annotations
 
-import os
+import random
 import shutil
 from pathlib import Path
 
@@ -91,7 +91,7 @@ def test_a_damaged_file_is_a_logged_miss_and_is_removed(tmp_path: Path, gen: tor
     elif damage == "empty":
         data = bytearray()
     else:
-        data = bytearray(os.urandom(len(data)))
+        data = bytearray(random.randbytes(len(data)))  # the global generator: seeded per test
     path.write_bytes(bytes(data))
     with structlog.testing.capture_logs() as logs:
         assert store.get([key]) == [None]

@@ -82,7 +82,8 @@ def tolerance(n_in: int, dtype: torch.dtype, oracle: torch.Tensor) -> float:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_packed_linear_matches_float64(dtype: torch.dtype, bias: bool, rows: int) -> None:
-    seed = torch.seed()
+    seed = fresh_seed()
+    torch.manual_seed(seed)
     layer = Linear(192, 320, bias=bias, dtype=dtype)
     x = torch.randn(rows, 192, dtype=dtype)
     oracle = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)

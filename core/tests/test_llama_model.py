@@ -27,6 +27,7 @@ from powertrain.interfaces import CausalLM, ModelContext
 from powertrain.layers.rotary import RopeParameters, inverse_frequencies
 from powertrain.models.llama import LlamaArgs, LlamaForCausalLM
 from powertrain.plugins import PluginManager
+from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import random_hf_model
 from powertrain.testing.paged import PagedRunner
 
@@ -80,7 +81,7 @@ VARIANTS: dict[str, Callable[[], tuple[type, PretrainedConfig]]] = {
 
 @pytest.fixture
 def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
+    value = fresh_seed()
     torch.manual_seed(value)
     random.seed(value)
     print(f"seed={value}")

@@ -21,6 +21,7 @@ from powertrain.loader import (
 )
 from powertrain.loader import resolve as resolve_module
 from powertrain.loader.gguf import hf_tensor_name
+from powertrain.testing.base import fresh_seed
 
 EMBEDDED = "smollm2-135m"
 
@@ -320,7 +321,7 @@ def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(tmp_path: Path) -> None:
     assert "rope_freqs.weight" not in checkpoint.tensor_names
 
     odd = tmp_path / "odd.gguf"
-    factors = np.random.default_rng().uniform(1.0, 3.0, head_dim // 2)
+    factors = np.random.default_rng(fresh_seed()).uniform(1.0, 3.0, head_dim // 2)
     write_tiny_gguf(odd, hf_weights(len(tiny_tokenizer_tokens()[0]), tied=True, bias=False), rope_freqs=factors)
     with pytest.raises(UnsupportedCheckpointError, match="rope_freqs.weight"):
         load_checkpoint(odd)
@@ -332,7 +333,9 @@ def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(tmp_path: Path) -> None:
 def test_other_architecture_is_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "other.gguf"
     writer = gguf.GGUFWriter(str(path), arch="mamba")
-    writer.add_tensor("token_embd.weight", np.random.default_rng().standard_normal((8, 4)).astype(np.float32))
+    writer.add_tensor(
+        "token_embd.weight", np.random.default_rng(fresh_seed()).standard_normal((8, 4)).astype(np.float32)
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -389,7 +392,7 @@ def test_gguf_truncated_in_metadata_names_what_was_cut(
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "noise.gguf"
-    path.write_bytes(np.random.default_rng().integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    path.write_bytes(np.random.default_rng(fresh_seed()).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     with pytest.raises(CorruptCheckpointError, match="not a GGUF file"):
         load_checkpoint(path)
 

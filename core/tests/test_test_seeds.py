@@ -149,3 +149,30 @@ def test_a_greedy_departure_passes_only_at_a_tie_of_the_oracle() -> None:
     tied = rows.clone()
     tied[3, second[3]] = tied[3, expected[3]] - 1e-6 * tied[3].abs().max()
     assert assert_greedy_agrees(departed, expected, tied.__getitem__, 1e-4) == 3
+
+
+#: Sources of randomness the run seed does not reach: each draws anew in every run.
+UNSEEDED = re.compile(
+    r"SystemRandom\(|os\.urandom\(|secrets\.|torch\.seed\(\)|default_rng\(\)|Generator\(\)\.seed\(\)|time\.time_ns\(\)"
+)
+
+
+def test_no_test_draws_from_a_source_the_run_seed_does_not_reach() -> None:
+    """A test drawing from the OS (``random.SystemRandom``, ``os.urandom``, ``torch.seed()``,
+    numpy's unseeded ``default_rng()``) neither replays nor stays fixed in CI: take
+    ``fresh_seed()`` or the (seeded) global generators instead."""
+    root = Path(__file__).resolve().parents[2]
+    test_files = [
+        path
+        for folder in ("core/tests", "tests", "plugins")
+        for path in (root / folder).rglob("test_*.py")
+        if ".venv" not in path.parts and path.resolve() != Path(__file__).resolve()
+    ]
+    assert len(test_files) > 50, f"found only {len(test_files)} test files under {root}"
+    offenders = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in test_files
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if UNSEEDED.search(line)
+    ]
+    assert not offenders, "unseeded randomness in tests:\n" + "\n".join(offenders)

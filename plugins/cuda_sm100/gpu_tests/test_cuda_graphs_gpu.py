@@ -10,7 +10,6 @@ interpreter, these need the compiled ones::
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from powertrain import LLM, SamplingParams
 from powertrain.components import PlatformInfo
 from powertrain.interfaces import AttentionBackendContext, ModelContext
+from powertrain.testing.base import fresh_seed
 from powertrain.testing.graphs import check_decode_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA graphs)")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an 
 
 @pytest.fixture
 def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
+    value = fresh_seed()
     torch.manual_seed(value)
     print(f"seed={value}")
     return value

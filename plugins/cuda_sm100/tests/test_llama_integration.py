@@ -19,6 +19,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from powertrain.interfaces import AttentionBackendContext, ModelContext
 from powertrain.layers.norm import RMSNorm, use_norm_kernel
 from powertrain.models.llama import LlamaForCausalLM
+from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import random_hf_model
 from powertrain.testing.paged import PagedRunner
 
@@ -27,7 +28,7 @@ VOCAB = 128
 
 @pytest.fixture
 def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
+    value = fresh_seed()
     torch.manual_seed(value)
     random.seed(value)
     print(f"seed={value}")
