@@ -1,13 +1,14 @@
 """Check captured decode steps (``engine.cuda_graphs``) against eager ones, model level.
 
-Two copies of a model's paged cache start alike; prompts are prefilled eagerly into
-one and copied into the other (every block but the padding one); then each decode step
-runs eagerly with the step's own metadata on one copy and through ``DecodeGraphs``
-(padded to a captured size, host lengths as bounds) on the other. The hidden states must agree within the caller's tolerance (the padded
-batch may take other matmul and split paths), and with ``capture`` the replayed graph
-must equal, bit for bit, an eager forward of the very same padded step. Caches start
-as NaN, so a read of a slot nobody wrote poisons the output, and after every step
-both caches must hold the same outside the block reserved for padding rows.
+Two copies of a model's paged cache start alike; prompts are prefilled eagerly into one
+and copied into the other (every block but the padding one); then each decode step runs
+eagerly with the step's own metadata on one copy and through ``DecodeGraphs`` (padded to
+a captured size, host lengths as bounds) on the other. The hidden states must agree
+within the caller's tolerance (the padded batch may take other matmul and split paths),
+and with ``capture`` the replayed graph must equal, bit for bit, an eager forward of the
+very same padded step. Caches start as NaN, so a read of a slot nobody wrote poisons the
+output, and after every step both caches must hold the same outside the block reserved
+for padding rows.
 
 ``check_captured_attention`` is the attention kit's ``cuda-graphs`` case: one backend,
 one padded and bounded decode step, and its capture where the platform can.
