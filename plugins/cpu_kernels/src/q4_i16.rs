@@ -15,8 +15,9 @@
 //! old and new library alternating).
 //!
 //! The rounding moves each activation by at most ``dx_g / 2 = max|x_g| / 65534``: an output
-//! changes by at most ``sum_g max|x_g| / 65534 * sum_j |W_gj|`` (bound checked by the
-//! tests). llama.cpp rounds activations to 8 bits for the same product, 256 times coarser;
+//! changes by at most ``sum_g max|x_g| / 65534 * sum_j |scale_g * code_gj|``: the codes
+//! alone, for the offsets meet the exact sums, so an offset never cancels that rounding
+//! (bound checked by the tests). llama.cpp rounds activations to 8 bits for the same product, 256 times coarser;
 //! on the embedded SmolLM2 that changed greedy continuations where 16 bits did not.
 
 use std::arch::x86_64::*;

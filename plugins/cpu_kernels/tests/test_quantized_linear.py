@@ -5,7 +5,8 @@ Tolerance: float32 results within ``1e-5 * (|x| @ |W|^T + |bias|)`` of the oracl
 (the scale of the terms summed, so cancellation cannot make a correct result look wrong);
 bfloat16 results additionally within one bfloat16 rounding (``2**-8 * |oracle|``). Products
 whose activations were rounded to 16 bits (``activation_bits=16``) additionally within that
-rounding's bound, ``sum_g max|x_g| / 65534 * sum_j |W_gj|``.
+rounding's bound, ``sum_g max|x_g| / 65534 * sum_j (|scale_g * code_gj| + |offset_g|)``
+(``activation_rounding_bound``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def oracle(
         scale = scale + bias.to(torch.float64).abs()
     allowed = (F32_TOL + weight_rounding) * scale + 1e-30
     if activation_bits == 16:
-        allowed = allowed + activation_rounding_bound(x64, dense, 16)
+        allowed = allowed + activation_rounding_bound(x64, weight, 16)
     if x.dtype == torch.bfloat16:
         allowed = allowed + BF16_TOL * want.abs()
     return want, allowed

@@ -109,10 +109,11 @@ class NativeQuantizedLinear:
     to two rows (four with AVX-512 VNNI), and ``q8`` ones with 32-column groups, on AVX2 round
     each 32-column group of activations to 16-bit integers and multiply them by the codes in
     integer multiply-adds (``src/q4_i16.rs``, ``src/q8_i16.rs``: 1.5-2x faster at batch-1
-    decode; each output moves by at most ``sum_g max|x_g| / 65534 * sum_j |W_gj|``);
-    32 keeps them float32 everywhere. ``bf16_dense_min_rows``: from this many rows of bfloat16
-    activations, multiply by the weight dequantised to bfloat16 block by block (torch's
-    bfloat16 matmul, 1.5-3x faster than widening where the CPU has bfloat16 dot products,
+    decode; each output moves by at most ``sum_g max|x_g| / 65534 * sum_j |scale_g *
+    code_gj|``, the offsets' term taking the exact sums of ``x``); 32 keeps them float32
+    everywhere. ``bf16_dense_min_rows``: from this many rows of bfloat16 activations,
+    multiply by the weight dequantised to bfloat16 block by block (torch's bfloat16 matmul,
+    1.5-3x faster than widening where the CPU has bfloat16 dot products,
     ``tuning.BF16_DENSE_MIN_ROWS``); None: bfloat16 activations are always widened. The
     weight then carries bfloat16's rounding, as the dequantised bfloat16 model's does.
     ``bf16_amx_min_rows``: from this many up to ``BF16_AMX_MAX_ROWS`` rows of bfloat16
