@@ -236,10 +236,20 @@ def _print_kv_cache(cache: dict[str, Any] | None, error: str | None) -> None:
         f"{cache['bytes_per_token']:g} bytes/token in all, a dense uncompressed cache "
         f"{cache['dense_bytes_per_token']:g}; {cache['gib']} GiB"
     )
+    if "saved_by_sharing_bytes_per_token" in cache:
+        click.echo(
+            f"    layers reading other layers' groups save {cache['saved_by_sharing_bytes_per_token']:g} "
+            f"bytes/token ({cache['unshared_bytes_per_token']:g} without sharing)"
+        )
     for group in cache["groups"]:
+        shared = (
+            f", read by {group['read_by_layers']} more (saves {group['saved_bytes_per_token']:g})"
+            if group.get("read_by_layers")
+            else ""
+        )
         click.echo(
             f"    {group['name']:<12} {group['retention']:<12} 1 entry/{group['tokens_per_entry']} tokens, "
-            f"{group['layers']} layers: {group['bytes_per_token']:g} bytes/token"
+            f"{group['layers']} layers: {group['bytes_per_token']:g} bytes/token{shared}"
         )
     blocks = ", ".join(f"{name}: {count}" for name, count in cache["blocks"].items())
     click.echo(f"    blocks: {blocks}")

@@ -182,10 +182,8 @@ def build_speculative(
     def allocate(layers: Sequence[interfaces.AttentionLayerSpec], extra_blocks: int = 0) -> list[Any]:
         # The model's own cache groups (AttentionLayerSpec.cache_groups) come with the backend's.
         counts = {window: blocks + extra_blocks for window, blocks in num_blocks.items()}
-        caches = [
-            layer.allocate_cache(layer.backend_cache_spec(attention, block_size, dtype), counts, plan.device)
-            for layer in layers
-        ]
+        specs = [layer.backend_cache_spec(attention, block_size, dtype) for layer in layers]
+        caches = interfaces.allocate_caches(layers, specs, counts, plan.device)
         if allocated is not None:
             allocated.extend(zip(layers, caches, strict=True))
         return caches

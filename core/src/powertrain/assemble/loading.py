@@ -256,7 +256,7 @@ def _allocate_kv_cache(
     # An expert-only rank holds no requests; a few blocks serve its startup profiles.
     counts = dict.fromkeys(layout.windows, EXPERT_ONLY_BLOCKS) if expert_only else _block_counts(layout, plan)
     specs = [layer.backend_cache_spec(attention, config.cache.block_size, dtype) for layer in layers]
-    kv_caches = [layer.allocate_cache(spec, counts, plan.device) for layer, spec in zip(layers, specs, strict=True)]
+    kv_caches = interfaces.allocate_caches(layers, specs, counts, plan.device)
     log.info("kv cache", **layout.report(counts))
     return LoadedModel(model=model, kv_caches=kv_caches, num_blocks=counts, layout=layout)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from powertrain.interfaces import AttentionLayerSpec, KVCacheSpec
+from powertrain.interfaces import AttentionLayerSpec, KVCacheSpec, check_cache_sharing
 from powertrain.interfaces.attention import pool_blocks
 
 Window = int | None
@@ -27,13 +27,16 @@ Window = int | None
 
 @attrs.frozen(kw_only=True)
 class GroupCost:
-    """One cache group summed over the layers that declare it."""
+    """One cache group summed over the layers that own it, and what the layers that read
+    it from them (``CacheGroupSpec.read_from``) would hold if each kept its own."""
 
     name: str
     window: Window
     tokens_per_entry: int
     layers: int
     bytes_per_token: float
+    read_by: int = 0
+    saved_bytes_per_token: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -54,6 +57,12 @@ class CacheLayout:
     def bytes_per_token(self) -> float:
         """Per token of sequence, every group counted as if it kept every token."""
         return sum(group.bytes_per_token for group in self.groups)
+
+    @property
+    def saved_bytes_per_token(self) -> float:
+        """What sharing groups across layers saves: the bytes per token the reading layers'
+        own copies would take."""
+        return sum(group.saved_bytes_per_token for group in self.groups)
 
     @property
     def growing_bytes_per_token(self) -> float:
@@ -114,12 +123,20 @@ class CacheLayout:
                     "tokens_per_entry": g.tokens_per_entry,
                     "layers": g.layers,
                     "bytes_per_token": round(g.bytes_per_token, 2),
+                    **(
+                        {"read_by_layers": g.read_by, "saved_bytes_per_token": round(g.saved_bytes_per_token, 2)}
+                        if g.read_by
+                        else {}
+                    ),
                 }
                 for g in self.groups
             ],
             "bytes_per_token": round(self.bytes_per_token, 2),
             "dense_bytes_per_token": round(self.dense_bytes_per_token, 2),
         }
+        if self.saved_bytes_per_token:
+            out["unshared_bytes_per_token"] = round(self.bytes_per_token + self.saved_bytes_per_token, 2)
+            out["saved_by_sharing_bytes_per_token"] = round(self.saved_bytes_per_token, 2)
         if any(group.window is not None for group in self.groups):
             out["growing_bytes_per_token"] = round(self.growing_bytes_per_token, 2)
             out["sliding_bytes_per_sequence"] = round(self.sliding_bytes_per_sequence, 2)
@@ -138,17 +155,28 @@ def cache_layout(
     ``backend_specs`` entry (all of one block size)."""
     if not layers:
         raise ValueError("the model declares no attention layers: nothing to cache")
+    check_cache_sharing(layers)
     block_size = backend_specs[0].block_size
     costs: dict[tuple[str, Window, int], list[float]] = {}
+    reads: dict[tuple[str, Window, int], list[float]] = {}
     per_block: dict[Window, int] = {}
     for layer, spec in zip(layers, backend_specs, strict=True):
         for group in layer.groups(spec):
             key = (group.name, group.sliding_window, group.tokens_per_entry)
-            costs.setdefault(key, []).append(group.bytes_per_token(block_size, spec.dtype))
+            kept = reads if group.source_layer is not None else costs
+            kept.setdefault(key, []).append(group.bytes_per_token(block_size, spec.dtype))
         for window, size in layer.bytes_per_block(spec).items():
             per_block[window] = per_block.get(window, 0) + size
     groups = tuple(
-        GroupCost(name=name, window=window, tokens_per_entry=entry, layers=len(sizes), bytes_per_token=sum(sizes))
+        GroupCost(
+            name=name,
+            window=window,
+            tokens_per_entry=entry,
+            layers=len(sizes),
+            bytes_per_token=sum(sizes),
+            read_by=len(reads.get((name, window, entry), ())),
+            saved_bytes_per_token=sum(reads.get((name, window, entry), ())),
+        )
         for (name, window, entry), sizes in costs.items()
     )
     if dense_bytes_per_token is None:  # the backend's KV kept for every token

@@ -38,6 +38,8 @@ class BlockMover:
         self.tensors: dict[Window, list[torch.Tensor]] = {}
         for layer, cache in layers:
             for name in sorted(cache):
+                if layer.reads_shared(name):
+                    continue  # another layer's group: moved with that layer's cache
                 tensor = cache[name]
                 if not tensor.is_contiguous():
                     raise ValueError(f"cache tensor {name!r} is not contiguous: its blocks cannot be copied as bytes")

@@ -44,6 +44,8 @@ from powertrain.interfaces.attention import (
     RotaryAttentionBackend,
     SparseMLAAttentionBackend,
     V4AttentionBackend,
+    allocate_caches,
+    check_cache_sharing,
 )
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
@@ -128,6 +130,8 @@ __all__ = [
     "SparseMLAAttentionBackend",
     "V4AttentionBackend",
     "LightningIndexerBackend",
+    "allocate_caches",
+    "check_cache_sharing",
     # moe
     "ExpertWeights",
     "MoEBackend",

@@ -163,6 +163,13 @@ class CacheGroupSpec:
     rolls back with rejected drafts, survives preemption and is prefix-cached by the
     same lengths and block ids as everything else, which a separate per-sequence state
     buffer could not.
+
+    A layer may also *read* a group another layer owns (DeepSeek-V4.1's layers reading
+    their KV source's compressed cache): it declares the source's group as
+    ``group.read_from(source)``. ``allocate_caches`` then hands it the source's tensors
+    under the same names (no copy, no second cache); the group is counted, moved between
+    tiers and sized once, at its source, and the reader gets the source's block tables
+    through the group's retention class as every group does.
     """
 
     name: str
@@ -171,6 +178,23 @@ class CacheGroupSpec:
     sliding_window: int | None = attrs.field(default=None)
     #: None: the engine's cache dtype.
     dtype: torch.dtype | None = None
+    #: None: this layer owns the group. An index: the group is that (earlier) layer's,
+    #: which this layer reads (``read_from``).
+    source_layer: int | None = attrs.field(default=None)
+
+    @source_layer.validator
+    def _source(self, attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"cache group {self.name!r}: source_layer must be None or a layer index, got {value!r}")
+
+    def read_from(self, layer: int) -> CacheGroupSpec:
+        """This group (declared by layer ``layer``) as a later layer that reads it declares it."""
+        return attrs.evolve(self, source_layer=layer)
+
+    @property
+    def owned(self) -> CacheGroupSpec:
+        """The group as its owner declares it."""
+        return attrs.evolve(self, source_layer=None)
 
     @tokens_per_entry.validator
     def _granularity(self, attribute: attrs.Attribute, value: int) -> None:
@@ -275,10 +299,20 @@ class AttentionLayerSpec:
         )
         return (attention, *self.cache_groups)
 
+    def reads_shared(self, tensor_name: str) -> bool:
+        """Whether ``tensor_name`` is another layer's, which this layer only reads."""
+        return any(
+            group.source_layer is not None and any(tensor.name == tensor_name for tensor in group.tensors)
+            for group in self.cache_groups
+        )
+
     def bytes_per_block(self, backend_spec: KVCacheSpec) -> dict[int | None, int]:
-        """Bytes one block of each retention class takes for this layer."""
+        """Bytes one block of each retention class takes for this layer (the groups it
+        reads from another layer are that layer's)."""
         out: dict[int | None, int] = {}
         for group in self.groups(backend_spec):
+            if group.source_layer is not None:
+                continue
             paged = group.paged(backend_spec.block_size, backend_spec.dtype)
             out[group.sliding_window] = out.get(group.sliding_window, 0) + paged.bytes_per_block
         return out
@@ -286,7 +320,8 @@ class AttentionLayerSpec:
     def allocate_cache(
         self, backend_spec: KVCacheSpec, num_blocks: int | Mapping[int | None, int], device: torch.device | str
     ) -> dict[str, torch.Tensor]:
-        """This layer's whole cache: the backend's tensors plus the model's groups, one dict.
+        """This layer's own cache: the backend's tensors plus the model's groups, one dict
+        (without the groups it reads from other layers: ``allocate_caches`` adds those).
 
         ``num_blocks[w]`` is the number of usable blocks of retention class ``w`` (an int:
         the same for every class). A sliding class gets one block more, its last, zeroed:
@@ -301,6 +336,8 @@ class AttentionLayerSpec:
             cache = backend_spec.allocate(pool_blocks(self.sliding_window, counts[self.sliding_window]), device)
             _with_null_block(cache, self.sliding_window)
         for group in self.cache_groups:
+            if group.source_layer is not None:
+                continue
             tensors = group.allocate(block_size, backend_spec.dtype, counts[group.sliding_window], device)
             clash = sorted(cache.keys() & tensors.keys())
             if clash:
@@ -310,6 +347,54 @@ class AttentionLayerSpec:
                 )
             cache.update(tensors)
         return cache
+
+
+def check_cache_sharing(layers: Sequence[AttentionLayerSpec]) -> None:
+    """Every group a layer reads from another layer is declared, exactly so, by an earlier
+    layer that owns it, and its tensors' names are free in the reader. Raises ValueError
+    naming the layer, the group and what to change."""
+    for index, layer in enumerate(layers):
+        for group in layer.cache_groups:
+            source = group.source_layer
+            if source is None:
+                continue
+            where = f"layer {index} reads cache group {group.name!r} of layer {source}"
+            if source >= index:
+                raise ValueError(f"{where}: a layer can only read the group of an earlier layer (index < {index})")
+            owned = [g for g in layers[source].cache_groups if g.name == group.name and g.source_layer is None]
+            if not owned:
+                raise ValueError(
+                    f"{where}, which owns no such group (its own: "
+                    f"{sorted(g.name for g in layers[source].cache_groups if g.source_layer is None)})"
+                )
+            if owned[0] != group.owned:
+                raise ValueError(
+                    f"{where}, declared differently there ({owned[0]}) than read here ({group.owned}); "
+                    "declare it as the source's group.read_from(source)"
+                )
+            names = {t.name for g in layer.cache_groups if g is not group for t in g.tensors}
+            clash = sorted(names & {t.name for t in group.tensors})
+            if clash:
+                raise ValueError(f"{where}: its tensors {clash} clash with the layer's other cache tensors")
+
+
+def allocate_caches(
+    layers: Sequence[AttentionLayerSpec],
+    backend_specs: Sequence[KVCacheSpec],
+    num_blocks: int | Mapping[int | None, int],
+    device: torch.device | str,
+) -> list[dict[str, torch.Tensor]]:
+    """Every layer's cache (``AttentionLayerSpec.allocate_cache``), each reading layer given
+    its sources' tensors of the groups it reads (``CacheGroupSpec.read_from``)."""
+    check_cache_sharing(layers)
+    caches: list[dict[str, torch.Tensor]] = []
+    for layer, spec in zip(layers, backend_specs, strict=True):
+        cache = layer.allocate_cache(spec, num_blocks, device)
+        for group in layer.cache_groups:
+            if group.source_layer is not None:
+                cache.update({t.name: caches[group.source_layer][t.name] for t in group.tensors})
+        caches.append(cache)
+    return caches
 
 
 def _with_null_block(tensors: dict[str, torch.Tensor], window: int | None) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 
 from powertrain.engine.cuda_graphs import DecodeGraphs
 from powertrain.interfaces import AttentionMetadata
+from powertrain.testing.paged import nan_caches
 
 __all__ = ["check_captured_attention", "check_decode_graphs"]
 
@@ -47,8 +48,8 @@ def check_decode_graphs(
 ) -> DecodeGraphs:
     """Run the check (see the module docstring); returns the graphs for further asserts."""
     num_blocks = sum(batches) * -(-max_model_len // block_size) + 1
-    eager = _caches(model, backend, dtype, device, block_size, num_blocks)
-    through_graphs = _caches(model, backend, dtype, device, block_size, num_blocks)
+    eager = nan_caches(model.attention_layers, backend, dtype, device, block_size, num_blocks)
+    through_graphs = nan_caches(model.attention_layers, backend, dtype, device, block_size, num_blocks)
     graphs = _captured(model, through_graphs, sizes, block_size, max_model_len, device, capture)
     free = (torch.randperm(num_blocks - 1) + 1).tolist()  # every block but the padding one
     for batch in batches:
@@ -118,16 +119,6 @@ def _captured(
     )
     graphs.capture_all()
     return graphs
-
-
-def _caches(model: Any, backend: Any, dtype: torch.dtype, device: torch.device, block_size: int, blocks: int) -> list:
-    caches = []
-    for layer in model.attention_layers:
-        cache = layer.allocate_cache(layer.backend_cache_spec(backend, block_size, dtype), blocks, device)
-        for tensor in cache.values():
-            tensor.fill_(float("nan"))
-        caches.append(cache)
-    return caches
 
 
 def _copy_blocks(source: list, target: list) -> None:

@@ -14,7 +14,20 @@ from typing import Any
 
 import torch
 
-from powertrain.interfaces import AttentionMetadata
+from powertrain.interfaces import AttentionMetadata, allocate_caches
+
+
+def nan_caches(
+    layers: Sequence[Any], backend: Any, dtype: torch.dtype, device: Any, block_size: int, num_blocks: int
+) -> list[dict[str, torch.Tensor]]:
+    """The layers' caches (``allocate_caches``: groups read from another layer are its
+    tensors), filled with NaN so that a read of anything not written shows."""
+    specs = [layer.backend_cache_spec(backend, block_size, dtype) for layer in layers]
+    caches = allocate_caches(layers, specs, num_blocks, device)
+    for cache in caches:
+        for tensor in cache.values():
+            tensor.fill_(float("nan"))
+    return caches
 
 
 class PagedRunner:
@@ -33,12 +46,9 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         self.free = torch.randperm(num_blocks).tolist()
-        self.caches = []
-        for layer in model.attention_layers if layers is None else layers:
-            cache = layer.allocate_cache(layer.backend_cache_spec(backend, block_size, dtype), num_blocks, "cpu")
-            for tensor in cache.values():
-                tensor.fill_(float("nan"))
-            self.caches.append(cache)
+        self.caches = nan_caches(
+            model.attention_layers if layers is None else layers, backend, dtype, "cpu", block_size, num_blocks
+        )
         self.blocks: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}
 
