@@ -110,6 +110,6 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
             architectures={"DeepseekV4ForCausalLM"},
             factory=build_deepseek_v4,
             requirements=deepseek_v4_requirements,
-            description="DeepSeek-V4/V4.1 (Flash, Pro): sliding-window + compressed (CSA/HCA) attention, mHC, hash MoE",
+            description="DeepSeek-V4 (Flash, Pro): sliding-window + compressed (CSA/HCA) attention, mHC, hash MoE",
         ),
     ]

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (Flash, Pro, V4.1): hybrid sliding-window + compressed attention, mHC, hash MoE.
+"""DeepSeek-V4 (Flash, Pro): hybrid sliding-window + compressed attention, mHC, hash MoE.
 
 Read docs/deepseek_v4_notes.md first; this follows transformers 5.24's
 ``DeepseekV4ForCausalLM`` (the oracle), with DeepSeek's native parameter names.

@@ -34,7 +34,9 @@ included, in well under a second; ``quantize_checkpoint_fp8(folder, fp8_folder)`
 turns it into DeepSeek-V3's FP8 block-scaled layout; ``write_tiny_deepseek_v32(folder)``
 writes a tiny DeepSeek-V3.2 (Lightning Indexer in every attention layer) and
 ``write_tiny_deepseek_v4(folder)`` a tiny DeepSeek-V4 (every attention layer type, hash
-routing, mHC; FP4 experts optional). All are deterministic per seed;
+routing, mHC; FP4 experts optional) and ``write_tiny_deepseek_v41(folder)`` a tiny
+DeepSeek-V4.1-Flash in its release's own layout (every block type, Engram, DSpark, FP8/FP4).
+All are deterministic per seed;
 cache them with a session-scoped fixture over ``tmp_path_factory`` (see
 ``powertrain.testing.checkpoints``).
 """
@@ -54,6 +56,7 @@ from powertrain.testing.checkpoints import (
 )
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
+from powertrain.testing.deepseek_v41 import write_tiny_deepseek_v41
 from powertrain.testing.kv_store import KVStoreSuite
 from powertrain.testing.moe import MoEBackendSuite
 from powertrain.testing.quantized_linear import QuantizedLinearSuite
@@ -76,6 +79,7 @@ __all__ = [
     "write_tiny_deepseek",
     "write_tiny_deepseek_v4",
     "write_tiny_deepseek_v32",
+    "write_tiny_deepseek_v41",
 ]
 
 

@@ -1,0 +1,316 @@
+"""``write_tiny_deepseek_v41``: a tiny random DeepSeek-V4.1-Flash checkpoint in the release's
+own layout, written from a seed alone (no transformers: none released one).
+
+What makes it the release's layout, as DeepSeek's ``inference/model.py`` builds the model
+and loads it (its ``state_dict`` names and storage types):
+
+- ``config.json`` is the composite config of the transformers pull request
+  (``model_type: deepseek_v41``; ``text_config`` in its names, ``vision_config``, the top-level
+  ``quantization_config`` with ``expert_dtype: fp4`` and 32x32 ue8m0 blocks).
+- Tensor names are the native ones: top-level ``embed``, ``norm``, ``head``, ``layers.N.*``
+  (mHC ``hc_{attn,ffn}_{fn,base,scale}``, ``attn.*``, ``attn.compressor.*`` on KV sources,
+  ``attn.indexer.*`` on index sources, ``ffn.gate``, ``ffn.experts.E.w{1,2,3}``,
+  ``ffn.shared_experts.w{1,2,3}``, ``engram.*`` on Engram layers) and ``mtp.K.*`` for the
+  DSpark layers; quantised weights have a ``.scale`` beside them.
+- Storage, as the release's files hold it (which DeepSeek's ``convert.py`` turns into the
+  model's types at load: ``wo_a`` to bfloat16, the experts' bytes viewed as
+  ``float4_e2m1fn_x2``, DSpark's copies of ``embed``/``head`` dropped for the tied ones):
+  dense projections (``wo_a`` included) float8_e4m3fn with one ``float8_e8m0fnu`` scale per
+  32x32 block; routed experts int8 ``[rows, cols/2]`` of e2m1 codes (even column in the low
+  nibble) with one scale per 32 columns; Engram tables float8_e4m3fn with one scale per 32
+  columns of a row; routers, norms, compressors, the indexer's ``wk``/``weights_proj``,
+  ``embed``, ``head`` and DSpark's heads bfloat16; mHC, sinks and both router biases
+  (``bias``, and ``bias_vl`` for image tokens) float32.
+
+Every value is a seeded function of ``seed`` and the config, in name order, so the same call
+writes the same bytes (``checkpoint_digest`` names them): the golden fixtures in
+``core/tests/fixtures/deepseek_v41`` were computed by DeepSeek's code on this checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from powertrain.layers.engram import EngramLayout, compressed_token_map
+from powertrain.testing.checkpoints import (
+    _finish,
+    _recipe,
+    _reuse_or_clear,
+    _tokenizer_for,
+    _write_tensors,
+    quantize_fp4,
+    quantize_fp8_ue8m0,
+)
+
+#: The schedule of the issue: ratio 0 (window only); a KV and index source at ratio 2; a
+#: reader at ratio 2; a KV, index and candidate source at ratio 1; a reader at ratio 1; an
+#: index source at ratio 1 (scoring inside the candidates); then one DSpark layer.
+TINY_DEEPSEEK_V41_TEXT_CONFIG: Mapping[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    # YaRN on the compressed branch, its ramp active within the tiny context.
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 32,
+    },
+    "max_position_embeddings": 256,
+    "sliding_window": 16,
+    "compress_ratios": [0, 2, 2, 1, 1, 1, 0],
+    "kv_source_layer_ids": [1, 3],
+    "index_source_layer_ids": [1, 3, 5],
+    "candidate_source_layer_id": 3,
+    "candidate_topk_blocks": 3,
+    "candidate_block_size": 4,
+    "index_n_heads": 8,
+    "index_head_dim": 64,
+    "index_topk": 8,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "scoring_func": "sqrtsoftplus",
+    "gate_temp": 1.25,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "topk_method": "noaux_tc",
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "engram_layer_ids": [0, 1],
+    "engram_vocab_size": 100,
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_pad_id": 2,
+    "num_nextn_predict_layers": 1,
+    "dspark_block_size": 2,
+    "dspark_target_layer_ids": [4, 5],
+    "dspark_markov_rank": 32,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-20,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+#: The release's quantisation: FP8 dense weights in 32x32 blocks, FP4 experts, ue8m0 scales.
+DEEPSEEK_V41_QUANTIZATION_CONFIG: Mapping[str, Any] = {
+    "activation_scheme": "dynamic",
+    "expert_dtype": "fp4",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [32, 32],
+}
+
+#: Bumped whenever the same arguments would write other bytes (a folder of another layout is rewritten).
+LAYOUT = 2
+#: How each weight is stored (see the module docstring).
+FP8, FP4, ENGRAM, BF16, F32 = "fp8", "fp4", "engram", "bf16", "f32"
+BLOCK = 32
+
+
+def write_tiny_deepseek_v41(path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny V4.1 checkpoint folder (``TINY_DEEPSEEK_V41_TEXT_CONFIG``, any text
+    config key overridden; ``engram_layer_ids=[]`` turns Engram off, ``candidate_source_layer_id
+    =-1`` the two-level top-k) with the tiny tokenizer, and return it. The Engram table sizes
+    and the compressed vocabulary's size are derived (from the layout's primes and the
+    tokenizer), as the release's config states them. A folder already holding the same one
+    is returned as it is."""
+    folder = Path(path)
+    text = copy.deepcopy({**TINY_DEEPSEEK_V41_TEXT_CONFIG, **overrides})
+    recipe = _recipe(f"v4.1-layout{LAYOUT}", seed, torch.bfloat16, True, text)
+    if _reuse_or_clear(folder, recipe):
+        return folder
+    tokenizer = _tokenizer_for(text)
+    text["dspark_noise_token_id"] = text.get("dspark_noise_token_id", text["vocab_size"] - 1)
+    if text["engram_layer_ids"]:
+        layout = engram_layout(text)
+        text["engram_num_embeddings"] = list(layout.table_rows)
+        text["engram_compressed_vocab_size"] = compressed_token_map(tokenizer)[1]
+    else:
+        text["engram_num_embeddings"] = []
+    config = {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": text,
+        # No vision tower in the tiny model (images: their own issue).
+        "vision_config": {"num_hidden_layers": 0},
+        "image_token_id": text["vocab_size"] - 2,
+        "quantization_config": dict(DEEPSEEK_V41_QUANTIZATION_CONFIG),
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_tensors(folder / "model.safetensors", random_weights(text, seed))
+    return _finish(folder, tokenizer, recipe)
+
+
+def engram_layout(text: Mapping[str, Any]) -> EngramLayout:
+    return EngramLayout.build(
+        text["engram_layer_ids"],
+        text["engram_max_ngram_size"],
+        text["engram_n_heads"],
+        text["engram_head_dim"],
+        text["engram_vocab_size"],
+    )
+
+
+def checkpoint_digest(folder: str | Path) -> str:
+    """SHA-256 over the folder's config.json and safetensors bytes: what the fixtures were made from."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        digest.update((Path(folder) / name).read_bytes())
+    return digest.hexdigest()
+
+
+def random_weights(text: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, drawn in name order from one generator."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (shape, kind) in sorted(tensor_shapes(text).items()):
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+        if len(shape) == 1:
+            # mHC bases and scales, sinks, router biases; norms near one
+            values = 1 + 0.1 * values if "norm" in leaf else 0.5 * values
+        elif name == "embed.weight":
+            values = 0.1 * values
+        else:
+            values = values * shape[-1] ** -0.5
+        stem = name.removesuffix(".weight")
+        if kind == FP8:
+            tensors[name], tensors[f"{stem}.scale"] = quantize_fp8_ue8m0(values, (BLOCK, BLOCK))
+        elif kind == ENGRAM:
+            tensors[name], tensors[f"{stem}.scale"] = quantize_fp8_ue8m0(values, (1, BLOCK))
+        elif kind == FP4:
+            tensors[name], tensors[f"{stem}.scale"] = quantize_fp4(values)
+        else:
+            tensors[name] = values.to(torch.float32 if kind == F32 else torch.bfloat16)
+    for stage in range(text.get("num_nextn_predict_layers", 0)):  # DSpark's copies of the tied tensors
+        tensors[f"mtp.{stage}.embed.weight"] = tensors["embed.weight"].clone()
+        tensors[f"mtp.{stage}.head.weight"] = tensors["head.weight"].clone()
+    return tensors
+
+
+def tensor_shapes(text: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (logical shape, storage kind) of every weight (not the scales), as DeepSeek's
+    V4.1 model declares them."""
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "embed.weight": ((text["vocab_size"], text["hidden_size"]), BF16),
+        "norm.weight": ((text["hidden_size"],), BF16),
+        "head.weight": ((text["vocab_size"], text["hidden_size"]), BF16),
+    }
+    layers = text["num_hidden_layers"]
+    for layer in range(layers + text.get("num_nextn_predict_layers", 0)):
+        prefix = f"layers.{layer}." if layer < layers else f"mtp.{layer - layers}."
+        shapes.update({prefix + name: shape for name, shape in _block(text, layer).items()})
+    return shapes
+
+
+def _block(text: Mapping[str, Any], layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    dim, hc, heads, head_dim = text["hidden_size"], text["hc_mult"], text["num_attention_heads"], text["head_dim"]
+    q_rank, o_groups, o_rank = text["q_lora_rank"], text["o_groups"], text["o_lora_rank"]
+    inter, mix = text["moe_intermediate_size"], (2 + hc) * hc
+    backbone = layer < text["num_hidden_layers"]
+    experts = text["n_routed_experts"] if backbone else text.get("dspark_n_routed_experts") or text["n_routed_experts"]
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for site in ("attn", "ffn"):
+        shapes |= {
+            f"hc_{site}_fn": ((mix, hc * dim), F32),
+            f"hc_{site}_base": ((mix,), F32),
+            f"hc_{site}_scale": ((3,), F32),
+        }
+    shapes |= {
+        "attn_norm.weight": ((dim,), BF16),
+        "ffn_norm.weight": ((dim,), BF16),
+        "attn.attn_sink": ((heads,), F32),
+        "attn.wq_a.weight": ((q_rank, dim), FP8),
+        "attn.q_norm.weight": ((q_rank,), BF16),
+        "attn.wq_b.weight": ((heads * head_dim, q_rank), FP8),
+        "attn.wkv.weight": ((head_dim, dim), FP8),
+        "attn.kv_norm.weight": ((head_dim,), BF16),
+        "attn.wo_a.weight": ((o_groups * o_rank, heads * head_dim // o_groups), FP8),
+        "attn.wo_b.weight": ((dim, o_groups * o_rank), FP8),
+        "ffn.gate.weight": ((experts, dim), BF16),
+        "ffn.gate.bias": ((experts,), F32),
+        "ffn.gate.bias_vl": ((experts,), F32),
+        "ffn.shared_experts.w1.weight": ((inter, dim), FP8),
+        "ffn.shared_experts.w2.weight": ((dim, inter), FP8),
+        "ffn.shared_experts.w3.weight": ((inter, dim), FP8),
+    }
+    for expert in range(experts):
+        shapes |= {
+            f"ffn.experts.{expert}.w1.weight": ((inter, dim), FP4),
+            f"ffn.experts.{expert}.w2.weight": ((dim, inter), FP4),
+            f"ffn.experts.{expert}.w3.weight": ((inter, dim), FP4),
+        }
+    if backbone:
+        shapes |= _sources(text, layer)
+        if layer in text["engram_layer_ids"]:
+            slot = text["engram_layer_ids"].index(layer)
+            columns = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"]
+            width = text["engram_head_dim"]
+            shapes |= {
+                "engram.q_weight": ((hc, dim), BF16),
+                "engram.k_weight": ((hc, dim), BF16),
+                "engram.embed.weight": ((text["engram_num_embeddings"][slot], width), ENGRAM),
+                "engram.wkv.weight": ((dim * (hc + 1), columns * width), FP8),
+            }
+        return shapes
+    shapes |= {  # DSpark: the last stage's heads and the first stage's projection of the target layers
+        "main_proj.weight": ((dim, dim * len(text["dspark_target_layer_ids"])), FP8),
+        "main_norm.weight": ((dim,), BF16),
+        "norm.weight": ((dim,), BF16),
+        "markov_head.embed.weight": ((text["vocab_size"], text["dspark_markov_rank"]), BF16),
+        "markov_head.head.weight": ((text["vocab_size"], text["dspark_markov_rank"]), BF16),
+        "confidence_head.proj.weight": ((1, dim + text["dspark_markov_rank"]), BF16),
+    }
+    return shapes
+
+
+def _sources(text: Mapping[str, Any], layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A KV source's compressor (a gate above ratio 1) and an index source's indexer (its key
+    projection where the layer is a KV source too)."""
+    head_dim, ratio = text["head_dim"], text["compress_ratios"][layer]
+    dim, index_heads, index_dim = text["hidden_size"], text["index_n_heads"], text["index_head_dim"]
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    kv_source = layer in text["kv_source_layer_ids"]
+    if kv_source:
+        shapes |= {
+            "attn.compressor.wkv.weight": ((head_dim, dim), BF16),
+            "attn.compressor.norm.weight": ((head_dim,), BF16),
+        }
+        if ratio > 1:
+            shapes["attn.compressor.wgate.weight"] = ((head_dim, dim), BF16)
+    if layer in text["index_source_layer_ids"]:
+        shapes |= {
+            "attn.indexer.wq_b.weight": ((index_heads * index_dim, text["q_lora_rank"]), FP8),
+            "attn.indexer.weights_proj.weight": ((index_heads, dim), BF16),
+        }
+        if kv_source:
+            shapes |= {
+                "attn.indexer.wk.weight": ((index_dim, head_dim), BF16),
+                "attn.indexer.k_norm.weight": ((index_dim,), BF16),
+            }
+    return shapes
