@@ -37,9 +37,9 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False)
 
-    def collapse(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``hidden`` ``[T, N, D]`` -> the block's input ``[T, D]`` (in ``hidden``'s dtype), and
-        the float32 ``post`` ``[T, N]`` and ``comb`` ``[T, N, N]`` that ``expand`` needs."""
+    def weights(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 ``pre`` ``[T, N]``, ``post`` ``[T, N]`` and ``comb`` ``[T, N, N]`` from the
+        streams ``hidden`` ``[T, N, D]``."""
         n = self.streams
         mixes = F.linear(_unweighted_rms_norm(hidden.flatten(1).float(), self.norm_eps), self.fn)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -52,8 +52,13 @@ class HyperConnection(nn.Module):
         for _ in range(self.sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
-        return collapsed, post, comb
+        return pre, post, comb
+
+    def collapse(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden`` ``[T, N, D]`` -> the block's input ``[T, D]`` (in ``hidden``'s dtype), and
+        the float32 ``post`` ``[T, N]`` and ``comb`` ``[T, N, N]`` that ``expand`` needs."""
+        pre, post, comb = self.weights(hidden)
+        return collapse_with(hidden, pre), post, comb
 
     @staticmethod
     def expand(hidden: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -62,6 +67,22 @@ class HyperConnection(nn.Module):
         in ``hidden``'s dtype."""
         dtype = hidden.dtype
         return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ hidden
+
+    @staticmethod
+    def expand_in_float32(
+        hidden: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """``expand`` computed in float32 and rounded once to ``hidden``'s dtype, as
+        DeepSeek's V4.1 code does (``expand`` follows transformers' V4, which mixes in the
+        model's dtype)."""
+        mixed = post.unsqueeze(-1) * output.float().unsqueeze(-2) + comb.transpose(-1, -2) @ hidden.float()
+        return mixed.to(hidden.dtype)
+
+
+def collapse_with(hidden: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """The streams ``hidden`` ``[T, N, D]`` weighed by ``pre`` ``[T, N]`` (float32) and summed:
+    ``[T, D]`` in ``hidden``'s dtype."""
+    return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
 
 
 class HyperHead(nn.Module):
@@ -77,4 +98,4 @@ class HyperHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, N, D] -> [T, D]
         mixes = F.linear(_unweighted_rms_norm(hidden.flatten(1).float(), self.norm_eps), self.hc_fn)
         pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
+        return collapse_with(hidden, pre)

@@ -190,6 +190,30 @@ class RotaryEmbedding(nn.Module):
         return f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"
 
 
+def deepseek_rope_tables(config: Mapping[str, Any], partial: float) -> tuple[RopeParameters, RopeParameters]:
+    """DeepSeek-V4's and V4.1's "main" and "compress" RoPE tables: nested in ``rope_parameters`` (transformers 5),
+    or from ``rope_theta`` / ``compress_rope_theta`` plus a top-level YaRN dict, whose
+    ``attention_factor`` is forced to 1 as transformers and DeepSeek's reference do."""
+    nested = config.get("rope_parameters") or {}
+    if isinstance(nested.get("main"), Mapping) and isinstance(nested.get("compress"), Mapping):
+        main, compress = dict(nested["main"]), dict(nested["compress"])
+    else:
+        flat = {
+            k: v for k, v in {**(config.get("rope_scaling") or {}), **nested}.items() if k not in ("main", "compress")
+        }
+        main = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+        compress = {**flat, "rope_theta": config.get("compress_rope_theta", 160000.0)}
+        if compress.get("rope_type", compress.get("type")) == "yarn":
+            compress["attention_factor"] = 1.0
+    positions = config.get("max_position_embeddings")
+
+    def read(table: dict[str, Any]) -> RopeParameters:
+        table.setdefault("partial_rotary_factor", partial)
+        return RopeParameters.from_config({"rope_parameters": table, "max_position_embeddings": positions})
+
+    return read(main), read(compress)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[num_tokens, heads, head_size]``; dims past the rotary ones pass through.
 

@@ -45,7 +45,7 @@ from powertrain.interfaces import (
     V4AttentionBackend,
 )
 from powertrain.interfaces.moe import RoutingConfig
-from powertrain.layers.activation import swiglu
+from powertrain.layers.activation import ClampedSwiGLU
 from powertrain.layers.compressed_attention import (
     CompressedIndexer,
     Compressor,
@@ -59,8 +59,8 @@ from powertrain.layers.hyper_connections import HyperConnection, HyperHead
 from powertrain.layers.indexer import index_topk_reference
 from powertrain.layers.linear import Linear
 from powertrain.layers.moe import MoE
-from powertrain.layers.paged import read_entries
-from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
+from powertrain.layers.paged import entry_slots, read_entries, write_entries
+from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, deepseek_rope_tables
 from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import check_complete, copy_checked
 
@@ -133,7 +133,7 @@ class V4Args:
                 raise ValueError(f"DeepSeek-V4 config: compress_rates[{kind!r}] must be a positive int, got {rates}")
         if config.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
             raise ValueError(f"DeepSeek-V4 routes with sqrtsoftplus scores, config says {config['scoring_func']!r}")
-        main, compress = _rope_tables(config, float(partial))
+        main, compress = deepseek_rope_tables(config, float(partial))
         rope_dim = int(head_dim * float(partial))
         limit = config.get("swiglu_limit")
         return cls(
@@ -185,44 +185,7 @@ def _check_kinds(key: str, kinds: Sequence[str], known: Sequence[str], layers: i
         raise ValueError(f"DeepSeek-V4 config {key}={list(kinds)}: need {layers} entries, each one of {list(known)}")
 
 
-def _rope_tables(config: Mapping[str, Any], partial: float) -> tuple[RopeParameters, RopeParameters]:
-    """The "main" and "compress" RoPE tables: nested in ``rope_parameters`` (transformers 5),
-    or from ``rope_theta`` / ``compress_rope_theta`` plus a top-level YaRN dict, whose
-    ``attention_factor`` is forced to 1 as transformers and DeepSeek's reference do."""
-    nested = config.get("rope_parameters") or {}
-    if isinstance(nested.get("main"), Mapping) and isinstance(nested.get("compress"), Mapping):
-        main, compress = dict(nested["main"]), dict(nested["compress"])
-    else:
-        flat = {
-            k: v for k, v in {**(config.get("rope_scaling") or {}), **nested}.items() if k not in ("main", "compress")
-        }
-        main = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
-        compress = {**flat, "rope_theta": config.get("compress_rope_theta", 160000.0)}
-        if compress.get("rope_type", compress.get("type")) == "yarn":
-            compress["attention_factor"] = 1.0
-    positions = config.get("max_position_embeddings")
-
-    def read(table: dict[str, Any]) -> RopeParameters:
-        table.setdefault("partial_rotary_factor", partial)
-        return RopeParameters.from_config({"rope_parameters": table, "max_position_embeddings": positions})
-
-    return read(main), read(compress)
-
-
 # --------------------------------------------------------------------------- attention
-
-
-def _slots(tables: torch.Tensor, index: torch.Tensor, per_block: int) -> torch.Tensor:
-    """Flat slots of entries ``index`` ``[n, k]`` of ``n`` sequences in a paged group
-    tensor of ``per_block`` entries a block, through their block-table rows ``[n, width]``."""
-    return tables.long().gather(1, index // per_block) * per_block + index % per_block
-
-
-def _write(store: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
-    """Entries ``first, first + 1, ...`` of one sequence into a paged group tensor."""
-    index = torch.arange(first, first + values.shape[0], device=table.device)
-    slots = _slots(table[None], index[None], store.shape[1])[0]
-    store.view(-1, *store.shape[2:]).index_copy_(0, slots.to(store.device), values.to(store.dtype))
 
 
 def _compress_decodes(
@@ -245,12 +208,12 @@ def _compress_decodes(
     entry = torch.where(closed, seq_lens // rate - 1, seq_lens // rate)
     positions = ((entry + 1) * rate - span)[:, None] + torch.arange(span, device=seq_lens.device)
     present = positions >= 0  # with overlap, window 0 has no window before it
-    slots = _slots(rows_view.block_tables, positions.clamp(min=0), rows_cache.shape[1])
+    slots = entry_slots(rows_view.block_tables, positions.clamp(min=0), rows_cache.shape[1])
     made = compressor.window_entries(rows_cache.view(-1, rows_cache.shape[-1])[slots], present, dtype)
     cos, sin = table(entry * rate, full.max_seq_len, dtype)
     store = entries_cache.view(-1, *entries_cache.shape[2:])
-    entry_slots = _slots(full.block_tables, entry[:, None], entries_cache.shape[1])[:, 0]
-    store.index_copy_(0, entry_slots, rotate_trailing(made, cos, sin).to(store.dtype))
+    targets = entry_slots(full.block_tables, entry[:, None], entries_cache.shape[1])[:, 0]
+    store.index_copy_(0, targets, rotate_trailing(made, cos, sin).to(store.dtype))
 
 
 class V4Attention(nn.Module):
@@ -389,24 +352,10 @@ class V4Attention(nn.Module):
             made = compressor.entries(rows, first, hidden.dtype)
             window_starts = torch.arange(first, last, device=hidden.device) * rate
             cos, sin = table(window_starts, metadata.max_seq_len, hidden.dtype)
-            _write(kv_cache[entries], full.block_tables[seq], first, rotate_trailing(made, cos, sin))
+            write_entries(kv_cache[entries], full.block_tables[seq], first, rotate_trailing(made, cos, sin))
 
 
 # --------------------------------------------------------------------------- MoE and blocks
-
-
-class ClampedSwiGLU(nn.Module):
-    """The shared expert: ``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float | None) -> None:
-        super().__init__()
-        self.w1 = Linear(hidden_size, intermediate_size, bias=False)
-        self.w3 = Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class V4MoE(nn.Module):
