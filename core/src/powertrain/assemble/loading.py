@@ -149,6 +149,8 @@ def _build_model(
         fp8_block=checkpoint.fp8_block if keeps_fp8 else None,
         fp4_experts=keeps_fp4,
         quantized_linear=quantized_linear,
+        tensor_files=checkpoint.tensor_files,
+        tokenizer=checkpoint.tokenizer,
         **(experts.model_context_fields() if experts else {}),
     )
     model = architecture.record.factory(context)

@@ -4,6 +4,7 @@ model runner drives."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -52,6 +53,12 @@ class ModelContext:
     expert_parallel_rank: int = 0
     expert_parallel_size: int = 1
     expert_dispatcher: ExpertDispatcher | None = None
+    #: Stored tensor name -> the safetensors file holding it, for tensors a model maps from
+    #: the file instead of reading (DeepSeek-V4.1's Engram tables). Empty for GGUF.
+    tensor_files: Mapping[str, Path] = attrs.field(factory=dict)
+    #: The checkpoint's tokenizer (``powertrain.tokenizer.Tokenizer``), for a model whose
+    #: computation depends on token texts (V4.1's Engram normalises them). None: not given.
+    tokenizer: Any = None
 
     def local_experts(self, num_experts: int) -> tuple[int, int]:
         """``(first, count)`` of the routed experts this rank loads and serves."""

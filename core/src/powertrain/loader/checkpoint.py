@@ -63,6 +63,9 @@ class Checkpoint:
     #: ``QuantizedWeight`` formats of the tensors that could stay quantised (GGUF's block types):
     #: ``_read_tensors(wanted, keep_quantized)`` yields those ``keep_quantized`` accepts as stored.
     quantized_formats: frozenset[str] = frozenset()
+    #: Stored tensor name -> the safetensors file holding it (empty for GGUF): what a model
+    #: maps instead of reading (``ModelContext.tensor_files``).
+    tensor_files: Mapping[str, Path] = attrs.field(converter=_read_only, factory=dict, repr=False)
 
     @property
     def num_tensors(self) -> int:

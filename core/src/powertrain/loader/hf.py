@@ -39,7 +39,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_hf_folder(folder: Path) -> Checkpoint:
     """Read config, tokenizer and the safetensors headers now; tensor data when ``tensors()`` is iterated."""
-    config = with_both_rope_spellings(read_json(folder / "config.json", required=True))
+    config = with_both_rope_spellings(with_text_config_lifted(read_json(folder / "config.json", required=True)))
     generation_config = read_json(folder / "generation_config.json") or {}
     fp8_block = fp8_block_from_config(config, source=str(folder / "config.json"))
     fp4_experts = fp4_experts_from_config(config, source=str(folder / "config.json"))
@@ -49,8 +49,10 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         read_tensors, tensor_names = _model_parallel_reader(folder, parallel)
         shards: dict[Path, list[str]] = dict.fromkeys(parallel, tensor_names)
         native = True
+        files: dict[str, Path] = {}  # tensors cut over several files cannot be mapped
     else:
         shards = _tensor_locations(folder)
+        files = {name: shard for shard, names in shards.items() for name in names}
         shards, stored = _with_hf_names(folder, shards) if deepseek else (shards, {})
         native = bool(stored)
 
@@ -85,6 +87,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         read_tensors=read_tensors,
         fp8_block=fp8_block,
         fp4_experts=fp4_experts,
+        tensor_files=files,
     )
 
 
@@ -228,6 +231,17 @@ def _paired_reader(
                             yield scale, other.get_tensor(stored.get(scale, scale))
 
     return read_tensors, [name for entries in plan.values() for name, _ in entries]
+
+
+def with_text_config_lifted(config: dict[str, Any]) -> dict[str, Any]:
+    """A composite config (``text_config`` beside ``vision_config``, as DeepSeek-V4.1's) read as
+    its text model's, the way transformers' ``get_text_config`` does: ``text_config``'s keys
+    are lifted to the top where the top does not set them (the engine reads ``vocab_size``,
+    ``max_position_embeddings``, ``eos_token_id`` there); the nested one stays for the model."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        return config
+    return {**text, **config}
 
 
 def with_both_rope_spellings(config: dict[str, Any]) -> dict[str, Any]:
