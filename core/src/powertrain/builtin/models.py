@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
     from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM
     from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
     from powertrain.models.llama import LlamaForCausalLM
 
 POWERTRAIN_HOOK_API = 1
@@ -81,6 +82,18 @@ def deepseek_v4_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
     return {"attention": set(), **needs}
 
 
+def build_deepseek_v41(context: ModelContext) -> DeepseekV41ForCausalLM:
+    from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    return DeepseekV41ForCausalLM(context)
+
+
+def deepseek_v41_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
+    """As V4: a MoE backend (with the clamped SwiGLU); any attention backend (its ``forward_v4``
+    where it declares ``v4-attention``, the same computation in torch where it does not)."""
+    return deepseek_v4_requirements(config.get("text_config", config))
+
+
 @hookimpl
 def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
     return [
@@ -111,5 +124,13 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
             factory=build_deepseek_v4,
             requirements=deepseek_v4_requirements,
             description="DeepSeek-V4 (Flash, Pro): sliding-window + compressed (CSA/HCA) attention, mHC, hash MoE",
+        ),
+        ModelArchitectureRecord(
+            name="deepseek-v41",
+            architectures={"DeepseekV41ForCausalLM", "DeepseekV41ForConditionalGeneration"},
+            factory=build_deepseek_v41,
+            requirements=deepseek_v41_requirements,
+            description="DeepSeek-V4.1-Flash: compressed KV shared across layers (CSA2), two-level top-k, Engram, "
+            "lagged mHC (text; images and its DSpark drafter are not read yet)",
         ),
     ]
