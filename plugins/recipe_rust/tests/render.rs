@@ -380,6 +380,16 @@ fn encoder_from_metadata() {
         Encoder::from_metadata(&json!({}), &json!({"model_type": "deepseek_v4"})).unwrap(),
         Encoder::Deepseek(Version::V4)
     ));
+    for v41 in [
+        json!({"model_type": "deepseek_v41"}),
+        json!({"architectures": ["DeepseekV41ForCausalLM"]}),
+        json!({"model_type": "deepseek_v4", "_name_or_path": "deepseek-ai/DeepSeek-V4.1-Flash"}),
+    ] {
+        assert!(matches!(
+            Encoder::from_metadata(&json!({}), &v41).unwrap(),
+            Encoder::Deepseek(Version::V41)
+        ));
+    }
     assert!(matches!(
         Encoder::from_metadata(
             &json!({}),

@@ -111,8 +111,9 @@ impl Encoder {
             .and_then(Value::as_array)
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        let is_v4 =
-            model_type == "deepseek_v4" || architectures.iter().any(|a| a.contains("DeepseekV4"));
+        let is_v4 = model_type == "deepseek_v4"
+            || model_type == "deepseek_v41"
+            || architectures.iter().any(|a| a.contains("DeepseekV4"));
         let is_v32 =
             model_type == "deepseek_v32" || architectures.iter().any(|a| a.contains("DeepseekV32"));
         let template = chat_template_source(tokenizer_config)?;
@@ -183,13 +184,29 @@ impl Encoder {
 }
 
 /// A V4-architecture checkpoint is V4.1 (V4.1-Flash) when config.json says
-/// ``"chat_encoding": "deepseek_v41"`` (an override a deployment may add), or its
+/// ``"chat_encoding": "deepseek_v41"`` (an override a deployment may add), its
+/// ``model_type`` is "deepseek_v41" or an architecture is V4.1's
+/// (``DeepseekV41ForCausalLM``, as the transformers pull request names it), or its
 /// ``_name_or_path`` or tokenizer_config.json's ``name_or_path`` names V4.1 (as
 /// ``deepseek-ai/DeepSeek-V4.1-Flash`` does). DeepSeek's own adapter chooses by the
-/// request's model name instead; a checkpoint carries no other mark of the version.
+/// request's model name instead.
 fn is_v41(tokenizer_config: &Value, model_config: &Value) -> bool {
     if let Some(encoding) = model_config.get("chat_encoding").and_then(Value::as_str) {
         return encoding == "deepseek_v41";
+    }
+    let architecture = model_config
+        .get("architectures")
+        .and_then(Value::as_array)
+        .is_some_and(|names| {
+            names
+                .iter()
+                .filter_map(Value::as_str)
+                .any(|a| a.contains("DeepseekV41"))
+        });
+    if architecture
+        || model_config.get("model_type").and_then(Value::as_str) == Some("deepseek_v41")
+    {
+        return true;
     }
     [
         model_config.get("_name_or_path"),
