@@ -25,11 +25,13 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.cli import main
 from powertrain.interfaces import ModelContext
 from powertrain.loader import load_checkpoint
 from powertrain.loader.mapped_rows import MappedFp8Rows
@@ -368,3 +370,45 @@ def test_the_kv_cache_event_counts_what_sharing_saves(folders: dict[str, Path]) 
     d = TINY_DEEPSEEK_V41_TEXT_CONFIG["head_dim"] + TINY_DEEPSEEK_V41_TEXT_CONFIG["index_head_dim"]
     assert kv["saved_by_sharing_bytes_per_token"] == 4 * d / 2 + 2 * 4 * d
     assert kv["dense_bytes_per_token"] == 64 * 6 * 4
+
+
+def test_config_check_reports_each_group_and_what_sharing_saves(folders: dict[str, Path], tmp_path: Path) -> None:
+    """``powertrain config check`` on an engine.toml naming the tiny V4.1: per group its bytes per
+    token and who reads it, the dense equivalent, and the saving from sharing (the startup
+    event's numbers, from the model built on the meta device)."""
+    config = tmp_path / "engine.toml"
+    config.write_text(f'[model]\npath = "{folders["main"]}"\ndtype = "float32"\n[cache]\nblock_size = {BLOCK}\n')
+    result = CliRunner().invoke(main, ["config", "check", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    kv = json.loads(result.output)["kv_cache"]
+    print(json.dumps(kv, indent=1))
+    # Layer 1's entries (one per 2 tokens) read by layer 2; layer 3's (one per token) by 4 and 5:
+    # 64 entry + 64 key float32 values each.
+    shared = [(g["tokens_per_entry"], g.get("read_by_layers"), g.get("saved_bytes_per_token")) for g in kv["groups"]]
+    assert [row for row in shared if row[1:] != (None, None)] == [(2, 1, 256.0), (1, 2, 1024.0)]
+    assert kv["saved_by_sharing_bytes_per_token"] == 1280.0
+    assert kv["unshared_bytes_per_token"] == kv["bytes_per_token"] + 1280.0
+    assert kv["dense_bytes_per_token"] == 64 * 6 * 4
+
+
+def test_generate_answers_through_the_cli(folders: dict[str, Path]) -> None:
+    result = CliRunner().invoke(
+        main, ["generate", "--model", str(folders["main"]), "--max-tokens", "6", "--json", "--no-chat", "Once"]
+    )
+    assert result.exit_code == 0, result.output
+    (answer,) = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert answer["text"] and answer["output_tokens"] == 6
+
+
+def test_data_and_expert_parallel_give_the_same_greedy_tokens(folders: dict[str, Path], golden: dict) -> None:
+    """(DP, EP) = (2, 2) over spawned processes: each rank loads half the experts (and maps the
+    Engram tables itself), and the tokens are the one-process engine's."""
+    prompts = [golden["main.a.prompt"].tolist(), golden["main.b.prompt"].tolist(), golden["main.a.prompt"].tolist()[:9]]
+    one, _ = greedy(folders["main"], prompts, steps=16, memory_gib=0.05)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    settings = {"block_size": BLOCK, "memory_gib": 0.05, "data_parallel": 2, "expert_parallel": 2}
+    with LLM(str(folders["main"]), dtype="float32", **settings) as llm:
+        outputs = llm.generate(prompts, params)
+        experts = [w.experts for w in llm.engine.workers]
+    assert experts == [(0, 2), (2, 2)]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == one
