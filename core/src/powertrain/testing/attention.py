@@ -65,7 +65,12 @@ from powertrain.testing.graphs import check_captured_attention
 from powertrain.testing.indexer import check_index_topk
 from powertrain.testing.invariance import check_batch_invariant
 from powertrain.testing.kv_access import read_tokens, token_major, write_tokens
-from powertrain.testing.v4_attention import V4_LAYER_KINDS, check_v4_attention, check_v4_attention_refuses
+from powertrain.testing.v4_attention import (
+    V4_LAYER_KINDS,
+    check_v4_attention,
+    check_v4_attention_refuses,
+    check_v4_attention_shared_entries,
+)
 
 __all__ = [
     "AttentionBackendSuite",
@@ -908,6 +913,27 @@ class AttentionBackendSuite(ComponentSuite):
             tolerance=self.tolerances[dtype],
             rope_pairs=0 if scenario == "decode" else 8,
             what=f"{scenario} batch, {_dtype_id(dtype)}",
+        )
+
+    @pytest.mark.parametrize("kind", ["hca", "csa"])
+    def test_v4_attention_over_entries_another_layer_owns(
+        self, subject: Subject, kind: str, dtype: torch.dtype, seed: int
+    ) -> None:
+        """Cache sharing (DeepSeek-V4.1: ``CacheGroupSpec.read_from``): two layers of a mixed
+        step read one compressed cache tensor, each through its own window, queries and picks;
+        both match the oracle and neither writes the shared entries."""
+        self.require(subject.provided, "v4-attention", "decode", "prefill")
+        block_size = self.block_sizes[0]
+        candidate, device = self._v4_candidate(subject, dtype, block_size)
+        check_v4_attention_shared_entries(
+            candidate,
+            kind=kind,
+            lengths=_mixed_lengths(block_size, generator(seed)),
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            device=device,
+            tolerance=self.tolerances[dtype],
         )
 
     @pytest.mark.parametrize("where", ["decode", "prefill", "below-minus-one"])

@@ -24,7 +24,13 @@ import torch
 from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata
 from powertrain.testing.base import assert_names_numbers, random_index_rows, shuffled_block_tables
 
-__all__ = ["V4_LAYER_KINDS", "check_v4_attention", "check_v4_attention_refuses", "v4_layer"]
+__all__ = [
+    "V4_LAYER_KINDS",
+    "check_v4_attention",
+    "check_v4_attention_refuses",
+    "check_v4_attention_shared_entries",
+    "v4_layer",
+]
 
 #: The three V4 layer types: the window alone, + every closed entry (HCA), + listed entries (CSA).
 V4_LAYER_KINDS = ("sliding", "hca", "csa")
@@ -49,6 +55,7 @@ class _V4Case:
     entries: list[torch.Tensor]  # per sequence: compressed entries [seq_len // rate, d]
     entry_indices: torch.Tensor | None  # int32 [num_tokens, k], on the CPU
     derotate: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [num_tokens, pairs], on the CPU
+    window_tables: list[list[int]]  # per sequence: its window class's block table
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -92,12 +99,9 @@ def _v4_case(
 
     keys = [garbage(s, d) for s in seq_lens]
     entries = [garbage(s // rate, d) for s in seq_lens]
-    kv = garbage(window_blocks + 1, block_size, d)
+    kv = _window_cache(keys, window_tables, context_lens, window, block_size, garbage)
     per_block = block_size // rate
     compressed = garbage(full_blocks, per_block, d)
-    for seq, (table, context) in enumerate(zip(window_tables, context_lens, strict=True)):
-        for position in range(max(0, context - window + 1), seq_lens[seq]):
-            kv[table[position // block_size], position % block_size] = keys[seq][position]
     for seq, table in enumerate(full_tables):
         for entry in range(seq_lens[seq] // rate):
             compressed[table[entry // per_block], entry % per_block] = entries[seq][entry]
@@ -127,6 +131,49 @@ def _v4_case(
         if kind == "csa"
         else None,
         derotate=derotate,
+        window_tables=window_tables,
+    )
+
+
+def _window_cache(
+    keys: Sequence[torch.Tensor],
+    tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    window: int,
+    block_size: int,
+    garbage: Any,
+) -> torch.Tensor:
+    """A window-class cache tensor of garbage holding each sequence's keys its queries may
+    read, through its block table (one spare garbage block beyond the tables' blocks)."""
+    blocks = max(max(table, default=0) for table in tables) + 1
+    kv = garbage(blocks + 1, block_size, keys[0].shape[-1])
+    for seq, (table, context) in enumerate(zip(tables, context_lens, strict=True)):
+        for position in range(max(0, context - window + 1), keys[seq].shape[0]):
+            kv[table[position // block_size], position % block_size] = keys[seq][position]
+    return kv
+
+
+def _reader_of(case: _V4Case, kind: str, window: int, rate: int, topk: int, gen: torch.Generator) -> _V4Case:
+    """Another layer of the same step that reads ``case``'s compressed entries (the very
+    tensor, as ``CacheGroupSpec.read_from`` hands a reader its source's) beside its own
+    window keys, queries, sinks and picks."""
+    dtype, device = case.query.dtype, case.cache["kv"].device
+    block_size = case.cache["kv"].shape[1]
+
+    def garbage(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    keys = [garbage(key.shape[0], key.shape[1]) for key in case.keys]
+    kv = _window_cache(keys, case.window_tables, case.context_lens, window, block_size, garbage)
+    return attrs.evolve(
+        case,
+        cache={"kv": kv.to(device), "compressed": case.cache["compressed"]},
+        query=garbage(*case.query.shape),
+        sinks=torch.randn(case.sinks.shape, generator=gen) * 2,
+        keys=keys,
+        entry_indices=random_index_rows([s // rate for s in case.seq_lens], case.query_lens, topk, gen)
+        if kind == "csa"
+        else None,
     )
 
 
@@ -240,6 +287,58 @@ def check_v4_attention(
     )
     for name, tensor in case.cache.items():
         assert torch.equal(tensor, before[name]), f"forward_v4 wrote the {name!r} cache; it only reads: {where}"
+
+
+def check_v4_attention_shared_entries(
+    backend: Any,
+    *,
+    kind: str,
+    lengths: Sequence[tuple[int, int]],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    tolerance: tuple[float, float],
+    device: torch.device | str = "cpu",
+    num_heads: int = 20,
+    head_size: int = 48,
+    rate: int = 2,
+    window: int | None = None,
+    topk: int = 7,
+) -> None:
+    """The cache-sharing contract from a backend's side (DeepSeek-V4.1's readers): two layers
+    of one step whose ``compressed`` cache is one tensor, each with its own window keys,
+    queries, sinks and picks. Each call matches the float64 oracle, and neither writes
+    anything: the shared entries stay the source's, unchanged, whatever layer reads them
+    (a backend that keyed state by layer or by cache tensor would fail one of the two)."""
+    if kind == "sliding":
+        raise ValueError("a sliding layer reads no compressed entries: nothing is shared")
+    gen = torch.Generator().manual_seed(seed)
+    window = block_size + 3 if window is None else window
+    layer = v4_layer(num_heads, head_size)
+    source = _v4_case(
+        kind, layer, lengths, block_size=block_size, window=window, rate=rate, topk=topk, dtype=dtype,
+        device=device, gen=gen,
+    )  # fmt: skip
+    reader = _reader_of(source, kind, window, rate, topk, gen)
+    assert reader.cache["compressed"] is source.cache["compressed"]
+    shared = source.cache["compressed"].clone()
+    atol, rtol = tolerance
+    for name, case in (("source", source), ("reader", reader)):
+        where = (
+            f"V4 attention over shared entries, {kind} {name} layer: context_lens={case.context_lens} "
+            f"query_lens={case.query_lens} window={window} rate={rate} block_size={block_size} (seed={seed})"
+        )
+        own = case.cache["kv"].clone()
+        got = _call(backend, kind, layer, case, window, rate, case.entry_indices)
+        torch.testing.assert_close(
+            got[: case.query.shape[0]].detach().cpu().double(),
+            _oracle(kind, layer, case, window, rate),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda detail, where=where: f"differs from the float64 oracle: {where}\n{detail}",
+        )
+        assert torch.equal(case.cache["kv"], own), f"forward_v4 wrote the layer's window cache: {where}"
+        assert torch.equal(case.cache["compressed"], shared), f"forward_v4 wrote the shared entries: {where}"
 
 
 def check_v4_attention_refuses(
