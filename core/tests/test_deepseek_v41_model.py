@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import structlog
 import torch
@@ -310,6 +311,20 @@ def test_the_load_names_what_it_does_not_read_yet(folders: dict[str, Path]) -> N
     (event,) = [e for e in logs if e["event"] == "checkpoint tensors present, not used yet"]
     assert event["DSpark's drafter (speculative decoding)"] > 0
     assert event["the image tokens' router bias (images)"] == 6
+
+
+def test_fp4_experts_stay_packed_for_a_backend_that_multiplies_them(folders: dict[str, Path], golden: dict) -> None:
+    """With ``fp4_experts`` (a MoE backend declaring ``fp4``), the routed experts reach the backend
+    as the release's packed e2m1 bytes and ue8m0 scales, and the logits are still the official
+    exact math's."""
+    checkpoint = load_checkpoint(str(folders["main"]))
+    packed = DeepseekV41ForCausalLM(attrs.evolve(context_of(folders["main"]), fp4_experts=True))
+    packed.load_weights(checkpoint.tensors(keep_fp4=packed.keep_fp4, wanted=packed.wants_weight))
+    for moe in packed.routed_expert_layers():
+        weights = moe.prepared
+        assert weights.fp4 and weights.w13.dtype == torch.uint8 and weights.w13_scale.dtype == torch.float8_e8m0fnu
+    (logits,) = runner_of(packed).step([("a", path_of(golden, "main.a")[0])])
+    assert_rows_match(logits, golden["main.a.exact_prefill_logits"].float(), "main.a prefill, FP4 experts kept packed")
 
 
 def test_a_tokenizer_that_is_not_the_models_is_refused(folders: dict[str, Path]) -> None:

@@ -24,8 +24,10 @@ group is still open scores another layer's keys there; here it scores its own gr
   ``engram_max_ngram_size`` tokens, on the first Engram layer). Chunked prefill, prefix
   caching, preemption and rollback move block ids and lengths, and nothing else.
 - **Engram** (``layers/engram.py``): the rows a step reads depend on token ids only, so they
-  are gathered from the memory-mapped tables (never read into RAM at load) before the first
-  layer runs, and gated into the streams before the blocks of ``engram_layer_ids``.
+  are hashed before the first layer runs and gathered from the memory-mapped tables (never
+  read into RAM at load, never on the device) on a worker thread while the layers before
+  theirs run (on an accelerator through pinned memory, copied without blocking the host),
+  then gated into the streams before the blocks of ``engram_layer_ids``.
 - **mHC, lagged**: a block's attention reads the streams collapsed by the weights the block
   *before* computed for its FFN site, and its FFN by the weights its own attention site
   computed; the last FFN site's weights collapse the streams for the final norm.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -765,6 +768,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             specs[first] = attrs.evolve(specs[first], cache_groups=(*specs[first].cache_groups, self.engram_rows.group))
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(specs)
         self._engram_cache_layer = args.engram.layer_ids[0] if args.engram else None
+        self._gatherer: ThreadPoolExecutor | None = None
         self.mtp = None
 
     def forward(
@@ -782,24 +786,26 @@ class DeepseekV41ForCausalLM(nn.Module):
         step = StepPicks()
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer.engram is not None:
-                streams = layer.engram(streams, gathered[index])
+                streams = layer.engram(streams, _ready(gathered[index]))
             streams, pre = layer(streams, pre, input_ids, positions, self.rope, kv_cache, metadata, step)
         return self.norm(collapse_with(streams, pre))
 
     def _engram_rows(
         self, input_ids: torch.Tensor, kv_caches: Sequence[LayerKVCache], metadata: AttentionMetadata
-    ) -> dict[int, torch.Tensor]:
-        """Every Engram layer's table rows for this step, gathered before any layer runs."""
+    ) -> dict[int, Future[tuple[torch.Tensor, Any]]]:
+        """Every Engram layer's table rows for this step, each gathered on a worker thread while
+        the layers before it run (the row ids depend on token ids only): from the mapped file
+        into pinned memory and, on an accelerator, copied without blocking the host."""
         if self.engram_rows is None:
             return {}
-        rows = self.engram_rows(input_ids, kv_caches[self._engram_cache_layer], metadata)
-        out = {}
-        for slot, layer in enumerate(self.args.engram.layer_ids):
-            table = self.layers[layer].engram.table
-            if table is None:
-                raise RuntimeError(f"layer {layer}'s Engram table was never mapped: load the weights first")
-            out[layer] = table.rows(rows[:, slot], torch.float32).flatten(1).to(input_ids.device)
-        return out
+        ids = self.engram_rows(input_ids, kv_caches[self._engram_cache_layer], metadata).cpu()
+        if self._gatherer is None:
+            self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-rows")
+        device = input_ids.device
+        return {
+            layer: self._gatherer.submit(_gather_rows, self.layers[layer].engram, ids[:, slot], device)
+            for slot, layer in enumerate(self.args.engram.layer_ids)
+        }
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden.float())
@@ -890,6 +896,26 @@ class DeepseekV41ForCausalLM(nn.Module):
                     f"needs [{rows}, {engram.head_dim}]; the checkpoint and its config.json disagree"
                 )
             self.layers[layer].engram.table = table
+
+
+def _gather_rows(gate: EngramGate, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """One Engram layer's rows ``[n, columns * head_dim]`` (float32) on ``device``, and on an
+    accelerator the event after their copy (the worker thread's stream is not the layers')."""
+    if gate.table is None:
+        raise RuntimeError("an Engram table was never mapped: load the weights first")
+    rows = gate.table.rows(ids, torch.float32).flatten(1)
+    if device.type == "cpu":
+        return rows, None
+    copied = rows.pin_memory().to(device, non_blocking=True)
+    return copied, torch.accelerator.current_stream(device).record_event()
+
+
+def _ready(pending: Future[tuple[torch.Tensor, Any]]) -> torch.Tensor:
+    """A gathered layer's rows, once the layers' stream has waited for their copy."""
+    rows, copied = pending.result()
+    if copied is not None:
+        torch.accelerator.current_stream(rows.device).wait_event(copied)
+    return rows
 
 
 def _token_map(ctx: ModelContext, engram: EngramArgs) -> list[int]:
