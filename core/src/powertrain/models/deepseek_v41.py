@@ -403,8 +403,8 @@ def candidate_blocks(score: torch.Tensor, visible: torch.Tensor, top_blocks: int
     blocks = -(-width // block_size)
     padded = F.pad(score, (0, blocks * block_size - width), value=float("-inf"))
     best = padded.view(queries, blocks, block_size).amax(dim=-1)
-    newest = ((visible - 1).clamp(min=0) // block_size).long()
-    best = best.scatter(1, newest[:, None], float("inf"))
+    newest = torch.div(visible - 1, block_size, rounding_mode="floor")  # -1: nothing visible, nothing pinned
+    best = best.masked_fill(torch.arange(blocks, device=score.device)[None, :] == newest[:, None], float("inf"))
     values, chosen = stable_topk(best, min(top_blocks, blocks))
     keep = torch.zeros(queries, blocks, dtype=torch.bool, device=score.device)
     keep.scatter_(1, chosen, values > float("-inf"))
@@ -559,7 +559,7 @@ class V41Attention(nn.Module):
             if count == 0:
                 continue
             keys = read_entries(kv_cache["index_keys"], full.block_tables[seq], 0, count).float()
-            score = (torch.einsum("qhd,kd->qhk", queries[start:end], keys).relu() * weights[start:end, :, None]).sum(1)
+            score = _index_scores(queries[start:end], keys, weights[start:end])
             visible = torch.div(positions[start:end] + 1, ratio, rounding_mode="floor")
             score = score.masked_fill(torch.arange(count, device=score.device)[None, :] >= visible[:, None], -torch.inf)
             if role.candidate_source:
@@ -577,6 +577,15 @@ class V41Attention(nn.Module):
             index = torch.where(index < visible[:, None], index, -1)
             picks[start:end, : index.shape[1]] = index.to(torch.int32)
         return picks
+
+
+def _index_scores(queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 ``[q, entries]``: ``sum_h weights[:, h] * relu(queries[:, h] . keys[e])``, one head
+    at a time (a ``[q, heads, entries]`` product would take heads times the memory)."""
+    score = torch.zeros(queries.shape[0], keys.shape[0], dtype=torch.float32, device=queries.device)
+    for head in range(queries.shape[1]):
+        score += (queries[:, head] @ keys.T).relu_() * weights[:, head, None]
+    return score
 
 
 def compressed_group(args: V41Args, ratio: int) -> CacheGroupSpec:
