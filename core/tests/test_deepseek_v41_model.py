@@ -427,3 +427,29 @@ def test_data_and_expert_parallel_give_the_same_greedy_tokens(folders: dict[str,
         experts = [w.experts for w in llm.engine.workers]
     assert experts == [(0, 2), (2, 2)]
     assert [list(o.outputs[0].token_ids) for o in outputs] == one
+
+
+def test_speculation_is_greedy_identical(
+    folders: dict[str, Path], golden: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative decoding on V4.1 (fixed-k verifies every draft): rejected drafts leave window
+    keys, compressor rows, entries, indexer keys and Engram's token ids behind, which later steps
+    must overwrite before anything reads them. The drafts are plain decoding's own tokens with
+    one made wrong in every other proposal, at a depth cycling through the draft
+    (``ScriptedDrafter``): accepted and rejected at every depth by construction."""
+    scripted = pytest.importorskip("powertrain_dspark.scripted")
+    import powertrain_dspark.plugin
+
+    prompts = [golden["main.a.prompt"].tolist(), golden["main.b.prompt"].tolist()[:13]]
+    plain, _ = greedy(folders["main"], prompts, num_blocks=96)
+    drafter = scripted.scripted({tuple(p): tokens for p, tokens in zip(prompts, plain, strict=True)})
+    monkeypatch.setattr(powertrain_dspark.plugin, "make_drafter", drafter)
+    with LLM(str(folders["main"]), dtype="float32", block_size=BLOCK, speculative="fixed-k") as llm:
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        speculated = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    accepted, verified = stats.speculative_accepted_tokens, stats.speculative_verified_tokens
+    print(f"drafts: {accepted} of {verified} accepted; {drafter.built.wrong} made wrong")
+    assert drafter.built.wrong > 0 and 0 < accepted < verified
+    for prompt, tokens, reference in zip(prompts, speculated, plain, strict=True):
+        assert_greedy_agrees(tokens, reference, our_row(folders["main"], prompt, reference), TIE, "speculation")
