@@ -18,6 +18,7 @@ then the whole engine.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import pytest
 import structlog
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.grouped_moe import TorchGroupedMoE
@@ -325,6 +326,33 @@ def test_fp4_experts_stay_packed_for_a_backend_that_multiplies_them(folders: dic
         assert weights.fp4 and weights.w13.dtype == torch.uint8 and weights.w13_scale.dtype == torch.float8_e8m0fnu
     (logits,) = runner_of(packed).step([("a", path_of(golden, "main.a")[0])])
     assert_rows_match(logits, golden["main.a.exact_prefill_logits"].float(), "main.a prefill, FP4 experts kept packed")
+
+
+def test_transformers_spelling_loads_the_same_model(folders: dict[str, Path], golden: dict, tmp_path: Path) -> None:
+    """The transformers pull request's ``DeepseekV41ForCausalLM`` keeps the release's names under
+    ``model.`` and calls the head ``lm_head``: such a checkpoint (Engram tables included) loads
+    the same model."""
+    native = folders["main"]
+    spelled = tmp_path / "hf"
+    shutil.copytree(native, spelled)
+    tensors = load_file(native / "model.safetensors")
+    renamed = {("lm_head.weight" if n == "head.weight" else f"model.{n}"): t for n, t in tensors.items()}
+    save_file(renamed, spelled / "model.safetensors")
+    model = load_ours(spelled)
+    assert model.layers[0].engram.table.weight.name == "model.layers.0.engram.embed.weight"
+    (logits,) = runner_of(model).step([("a", path_of(golden, "main.a")[0])])
+    assert_rows_match(logits, golden["main.a.exact_prefill_logits"].float(), "main.a prefill, transformers' names")
+
+
+def test_a_checkpoint_without_its_engram_table_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folders["main"], damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    save_file(
+        {n: t for n, t in tensors.items() if not n.startswith("layers.1.engram.embed.")}, damaged / "model.safetensors"
+    )
+    with pytest.raises(ValueError, match=r"no layers\.1\.engram\.embed\.weight \(layer 1's Engram table"):
+        load_ours(damaged)
 
 
 def test_a_tokenizer_that_is_not_the_models_is_refused(folders: dict[str, Path]) -> None:

@@ -21,6 +21,7 @@ from powertrain.config import ConfigError, EngineConfig, parse_config
 from powertrain.llm import apply_overrides
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import write_tiny_deepseek, write_tiny_deepseek_v4, write_tiny_deepseek_v32
+from powertrain.testing.deepseek_v41 import write_tiny_deepseek_v41
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -107,12 +108,13 @@ def test_deepseek_v3_tiers_change_nothing_and_survive_damage(deepseek_v3: Path, 
 
 @pytest.mark.parametrize(
     ("write", "block_size"),
-    [(write_tiny_deepseek_v32, 16), (write_tiny_deepseek_v4, 8)],
-    ids=["v3.2-indexer-keys", "v4-sliding-and-compressed"],
+    [(write_tiny_deepseek_v32, 16), (write_tiny_deepseek_v4, 8), (write_tiny_deepseek_v41, 4)],
+    ids=["v3.2-indexer-keys", "v4-sliding-and-compressed", "v4.1-shared-compressed-and-engram"],
 )
 def test_deepseek_cache_groups_come_back_from_the_tiers(tmp_path: Path, write: Any, block_size: int) -> None:
-    """V3.2's indexer keys (a group beside the MLA latent) and V4's sliding-window and
-    compressed groups (every layer custom) go down and come back with their blocks."""
+    """V3.2's indexer keys (a group beside the MLA latent), V4's sliding-window and compressed
+    groups (every layer custom), and V4.1's compressed groups read by later layers (moved
+    once, at their source) and Engram's token ids go down and come back with their blocks."""
     seed = fresh_seed()
     path = write(tmp_path / "model", seed=seed)
     prompts = conversations(random.Random(seed), vocab=500, count=4)

@@ -87,7 +87,13 @@ NOT_USED_YET: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(vision|aligner)\.|^image_"), "the vision tower (images)"),
     (re.compile(r"\.ffn\.gate\.bias_vl$"), "the image tokens' router bias (images)"),
 )
-#: Release names -> this module's, where they differ (applied once per name).
+#: transformers' spelling (the pull request's ``DeepseekV41ForCausalLM`` keeps the release's
+#: names under ``model.``, the head as ``lm_head``) -> the release's.
+HF_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^model\."), ""),
+    (re.compile(r"^lm_head\.weight$"), "head.weight"),
+)
+#: The release's names -> this module's, where they differ.
 RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"layers.\1.\2_hc.\3"),
 )
@@ -837,6 +843,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         """False for what is mapped instead of read (Engram tables), for another issue's
         tensors (noted, reported at the end of the load), and for another expert-parallel
         rank's routed experts."""
+        name = _renamed(name, HF_NAMES)
         if _ENGRAM_TABLE.match(name):
             return False
         for pattern, reader in NOT_USED_YET:
@@ -850,7 +857,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return first <= int(match.group(1)) < first + count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors in under the release's names (``RENAMES`` where this module's differ);
+        """Copy tensors in under the release's names or transformers' (``HF_NAMES``, then
+        ``RENAMES`` where this module's differ);
         routed experts and routers go through their MoE layer (the router's weight divided
         by ``gate_temp``); the Engram tables are mapped from their files. Raises ValueError
         naming unexpected and missing tensors."""
@@ -862,9 +870,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             for stored, tensor in weights:
                 if not self.wants_weight(stored):
                     continue
-                name = stored
-                for pattern, replacement in RENAMES:
-                    name = pattern.sub(replacement, name)
+                name = _renamed(_renamed(stored, HF_NAMES), RENAMES)
                 if name in targets:
                     copy_checked(stored, targets[name], tensor)
                     loaded.add(name)
@@ -896,15 +902,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.engram_rows is None:
             return
         engram = self.engram_rows.engram
+        stored = {_renamed(name, HF_NAMES): name for name in self._tensor_files}
         for layer, rows in zip(engram.layer_ids, self.engram_rows.hasher.layout.table_rows, strict=True):
             prefix = f"layers.{layer}.engram.embed"
-            table = MappedFp8Rows(self._tensor_files, prefix)
+            if f"{prefix}.weight" not in stored:
+                raise ValueError(
+                    f"the checkpoint has no {prefix}.weight (layer {layer}'s Engram table, engram_layer_ids "
+                    f"{list(engram.layer_ids)}): it is not the model the config describes"
+                )
+            table = MappedFp8Rows(self._tensor_files, stored[f"{prefix}.weight"].removesuffix(".weight"))
             if table.shape != (rows, engram.head_dim):
                 raise ValueError(
                     f"{prefix}.weight is {list(table.shape)} in {table.weight.path}, but the config's Engram layout "
                     f"needs [{rows}, {engram.head_dim}]; the checkpoint and its config.json disagree"
                 )
             self.layers[layer].engram.table = table
+
+
+def _renamed(name: str, rules: Sequence[tuple[re.Pattern[str], str]]) -> str:
+    for pattern, replacement in rules:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def _gather_rows(gate: EngramGate, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
