@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: what machine this is, and how results are printed."""
+"""Shared by the benchmarks: what machine this is, how results are printed, and driving one
+in-process engine step by step (prefill a request, then decode with several engines taking turns)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from powertrain.bench.report import cpu_model
+
+if TYPE_CHECKING:
+    from powertrain import LLM
+    from powertrain.engine.engine import LLMEngine
 
 
 def machine() -> dict[str, Any]:
@@ -59,3 +66,58 @@ def llama_cpp_python(given: str | None) -> str | None:
     if given:
         return given
     return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
+
+
+def engine_of(llm: LLM) -> LLMEngine:
+    from powertrain.engine.engine import LLMEngine
+
+    if not isinstance(llm.engine, LLMEngine):
+        raise SystemExit("this benchmark times an in-process engine (no data/expert parallelism)")
+    return llm.engine
+
+
+def prefill(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+    """Queue ``prompt`` and step until its first token is sampled; the seconds that took."""
+    from powertrain import SamplingParams
+
+    engine = engine_of(llm)
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    started = time.perf_counter()
+    while not any(output.outputs[0].token_ids for output in engine.step()):
+        if not engine.has_unfinished_requests():
+            raise SystemExit("the request finished without a token")
+    return time.perf_counter() - started
+
+
+def decode_in_turns(llms: dict[str, LLM], rounds: int, warmup: int, steps: int) -> dict[str, dict[str, float]]:
+    """Decode the prefilled request of every engine ``rounds * (warmup + steps)`` tokens, one
+    engine step per token, the engines taking turns by blocks of ``warmup + steps`` steps (the
+    first engine of a round alternates), so that a busy spell of a shared machine falls on all
+    alike. Only the last ``steps`` steps of each block are timed: a block's first steps pay for
+    the handover (each engine has its own device thread, and on CPU torch's OpenMP workers of the
+    other one may still be spinning). Per engine: median, p10 and p90 of the timed steps (ms)."""
+    names = list(llms)
+    durations: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(rounds):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            engine = engine_of(llms[name])
+            for step in range(warmup + steps):
+                before = time.perf_counter()
+                outputs = engine.step()
+                elapsed = time.perf_counter() - before  # its token is on the host: the device is done
+                if len(outputs) != 1:
+                    raise SystemExit(f"{name}: a decode step produced {len(outputs)} outputs, not 1")
+                if step >= warmup:
+                    durations[name].append(elapsed)
+    for name in names:
+        if engine_of(llms[name]).has_unfinished_requests():
+            raise SystemExit(f"{name}: the request outlived its {rounds * (warmup + steps)} decode steps")
+    result = {}
+    for name, measured in durations.items():
+        timed = sorted(measured)
+        result[name] = {
+            "decode_ms": 1e3 * statistics.median(timed),
+            "p10_ms": 1e3 * timed[len(timed) // 10],
+            "p90_ms": 1e3 * timed[-1 - len(timed) // 10],
+        }
+    return result

@@ -38,16 +38,14 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import report
+from common import decode_in_turns, engine_of, prefill, report
 from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
-from powertrain.engine.engine import LLMEngine
 from powertrain.layers.attention import MLAAttention
 from powertrain.log_setup import configure_logging
 from powertrain.testing.checkpoints import TINY_DEEPSEEK_V32_CONFIG, write_tiny_deepseek_v32
@@ -88,12 +86,6 @@ def dense_copy(sparse: Path, folder: Path) -> Path:
     return folder
 
 
-def engine_of(llm: LLM) -> LLMEngine:
-    if not isinstance(llm.engine, LLMEngine):
-        raise SystemExit("this benchmark times an in-process engine (no data/expert parallelism)")
-    return llm.engine
-
-
 def cache_bytes_per_token(llm: LLM) -> dict[str, float]:
     """Bytes one token takes in the KV cache, summed over layers, per cache group, as the
     engine accounted it when it allocated the cache (``LLMEngine.kv_cache``)."""
@@ -103,51 +95,6 @@ def cache_bytes_per_token(llm: LLM) -> dict[str, float]:
 def backend_name(llm: LLM) -> str:
     names = {m.backend.name for m in engine_of(llm).runner.model.modules() if isinstance(m, MLAAttention)}
     return ",".join(sorted(names))
-
-
-def prefill(llm: LLM, prompt: list[int], max_tokens: int) -> float:
-    """Queue ``prompt`` and step until its first token is sampled; the seconds that took."""
-    engine = engine_of(llm)
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    started = time.perf_counter()
-    while not any(output.outputs[0].token_ids for output in engine.step()):
-        if not engine.has_unfinished_requests():
-            raise SystemExit("the request finished without a token")
-    return time.perf_counter() - started
-
-
-def decode_in_turns(llms: dict[str, LLM], rounds: int, warmup: int, steps: int) -> dict[str, dict[str, float]]:
-    """Decode the prefilled request of every engine ``rounds * (warmup + steps)`` tokens, one
-    engine step per token, the engines taking turns by blocks of ``warmup + steps`` steps (the
-    first engine of a round alternates), so that a busy spell of a shared machine falls on both
-    alike. Only the last ``steps`` steps of each block are timed: a block's first steps pay for
-    the handover (each engine has its own device thread, and on CPU torch's OpenMP workers of the
-    other one may still be spinning). Per engine: median, p10 and p90 of the timed steps (ms)."""
-    names = list(llms)
-    durations: dict[str, list[float]] = {name: [] for name in names}
-    for turn in range(rounds):
-        for name in names if turn % 2 == 0 else names[::-1]:
-            engine = engine_of(llms[name])
-            for step in range(warmup + steps):
-                before = time.perf_counter()
-                outputs = engine.step()
-                elapsed = time.perf_counter() - before  # its token is on the host: the device is done
-                if len(outputs) != 1:
-                    raise SystemExit(f"{name}: a decode step produced {len(outputs)} outputs, not 1")
-                if step >= warmup:
-                    durations[name].append(elapsed)
-    for name in names:
-        if engine_of(llms[name]).has_unfinished_requests():
-            raise SystemExit(f"{name}: the request outlived its {rounds * (warmup + steps)} decode steps")
-    result = {}
-    for name, measured in durations.items():
-        timed = sorted(measured)
-        result[name] = {
-            "decode_ms": 1e3 * statistics.median(timed),
-            "p10_ms": 1e3 * timed[len(timed) // 10],
-            "p90_ms": 1e3 * timed[-1 - len(timed) // 10],
-        }
-    return result
 
 
 def same_tokens(sparse: LLM, dense: LLM, index_topk: int) -> bool | str:
