@@ -757,7 +757,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._expert_slice = None if ctx.expert_parallel_size == 1 else ctx.local_experts(args.num_experts)
         self._fp4_experts = ctx.fp4_experts
         self._tensor_files = dict(ctx.tensor_files)
-        self._not_used: dict[str, int] = {}
+        #: What the load found in the checkpoint and left to another component: reader -> tensors.
+        self.not_used: dict[str, int] = {}
         self.engram_rows = None if args.engram is None else EngramRows(args.engram, _token_map(ctx, args.engram))
         with torch.device(ctx.device):
             previous = torch.get_default_dtype()
@@ -848,7 +849,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             return False
         for pattern, reader in NOT_USED_YET:
             if pattern.search(name):
-                self._not_used[reader] = self._not_used.get(reader, 0) + 1
+                self.not_used[reader] = self.not_used.get(reader, 0) + 1
                 return False
         match = _EXPERT_INDEX.search(name)
         if match is None or self._expert_slice is None or ".shared_experts." in name:
@@ -865,7 +866,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         targets = {name: param.data for name, param in self.named_parameters() if ".ffn.experts." not in name}
         loaded: set[str] = set()
         unexpected: list[str] = []
-        self._not_used = {}
+        self.not_used = {}
         with torch.no_grad():
             for stored, tensor in weights:
                 if not self.wants_weight(stored):
@@ -880,8 +881,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 moe.finish_loading()
         check_complete(type(self).__name__, unexpected, sorted(targets.keys() - loaded))
         self._map_engram_tables()
-        if self._not_used:
-            log.info("checkpoint tensors present, not used yet", **{reader: n for reader, n in self._not_used.items()})
+        if self.not_used:
+            log.info("checkpoint tensors present, not used yet", **{reader: n for reader, n in self.not_used.items()})
 
     def _load_routed(self, name: str, tensor: torch.Tensor) -> bool:
         match = _ROUTED.match(name)
@@ -931,7 +932,7 @@ def _gather_rows(gate: EngramGate, ids: torch.Tensor, device: torch.device) -> t
     if gate.table is None:
         raise RuntimeError("an Engram table was never mapped: load the weights first")
     rows = gate.table.rows(ids, torch.float32).flatten(1)
-    if device.type == "cpu":
+    if rows.device == device:  # the layers run where the rows were gathered: no copy
         return rows, None
     copied = rows.pin_memory().to(device, non_blocking=True)
     return copied, torch.accelerator.current_stream(device).record_event()
