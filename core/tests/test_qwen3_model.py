@@ -5,7 +5,8 @@ Tiny random float32 checkpoints (``write_tiny_qwen3`` / ``write_tiny_qwen3_moe``
 one): plain Qwen3; Qwen3 with tied embeddings and an 8-token sliding window on every layer but
 the first (``max_window_layers``); Qwen3-MoE with 8 experts, top-2 renormalised, layer 0 a dense
 MLP. Logits over a paged cache with shuffled block ids beside a concurrently decoding neighbour,
-then the whole engine, greedy, against transformers' greedy tokens.
+then the whole engine, greedy, against transformers' greedy tokens. Last, GGUF files written
+from the same checkpoints as llama.cpp's converter writes them (``qwen3`` / ``qwen3moe``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers  # the oracle; the locked dev group pins 5.24, which has Qwen3 and Qwen3-MoE
@@ -22,10 +25,12 @@ import transformers  # the oracle; the locked dev group pins 5.24, which has Qwe
 import powertrain.builtin.models
 from powertrain import LLM, SamplingParams
 from powertrain.builtin.grouped_moe import TorchGroupedMoE
+from powertrain.builtin.models import llama_requirements
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.interfaces import ModelContext
 from powertrain.layers.moe import route
-from powertrain.loader import load_checkpoint
+from powertrain.loader import UnsupportedCheckpointError, load_checkpoint
+from powertrain.loader.gguf import hf_tensor_names
 from powertrain.models.llama import LlamaArgs, LlamaForCausalLM, Qwen3ForCausalLM
 from powertrain.plugins import PluginManager
 from powertrain.testing import write_tiny_qwen3, write_tiny_qwen3_moe
@@ -43,7 +48,7 @@ RELATIVE_TOLERANCE = 1e-4
 #: A greedy pick departs from the oracle's only at a tie that close (twice the tolerance:
 #: both sides may be off by it in opposite directions).
 TIE = 2 * RELATIVE_TOLERANCE
-DECODE_STEPS = 24
+DECODE_STEPS = 16
 WINDOW = 8
 VARIANTS = ("qwen3", "qwen3-sliding-tied", "qwen3-moe")
 
@@ -94,6 +99,7 @@ def context_of(config: dict[str, Any]) -> ModelContext:
 
 
 def load_ours(path: Path) -> Qwen3ForCausalLM:
+    """From a checkpoint folder or a GGUF file."""
     checkpoint = load_checkpoint(str(path))
     model = Qwen3ForCausalLM(context_of(dict(checkpoint.config)))
     model.load_weights(checkpoint.tensors())
@@ -300,3 +306,173 @@ def test_missing_expert_tensors_are_named(paths: dict[str, Path]) -> None:
     weights = ((n, t) for n, t in load_checkpoint(str(path)).tensors() if n not in dropped)
     with pytest.raises(ValueError, match="missing tensors: model.layers.1.mlp.gate.weight, model.layers.2.mlp.exp"):
         model.load_weights(weights)
+
+
+# --------------------------------------------------------------------------- GGUF
+
+#: HF module -> llama.cpp tensor (gguf-py's own names, so the loader's table is checked, not copied).
+_LLAMA_CPP = {
+    "model.embed_tokens": gguf.MODEL_TENSOR.TOKEN_EMBD,
+    "model.norm": gguf.MODEL_TENSOR.OUTPUT_NORM,
+    "lm_head": gguf.MODEL_TENSOR.OUTPUT,
+    "input_layernorm": gguf.MODEL_TENSOR.ATTN_NORM,
+    "self_attn.q_proj": gguf.MODEL_TENSOR.ATTN_Q,
+    "self_attn.k_proj": gguf.MODEL_TENSOR.ATTN_K,
+    "self_attn.v_proj": gguf.MODEL_TENSOR.ATTN_V,
+    "self_attn.o_proj": gguf.MODEL_TENSOR.ATTN_OUT,
+    "self_attn.q_norm": gguf.MODEL_TENSOR.ATTN_Q_NORM,
+    "self_attn.k_norm": gguf.MODEL_TENSOR.ATTN_K_NORM,
+    "post_attention_layernorm": gguf.MODEL_TENSOR.FFN_NORM,
+    "mlp.gate_proj": gguf.MODEL_TENSOR.FFN_GATE,
+    "mlp.up_proj": gguf.MODEL_TENSOR.FFN_UP,
+    "mlp.down_proj": gguf.MODEL_TENSOR.FFN_DOWN,
+    "mlp.gate": gguf.MODEL_TENSOR.FFN_GATE_INP,
+    "mlp.experts.gate_proj": gguf.MODEL_TENSOR.FFN_GATE_EXP,
+    "mlp.experts.up_proj": gguf.MODEL_TENSOR.FFN_UP_EXP,
+    "mlp.experts.down_proj": gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+}
+
+
+def llama_cpp_name(hf_name: str) -> str:
+    module = hf_name.removesuffix(".weight")
+    if not module.startswith("model.layers."):
+        return gguf.TENSOR_NAMES[_LLAMA_CPP[module]] + ".weight"
+    _, _, layer, rest = module.split(".", 3)
+    return gguf.TENSOR_NAMES[_LLAMA_CPP[rest]].format(bid=int(layer)) + ".weight"
+
+
+def write_gguf(folder: Path, path: Path, quantize: gguf.GGMLQuantizationType | None = None) -> Path:
+    """What llama.cpp's convert_hf_to_gguf.py writes for a Qwen3 / Qwen3-MoE folder, in F32: its
+    Qwen converters leave q/k rows unpermuted (NEOX rope is HF's half split), stack each MoE
+    layer's experts per projection (``[experts, rows, cols]``) and omit a tied head. Tokens,
+    merges and special ids are the folder's tokenizer's (which splits words as GPT-2 does).
+    ``quantize``: the block type the attention and dense MLP projections are stored in."""
+    config = config_of(folder)
+    moe = config["model_type"] == "qwen3_moe"
+    writer = gguf.GGUFWriter(str(path), arch="qwen3moe" if moe else "qwen3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if moe:
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"] | {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(sorted(vocab, key=vocab.__getitem__))
+    writer.add_token_types([3 if i in special else 1 for i in range(len(vocab))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    tensors = dict(load_checkpoint(str(folder)).tensors())
+    stacked: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.P.weight, E in order
+            layer_part, _, rest = name.partition(".experts.")
+            stacked.setdefault(f"{layer_part}.experts.{rest.split('.', 1)[1]}", []).append(tensor)
+        elif quantize is not None and "_proj." in name:
+            stored = gguf.quants.quantize(tensor.numpy(), quantize)
+            writer.add_tensor(llama_cpp_name(name), stored, raw_shape=stored.shape, raw_dtype=quantize)
+        elif not (name == "lm_head.weight" and config["tie_word_embeddings"]):
+            writer.add_tensor(llama_cpp_name(name), tensor.numpy())
+    for name, experts in stacked.items():
+        writer.add_tensor(llama_cpp_name(name), torch.stack(experts).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3-moe"])
+def test_a_llama_cpp_gguf_of_the_checkpoint_matches_hf(
+    variant: str, tmp_path: Path, paths: dict[str, Path], hf_models: dict[str, Any], weights_seed: int, seed: int
+) -> None:
+    """llama.cpp's qwen3moe has experts in every layer: its file is written from a checkpoint
+    without ``mlp_only_layers``, and transformers on that checkpoint is the oracle."""
+    folder, hf = paths[variant], hf_models[variant]
+    if variant == "qwen3-moe":
+        folder = write_tiny_qwen3_moe(tmp_path / "all-moe", seed=weights_seed, mlp_only_layers=[])
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    path = write_gguf(folder, tmp_path / f"{variant}.gguf")
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.format == "gguf"
+    assert checkpoint.config["architectures"] == config_of(folder)["architectures"]
+    assert sorted(checkpoint.tensor_names) == sorted(load_checkpoint(str(folder)).tensor_names)
+    assert ("moe" in llama_requirements(checkpoint.config)) is (variant == "qwen3-moe")
+    prompt = random_tokens(folder, random.randint(12, 30))
+    runner = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=4, num_blocks=64)
+    logits, generated = runner.greedy_beside_a_neighbour(prompt, random_tokens(folder, 7), random_tokens(folder, 11))
+    error = relative_error(logits, hf_logits(hf, prompt + generated[:-1]))
+    print(f"{variant} from GGUF, prefill {len(prompt)} + 11 decodes: max |diff| / max |logit| = {error:.2e}")
+    assert error <= RELATIVE_TOLERANCE, f"{variant} from GGUF: logits off by {error:.2e} (seed={seed})"
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    with LLM(str(path), dtype="float32", block_size=4, num_blocks=64) as llm:
+        (output,) = llm.generate([prompt], params)
+    expected = hf_greedy(hf, prompt, DECODE_STEPS)
+    tokens = list(output.outputs[0].token_ids)
+    assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, f"{variant} GGUF engine greedy")
+
+
+def test_qwen3_projections_kept_quantized_give_the_dequantized_logits(
+    tmp_path: Path, paths: dict[str, Path], seed: int
+) -> None:
+    """Q8_0 projections kept as stored (the reference kernel multiplies by exactly the values
+    dequantisation gives): q/k rows are left in the order the file has them, as dequantised."""
+    from powertrain.builtin.quantized_linear import DequantizingLinear
+
+    path = write_gguf(paths["qwen3"], tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.quantized_formats == {"q8"}
+    prompt = random_tokens(paths["qwen3"], 19)
+    logits = []
+    for kernel in (DequantizingLinear(), None):
+        context = ModelContext(
+            config=checkpoint.config,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            attention=TorchReferenceAttention(),
+            quantized_linear=kernel,
+        )
+        model = Qwen3ForCausalLM(context)
+        model.load_weights(checkpoint.tensors(keep_quantized=model.keep_quantized if kernel else None))
+        assert (model.model.layers[0].self_attn.qkv_proj.quantized is not None) is (kernel is not None)
+        logits.append(PagedRunner(model, TorchReferenceAttention()).step([("a", prompt)])[0])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_gguf_stacked_experts_become_per_expert_names() -> None:
+    assert hf_tensor_names("blk.2.ffn_up_exps.weight", 3) == tuple(
+        f"model.layers.2.mlp.experts.{e}.up_proj.weight" for e in range(3)
+    )
+    assert hf_tensor_names("blk.0.attn_k_norm.weight", 3) == ("model.layers.0.self_attn.k_norm.weight",)
+    assert hf_tensor_names("blk.1.ffn_gate_inp.weight", 3) == ("model.layers.1.mlp.gate.weight",)
+
+
+def test_a_gguf_router_that_is_not_a_softmax_is_refused(tmp_path: Path) -> None:
+    sigmoid = tmp_path / "sigmoid-gated.gguf"
+    writer = gguf.GGUFWriter(str(sigmoid), arch="qwen3moe")
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(4)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedCheckpointError, match="expert_gating_func is 2, but Qwen3-MoE routes through a"):
+        load_checkpoint(str(sigmoid))
