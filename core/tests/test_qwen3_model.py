@@ -223,6 +223,22 @@ def test_engine_greedy_equals_hf(variant: str, paths: dict[str, Path], hf_models
         assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, f"{variant} engine greedy")
 
 
+@pytest.mark.slow
+def test_data_and_expert_parallel_give_the_same_greedy_tokens(paths: dict[str, Path], seed: int) -> None:
+    """(DP, EP) = (2, 2) over spawned processes: each rank loads half the experts, tokens route
+    across ranks, and the greedy tokens are the one-process engine's."""
+    path = paths["qwen3-moe"]
+    prompts = [random_tokens(path, n) for n in (5, 23, 17, 9)]
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    with LLM(str(path), dtype="float32", block_size=4, memory_gib=0.05) as llm:
+        one = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    with LLM(str(path), dtype="float32", block_size=4, memory_gib=0.05, data_parallel=2, expert_parallel=2) as llm:
+        two = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        experts = [w.experts for w in llm.engine.workers]
+    assert experts == [(0, 4), (4, 4)]
+    assert two == one, f"seed={seed}"
+
+
 # --------------------------------------------------------------------------- config and registry
 
 
