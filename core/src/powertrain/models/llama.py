@@ -461,9 +461,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             if tied_head is not None:
                 self._load_tied_head(tied_head, loaded, quantized)
         missing = sorted(targets.keys() - loaded)
-        for layer, experts in enumerate(layer.mlp for layer in self.model.layers):
-            if isinstance(experts, MoE):
-                missing += [f"model.layers.{layer}.mlp.{name}" for name in experts.missing_weights()]
+        for index, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                missing += [f"model.layers.{index}.mlp.{name}" for name in layer.mlp.missing_weights()]
         check_complete(type(self).__name__, unexpected, missing)
         for experts in self.routed_expert_layers():
             experts.finish_loading()
