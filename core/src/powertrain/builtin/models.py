@@ -18,25 +18,34 @@ if TYPE_CHECKING:
     from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM
     from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
     from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
-    from powertrain.models.llama import LlamaForCausalLM
+    from powertrain.models.llama import LlamaFamilyForCausalLM
 
 POWERTRAIN_HOOK_API = 1
 
+#: config.json model_types that the Llama family builds as Qwen3 (per-head q/k norms, maybe experts).
+QWEN3_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
-def build_llama(context: ModelContext) -> LlamaForCausalLM:
-    from powertrain.models.llama import LlamaForCausalLM
 
+def build_llama(context: ModelContext) -> LlamaFamilyForCausalLM:
+    from powertrain.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+
+    if context.config.get("model_type") in QWEN3_MODEL_TYPES:
+        return Qwen3ForCausalLM(context)
     return LlamaForCausalLM(context)
 
 
 def llama_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
-    """Paged GQA attention for prefill (chunked) and decode; a sliding window if any layer slides."""
+    """Paged GQA attention for prefill (chunked) and decode; a sliding window if any layer
+    slides; a MoE backend if any layer routes to experts (Qwen3-MoE)."""
     from powertrain.models.llama import LlamaArgs
 
-    needs = {"gqa", "paged", "prefill", "decode", "chunked-prefill"}
-    if any(window is not None for window in LlamaArgs.from_config(config).sliding_windows):
-        needs.add("sliding-window")
-    return {"attention": needs}
+    args = LlamaArgs.from_config(config)
+    needs: dict[str, set[str]] = {"attention": {"gqa", "paged", "prefill", "decode", "chunked-prefill"}}
+    if any(window is not None for window in args.sliding_windows):
+        needs["attention"].add("sliding-window")
+    if args.sparse is not None:
+        needs["moe"] = set()
+    return needs
 
 
 def build_deepseek(context: ModelContext) -> DeepseekV3ForCausalLM:
@@ -99,10 +108,17 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
     return [
         ModelArchitectureRecord(
             name="llama",
-            architectures={"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"},
+            architectures={
+                "LlamaForCausalLM",
+                "MistralForCausalLM",
+                "Qwen2ForCausalLM",
+                "Qwen3ForCausalLM",
+                "Qwen3MoeForCausalLM",
+            },
             factory=build_llama,
             requirements=llama_requirements,
-            description="Llama-family decoders: Llama 2/3, SmolLM, Mistral, Qwen2 (GQA, RoPE scaling, qkv bias)",
+            description="Llama-family decoders: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Qwen3-MoE "
+            "(GQA, RoPE scaling, qkv bias, q/k norms, softmax-routed experts)",
         ),
         ModelArchitectureRecord(
             name="deepseek-v3",

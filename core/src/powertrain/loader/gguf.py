@@ -5,7 +5,10 @@ see the same state dict whatever the file format. Where the model asks (``keep_q
 block-quantised tensor instead arrives as stored, converted losslessly to a ``QuantizedWeight``
 (``loader.gguf_quants``). llama.cpp's converter permutes the rows of
 q_proj/k_proj for its interleaved rope; we undo that (as HF transformers' GGUF loader does), since
-our models use HF's half-split rope.
+our models use HF's half-split rope. Its Qwen converters leave those rows as they are (their
+rope is llama.cpp's NEOX kind, which is HF's), and write a Qwen3-MoE layer's experts stacked in
+one tensor per projection (``ffn_gate_exps`` ``[experts, ffn, hidden]``), which are read back as
+HF's per-expert tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ from powertrain.loader.gguf_tokenizer import tokenizer_from_gguf
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
+#: GGUF architecture -> the HF architecture and model_type whose config.json it becomes.
+_HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+#: Architectures whose converter permutes q/k rows for llama.cpp's interleaved rope.
+_PERMUTED_ROPE = ("llama",)
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -44,7 +55,12 @@ _BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+#: A MoE layer's experts, stacked ``[experts, rows, cols]`` -> HF's per-expert projection.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 #: Llama-3.1-style rope scaling, which llama.cpp bakes into per-frequency factors.
@@ -68,31 +84,44 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
         )
 
     file_tensors = {tensor.name: tensor for tensor in gguf_file.tensors}
-    names = {name: hf_tensor_name(name, source) for name in file_tensors if name != _ROPE_FREQS}
-    config = _llama_config(metadata, file_tensors, source)
+    config = _hf_config(architecture, metadata, file_tensors, source)
+    experts = int(config.get("num_experts", 0))
+    names = {name: hf_tensor_names(name, experts, source) for name in file_tensors if name != _ROPE_FREQS}
     started = time.perf_counter()
     tokenizer = tokenizer_from_gguf(metadata, source=source)
     tokenizer_s = time.perf_counter() - started
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = architecture in _PERMUTED_ROPE
 
     def read_tensors(
         wanted: Callable[[str], bool], keep_quantized: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        for gguf_name, hf_name in names.items():
-            if not wanted(hf_name):
+        for gguf_name, hf_names in names.items():
+            if not any(wanted(hf_name) for hf_name in hf_names):
                 continue
             tensor = file_tensors[gguf_name]
-            if keep_quantized is not None and tensor.tensor_type in KEPT_FORMATS and keep_quantized(hf_name):
-                weight: torch.Tensor | QuantizedWeight = _kept(tensor, n_head, n_head_kv, source)
-            else:
-                weights = _dequantize(tensor, source)
-                if ".attn_q." in gguf_name:
-                    weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)
-                elif ".attn_k." in gguf_name:
-                    weights = _unpermute_rope_rows(weights, n_head_kv, gguf_name, source)
-                weight = torch.from_numpy(weights)
+            if (
+                keep_quantized is not None
+                and len(hf_names) == 1
+                and tensor.tensor_type in KEPT_FORMATS
+                and keep_quantized(hf_names[0])
+            ):
+                kept = _kept(tensor, n_head, n_head_kv, source) if permuted else _as_stored(tensor, source)
+                tensor.release_pages()
+                yield hf_names[0], kept
+                continue
+            weights = _dequantize(tensor, source)
+            if permuted and ".attn_q." in gguf_name:
+                weights = _unpermute_rope_rows(weights, n_head, gguf_name, source)
+            elif permuted and ".attn_k." in gguf_name:
+                weights = _unpermute_rope_rows(weights, n_head_kv, gguf_name, source)
             tensor.release_pages()  # copied out: the mapped file need not stay resident
-            yield hf_name, weight
+            if len(hf_names) == 1:
+                yield hf_names[0], torch.from_numpy(weights)
+                continue
+            for hf_name, expert in zip(hf_names, torch.from_numpy(weights), strict=True):  # stacked experts
+                if wanted(hf_name):
+                    yield hf_name, expert
 
     log.info(
         "gguf.opened",
@@ -106,7 +135,7 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
         path=path,
         format="gguf",
         config=config,
-        tensor_names=tuple(names.values()),
+        tensor_names=tuple(name for hf_names in names.values() for name in hf_names),
         tokenizer=tokenizer,
         generation_config=(sampling := _sampling_metadata(metadata)),
         generation_source=f"{source} (GGUF general.sampling.*)" if sampling else "",
@@ -132,8 +161,24 @@ def _sampling_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return {name: metadata[key] for key, name in _SAMPLING_KEYS.items() if key in metadata}
 
 
+def hf_tensor_names(gguf_name: str, num_experts: int, source: str = "") -> tuple[str, ...]:
+    """llama.cpp's tensor name -> the HF transformers names of what it holds: one name, or for
+    a layer's stacked experts (``blk.3.ffn_up_exps.weight``) one per expert, in order
+    (``model.layers.3.mlp.experts.{e}.up_proj.weight``)."""
+    match = _BLOCK_NAME.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_TENSORS or match.group(3) != "weight":
+        return (hf_tensor_name(gguf_name, source),)
+    if num_experts < 1:
+        raise UnsupportedCheckpointError(
+            f"{source}: tensor {gguf_name!r} stacks routed experts, but the file's architecture has none "
+            "(no expert_count). Use the model's Hugging Face checkpoint folder instead."
+        )
+    layer, kind = match.group(1), _EXPERT_TENSORS[match.group(2)]
+    return tuple(f"model.layers.{layer}.mlp.experts.{e}.{kind}.weight" for e in range(num_experts))
+
+
 def hf_tensor_name(gguf_name: str, source: str = "") -> str:
-    """llama.cpp's tensor name -> HF transformers' name.
+    """llama.cpp's tensor name -> HF transformers' name (stacked experts: ``hf_tensor_names``).
 
     ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
     """
@@ -144,8 +189,9 @@ def hf_tensor_name(gguf_name: str, source: str = "") -> str:
     elif (match := _GLOBAL_NAME.fullmatch(gguf_name)) and match.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"
     raise UnsupportedCheckpointError(
-        f"{source}: tensor {gguf_name!r} has no counterpart in powertrain's Llama model (mixture-of-experts and "
-        "other non-Llama tensors are not read from GGUF yet). Use the model's Hugging Face checkpoint folder instead."
+        f"{source}: tensor {gguf_name!r} has no counterpart in powertrain's Llama-family models (shared experts and "
+        "other tensors of architectures it does not read from GGUF). Use the model's Hugging Face checkpoint folder "
+        "instead."
     )
 
 
@@ -162,17 +208,19 @@ def _open(path: Path, source: str) -> GGUFFile:
         ) from error
 
 
-def _llama_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """HF config.json equivalent of a llama GGUF's metadata."""
+def _hf_config(
+    architecture: str, metadata: Mapping[str, Any], tensors: Mapping[str, Any], source: str
+) -> dict[str, Any]:
+    """HF config.json equivalent of a llama, qwen3 or qwen3moe GGUF's metadata."""
 
     def key(name: str, default: Any = ...) -> Any:
-        full = f"llama.{name}"
+        full = f"{architecture}.{name}"
         if full in metadata:
             return metadata[full]
         if default is ...:
             raise CorruptCheckpointError(
-                f"{source}: GGUF metadata key {full!r} is missing; a llama GGUF always has it. Download or convert "
-                "the file again."
+                f"{source}: GGUF metadata key {full!r} is missing; a {architecture} GGUF always has it. Download or "
+                "convert the file again."
             )
         return default
 
@@ -182,7 +230,7 @@ def _llama_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], sourc
     if isinstance(n_head_kv, list):  # per-layer counts; Llama uses one for all layers
         if len(set(n_head_kv)) != 1:
             raise UnsupportedCheckpointError(
-                f"{source}: llama.attention.head_count_kv differs between layers ({n_head_kv}), which a Llama model "
+                f"{source}: {architecture}.attention.head_count_kv differs between layers ({n_head_kv}), which a model "
                 "cannot express. Use the model's Hugging Face checkpoint folder instead."
             )
         n_head_kv = n_head_kv[0]
@@ -193,14 +241,17 @@ def _llama_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], sourc
         raise CorruptCheckpointError(
             f"{source}: tensor 'token_embd.weight' is missing. Download or convert the file again."
         )
-    rope_scaling = _rope_scaling(metadata, tensors, rope_theta, head_dim, source)
+    rope_scaling = _rope_scaling(architecture, metadata, tensors, rope_theta, head_dim, source)
     # llama.cpp's convert writes output.weight only when it differs from the embedding.
     tie = "output.weight" not in tensors
+    hf_architecture, model_type = _HF_ARCHITECTURES[architecture]
+    experts = _experts_config(key, tensors, source) if architecture == "qwen3moe" else {}
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_architecture],
+        "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": int(key("feed_forward_length")),
+        # A Qwen3-MoE file needs it only for layers without experts.
+        "intermediate_size": int(key("feed_forward_length", experts.get("moe_intermediate_size", ...))),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(n_head_kv),
@@ -220,33 +271,65 @@ def _llama_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], sourc
         "attention_bias": any(f".{kind}.bias" in name for name in tensors for kind in ("attn_q", "attn_k", "attn_v")),
         "mlp_bias": any(f".{kind}.bias" in name for name in tensors for kind in ("ffn_gate", "ffn_up", "ffn_down")),
         "torch_dtype": "float32",  # what tensors() yields: quantized weights are dequantized to float32
+        **experts,
     }
     rope_dims = key("rope.dimension_count", head_dim)
     if int(rope_dims) != head_dim:
         raise UnsupportedCheckpointError(
-            f"{source}: llama.rope.dimension_count is {rope_dims} but the head size is {head_dim}; partial "
-            "rotary embeddings are not supported for Llama."
+            f"{source}: {architecture}.rope.dimension_count is {rope_dims} but the head size is {head_dim}; "
+            "partial rotary embeddings are not supported for this architecture."
         )
     return config
 
 
+#: llama.cpp's ``expert_gating_func`` value for a softmax router (2 is sigmoid).
+_SOFTMAX_GATING = 1
+
+
+def _experts_config(key: Callable[..., Any], tensors: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3-MoE's config.json expert keys from a qwen3moe GGUF. llama.cpp routes every layer
+    through softmax top-k and renormalises the chosen weights (``expert_weights_norm``, true
+    unless the file says otherwise); a layer stored with a dense MLP instead is listed in
+    ``mlp_only_layers``."""
+    gating = int(key("expert_gating_func", _SOFTMAX_GATING))
+    if gating != _SOFTMAX_GATING:
+        raise UnsupportedCheckpointError(
+            f"{source}: qwen3moe.expert_gating_func is {gating}, but Qwen3-MoE routes through a softmax "
+            f"({_SOFTMAX_GATING}). Use the model's Hugging Face checkpoint folder instead."
+        )
+    layers = int(key("block_count"))
+    return {
+        "num_experts": int(key("expert_count")),
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "moe_intermediate_size": int(key("expert_feed_forward_length")),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+    }
+
+
 def _rope_scaling(
-    metadata: Mapping[str, Any], tensors: Mapping[str, Any], rope_theta: float, head_dim: int, source: str
+    architecture: str,
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, Any],
+    rope_theta: float,
+    head_dim: int,
+    source: str,
 ) -> dict[str, Any] | None:
     """HF ``rope_scaling`` from llama.cpp's rope.scaling.* keys, or from a rope_freqs tensor (Llama 3.1)."""
-    kind = metadata.get("llama.rope.scaling.type", "none")
-    factor = metadata.get("llama.rope.scaling.factor")
+    kind = metadata.get(f"{architecture}.rope.scaling.type", "none")
+    factor = metadata.get(f"{architecture}.rope.scaling.factor")
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn" and factor:
         scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
-        if (original := metadata.get("llama.rope.scaling.original_context_length")) is not None:
+        if (original := metadata.get(f"{architecture}.rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(original)
         return scaling
     if kind not in ("none", "linear", "yarn"):
         raise UnsupportedCheckpointError(
-            f"{source}: llama.rope.scaling.type {kind!r} is not supported (known: none, linear, yarn). Use the "
-            "model's Hugging Face checkpoint folder instead."
+            f"{source}: {architecture}.rope.scaling.type {kind!r} is not supported (known: none, linear, yarn). "
+            "Use the model's Hugging Face checkpoint folder instead."
         )
     if _ROPE_FREQS in tensors:
         factors = gguf.quants.dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type).reshape(-1)
@@ -311,10 +394,15 @@ def _dequantize(tensor: Any, source: str) -> np.ndarray:
     return np.array(values.reshape(shape), dtype=np.float32, copy=True)
 
 
+def _as_stored(tensor: Any, source: str) -> QuantizedWeight:
+    rows, cols = (int(dim) for dim in reversed(tensor.shape))
+    return to_quantized_weight(tensor.data, tensor.tensor_type, (rows, cols), name=f"{source}: {tensor.name}")
+
+
 def _kept(tensor: Any, n_head: int, n_head_kv: int, source: str) -> QuantizedWeight:
     """``tensor`` as stored; q/k rows reordered as ``_unpermute_rope_rows`` reorders dense ones."""
-    rows, cols = (int(dim) for dim in reversed(tensor.shape))
-    weight = to_quantized_weight(tensor.data, tensor.tensor_type, (rows, cols), name=f"{source}: {tensor.name}")
+    weight = _as_stored(tensor, source)
+    rows = weight.shape[0]
     heads = n_head if ".attn_q." in tensor.name else n_head_kv if ".attn_k." in tensor.name else None
     if heads is None:
         return weight

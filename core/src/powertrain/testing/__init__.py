@@ -36,7 +36,8 @@ writes a tiny DeepSeek-V3.2 (Lightning Indexer in every attention layer) and
 ``write_tiny_deepseek_v4(folder)`` a tiny DeepSeek-V4 (every attention layer type, hash
 routing, mHC; FP4 experts optional) and ``write_tiny_deepseek_v41(folder)`` a tiny
 DeepSeek-V4.1-Flash in its release's own layout (every block type, Engram, DSpark, FP8/FP4).
-All are deterministic per seed;
+``write_tiny_qwen3(folder)`` and ``write_tiny_qwen3_moe(folder)`` write a tiny Qwen3 and
+Qwen3-MoE. All are deterministic per seed;
 cache them with a session-scoped fixture over ``tmp_path_factory`` (see
 ``powertrain.testing.checkpoints``).
 """
@@ -53,6 +54,8 @@ from powertrain.testing.checkpoints import (
     write_tiny_deepseek,
     write_tiny_deepseek_v4,
     write_tiny_deepseek_v32,
+    write_tiny_qwen3,
+    write_tiny_qwen3_moe,
 )
 from powertrain.testing.communicator import CommunicatorSuite
 from powertrain.testing.contract import PluginContract
@@ -80,6 +83,8 @@ __all__ = [
     "write_tiny_deepseek_v4",
     "write_tiny_deepseek_v32",
     "write_tiny_deepseek_v41",
+    "write_tiny_qwen3",
+    "write_tiny_qwen3_moe",
 ]
 
 

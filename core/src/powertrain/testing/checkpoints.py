@@ -1,4 +1,4 @@
-"""Tiny random DeepSeek checkpoints, written locally, for tests of model code, loaders and kernels.
+"""Tiny random DeepSeek and Qwen3 checkpoints, written locally, for tests of model code, loaders and kernels.
 
 No model hub is needed: ``write_tiny_deepseek`` builds the model with HF transformers (the
 oracle that model code is tested against), fills it with seeded random weights and saves it as
@@ -39,6 +39,8 @@ __all__ = [
     "TINY_DEEPSEEK_CONFIGS",
     "TINY_DEEPSEEK_V32_CONFIG",
     "TINY_DEEPSEEK_V4_CONFIG",
+    "TINY_QWEN3_CONFIG",
+    "TINY_QWEN3_MOE_CONFIG",
     "dequantize_fp4",
     "fp8_quantized_in_deepseek_v3",
     "mimic_mtp_layers",
@@ -50,6 +52,8 @@ __all__ = [
     "write_tiny_deepseek",
     "write_tiny_deepseek_v32",
     "write_tiny_deepseek_v4",
+    "write_tiny_qwen3",
+    "write_tiny_qwen3_moe",
 ]
 
 Variant = Literal["v3", "v2-lite"]
@@ -208,6 +212,37 @@ TINY_DEEPSEEK_V4_CONFIG: Mapping[str, Any] = {
     "tie_word_embeddings": False,
     "bos_token_id": 0,
     "eos_token_id": 1,
+}
+
+#: HF config arguments of the tiny Qwen3 (``Qwen3Config``), before ``**overrides``: GQA (4 query
+#: heads share 2 key/value heads) and head_dim 24, not hidden / heads = 16, as Qwen3's own heads
+#: are wider than that quotient (Qwen3-8B: 128 against 4096 / 32 = 128, Qwen3-0.6B: 128 against 64).
+TINY_QWEN3_CONFIG: Mapping[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "max_position_embeddings": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+#: HF config arguments of the tiny Qwen3-MoE (``Qwen3MoeConfig``), before ``**overrides``: Qwen3's
+#: attention, 8 experts of which each token takes 2 (renormalised, as Qwen3-30B-A3B), layer 0 a
+#: dense MLP (``mlp_only_layers``), the others routed.
+TINY_QWEN3_MOE_CONFIG: Mapping[str, Any] = {
+    **TINY_QWEN3_CONFIG,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
 }
 
 #: What a DeepSeek-V4 config.json with FP4 experts says (transformers' ``FineGrainedFP8Config``):
@@ -631,6 +666,80 @@ def mimic_mtp_layers(path: str | Path, scale: float = 0.1, sharpen: float = 4.0)
                 named[name] = final_norm.clone()
         save_file(named, shard, metadata={"format": "pt"})
     return path
+
+
+def write_tiny_qwen3(path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+    """Write a tiny random Qwen3 checkpoint folder (``Qwen3ForCausalLM``, ``TINY_QWEN3_CONFIG``
+    with ``overrides``, e.g. ``use_sliding_window=True, sliding_window=8, max_window_layers=1``)
+    to ``path`` (new or empty) and return it. Weights and files as ``write_tiny_deepseek``
+    describes (seeded, every norm, the q/k norms included, 1 + 0.1 N(0, 1)); a second call
+    with the same arguments returns at once."""
+    transformers = _import_transformers()
+    return _write_tiny_hf(
+        path,
+        "qwen3",
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        {**TINY_QWEN3_CONFIG, **overrides},
+        seed=seed,
+        dtype=dtype,
+    )
+
+
+def write_tiny_qwen3_moe(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    per_expert_names: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random Qwen3-MoE checkpoint folder (``Qwen3MoeForCausalLM``,
+    ``TINY_QWEN3_MOE_CONFIG`` with ``overrides``) to ``path`` (new or empty) and return it.
+    Experts as Qwen's releases store them, ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+    (what transformers' ``save_pretrained`` writes too), or with ``per_expert_names=False``
+    transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj``; the router is
+    ``mlp.gate.weight``. Otherwise as ``write_tiny_qwen3``."""
+    transformers = _import_transformers()
+    return _write_tiny_hf(
+        path,
+        "qwen3-moe",
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {**TINY_QWEN3_MOE_CONFIG, **overrides},
+        seed=seed,
+        dtype=dtype,
+        per_expert_names=per_expert_names,
+    )
+
+
+def _write_tiny_hf(
+    path: str | Path,
+    variant: str,
+    config_class: Any,
+    model_class: Any,
+    config_args: dict[str, Any],
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    per_expert_names: bool = True,
+) -> Path:
+    """Build ``model_class`` from ``config_args``, fill it with seeded weights, save it with the
+    tiny tokenizer (reusing ``path`` if it already holds exactly this checkpoint)."""
+    folder = Path(path)
+    recipe = _recipe(variant, seed, dtype, per_expert_names, config_args)
+    if _reuse_or_clear(folder, recipe):
+        return folder
+    tokenizer = _tokenizer_for(config_args)
+    config = config_class(**config_args)
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
+        model = model_class(config)
+    _randomize(model.state_dict(keep_vars=True), torch.Generator().manual_seed(seed))
+    model = _to_dtype(model, dtype)
+    model.save_pretrained(folder)
+    saved = folder / "model.safetensors"
+    _write_tensors(saved, _expert_layout(load_file(saved), per_expert=per_expert_names))
+    return _finish(folder, tokenizer, recipe)
 
 
 def random_hf_model(model_class: Any, config: Any) -> Any:
