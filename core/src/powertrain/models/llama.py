@@ -28,6 +28,7 @@ from powertrain.interfaces import (
     LayerKVCache,
     ModelContext,
     QuantizedWeight,
+    TapRecorder,
 )
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
@@ -209,17 +210,21 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
+        taps: TapRecorder | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: look them up once per step.
         cos, sin = self.rotary_emb(positions, metadata.max_seq_len, hidden.dtype)
-        fused = None if self.fused is None else self.fused(hidden, cos, sin, kv_caches, metadata)
+        # A drafter reading layer outputs needs the layers one by one.
+        fused = None if self.fused is None or taps is not None else self.fused(hidden, cos, sin, kv_caches, metadata)
         if fused is not None:
             hidden, residual = fused
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+                if taps is not None and taps.wants(index, "layer_output"):
+                    taps.record(index, "layer_output", hidden + residual)  # the add the next norm fuses
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -228,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
     """Implements ``interfaces.CausalLM``. Weights are uninitialised until ``load_weights``."""
 
     captures_decode = True
+    #: A drafter may read layer outputs (``TapRecorder``, set as ``taps`` by the runner).
+    tap_forms = frozenset({"layer_output"})
+    taps: TapRecorder | None = None
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
@@ -266,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
 
         Padded rows (past ``metadata.num_tokens``) need a valid position, e.g. 0.
         """
-        return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata, self.taps)
 
     def decoder_layer_parts(self) -> tuple[DecoderLayerParts, ...]:
         """Each layer as a kernel pack may fuse it (``DecoderStackKernel``)."""

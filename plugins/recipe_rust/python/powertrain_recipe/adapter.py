@@ -95,7 +95,11 @@ def output_format(model_config: Mapping[str, Any]) -> str:
     """Which markup the model writes, from its config.json."""
     model_type = str(model_config.get("model_type", ""))
     architectures = " ".join(model_config.get("architectures") or [])
-    if model_type in ("deepseek_v4", "deepseek_v41", "deepseek_v32") or "DeepseekV4" in architectures or "DeepseekV32" in architectures:
+    if (
+        model_type in ("deepseek_v4", "deepseek_v41", "deepseek_v32")
+        or "DeepseekV4" in architectures
+        or "DeepseekV32" in architectures
+    ):
         return "deepseek_v4"
     if model_type in ("deepseek_v3", "deepseek_v2") or "Deepseek" in architectures:
         return "deepseek_v3"
