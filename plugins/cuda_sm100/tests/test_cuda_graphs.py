@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from powertrain.interfaces import AttentionBackendContext, ModelContext
+from powertrain.interfaces import AttentionBackendContext, HiddenTap, ModelContext
 from powertrain.models.llama import LlamaForCausalLM
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import random_hf_model
@@ -63,6 +63,7 @@ def test_padded_decode_steps_equal_eager_ones(num_splits: int | None, interprete
         capture=False,
         batches=(1, 5, 3),
         max_model_len=32,  # 8 blocks a sequence: every one of the 8 splits has one; the interpreter's time is per token
+        taps=(HiddenTap(1, "layer_output"),),  # a drafter's tap rides along with the step
     )
     assert graphs.replays == 3 * 3
 

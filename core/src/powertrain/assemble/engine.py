@@ -41,7 +41,9 @@ from powertrain.engine.engine import LLMEngine
 from powertrain.engine.kv_tiers import KVTiers
 from powertrain.engine.model_runner import ModelRunner
 from powertrain.engine.sampler import Sampler
+from powertrain.engine.speculative import tap_problems
 from powertrain.engine.structured import StructuredOutputs
+from powertrain.interfaces import HiddenTap
 from powertrain.loader import load_checkpoint, sampling_defaults
 from powertrain.parallel.expert import ExpertParallel
 from powertrain.parallel.layout import RankPlacement
@@ -95,6 +97,9 @@ def build_engine(
             runner.lockstep,
             drafter_caches,
         )
+        problems = tap_problems(loaded.model, runner.taps)
+        if problems:
+            raise AssemblyError([f"[speculative]: {problem}" for problem in problems])
         mover = None
         if tiers is not None:
             mover = block_mover(tiers, loaded.model, loaded.kv_caches, drafter_caches, chosen)
@@ -109,7 +114,9 @@ def build_engine(
     )
     max_model_len = model_length(config, checkpoint.config)
     with _released_on_failure(device_thread, experts, tiers), startup.phase("capture decode graphs"):
-        runner.graphs = decode_graphs(chosen, loaded, block_manager, max_model_len, experts, device_thread, needs_moe)
+        runner.graphs = decode_graphs(
+            chosen, loaded, block_manager, max_model_len, experts, device_thread, needs_moe, runner.taps
+        )
     hooks = plugins.hook
     engine = LLMEngine(
         tokenizer=checkpoint.tokenizer,
@@ -181,10 +188,11 @@ def decode_graphs(
     experts: ExpertParallel | None,
     device_thread: DeviceThread,
     needs_moe: bool,
+    taps: tuple[HiddenTap, ...] = (),
 ) -> DecodeGraphs | None:
-    """``[engine] cuda_graphs``: decode steps captured for each batch size, or None (eager).
-    "auto" captures where nothing stands in the way and logs what does; "on" refuses to
-    start instead."""
+    """``[engine] cuda_graphs``: decode steps captured for each batch size (recording the
+    drafter's ``taps`` with them), or None (eager). "auto" captures where nothing stands in
+    the way and logs what does; "on" refuses to start instead."""
     options = chosen.config.engine
     if options.cuda_graphs == "off":
         return None
@@ -202,6 +210,7 @@ def decode_graphs(
         max_model_len=max_model_len,
         pad_blocks=block_manager.reserve_blocks(),
         device=chosen.device,
+        taps=taps,
     )
     started = time.perf_counter()
     try:

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache
+from powertrain.interfaces import AttentionMetadata, CausalLM, HiddenTap, LayerKVCache, TapRecorder
 
 
 @attrs.frozen
@@ -36,6 +36,8 @@ class Captured:
     #: The graph and its output buffer ``[G, hidden]``; None: replayed eagerly (``capture=False``).
     graph: Any = None
     hidden: torch.Tensor | None = None
+    #: The graph's buffers of the drafter's hidden taps, ``[G, width]`` each.
+    taps: tuple[torch.Tensor, ...] = ()
 
 
 class DecodeGraphs:
@@ -44,7 +46,8 @@ class DecodeGraphs:
     ``pad_blocks``: per retention class (in the engine's order, the first the primary),
     the block reserved for padding rows. ``capture=False`` runs the same padded step
     eagerly instead of replaying a graph: the padding and the buffers are then checked
-    where no GPU is (tests), and only the capture itself needs one.
+    where no GPU is (tests), and only the capture itself needs one. ``taps``: the hidden
+    states a drafter reads (``HiddenTap``), captured with the step and handed out with it.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class DecodeGraphs:
         pad_blocks: Mapping[int | None, int],
         device: torch.device,
         capture: bool = True,
+        taps: Sequence[HiddenTap] = (),
     ) -> None:
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"graph batch sizes must be increasing and at least 1, got {list(sizes)}")
@@ -68,6 +72,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.device = device
         self.capture = capture
+        self.taps = tuple(taps)
         self.pad_blocks = dict(pad_blocks)
         biggest = self.sizes[-1]
         #: Block-table columns: enough for a sequence of the model's length.
@@ -110,13 +115,27 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model.forward(ids, positions, self.kv_caches, metadata)
+                self._forward(ids, positions, metadata)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self.model.forward(ids, positions, self.kv_caches, metadata)
+            hidden, taps = self._forward(ids, positions, metadata)
         self._pool = graph.pool()
-        return Captured(metadata, graph, hidden)
+        return Captured(metadata, graph, hidden, taps)
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The model's forward, with the drafter's taps recorded where it asks for any."""
+        if not self.taps:
+            return self.model.forward(ids, positions, self.kv_caches, metadata), ()
+        recorder = TapRecorder(self.taps)
+        self.model.taps = recorder  # type: ignore[attr-defined]
+        try:
+            hidden = self.model.forward(ids, positions, self.kv_caches, metadata)
+        finally:
+            self.model.taps = None  # type: ignore[attr-defined]
+        return hidden, recorder.taken()
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Size ``size``'s metadata: views of the buffers, host values fixed (bounds)."""
@@ -153,17 +172,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, size: int
-    ) -> torch.Tensor:
-        """The step's final hidden states ``[batch, hidden]`` (a copy: the graph's output
-        buffer is overwritten by the next replay)."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The step's final hidden states ``[batch, hidden]`` and the drafter's taps
+        (copies: the graph's output buffers are overwritten by the next replay)."""
         captured = self.load(input_ids, positions, metadata, size)
         self.replays += 1
         if captured.graph is None:
-            hidden = self.model.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, captured.metadata)
+            hidden, taps = self._forward(self.input_ids[:size], self.positions[:size], captured.metadata)
         else:
             captured.graph.replay()
-            hidden = captured.hidden
-        return hidden[: metadata.batch_size].clone()
+            hidden, taps = captured.hidden, captured.taps
+        batch = metadata.batch_size
+        return hidden[:batch].clone(), tuple(tap[:batch].clone() for tap in taps)
 
     def load(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, size: int

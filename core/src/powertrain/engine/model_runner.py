@@ -28,7 +28,7 @@ from powertrain.engine.speculative import can_speculate, grammar_cut
 from powertrain.engine.structured import GrammarState, StructuredOutputs, TokenMasks
 from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache, SpeculativePolicy
 from powertrain.interfaces.scheduling import ScheduledBatch
-from powertrain.interfaces.speculative import DraftSlot, ExecutedStep, Proposal, VerifyBatch
+from powertrain.interfaces.speculative import DraftSlot, ExecutedStep, HiddenTap, Proposal, TapRecorder, VerifyBatch
 
 
 @attrs.frozen(kw_only=True)
@@ -342,10 +342,10 @@ class ModelRunner:
             self.lockstep.busy()
         size = None if self.graphs is None else self.graphs.size_for(step.metadata)
         if size is None:
-            hidden = self.model.forward(input_ids, step.positions, self.kv_caches, step.metadata)
+            hidden, taps = self._forward(input_ids, step.positions, step.metadata)
             ran = step.metadata
         else:
-            hidden = self.graphs.forward(input_ids, step.positions, step.metadata, size)  # type: ignore[union-attr]
+            hidden, taps = self.graphs.forward(input_ids, step.positions, step.metadata, size)  # type: ignore[union-attr]
             ran = self.graphs.captured[size].metadata  # type: ignore[union-attr]
         if step.speculation is not None:
             result = self._verify(step, hidden)
@@ -353,7 +353,7 @@ class ModelRunner:
             result = self._sample(step, self.model.compute_logits(hidden[step.sample_rows]).cpu())
         ran.raise_refused()  # sparse indices a backend refused on the device: the step fails
         if self.speculative is not None:
-            self._observe(step, input_ids, hidden, result)
+            self._observe(step, input_ids, hidden, taps, result)
         if self.lockstep is not None:  # peers may still run a drafter's MoE layers
             self.lockstep.finish_drafts()
         return result
@@ -430,7 +430,34 @@ class ModelRunner:
             seq_ids=step.sampled_seq_ids,
         )
 
-    def _observe(self, step: PreparedStep, input_ids: torch.Tensor, hidden: torch.Tensor, result: StepResult) -> None:
+    @property
+    def taps(self) -> tuple[HiddenTap, ...]:
+        """The target's hidden states the speculative policy reads (``SpeculativePolicy.taps``)."""
+        return tuple(getattr(self.speculative, "taps", ())) if self.speculative is not None else ()
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The model's eager forward, recording the policy's taps where it asks for any."""
+        taps = self.taps
+        if not taps:
+            return self.model.forward(input_ids, positions, self.kv_caches, metadata), ()
+        recorder = TapRecorder(taps)
+        self.model.taps = recorder  # type: ignore[attr-defined]
+        try:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
+        finally:
+            self.model.taps = None  # type: ignore[attr-defined]
+        return hidden, recorder.taken()
+
+    def _observe(
+        self,
+        step: PreparedStep,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        taps: tuple[torch.Tensor, ...],
+        result: StepResult,
+    ) -> None:
         spec = step.speculation
         kept = dict(zip(step.sampled_seq_ids, result.tokens, strict=True))
         seq_ids = spec.seq_ids if spec is not None else []
@@ -443,6 +470,7 @@ class ModelRunner:
                 seq_ids=seq_ids,
                 accepted=[kept.get(seq_id, []) for seq_id in seq_ids],
                 num_drafts=spec.num_drafts if spec is not None else [],
+                taps=taps,
             )
         )
 

@@ -13,6 +13,7 @@ import torch
 from powertrain.interfaces.attention import AttentionMetadata, LayerKVCache
 from powertrain.interfaces.model import CausalLM
 from powertrain.interfaces.sampling import SamplingParams
+from powertrain.interfaces.speculative import HiddenTap
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -113,3 +114,21 @@ class StepsPerSecondProfiler:
                 self.model.compute_logits(rows).cpu()
             timings.append(time.perf_counter() - started)
         return sorted(timings[1:])[len(timings[1:]) // 2]
+
+
+def tap_problems(model: CausalLM, taps: Sequence[HiddenTap]) -> list[str]:
+    """Why ``model`` cannot hand a drafter ``taps`` (empty: it can): a form its forward does
+    not record (``tap_forms``), or a layer it does not have."""
+    forms = frozenset(getattr(model, "tap_forms", ()))
+    layers = len(model.attention_layers)
+    problems = []
+    for tap in taps:
+        name = type(model).__name__
+        if tap.form not in forms:
+            offered = ", ".join(sorted(forms)) or "none"
+            problems.append(f"the drafter reads {tap.form!r} at layer {tap.layer}; {name} records {offered}")
+        elif tap.form == "head_streams" and tap.layer != layers:
+            problems.append(f"'head_streams' are read after the last layer: layer {layers}, not {tap.layer}")
+        elif tap.form != "head_streams" and not 0 <= tap.layer < layers:
+            problems.append(f"the drafter reads {tap.form!r} at layer {tap.layer}; {name} has layers 0..{layers - 1}")
+    return problems

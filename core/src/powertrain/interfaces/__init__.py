@@ -99,18 +99,24 @@ from powertrain.interfaces.scheduling import (
     SequenceStatus,
 )
 from powertrain.interfaces.speculative import (
+    TAP_FORMS,
     DraftSlot,
     ExecutedStep,
     ExpertRounds,
+    HiddenTap,
     KVCacheAllocator,
     Proposal,
     SpeculativeContext,
     SpeculativePolicy,
     StepsPerSecondProbe,
+    TapRecorder,
     VerifyBatch,
 )
 
 __all__ = [
+    "TAP_FORMS",
+    "HiddenTap",
+    "TapRecorder",
     # attention
     "AttentionBackend",
     "AttentionBackendContext",

@@ -89,7 +89,9 @@ class CausalLM(Protocol):
     an attention pack may run whole: ``DecoderStackKernel``), and ``captures_decode``: a
     class attribute, True where a decode step's forward may be captured as a CUDA graph
     (``engine.cuda_graphs``: nothing outside the attention and MoE backends reads a value
-    back to the host or builds a tensor from host data).
+    back to the host or builds a tensor from host data); ``tap_forms``, the hidden-state
+    forms (``interfaces.TAP_FORMS``) its forward can hand a drafter, recorded into the
+    ``TapRecorder`` the runner sets as the model's ``taps`` attribute (None: nothing asked).
     """
 
     @property

@@ -105,6 +105,55 @@ class VerifyBatch:
     num_seqs: int = 0
 
 
+#: What a drafter may read of the target's forward (``HiddenTap.form``):
+#: ``layer_output``: a layer's output hidden state (Qwen3's and Gemma's DSpark drafters);
+#: ``streams_mean_in``: the mean of the mHC streams entering a layer (DeepSeek-V4.1's drafter);
+#: ``head_streams``: the mHC streams before the hyper head collapses them, flattened
+#: (DeepSeek-V4's MTP layer; ``layer`` is the number of layers).
+TAP_FORMS = ("layer_output", "streams_mean_in", "head_streams")
+
+
+@attrs.frozen
+class HiddenTap:
+    """One hidden state a drafter reads from the target's forward, for every row of a step."""
+
+    layer: int
+    form: str
+
+    def __attrs_post_init__(self) -> None:
+        if self.form not in TAP_FORMS:
+            raise ValueError(f"hidden tap form {self.form!r}; one of {', '.join(TAP_FORMS)}")
+
+
+class TapRecorder:
+    """The taps a drafter asked for, filled by the target's forward: a model that supports
+    taps (``CausalLM.tap_forms``) calls ``record`` where each form arises, and only for what
+    was asked (``wants``), so a step copies nothing when no drafter asks."""
+
+    def __init__(self, taps: Sequence[HiddenTap]) -> None:
+        self.taps = tuple(taps)
+        self._wanted = {(tap.layer, tap.form) for tap in self.taps}
+        self.values: list[torch.Tensor | None] = [None] * len(self.taps)
+
+    def wants(self, layer: int, form: str) -> bool:
+        return (layer, form) in self._wanted
+
+    def record(self, layer: int, form: str, value: torch.Tensor) -> None:
+        """``value`` ``[num_tokens, width]`` for every tap ``(layer, form)`` (a copy: the forward
+        may reuse its buffer)."""
+        for index, tap in enumerate(self.taps):
+            if (tap.layer, tap.form) == (layer, form):
+                self.values[index] = value.clone()
+
+    def taken(self) -> tuple[torch.Tensor, ...]:
+        """The recorded values in ``taps`` order; a tap the forward did not record is an error
+        of the model (it declared the form), raised naming the tap."""
+        missing = [tap for tap, value in zip(self.taps, self.values, strict=True) if value is None]
+        if missing:
+            raise RuntimeError(f"the target's forward recorded no value for hidden taps {missing}")
+        return tuple(value for value in self.values if value is not None)
+
+
 @attrs.frozen(kw_only=True)
 class ExecutedStep:
     """A step's forward, for policies that keep state on the device (an MTP drafter
@@ -120,6 +169,9 @@ class ExecutedStep:
     accepted: list[list[int]]
     #: How many drafts each sequence carried into the step (0 for most).
     num_drafts: list[int]
+    #: The policy's ``taps`` (``HiddenTap``), in its order, each ``[num_tokens, width]`` with
+    #: the rows of ``hidden``; empty when it asks for none.
+    taps: tuple[torch.Tensor, ...] = ()
 
 
 class StepsPerSecondProbe(Protocol):
@@ -182,6 +234,10 @@ class SpeculativePolicy(Protocol):
     #: The most drafts ``propose`` gives one sequence in a step: the engine reserves cache
     #: blocks for that many before the step.
     max_draft_tokens: int
+    #: Optional, found by name: the target's hidden states the drafter reads
+    #: (``HiddenTap``, handed over in ``ExecutedStep.taps``); assembly refuses a model that
+    #: does not produce them.
+    #: taps: tuple[HiddenTap, ...]
 
     def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
         """Draft tokens and confidences per slot."""

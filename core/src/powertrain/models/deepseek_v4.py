@@ -42,6 +42,7 @@ from powertrain.interfaces import (
     LayerKVCache,
     LightningIndexerBackend,
     ModelContext,
+    TapRecorder,
     V4AttentionBackend,
 )
 from powertrain.interfaces.moe import RoutingConfig
@@ -425,6 +426,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     #: Nothing outside the backends syncs: in a step of decodes the compressors find the
     #: windows it closes from the lengths on the device (``_compress_decodes``).
     captures_decode = True
+    #: V4's MTP layer reads the streams before the hyper head collapses them.
+    tap_forms = frozenset({"head_streams"})
+    taps: TapRecorder | None = None
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
@@ -468,6 +472,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = hidden.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             streams = layer(streams, input_ids, positions, self.rope, kv_cache, metadata)
+        if self.taps is not None and self.taps.wants(len(self.layers), "head_streams"):
+            self.taps.record(len(self.layers), "head_streams", streams.flatten(1))  # the MTP layer's input
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

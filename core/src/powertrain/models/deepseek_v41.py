@@ -58,6 +58,7 @@ from powertrain.interfaces import (
     KVTensorSpec,
     LayerKVCache,
     ModelContext,
+    TapRecorder,
     V4AttentionBackend,
 )
 from powertrain.interfaces.moe import RoutingConfig
@@ -748,6 +749,9 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     #: The compressors, the indexers and Engram's n-grams read host lengths per sequence.
     captures_decode = False
+    #: DSpark's drafter reads the mean of the streams entering its target layers.
+    tap_forms = frozenset({"streams_mean_in"})
+    taps: TapRecorder | None = None
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
@@ -803,6 +807,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer.engram is not None:
                 streams = layer.engram(streams, _ready(gathered[index]))
+            if self.taps is not None and self.taps.wants(index, "streams_mean_in"):
+                self.taps.record(index, "streams_mean_in", streams.mean(dim=1))  # DSpark's drafter reads it
             streams, pre = layer(streams, pre, input_ids, positions, self.rope, kv_cache, metadata, step)
         return self.norm(collapse_with(streams, pre))
 

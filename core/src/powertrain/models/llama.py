@@ -32,6 +32,7 @@ from powertrain.interfaces import (
     ModelContext,
     QuantizedWeight,
     RoutingConfig,
+    TapRecorder,
 )
 from powertrain.layers.activation import SiluAndMul
 from powertrain.layers.attention import Attention
@@ -286,17 +287,21 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
+        taps: TapRecorder | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: look them up once per step.
         cos, sin = self.rotary_emb(positions, metadata.max_seq_len, hidden.dtype)
-        fused = None if self.fused is None else self.fused(hidden, cos, sin, kv_caches, metadata)
+        # A drafter reading layer outputs needs the layers one by one.
+        fused = None if self.fused is None or taps is not None else self.fused(hidden, cos, sin, kv_caches, metadata)
         if fused is not None:
             hidden, residual = fused
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+                if taps is not None and taps.wants(index, "layer_output"):
+                    taps.record(index, "layer_output", hidden + residual)  # the add the next norm fuses
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -308,6 +313,9 @@ class LlamaFamilyForCausalLM(nn.Module):
     kernel pack, not in what they compute."""
 
     captures_decode = True
+    #: A drafter may read layer outputs (``TapRecorder``, set as ``taps`` by the runner).
+    tap_forms = frozenset({"layer_output"})
+    taps: TapRecorder | None = None
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
@@ -391,7 +399,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
         Padded rows (past ``metadata.num_tokens``) need a valid position, e.g. 0.
         """
-        return self.model(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata, self.taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul stays in the model dtype (a float32 copy of a 128k-row head per step

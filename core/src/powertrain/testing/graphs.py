@@ -5,8 +5,9 @@ and copied into the other (every block but the padding one); then each decode st
 eagerly with the step's own metadata on one copy and through ``DecodeGraphs`` (padded to
 a captured size, host lengths as bounds) on the other. The hidden states must agree
 within the caller's tolerance (the padded batch may take other matmul and split paths),
-and with ``capture`` the replayed graph must equal, bit for bit, an eager forward of the
-very same padded step. Caches start as NaN, so a read of a slot nobody wrote poisons the
+and so must a drafter's hidden taps where the check asks for some (``taps``); with
+``capture`` the replayed graph must equal, bit for bit, an eager forward of the very same
+padded step. Caches start as NaN, so a read of a slot nobody wrote poisons the
 output, and after every step both caches must hold the same outside the block reserved
 for padding rows.
 
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from powertrain.engine.cuda_graphs import DecodeGraphs
-from powertrain.interfaces import AttentionMetadata
+from powertrain.interfaces import AttentionMetadata, HiddenTap, TapRecorder
 from powertrain.testing.paged import nan_caches
 
 __all__ = ["check_captured_attention", "check_decode_graphs"]
@@ -45,12 +46,13 @@ def check_decode_graphs(
     vocab: int = 100,
     atol: float = 1e-5,
     rtol: float = 1e-5,
+    taps: Sequence[HiddenTap] = (),
 ) -> DecodeGraphs:
     """Run the check (see the module docstring); returns the graphs for further asserts."""
     num_blocks = sum(batches) * -(-max_model_len // block_size) + 1
     eager = nan_caches(model.attention_layers, backend, dtype, device, block_size, num_blocks)
     through_graphs = nan_caches(model.attention_layers, backend, dtype, device, block_size, num_blocks)
-    graphs = _captured(model, through_graphs, sizes, block_size, max_model_len, device, capture)
+    graphs = _captured(model, through_graphs, sizes, block_size, max_model_len, device, capture, taps)
     free = (torch.randperm(num_blocks - 1) + 1).tolist()  # every block but the padding one
     for batch in batches:
         lengths = torch.randint(1, max_model_len - decode_steps - 8, (batch,)).tolist()
@@ -70,12 +72,21 @@ def check_decode_graphs(
             positions = torch.tensor([n - 1 for n in seq_lens], device=device)
             size = graphs.size_for(metadata)
             assert size == min(s for s in sizes if s >= batch), f"batch {batch} got graph size {size}"
+            model.taps = TapRecorder(taps) if taps else None
             with torch.inference_mode():
                 want = model.forward(ids, positions, eager, metadata)
-            got = graphs.forward(ids, positions, metadata, size)
-            torch.testing.assert_close(
-                got, want, atol=atol, rtol=rtol, msg=lambda m, b=batch, s=step: f"batch {b} step {s}: {m}"
-            )
+            wanted_taps = model.taps.taken() if taps else ()
+            model.taps = None
+            got, got_taps = graphs.forward(ids, positions, metadata, size)
+            compared = [("hidden", got, want), *zip(map(str, taps), got_taps, wanted_taps, strict=True)]
+            for what, ours, theirs in compared:
+                torch.testing.assert_close(
+                    ours,
+                    theirs,
+                    atol=atol,
+                    rtol=rtol,
+                    msg=lambda m, b=batch, s=step, w=what: f"batch {b} step {s} {w}: {m}",
+                )
             for layer, (ours, theirs) in enumerate(zip(through_graphs, eager, strict=True)):
                 for name in ours:  # every block but the padding one holds what the eager steps wrote
                     torch.testing.assert_close(
@@ -85,11 +96,17 @@ def check_decode_graphs(
             if capture:
                 captured = graphs.captured[size]
                 replayed = captured.hidden[:batch].clone()
+                replayed_taps = [tap[:batch].clone() for tap in captured.taps]
+                model.taps = TapRecorder(taps) if taps else None
                 with torch.inference_mode():  # the same padded step again, eagerly: writes the same entries
                     again = model.forward(
                         graphs.input_ids[:size], graphs.positions[:size], through_graphs, captured.metadata
                     )
+                again_taps = model.taps.taken() if taps else ()
+                model.taps = None
                 assert torch.equal(replayed, again[:batch]), f"batch {batch} step {step}: replay differs from eager"
+                for tap, ours, theirs in zip(taps, replayed_taps, again_taps, strict=True):
+                    assert torch.equal(ours, theirs[:batch]), f"batch {batch} step {step}: replayed {tap} differs"
         # A prefill step and a batch past the biggest size run eager.
         assert graphs.size_for(_on(prefill, block_size, device)) is None or all(n == 1 for n in lengths)
     too_many = _on(_metadata([1] * (sizes[-1] + 1), [1] * (sizes[-1] + 1), [[1]] * (sizes[-1] + 1)), block_size, device)
@@ -105,6 +122,7 @@ def _captured(
     max_model_len: int,
     device: torch.device,
     capture: bool,
+    taps: Sequence[HiddenTap] = (),
 ) -> DecodeGraphs:
     """``DecodeGraphs`` over ``caches`` with block ``PAD_BLOCK`` for padding, every size captured."""
     graphs = DecodeGraphs(
@@ -116,6 +134,7 @@ def _captured(
         pad_blocks={None: PAD_BLOCK},
         device=device,
         capture=capture,
+        taps=taps,
     )
     graphs.capture_all()
     return graphs

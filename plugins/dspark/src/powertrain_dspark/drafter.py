@@ -37,6 +37,9 @@ class DraftBatch:
 
 
 class Drafter(Protocol):
+    """Optional, found by name: ``taps`` (the target's hidden states it reads, handed over in
+    ``observe``'s ``ExecutedStep.taps``) and ``observe(step)``."""
+
     #: The most drafts it proposes for one slot.
     max_draft_tokens: int
 

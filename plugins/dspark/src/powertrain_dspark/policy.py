@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from powertrain.interfaces import DraftSlot, ExecutedStep, Proposal, VerifyBatch
+from powertrain.interfaces import DraftSlot, ExecutedStep, HiddenTap, Proposal, VerifyBatch
 from powertrain_dspark.calibration import Calibration
 from powertrain_dspark.drafter import Drafter
 from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_lengths, fixed_lengths, top_k_lengths
@@ -46,6 +46,11 @@ class SpeculativeDecoder:
     @property
     def max_draft_tokens(self) -> int:
         return self.drafter.max_draft_tokens
+
+    @property
+    def taps(self) -> tuple[HiddenTap, ...]:
+        """The target's hidden states the drafter reads (none for most)."""
+        return tuple(getattr(self.drafter, "taps", ()))
 
     def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
         drafted = self.drafter.propose(slots)
