@@ -25,7 +25,8 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, CausalLM, HiddenTap, LayerKVCache, TapRecorder
+from powertrain.engine.speculative import forward_with_taps
+from powertrain.interfaces import AttentionMetadata, CausalLM, HiddenTap, LayerKVCache
 
 
 @attrs.frozen
@@ -126,16 +127,7 @@ class DecodeGraphs:
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The model's forward, with the drafter's taps recorded where it asks for any."""
-        if not self.taps:
-            return self.model.forward(ids, positions, self.kv_caches, metadata), ()
-        recorder = TapRecorder(self.taps)
-        self.model.taps = recorder  # type: ignore[attr-defined]
-        try:
-            hidden = self.model.forward(ids, positions, self.kv_caches, metadata)
-        finally:
-            self.model.taps = None  # type: ignore[attr-defined]
-        return hidden, recorder.taken()
+        return forward_with_taps(self.model, self.taps, ids, positions, self.kv_caches, metadata)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Size ``size``'s metadata: views of the buffers, host values fixed (bounds)."""

@@ -24,11 +24,11 @@ from powertrain.engine.cuda_graphs import DecodeGraphs
 from powertrain.engine.sampler import Sampler, SamplingInputs
 from powertrain.engine.sequence import PLACEHOLDER, SequenceSnapshot, ends_at
 from powertrain.engine.sequence import Sequence as Seq
-from powertrain.engine.speculative import can_speculate, grammar_cut
+from powertrain.engine.speculative import can_speculate, forward_with_taps, grammar_cut
 from powertrain.engine.structured import GrammarState, StructuredOutputs, TokenMasks
 from powertrain.interfaces import AttentionMetadata, CausalLM, LayerKVCache, SpeculativePolicy
 from powertrain.interfaces.scheduling import ScheduledBatch
-from powertrain.interfaces.speculative import DraftSlot, ExecutedStep, HiddenTap, Proposal, TapRecorder, VerifyBatch
+from powertrain.interfaces.speculative import DraftSlot, ExecutedStep, HiddenTap, Proposal, VerifyBatch
 
 
 @attrs.frozen(kw_only=True)
@@ -342,7 +342,9 @@ class ModelRunner:
             self.lockstep.busy()
         size = None if self.graphs is None else self.graphs.size_for(step.metadata)
         if size is None:
-            hidden, taps = self._forward(input_ids, step.positions, step.metadata)
+            hidden, taps = forward_with_taps(
+                self.model, self.taps, input_ids, step.positions, self.kv_caches, step.metadata
+            )
             ran = step.metadata
         else:
             hidden, taps = self.graphs.forward(input_ids, step.positions, step.metadata, size)  # type: ignore[union-attr]
@@ -434,21 +436,6 @@ class ModelRunner:
     def taps(self) -> tuple[HiddenTap, ...]:
         """The target's hidden states the speculative policy reads (``SpeculativePolicy.taps``)."""
         return tuple(getattr(self.speculative, "taps", ())) if self.speculative is not None else ()
-
-    def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The model's eager forward, recording the policy's taps where it asks for any."""
-        taps = self.taps
-        if not taps:
-            return self.model.forward(input_ids, positions, self.kv_caches, metadata), ()
-        recorder = TapRecorder(taps)
-        self.model.taps = recorder  # type: ignore[attr-defined]
-        try:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, metadata)
-        finally:
-            self.model.taps = None  # type: ignore[attr-defined]
-        return hidden, recorder.taken()
 
     def _observe(
         self,

@@ -13,7 +13,7 @@ import torch
 from powertrain.interfaces.attention import AttentionMetadata, LayerKVCache
 from powertrain.interfaces.model import CausalLM
 from powertrain.interfaces.sampling import SamplingParams
-from powertrain.interfaces.speculative import HiddenTap
+from powertrain.interfaces.speculative import HiddenTap, TapRecorder
 
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -132,3 +132,24 @@ def tap_problems(model: CausalLM, taps: Sequence[HiddenTap]) -> list[str]:
         elif tap.form != "head_streams" and not 0 <= tap.layer < layers:
             problems.append(f"the drafter reads {tap.form!r} at layer {tap.layer}; {name} has layers 0..{layers - 1}")
     return problems
+
+
+def forward_with_taps(
+    model: CausalLM,
+    taps: Sequence[HiddenTap],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: Sequence[LayerKVCache],
+    metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The model's forward, and the drafter's ``taps`` it recorded (a ``TapRecorder`` set as
+    the model's ``taps`` for this forward only); nothing is recorded when none is asked."""
+    if not taps:
+        return model.forward(input_ids, positions, kv_caches, metadata), ()
+    recorder = TapRecorder(taps)
+    model.taps = recorder  # type: ignore[attr-defined]
+    try:
+        hidden = model.forward(input_ids, positions, kv_caches, metadata)
+    finally:
+        model.taps = None  # type: ignore[attr-defined]
+    return hidden, recorder.taken()

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from powertrain.interfaces import ExpertWeights, MoEBackend, MoERouter, RoutingConfig
+from powertrain.interfaces import ExpertWeights, ModelContext, MoEBackend, MoERouter, RoutingConfig
+from powertrain.layers.activation import ClampedSwiGLU
 from powertrain.layers.linear import tiled_matmul
 from powertrain.loader.fp4 import FP4_GROUP, PACKED_DTYPES, SCALE_DTYPES
 from powertrain.loader.fp8 import FP8_DTYPE
@@ -101,7 +102,9 @@ def _weights(scores: torch.Tensor, ids: torch.Tensor, config: RoutingConfig) -> 
     return weights * config.routed_scaling_factor
 
 
-_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|scale)$")
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv|scale)$")
+#: DeepSeek's native projection names (V4, V4.1 releases) -> transformers'.
+_NATIVE_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -109,10 +112,11 @@ class MoE(nn.Module):
     """The routed experts of one layer: router + the chosen ``MoEBackend``.
 
     Weight names are relative to the layer's ``mlp.`` prefix, in either checkpoint
-    layout: DeepSeek's per-expert ``experts.{e}.{gate,up,down}_proj.weight`` or
-    transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``. Under
-    expert parallelism the layer holds experts ``first_expert ... first_expert +
-    local_experts - 1`` and accepts (and drops) the others' tensors.
+    layout: per-expert ``experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek's own releases:
+    ``experts.{e}.w{1,3,2}.weight``, ``gate.bias``) or transformers 5's fused
+    ``experts.gate_up_proj`` / ``experts.down_proj``. Under expert parallelism the layer
+    holds experts ``first_expert ... first_expert + local_experts - 1`` and accepts (and
+    drops) the others' tensors.
 
     Build it with its final dtype and device: the router weight must stay float32
     (a ``Module.to(dtype)`` would round it, and ``finish_loading`` refuses that).
@@ -243,11 +247,11 @@ class MoE(nn.Module):
             self._load_expert_table(tensor)
             self._loaded_router.add(name)
             return True
-        if name == "gate.e_score_correction_bias":
+        if name in ("gate.e_score_correction_bias", "gate.bias"):  # transformers' name, DeepSeek's
             if self.e_score_correction_bias is None:
                 return False  # only noaux_tc routing has one; the model reports it as unexpected
             self._copy(name, tensor, (E,), self.e_score_correction_bias)
-            self._loaded_router.add(name)
+            self._loaded_router.add("gate.e_score_correction_bias")
             return True
         if name in ("experts.gate_up_proj", "experts.down_proj") and self._scale_leaf is not None:
             raise ValueError(f"mlp.{name}: quantised experts are read from per-expert tensors only")
@@ -262,7 +266,8 @@ class MoE(nn.Module):
         match = _PER_EXPERT.match(name)
         if match is None:
             return False
-        expert, projection, leaf = int(match.group(1)), match.group(2), match.group(3)
+        expert, leaf = int(match.group(1)), match.group(3)
+        projection = _NATIVE_PROJECTIONS.get(match.group(2), match.group(2))
         if expert >= E:
             raise ValueError(f"mlp.{name}: expert {expert} does not exist; the config has {E} routed experts")
         if leaf != "weight" and leaf != self._scale_leaf:
@@ -468,3 +473,46 @@ def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, .
     """One scale per ``block`` of the last two dimensions (the last blocks may be partial)."""
     *lead, rows, cols = shape
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+class SharedExpertMoE(nn.Module):
+    """DeepSeek-V4's and V4.1's MoE block: the routed experts (through the MoE backend, this
+    rank's slice under expert parallelism) plus ``n_shared`` clamped-SwiGLU shared experts."""
+
+    def __init__(
+        self,
+        ctx: ModelContext,
+        routing: RoutingConfig,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        n_shared: int,
+        swiglu_limit: float | None,
+        vocab_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if ctx.moe is None:
+            raise ValueError("a routed MoE layer needs a MoE backend (ModelContext.moe)")
+        experts = routing.num_experts
+        first, count = (0, experts) if ctx.expert_parallel_size == 1 else ctx.local_experts(experts)
+        self.experts = MoE(
+            routing,
+            hidden_size,
+            intermediate_size,
+            ctx.moe,
+            ctx.dtype,
+            ctx.device,
+            first_expert=first,
+            local_experts=count,
+            dispatcher=ctx.expert_dispatcher,
+            vocab_size=vocab_size,
+            swiglu_limit=swiglu_limit,
+            fp4=ctx.fp4_experts,
+        )
+        self.shared_experts = (
+            ClampedSwiGLU(hidden_size, intermediate_size * n_shared, swiglu_limit) if n_shared else None
+        )
+
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, token_ids)
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)

@@ -43,14 +43,13 @@ from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, apply_rotary, yarn_mscale
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked
+from powertrain.models.weights import check_complete, copy_checked, held_here
 
 log = structlog.get_logger(__name__)
 
 ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 @attrs.frozen(kw_only=True)
@@ -575,11 +574,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def wants_weight(self, name: str) -> bool:
         """False for another expert-parallel rank's routed experts: they are not read."""
-        match = _EXPERT_INDEX.search(name)
-        if match is None or self._expert_slice is None:
-            return True
-        first, count = self._expert_slice
-        return first <= int(match.group(1)) < first + count
+        return held_here(name, self._expert_slice)
 
     def _moe_layers(self) -> list[MoE]:
         layers = list(self.model.layers) + [layer.block for layer in (self.mtp.layers if self.mtp else ())]

@@ -46,7 +46,6 @@ from powertrain.interfaces import (
     V4AttentionBackend,
 )
 from powertrain.interfaces.moe import RoutingConfig
-from powertrain.layers.activation import ClampedSwiGLU
 from powertrain.layers.compressed_attention import (
     CompressedIndexer,
     Compressor,
@@ -59,11 +58,11 @@ from powertrain.layers.compressed_attention import (
 from powertrain.layers.hyper_connections import HyperConnection, HyperHead
 from powertrain.layers.indexer import index_topk_reference
 from powertrain.layers.linear import Linear
-from powertrain.layers.moe import MoE
+from powertrain.layers.moe import MoE, SharedExpertMoE
 from powertrain.layers.paged import entry_slots, read_entries, write_entries
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, deepseek_rope_tables
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked
+from powertrain.models.weights import ROUTED_EXPERT, check_complete, copy_checked, held_here
 
 ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM"})
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -359,38 +358,6 @@ class V4Attention(nn.Module):
 # --------------------------------------------------------------------------- MoE and blocks
 
 
-class V4MoE(nn.Module):
-    """Routed experts (learned or hash routing, through the MoE backend) plus the shared expert."""
-
-    def __init__(self, args: V4Args, layer: int, ctx: ModelContext) -> None:
-        super().__init__()
-        routing = args.routing(layer)
-        first, count = (0, args.num_experts) if ctx.expert_parallel_size == 1 else ctx.local_experts(args.num_experts)
-        self.experts = MoE(
-            routing,
-            args.hidden_size,
-            args.moe_intermediate_size,
-            ctx.moe,
-            ctx.dtype,
-            ctx.device,
-            first_expert=first,
-            local_experts=count,
-            dispatcher=ctx.expert_dispatcher,
-            vocab_size=args.vocab_size if routing.topk_method == "hash" else None,
-            swiglu_limit=args.swiglu_limit,
-            fp4=ctx.fp4_experts,
-        )
-        self.shared_experts = (
-            ClampedSwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, args.swiglu_limit)
-            if args.n_shared_experts
-            else None
-        )
-
-    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden, token_ids)
-        return out if self.shared_experts is None else out + self.shared_experts(hidden)
-
-
 class V4Block(nn.Module):
     """Attention then MoE, each between an mHC collapse and expand of the streams."""
 
@@ -401,7 +368,16 @@ class V4Block(nn.Module):
         self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = V4Attention(args, layer, ctx.attention)
-        self.ffn = V4MoE(args, layer, ctx)
+        routing = args.routing(layer)
+        self.ffn = SharedExpertMoE(
+            ctx,
+            routing,
+            args.hidden_size,
+            args.moe_intermediate_size,
+            n_shared=args.n_shared_experts,
+            swiglu_limit=args.swiglu_limit,
+            vocab_size=args.vocab_size if routing.topk_method == "hash" else None,
+        )
 
     def forward(
         self,
@@ -493,15 +469,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def keep_fp4(self, name: str) -> bool:
         """Which FP4 checkpoint tensors to receive packed (with their scales): routed experts,
         when the MoE backend multiplies FP4 itself (``ModelContext.fp4_experts``)."""
-        return self._fp4_experts and _EXPERT_INDEX.search(name) is not None
+        return self._fp4_experts and ROUTED_EXPERT.search(name) is not None
 
     def wants_weight(self, name: str) -> bool:
         """False for another expert-parallel rank's routed experts: they are not read."""
-        match = _EXPERT_INDEX.search(name)
-        if match is None or self._expert_slice is None:
-            return True
-        first, count = self._expert_slice
-        return first <= int(match.group(1)) < first + count
+        return held_here(name, self._expert_slice)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors in under DeepSeek's native names (bare or ``model.``-prefixed, as
@@ -530,19 +502,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         match = _ROUTED.match(name)
         if match is None or int(match.group(1)) >= len(self.layers):
             return False
-        rest = match.group(2)
-        rest = _MOE_NAMES.get(rest, rest)
-        expert = _NATIVE_EXPERT.match(rest)
-        if expert is not None:
-            rest = f"experts.{expert.group(1)}.{_EXPERT_PROJECTIONS[expert.group(2)]}.{expert.group(3)}"
-        return self.layers[int(match.group(1))].ffn.experts.load_weight(rest, tensor)
+        return self.layers[int(match.group(1))].ffn.experts.load_weight(match.group(2), tensor)
 
 
-_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 _ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
-_NATIVE_EXPERT = re.compile(r"^experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
-_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_MOE_NAMES = {"gate.bias": "gate.e_score_correction_bias"}
 #: transformers' in-memory names -> native ones (its conversion_mapping's "deepseek_v4" read
 #: forwards), applied to name parts; the ``model.`` prefix is dropped first.
 _HF_PARTS = {

@@ -62,7 +62,6 @@ from powertrain.interfaces import (
     V4AttentionBackend,
 )
 from powertrain.interfaces.moe import RoutingConfig
-from powertrain.layers.activation import ClampedSwiGLU
 from powertrain.layers.compressed_attention import (
     GroupedLinear,
     V4RMSNorm,
@@ -72,12 +71,12 @@ from powertrain.layers.compressed_attention import (
 from powertrain.layers.engram import EngramLayout, NgramHasher, compressed_token_map
 from powertrain.layers.hyper_connections import HyperConnection, collapse_with
 from powertrain.layers.linear import Linear
-from powertrain.layers.moe import MoE
+from powertrain.layers.moe import MoE, SharedExpertMoE
 from powertrain.layers.paged import read_entries, write_entries
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, deepseek_rope_tables
 from powertrain.loader.mapped_rows import MappedFp8Rows
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked
+from powertrain.models.weights import check_complete, copy_checked, held_here
 
 log = structlog.get_logger(__name__)
 
@@ -100,9 +99,6 @@ RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 _ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv|scale)$")
 _ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
-_NATIVE_EXPERT = re.compile(r"^experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
-_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
-_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 # --------------------------------------------------------------------------- config
@@ -680,36 +676,6 @@ class EngramRows(nn.Module):
 # --------------------------------------------------------------------------- blocks
 
 
-class V41MoE(nn.Module):
-    """Routed experts (through the MoE backend) plus the shared expert."""
-
-    def __init__(self, args: V41Args, ctx: ModelContext) -> None:
-        super().__init__()
-        first, count = (0, args.num_experts) if ctx.expert_parallel_size == 1 else ctx.local_experts(args.num_experts)
-        self.experts = MoE(
-            args.routing,
-            args.hidden_size,
-            args.moe_intermediate_size,
-            ctx.moe,
-            ctx.dtype,
-            ctx.device,
-            first_expert=first,
-            local_experts=count,
-            dispatcher=ctx.expert_dispatcher,
-            swiglu_limit=args.swiglu_limit,
-            fp4=ctx.fp4_experts,
-        )
-        self.shared_experts = (
-            ClampedSwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, args.swiglu_limit)
-            if args.n_shared_experts
-            else None
-        )
-
-    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden, token_ids)
-        return out if self.shared_experts is None else out + self.shared_experts(hidden)
-
-
 class V41Block(nn.Module):
     """Attention then MoE, each between an mHC collapse and expand, the collapses lagged
     one site (module docstring); Engram, where the layer has it, first."""
@@ -721,7 +687,14 @@ class V41Block(nn.Module):
         self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = V41Attention(args, layer, ctx.attention)
-        self.ffn = V41MoE(args, ctx)
+        self.ffn = SharedExpertMoE(
+            ctx,
+            args.routing,
+            args.hidden_size,
+            args.moe_intermediate_size,
+            n_shared=args.n_shared_experts,
+            swiglu_limit=args.swiglu_limit,
+        )
         engram = args.engram
         self.engram = EngramGate(args, engram) if engram is not None and layer in engram.layer_ids else None
 
@@ -857,11 +830,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if pattern.search(name):
                 self.not_used[reader] = self.not_used.get(reader, 0) + 1
                 return False
-        match = _EXPERT_INDEX.search(name)
-        if match is None or self._expert_slice is None or ".shared_experts." in name:
-            return True
-        first, count = self._expert_slice
-        return first <= int(match.group(1)) < first + count
+        return held_here(name, self._expert_slice)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors in under the release's names or transformers' (``HF_NAMES``, then
@@ -897,11 +866,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         rest = match.group(2)
         if rest == "gate.weight":
             tensor = tensor.float() / self.args.gate_temp  # sqrtsoftplus(x W / t) = sqrtsoftplus(x (W / t))
-        elif rest == "gate.bias":
-            rest = "gate.e_score_correction_bias"
-        expert = _NATIVE_EXPERT.match(rest)
-        if expert is not None:
-            rest = f"experts.{expert.group(1)}.{_EXPERT_PROJECTIONS[expert.group(2)]}.{expert.group(3)}"
         return self.layers[int(match.group(1))].ffn.experts.load_weight(rest, tensor)
 
     def _map_engram_tables(self) -> None:

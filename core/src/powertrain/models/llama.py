@@ -42,12 +42,11 @@ from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked, materialize
+from powertrain.models.weights import check_complete, copy_checked, held_here, materialize
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
 _IGNORED = re.compile(r"\.rotary_emb\.")
 _MLP_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
-_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.(\d+)\.")
 #: model_types whose config class turns a named sliding window on only with ``use_sliding_window``.
 _WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen3_moe")
 #: model_types with an RMSNorm over each head's query and key.
@@ -382,11 +381,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def wants_weight(self, name: str) -> bool:
         """False for another expert-parallel rank's routed experts: they are not read."""
-        match = _EXPERT_INDEX.search(name)
-        if match is None or self._expert_slice is None:
-            return True
-        first, count = self._expert_slice
-        return first <= int(match.group(1)) < first + count
+        return held_here(name, self._expert_slice)
 
     def forward(
         self,

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+#: A routed expert's tensor, in any naming (``mlp.experts.N.`` or DeepSeek's ``ffn.experts.N.``;
+#: a shared expert's ``shared_experts`` never matches).
+ROUTED_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def held_here(name: str, expert_slice: tuple[int, int] | None) -> bool:
+    """Whether this rank reads tensor ``name``: False only for a routed expert outside
+    ``expert_slice`` (``(first, count)`` under expert parallelism; None: every expert)."""
+    match = ROUTED_EXPERT.search(name)
+    if match is None or expert_slice is None:
+        return True
+    first, count = expert_slice
+    return first <= int(match.group(1)) < first + count
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from powertrain.engine.cuda_graphs import DecodeGraphs
-from powertrain.interfaces import AttentionMetadata, HiddenTap, TapRecorder
+from powertrain.engine.speculative import forward_with_taps
+from powertrain.interfaces import AttentionMetadata, HiddenTap
 from powertrain.testing.paged import nan_caches
 
 __all__ = ["check_captured_attention", "check_decode_graphs"]
@@ -72,11 +73,8 @@ def check_decode_graphs(
             positions = torch.tensor([n - 1 for n in seq_lens], device=device)
             size = graphs.size_for(metadata)
             assert size == min(s for s in sizes if s >= batch), f"batch {batch} got graph size {size}"
-            model.taps = TapRecorder(taps) if taps else None
             with torch.inference_mode():
-                want = model.forward(ids, positions, eager, metadata)
-            wanted_taps = model.taps.taken() if taps else ()
-            model.taps = None
+                want, wanted_taps = forward_with_taps(model, taps, ids, positions, eager, metadata)
             got, got_taps = graphs.forward(ids, positions, metadata, size)
             compared = [("hidden", got, want), *zip(map(str, taps), got_taps, wanted_taps, strict=True)]
             for what, ours, theirs in compared:
@@ -97,13 +95,10 @@ def check_decode_graphs(
                 captured = graphs.captured[size]
                 replayed = captured.hidden[:batch].clone()
                 replayed_taps = [tap[:batch].clone() for tap in captured.taps]
-                model.taps = TapRecorder(taps) if taps else None
                 with torch.inference_mode():  # the same padded step again, eagerly: writes the same entries
-                    again = model.forward(
-                        graphs.input_ids[:size], graphs.positions[:size], through_graphs, captured.metadata
+                    again, again_taps = forward_with_taps(
+                        model, taps, graphs.input_ids[:size], graphs.positions[:size], through_graphs, captured.metadata
                     )
-                again_taps = model.taps.taken() if taps else ()
-                model.taps = None
                 assert torch.equal(replayed, again[:batch]), f"batch {batch} step {step}: replay differs from eager"
                 for tap, ours, theirs in zip(taps, replayed_taps, again_taps, strict=True):
                     assert torch.equal(ours, theirs[:batch]), f"batch {batch} step {step}: replayed {tap} differs"
