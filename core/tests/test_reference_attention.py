@@ -17,6 +17,7 @@ import attrs
 import pytest
 import torch
 
+from powertrain.builtin.bucketed_attention import BucketedAttention
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.interfaces import (
     AttentionBackend,
@@ -94,14 +95,15 @@ def page(
     return Paged(metadata=metadata, cache=cache, history=history, new=new)
 
 
-def causal_softmax(scores: torch.Tensor, context: int, window: int | None) -> torch.Tensor:
-    """Row-wise softmax of [q_len, seq_len] scores over the positions each query may see."""
+def causal_softmax(scores: torch.Tensor, context: int, window: int | None, causal: bool = True) -> torch.Tensor:
+    """Row-wise softmax of [q_len, seq_len] scores over the positions each query may see
+    (not ``causal``: the later new tokens too)."""
     q_len, seq_len = scores.shape
     visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
     for j in range(q_len):
         me = context + j
         first = 0 if window is None else max(0, me - window + 1)
-        visible[j, first : me + 1] = True
+        visible[j, first : (me + 1 if causal else seq_len)] = True
     exp = torch.where(visible, torch.exp(scores - scores.max(dim=-1, keepdim=True).values), 0.0)
     return exp / exp.sum(dim=-1, keepdim=True)
 
@@ -117,7 +119,7 @@ def gqa_oracle(layer: AttentionLayerSpec, paged: Paged, query: torch.Tensor) -> 
             q = query[start:end, h].double()
             k = seq["key"][:, h // group].double()
             v = seq["value"][:, h // group].double()
-            probs = causal_softmax(q @ k.T * layer.scale, context, layer.sliding_window)
+            probs = causal_softmax(q @ k.T * layer.scale, context, layer.sliding_window, layer.causal)
             out[start:end, h] = probs @ v
     return out
 
@@ -135,7 +137,9 @@ def mla_oracle(layer: AttentionLayerSpec, paged: Paged, q_latent: torch.Tensor, 
     return out
 
 
-def gqa_layer(num_heads: int, num_kv_heads: int, head_size: int = 16, window: int | None = None) -> AttentionLayerSpec:
+def gqa_layer(
+    num_heads: int, num_kv_heads: int, head_size: int = 16, window: int | None = None, causal: bool = True
+) -> AttentionLayerSpec:
     return AttentionLayerSpec(
         kind="gqa",
         num_heads=num_heads,
@@ -143,6 +147,7 @@ def gqa_layer(num_heads: int, num_kv_heads: int, head_size: int = 16, window: in
         head_size=head_size,
         scale=head_size**-0.5,
         sliding_window=window,
+        causal=causal,
     )
 
 
@@ -473,3 +478,31 @@ def test_refusing_on_the_device_reads_refused_indices_as_padding_and_raises_afte
         metadata.raise_refused()
     assert str(after.value) == str(on_host.value)
     assert f"sparse index {bad[row, column]} at query row {row} (column {column})" in str(after.value)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window-5"])
+@pytest.mark.parametrize("batch", ["chunked", "prefill"])
+def test_non_causal_matches_oracle(batch: str, window: int | None, seed: int) -> None:
+    """A block drafter's layer (``causal`` False): each new token sees all of its sequence's
+    keys, the step's later ones too, a window bounding only what lies before it; both
+    builtin backends against the float64 oracle."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = gqa_layer(8, 2, window=window, causal=False)
+    shape = (2, layer.head_size)
+    per_token = {"key": shape, "value": shape}
+    paged = page(TorchReferenceAttention(), layer, BATCHES[batch], per_token, 4, torch.float32, gen)
+    query = torch.randn(paged.metadata.num_tokens, 8, layer.head_size, generator=gen)
+    want = gqa_oracle(layer, paged, query)
+    causal = gqa_oracle(attrs.evolve(layer, causal=True), paged, query)
+    assert (want - causal).abs().max() > 0.1, "the batch must make non-causal differ from causal"
+    for backend in (TorchReferenceAttention(), BucketedAttention()):
+        cache = {name: tensor.clone() for name, tensor in paged.cache.items()}
+        out = backend.forward(layer, query, paged.new["key"], paged.new["value"], cache, paged.metadata)
+        torch.testing.assert_close(
+            out.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m, b=backend: f"{b.name}: {m}\n(seed={seed})"
+        )
+
+
+def test_non_causal_needs_a_gqa_layer() -> None:
+    with pytest.raises(ValueError, match="causal=False"):
+        AttentionLayerSpec(kind="mla", num_heads=4, num_kv_heads=1, head_size=8, scale=0.3, causal=False)

@@ -55,6 +55,8 @@ ATTENTION_CAPABILITIES = frozenset(
         "decode",
         "chunked-prefill",
         "sliding-window",
+        # Layers with AttentionLayerSpec.causal False: new tokens also see the step's later ones.
+        "non-causal",
         "batch-invariant",
         # Decode steps through it may be captured as CUDA graphs and replayed (see
         # interfaces.attention: no host syncs, host lengths used only as bounds).

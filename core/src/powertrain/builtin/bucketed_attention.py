@@ -59,7 +59,7 @@ class _ShortGroup:
     stale: torch.Tensor  # bool [r, width - tail, 1, 1]: key columns from ``tail`` on past the row's end
 
     @classmethod
-    def plan(cls, metadata: AttentionMetadata, sliding_window: int | None) -> list[_ShortGroup]:
+    def plan(cls, metadata: AttentionMetadata, sliding_window: int | None, causal: bool) -> list[_ShortGroup]:
         starts, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for row, query_len in enumerate(metadata.query_lens_host):
@@ -79,7 +79,8 @@ class _ShortGroup:
             offset = torch.minimum(slot[None, :], query_len[:, None] - 1)  # [r, width_q]
             query_pos = (seq_len - query_len)[:, None] + offset
             key_pos = torch.arange(num_blocks * metadata.block_size, device=device)
-            visible = key_pos[None, None, :] <= query_pos[:, :, None]
+            last_seen = query_pos if causal else (seq_len - 1)[:, None].expand_as(query_pos)
+            visible = key_pos[None, None, :] <= last_seen[:, :, None]
             if sliding_window is not None:
                 visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
             real = (slot[None, :] < query_len[:, None]).flatten()
@@ -105,8 +106,8 @@ class BucketedAttention:
         # Reused gather buffers: a fresh multi-megabyte tensor per layer costs page faults
         # that take longer than the copy itself. One step thread uses a backend at a time.
         self._scratch: dict[str, torch.Tensor] = {}
-        # The short-row plan of the step being run, per sliding window (see _short_plan).
-        self._plans: tuple[AttentionMetadata | None, dict[int | None, list[_ShortGroup]]] = (None, {})
+        # The short-row plan of the step being run, per sliding window and mask kind (see _short_plan).
+        self._plans: tuple[AttentionMetadata | None, dict[tuple[int | None, bool], list[_ShortGroup]]] = (None, {})
 
     def kv_cache_spec(self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if layer.kind != "gqa":
@@ -160,7 +161,7 @@ class BucketedAttention:
         # The query heads that share a kv head are that head's query rows (each query
         # token's ``group_size`` heads share its mask), so each kv head is read once.
         grouped = query.view(-1, kv_heads, group_size, dim)
-        for group in self._short_plan(metadata, layer.sliding_window):
+        for group in self._short_plan(metadata, layer.sliding_window, layer.causal):
             rows, width_q = group.tokens.shape
             keys = self._gather_blocks("key", key_cache, group.blocks, rows)
             values = self._gather_blocks("value", value_cache, group.blocks, rows)
@@ -182,15 +183,15 @@ class BucketedAttention:
             slots = attended.view(rows, kv_heads, width_q, group_size, dim).transpose(1, 2)
             output[group.kept_tokens] = slots.reshape(rows * width_q, heads, dim)[group.kept]
 
-    def _short_plan(self, metadata: AttentionMetadata, sliding_window: int | None) -> list[_ShortGroup]:
+    def _short_plan(self, metadata: AttentionMetadata, sliding_window: int | None, causal: bool) -> list[_ShortGroup]:
         """Rows, blocks and masks of each short-row group: the same for every layer of a
-        step, so built once per step (and window) and reused."""
+        step, so built once per step (and window and mask kind) and reused."""
         if self._plans[0] is not metadata:
             self._plans = (metadata, {})
         plans = self._plans[1]
-        if sliding_window not in plans:
-            plans[sliding_window] = _ShortGroup.plan(metadata, sliding_window)
-        return plans[sliding_window]
+        if (sliding_window, causal) not in plans:
+            plans[(sliding_window, causal)] = _ShortGroup.plan(metadata, sliding_window, causal)
+        return plans[(sliding_window, causal)]
 
     def _gather_blocks(self, name: str, cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
         """``cache[blocks]`` as ``[rows, width, kv_heads, dim]`` (``blocks`` is a flat table of
@@ -229,7 +230,7 @@ class BucketedAttention:
         v = values[slots].to(query.dtype).transpose(0, 1)
         q = query.transpose(0, 1)  # [heads, q_len, d]
         gqa = layer.num_heads != layer.num_kv_heads
-        if q_len == seq_len and (layer.sliding_window is None or layer.sliding_window >= seq_len):
+        if layer.causal and q_len == seq_len and (layer.sliding_window is None or layer.sliding_window >= seq_len):
             # The whole sequence is new and plainly causal: torch's causal kernel skips the
             # blocks above the diagonal, where a mask would be built per layer, turned into
             # a float mask, and applied to every block. (``is_causal`` aligns the diagonal
@@ -237,8 +238,8 @@ class BucketedAttention:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=gqa)
             return out.transpose(0, 1)
         query_pos = positions[seq_len - q_len :, None]
-        mask = positions[None, :] <= query_pos
+        mask = positions[None, :] <= (query_pos if layer.causal else seq_len - 1)
         if layer.sliding_window is not None:
-            mask &= positions[None, :] > query_pos - layer.sliding_window
+            mask = mask & (positions[None, :] > query_pos - layer.sliding_window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out.transpose(0, 1)

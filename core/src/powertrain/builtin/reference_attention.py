@@ -65,6 +65,7 @@ class TorchReferenceAttention:
                 context_len=seq_len - (end - start),
                 scale=layer.scale,
                 sliding_window=layer.sliding_window,
+                causal=layer.causal,
             ).to(output.dtype)
         return output
 
@@ -106,6 +107,7 @@ class TorchReferenceAttention:
                 context_len=seq_len - (end - start),
                 scale=layer.scale,
                 sliding_window=layer.sliding_window,
+                causal=layer.causal,
             ).to(output.dtype)
         return output
 
@@ -224,6 +226,7 @@ def _attend(
     context_len: int,
     scale: float,
     sliding_window: int | None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over all its tokens.
 
@@ -233,6 +236,7 @@ def _attend(
     MLA without copying keys per head. New token ``j`` sits at position
     ``context_len + j`` and sees positions up to its own; with a sliding window it sees
     only the last ``sliding_window`` of them (itself included), the Mistral/HF rule.
+    Not ``causal``: every new token also sees the new tokens after it.
     """
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -243,9 +247,9 @@ def _attend(
 
     query_pos = torch.arange(context_len, context_len + q_len, device=query.device)[:, None]
     key_pos = torch.arange(seq_len, device=query.device)[None, :]
-    visible = key_pos <= query_pos
+    visible = key_pos <= (query_pos if causal else seq_len - 1)
     if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
+        visible = visible & (key_pos > query_pos - sliding_window)
 
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))

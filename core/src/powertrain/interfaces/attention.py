@@ -259,6 +259,11 @@ class AttentionLayerSpec:
     #: Each token sees itself and the ``sliding_window - 1`` tokens before it (HF/Mistral
     #: rule). Only backends declaring the "sliding-window" capability serve such layers.
     sliding_window: int | None = None
+    #: False: each new token of a sequence sees every key of it, this step's later ones
+    #: too (a block drafter's block over its cache: DSpark's block attends both ways).
+    #: A sliding window still bounds what lies before a token. Only backends declaring the
+    #: "non-causal" capability serve such layers.
+    causal: bool = attrs.field(default=True)
     #: Cache groups the model itself writes and reads beside the backend's KV (DeepSeek-V3.2:
     #: its indexer's ``index_keys``), each with its own granularity and retention (see
     #: ``CacheGroupSpec``). The engine allocates them in the blocks of their retention
@@ -267,6 +272,11 @@ class AttentionLayerSpec:
     #: move block ids and lengths, treat them exactly like the KV. Names must not collide
     #: with the backend's tensors or each other.
     cache_groups: tuple[CacheGroupSpec, ...] = attrs.field(default=(), converter=tuple)
+
+    @causal.validator
+    def _causal(self, attribute: attrs.Attribute, value: bool) -> None:
+        if not value and self.kind != "gqa":
+            raise ValueError(f"causal=False is served for GQA/MHA layers only, not {self.kind!r}")
 
     @property
     def windows(self) -> frozenset[int | None]:
@@ -720,7 +730,8 @@ class AttentionBackend(Protocol):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Write new keys/values at ``slot_mapping``, then attend causally.
+        """Write new keys/values at ``slot_mapping``, then attend causally (or, for a layer
+        with ``causal`` False, over every key of the sequence).
 
         Returns ``[num_tokens, num_heads, head_size]``.
         """

@@ -211,12 +211,24 @@ def _verify_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
     ]
 
 
+def _block_lengths(bs: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    # A block drafter's step: blocks of a few tokens after cached contexts (one from
+    # nothing, one ending on a block edge), and a long catch-up row.
+    return [
+        (_randint(gen, 1, 3 * bs), _randint(gen, 2, 8)),
+        (0, _randint(gen, 2, 8)),
+        (2 * bs - 4, 4),
+        (_randint(gen, 1, 2 * bs), 2 * bs + 5),
+    ]
+
+
 _SCENARIOS: dict[str, tuple[Callable[[int, torch.Generator], list[tuple[int, int]]], tuple[str, ...]]] = {
     "decode": (_decode_lengths, ("decode",)),
     "prefill": (_prefill_lengths, ("prefill",)),
     "mixed": (_mixed_lengths, ("decode", "prefill")),
     "chunked": (_chunked_lengths, ("prefill", "chunked-prefill")),
     "verify": (_verify_lengths, ("decode", "prefill", "chunked-prefill")),
+    "block": (_block_lengths, ("prefill", "chunked-prefill")),
 }
 
 
@@ -471,7 +483,9 @@ class AttentionBackendSuite(ComponentSuite):
             msg=lambda detail: f"output differs from {REFERENCE}: {where}\n{detail}",
         )
 
-    def _gqa_layer(self, num_heads: int, num_kv_heads: int, sliding_window: int | None = None) -> AttentionLayerSpec:
+    def _gqa_layer(
+        self, num_heads: int, num_kv_heads: int, sliding_window: int | None = None, causal: bool = True
+    ) -> AttentionLayerSpec:
         return AttentionLayerSpec(
             kind="gqa",
             num_heads=num_heads,
@@ -479,6 +493,7 @@ class AttentionBackendSuite(ComponentSuite):
             head_size=self.head_size,
             scale=self.head_size**-0.5,
             sliding_window=sliding_window,
+            causal=causal,
         )
 
     def _mla_layer(self) -> AttentionLayerSpec:
@@ -638,6 +653,24 @@ class AttentionBackendSuite(ComponentSuite):
         pair = self._pair(subject, layer, dtype, block_size)
         batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
         what = f"sliding window {window}, {scenario} batch, {_dtype_id(dtype)}"
+        self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
+
+    @pytest.mark.parametrize("scenario", ["block", "verify"])
+    @pytest.mark.parametrize("windowed", [False, True], ids=["full", "window"])
+    def test_non_causal(
+        self, subject: Subject, scenario: str, windowed: bool, dtype: torch.dtype, block_size: int, seed: int
+    ) -> None:
+        """A block drafter's layer (``causal`` False): each new token sees every key of its
+        sequence, this step's later tokens too; a window bounds only what lies before it."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        needed = ("non-causal", "paged", *capabilities, *(("sliding-window",) if windowed else ()))
+        self.require(subject.provided, *needed)
+        gen = generator(seed)
+        window = _randint(gen, 2, block_size + 3) if windowed else None
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided), sliding_window=window, causal=False)
+        pair = self._pair(subject, layer, dtype, block_size)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
+        what = f"non-causal, window {window}, {scenario} batch, {_dtype_id(dtype)}"
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, what)
 
     @pytest.mark.parametrize("scenario", ["mixed", "chunked"])

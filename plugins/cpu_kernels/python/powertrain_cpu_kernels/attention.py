@@ -50,7 +50,8 @@ class NativePagedAttention(BucketedAttention):
     ) -> None:
         dtype = query.dtype
         native = dtype in KERNEL_DTYPES and all(t.dtype == dtype and t.is_cpu for t in (key_cache, value_cache, output))
-        if not (native and output.is_contiguous() and output.shape == query.shape):
+        # The kernel masks causally: a non-causal layer (a block drafter's) takes plain torch.
+        if not (native and layer.causal and output.is_contiguous() and output.shape == query.shape):
             super()._short(layer, query, key_cache, value_cache, metadata, output)
             return
         rows, tables, starts, seq_lens = self._step_tensors(metadata)
