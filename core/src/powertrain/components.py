@@ -390,6 +390,12 @@ class SpeculativePolicyRecord:
     name: str = attrs.field(validator=_valid_name)
     factory: Callable[[SpeculativeContext], SpeculativePolicy] = attrs.field(validator=_callable)
     config_section: str | None = None
+    #: its config section as engine.toml has it ({} when absent) -> capability tags it needs
+    #: of other component kinds, e.g. a block drafter {"attention": {"non-causal"}};
+    #: assembly selects accordingly, as for a model's requirements.
+    requirements: Callable[[Mapping[str, Any]], Mapping[str, Iterable[str]]] | None = attrs.field(
+        default=None, validator=_callable
+    )
     description: str = ""
 
 

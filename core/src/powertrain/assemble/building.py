@@ -164,7 +164,7 @@ def build_speculative(
     attention: Any,
     dtype: torch.dtype,
     device_thread: DeviceThread,
-    vocab_size: int,
+    model_config: Mapping[str, Any],
     expert_parallel_size: int = 1,
     lockstep: Any = None,
     allocated: list[tuple[interfaces.AttentionLayerSpec, interfaces.LayerKVCache]] | None = None,
@@ -191,13 +191,16 @@ def build_speculative(
     context = SpeculativeContext(
         config=plan.sections.get(record.config_section) if record.config_section else None,
         model=model,
-        vocab_size=vocab_size,
+        vocab_size=int(model_config["vocab_size"]),
+        model_config=model_config,
         device=plan.device,
         block_size=block_size,
         measure_steps_per_second=StepsPerSecondProfiler(
             model, list(kv_caches), block_size, min(num_blocks.values()), plan.device
         ),
         allocate_kv_caches=allocate,
+        attention_backend=attention,
+        dtype=dtype,
         expert_parallel_size=expert_parallel_size,
         join_expert_rounds=lockstep.join_draft_rounds if lockstep is not None else None,
     )

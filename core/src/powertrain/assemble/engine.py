@@ -92,7 +92,7 @@ def build_engine(
             attention,
             dtype,
             device_thread,
-            int(checkpoint.config["vocab_size"]),
+            checkpoint.config,
             experts.placement.layout.expert_parallel if experts else 1,
             runner.lockstep,
             drafter_caches,

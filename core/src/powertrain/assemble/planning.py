@@ -86,11 +86,14 @@ def plan(
 
     ``requirements`` maps a kind to capability tags the model needs (a MoE model
     passes ``{"moe": {...}}``, an MLA model ``{"attention": {"mla"}}``); a kind in it
-    becomes needed. With ``strict`` any problem raises AssemblyError listing all of
+    becomes needed. The speculative policy the config names adds its own
+    (``SpeculativePolicyRecord.requirements``). With ``strict`` any problem raises AssemblyError listing all of
     them; otherwise the problems stay in the returned plan for reporting.
     """
     plugins = plugins or PluginManager.load(config.plugins)
     requirements = {kind: frozenset(tags) for kind, tags in (requirements or {}).items()}
+    for kind, tags in _speculative_requirements(config, plugins).items():
+        requirements[kind] = requirements.get(kind, frozenset()) | tags
     needed = ALWAYS_NEEDED | set(requirements)
     # Attention data-parallel ranks and MoE expert-parallel ranks are the same processes;
     # only expert parallelism joins them in one process group.
@@ -125,6 +128,17 @@ def plan(
     if strict and result.problems:
         raise AssemblyError(result.problems)
     return result
+
+
+def _speculative_requirements(config: EngineConfig, plugins: PluginManager) -> dict[str, frozenset[str]]:
+    """What the speculative policy named in the config needs of other kinds, for its
+    section's settings (a block drafter needs non-causal attention)."""
+    for provided in plugins.records("speculative"):
+        record = provided.record
+        if record.name == config.components.speculative and record.requirements is not None:
+            section = config.sections.get(record.config_section, {}) if record.config_section else {}
+            return {kind: frozenset(tags) for kind, tags in record.requirements(section).items()}
+    return {}
 
 
 def _resolve_platform(config: EngineConfig, plugins: PluginManager) -> tuple[Resolution, PlatformInfo]:

@@ -37,7 +37,7 @@ constrained decoding gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -207,10 +207,17 @@ class SpeculativeContext:
     #: The target model (an MTP drafter reads the architecture's own ``model.mtp``).
     model: CausalLM
     vocab_size: int
+    #: The target checkpoint's config.json (a drafter trained for a target checks it fits).
+    model_config: Mapping[str, Any] = attrs.field(factory=dict)
     device: torch.device
     block_size: int
     measure_steps_per_second: StepsPerSecondProbe
     allocate_kv_caches: KVCacheAllocator
+    #: The attention backend the target's layers use (a drafter with its own attention
+    #: layers uses it too: it has every capability the record's ``requirements`` asked for).
+    attention_backend: Any = None
+    #: The target's compute dtype.
+    dtype: torch.dtype = torch.float32
     #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none).
     expert_parallel_size: int = 1
     #: Under expert parallelism (None: one process): a policy that runs MoE layers outside

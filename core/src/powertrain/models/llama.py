@@ -42,7 +42,7 @@ from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked, held_here, materialize
+from powertrain.models.weights import check_complete, copy_checked, fused_targets, held_here, materialize
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
 _IGNORED = re.compile(r"\.rotary_emb\.")
@@ -191,7 +191,8 @@ def _sliding_windows(config: Mapping[str, Any], num_layers: int) -> tuple[int | 
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_index: int, backend: Any) -> None:
+    def __init__(self, args: LlamaArgs, layer_index: int, backend: Any, causal: bool = True) -> None:
+        """``causal`` False: a block drafter's attention (``AttentionLayerSpec.causal``)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -204,6 +205,7 @@ class LlamaAttention(nn.Module):
             head_size=args.head_dim,
             scale=args.head_dim**-0.5,
             sliding_window=args.sliding_windows[layer_index],
+            causal=causal,
         )
         self.attn = Attention(spec, backend)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -405,17 +407,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every HF tensor name this model needs -> the parameter rows it fills."""
-        targets: dict[str, torch.Tensor] = {}
-        for name, param in self.named_parameters():
-            module, _, kind = name.rpartition(".")
-            parent, _, leaf = module.rpartition(".")
-            if leaf not in self._fused:
-                targets[name] = param.data
-                continue
-            parts, rows = self._fused[leaf]
-            for part, shard in zip(parts, param.data.split(rows), strict=True):
-                targets[f"{parent}.{part}.{kind}"] = shard
-        return targets
+        return fused_targets(self, self._fused)
 
     def keep_quantized(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` may arrive as a ``QuantizedWeight`` (only with a

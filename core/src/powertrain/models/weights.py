@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -65,3 +65,24 @@ def check_complete(model: str, unexpected: Sequence[str], missing: Sequence[str]
         problems.append(f"missing tensors: {name_list(missing)}")
     if problems:
         raise ValueError(f"checkpoint does not match {model}: {'; '.join(problems)}")
+
+
+def fused_targets(
+    module: nn.Module, fused: Mapping[str, tuple[Sequence[str], Sequence[int]]], prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor name ``module``'s parameters take -> the rows it fills.
+
+    ``fused`` maps a fused projection's name (``qkv_proj``) to the checkpoint projections it
+    stacks (``q_proj``, ``k_proj``, ``v_proj``) and their row counts: each of those names gets
+    its rows of the fused parameter; other parameters keep their own name."""
+    targets: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+        parent_module, _, kind = name.rpartition(".")
+        parent, _, leaf = parent_module.rpartition(".")
+        if leaf not in fused:
+            targets[name] = param.data
+            continue
+        parts, rows = fused[leaf]
+        for part, shard in zip(parts, param.data.split(list(rows)), strict=True):
+            targets[f"{parent}.{part}.{kind}"] = shard
+    return targets

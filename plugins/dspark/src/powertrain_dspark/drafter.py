@@ -9,7 +9,8 @@ from typing import Protocol
 import attrs
 import torch
 
-from powertrain.interfaces import DraftSlot
+from powertrain.interfaces import DraftSlot, SamplingParams, row_argmax, target_probs
+from powertrain_dspark.verify import draw_token
 
 
 @attrs.frozen(kw_only=True)
@@ -50,3 +51,25 @@ class Drafter(Protocol):
     def record(self, seq_id: int, verified: int, accepted: int) -> None:
         """How the drafts proposed for ``seq_id`` fared (0 verified: not looked at)."""
         ...
+
+
+def draw_drafts(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
+    """One draft per row of a drafter's ``logits``: the argmax for a greedy request; for a
+    sampling request a draw, with its own generator, from the distribution processed as the
+    target's is (temperature, top-k/p, min-p: verification compares against that), which is
+    returned as the draft's q (None for greedy rows). Also each row's largest probability,
+    the drafter's own estimate of acceptance."""
+    tokens = row_argmax(logits).tolist()
+    raw = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+    q: list[torch.Tensor | None] = [None] * len(params)
+    sampled = [row for row, p in enumerate(params) if p.temperature != 0]
+    if sampled:
+        host = logits[sampled].float().cpu()
+        for row, row_logits in zip(sampled, host, strict=True):
+            dist = target_probs(row_logits[None], params[row])[0]
+            tokens[row] = draw_token(dist, generators[row])  # the sampler's race
+            raw[row] = float(dist.max())
+            q[row] = dist
+    return tokens, raw, q

@@ -43,10 +43,9 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams, row_argmax, target_probs
+from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams
 from powertrain_dspark.confidence_head import ConfidenceHead, ConfidenceLog, acceptance_probability, head_features
-from powertrain_dspark.drafter import DraftBatch
-from powertrain_dspark.verify import draw_token
+from powertrain_dspark.drafter import DraftBatch, draw_drafts
 
 #: Private blocks for draft positions past a sequence's own blocks (a sequence needs at
 #: most two per step for up to 16 drafts at block size 16; more sequences than fit
@@ -403,19 +402,7 @@ class MTPDrafter:
     ) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
         """Each row's draft, the largest probability of the distribution it came from,
         and that distribution for sampled drafts (None for greedy ones)."""
-        tokens = row_argmax(logits).tolist()
-        raw = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
-        q: list[torch.Tensor | None] = [None] * len(jobs)
-        sampled = [row for row, job in enumerate(jobs) if job.params.temperature != 0]
-        if sampled:
-            host = logits[sampled].cpu()
-            for row, row_logits in zip(sampled, host, strict=True):
-                job = jobs[row]
-                dist = target_probs(row_logits[None], job.params)[0]
-                tokens[row] = draw_token(dist, job.generator)  # the sampler's race
-                raw[row] = float(dist.max())
-                q[row] = dist
-        return tokens, raw, q
+        return draw_drafts(logits, [job.params for job in jobs], [job.generator for job in jobs])
 
     def _log_verified(self, step: ExecutedStep) -> None:
         """Log each verified draft's features with its acceptance probability, from the

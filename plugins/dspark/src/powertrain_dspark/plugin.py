@@ -8,6 +8,7 @@ verifying (``lengths.dspark_lengths``); ``speculative = "fixed-k"`` verifies
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -25,7 +26,7 @@ POWERTRAIN_HOOK_API = 1
 
 log = structlog.get_logger(__name__)
 
-DRAFTERS = ("ngram", "mtp")
+DRAFTERS = ("ngram", "mtp", "block")
 
 
 def _one_of(*choices: str) -> Any:
@@ -63,8 +64,12 @@ def _profile_triples(value: Any) -> tuple[tuple[int, int, float], ...]:
 class DSparkConfig:
     """The ``[dspark]`` table of engine.toml."""
 
-    #: "ngram" (prompt lookup, any model) or "mtp" (a DeepSeek checkpoint's MTP layers).
+    #: "ngram" (prompt lookup, any model), "mtp" (a DeepSeek checkpoint's MTP layers) or
+    #: "block" (DeepSeek's DSpark block drafter, from ``draft_model``).
     drafter: str = attrs.field(default="ngram", validator=_one_of(*DRAFTERS))
+    #: The block drafter's folder: a DeepSpec DSpark checkpoint (config.json, safetensors)
+    #: trained for this target.
+    draft_model: str = ""
     #: Drafts per request and step at most (fixed-k verifies this many).
     max_draft_tokens: int = attrs.field(default=5, validator=_in_range(1, 16))
     #: n-gram drafter: longest and shortest suffix to look up.
@@ -145,9 +150,18 @@ def make_drafter(context: SpeculativeContext, config: DSparkConfig) -> Drafter:
         from powertrain_dspark.mtp import MTPDrafter
 
         return MTPDrafter.from_context(context, config)
+    if config.drafter == "block":
+        from powertrain_dspark.block import BlockDrafter
+
+        return BlockDrafter.from_context(context, config)
     from powertrain_dspark.ngram import NgramDrafter
 
     return NgramDrafter(config.ngram_min, config.ngram_max, config.max_draft_tokens)
+
+
+def requirements(section: Mapping[str, Any]) -> dict[str, set[str]]:
+    """The block drafter's layers attend both ways inside a block (``causal`` False)."""
+    return {"attention": {"non-causal"}} if section.get("drafter") == "block" else {}
 
 
 def build_dspark(context: SpeculativeContext) -> SpeculativeDecoder:
@@ -165,12 +179,14 @@ def powertrain_speculative_policies() -> list[SpeculativePolicyRecord]:
             name="dspark",
             factory=build_dspark,
             config_section="dspark",
+            requirements=requirements,
             description="confidence-scheduled, load-aware speculative decoding (lossless)",
         ),
         SpeculativePolicyRecord(
             name="fixed-k",
             factory=build_fixed,
             config_section="dspark",
+            requirements=requirements,
             description="speculative decoding verifying max_draft_tokens drafts of every request",
         ),
     ]

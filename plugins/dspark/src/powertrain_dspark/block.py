@@ -1,0 +1,244 @@
+"""The block drafter: DeepSeek's DSpark drafter (``block_model``) drafting for the engine.
+
+Context (``observe``, after every forward). The drafter keeps, in a paged cache laid
+out like the target's and indexed by the same block tables, each layer's key and value
+of every position whose target hidden state is final: all rows of a prompt chunk, and
+for a sequence that sampled its rows up to the last accepted draft. They are computed
+from the step's taps (``HiddenTap`` layer outputs) and written in one forward. Rejected
+drafts' rows are never written, so rejection needs no rollback; positions before the
+first row a sequence computes (a prefix-cache hit) were written by the sequence that
+computed them, and an entry depends only on the target's hidden state there, so the hit
+is exact.
+
+Drafting (``propose``). Each slot whose context is complete up to its last token (the
+anchor) drafts one block: the anchor and mask tokens at the positions after it, attended
+both ways and over the context (``AttentionLayerSpec.causal`` False), all slots in one
+forward. The block's keys and values are written after the context, in the sequence's
+own blocks or, past them, in private scratch blocks; the context entries written later
+overwrite them, and nothing reads them before. Drafts are then chosen one after another:
+each draft's logits are the block's plus the Markov bias of the draft before it (the
+anchor for the first), greedy requests take the argmax, sampling requests draw from that
+distribution processed as the target's (verification's q). The confidence of a draft is
+the confidence head's, from its block output and the token before it; without a head,
+its distribution's largest probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, HiddenTap
+from powertrain_dspark.block_model import BlockDrafterModel, load_block_drafter
+from powertrain_dspark.drafter import DraftBatch, draw_drafts
+
+#: Private blocks for block positions past a sequence's own blocks (a block of up to 16
+#: drafts needs at most two per sequence at block size 16; more sequences than fit draft
+#: in several groups).
+SCRATCH_BLOCKS = 128
+#: A sequence not seen in this many steps is forgotten (finished or aborted).
+FORGET_AFTER_STEPS = 256
+
+NO_MODEL = "[dspark] drafter = 'block' needs draft_model = <folder of a DeepSpec DSpark drafter>"
+
+
+@attrs.define
+class _Context:
+    seen: int  # the last step the sequence ran in
+    written: int  # the drafter's entries cover positions below this
+    blocks: list[int]  # the sequence's blocks when it last ran
+
+
+@attrs.frozen
+class _Job:
+    index: int  # the slot's, in the proposal
+    slot: DraftSlot
+    anchor: int  # the anchor's position
+    count: int  # drafts wanted
+    table: list[int]  # blocks covering the anchor's block
+
+
+class BlockDrafter:
+    def __init__(
+        self,
+        model: BlockDrafterModel,
+        caches: Sequence[Any],
+        scratch_blocks: Sequence[int],
+        *,
+        block_size: int,
+        device: torch.device,
+        max_draft_tokens: int,
+    ) -> None:
+        self.model = model
+        self.caches = list(caches)
+        self.scratch_blocks = list(scratch_blocks)
+        self.block_size = block_size  # the cache's
+        self.device = device
+        self.draft_block = model.config.block_size
+        self.max_draft_tokens = min(max_draft_tokens, self.draft_block)
+        self.mask_token_id = model.config.mask_token_id
+        #: The target's hidden states the drafter reads, in its ``fc``'s order.
+        self.taps = tuple(HiddenTap(layer, "layer_output") for layer in model.config.target_layer_ids)
+        self._contexts: dict[int, _Context] = {}
+        self._step = 0
+
+    @classmethod
+    def from_context(cls, context: Any, config: Any) -> BlockDrafter:
+        """The drafter ``[dspark] draft_model`` names, for the target of ``context``."""
+        if not config.draft_model:
+            raise ValueError(NO_MODEL)
+        model = load_block_drafter(
+            config.draft_model, context.model_config, context.attention_backend, context.dtype, context.device
+        )
+        caches = context.allocate_kv_caches(model.attention_layers, extra_blocks=SCRATCH_BLOCKS)
+        for cache in caches:
+            for tensor in cache.values():
+                tensor.zero_()  # never-written slots past a sequence's end must not be NaN
+        total = next(iter(caches[0].values())).shape[0]
+        return cls(
+            model,
+            caches,
+            range(total - SCRATCH_BLOCKS, total),
+            block_size=context.block_size,
+            device=context.device,
+            max_draft_tokens=config.max_draft_tokens,
+        )
+
+    # -- after each forward -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe(self, step: ExecutedStep) -> None:
+        self._step += 1
+        metadata = step.metadata
+        starts, contexts = metadata.query_start_loc_host, metadata.context_lens_host
+        tables = metadata.block_tables.tolist()
+        rows: list[int] = []
+        writes: list[tuple[int, int, list[int]]] = []  # (rows, seq_len, blocks) per sequence
+        for i, seq_id in enumerate(step.seq_ids):
+            first = contexts[i]  # earlier positions: written before, or by a prefix's writer
+            computed = starts[i + 1] - starts[i]
+            kept = step.accepted[i]
+            final = computed - step.num_drafts[i] + len(kept) - 1 if kept else computed
+            blocks = tables[i][: -(-metadata.seq_lens_host[i] // self.block_size)]
+            state = self._contexts.setdefault(seq_id, _Context(self._step, 0, blocks))
+            state.seen, state.written, state.blocks = self._step, first + final, blocks
+            rows += range(starts[i], starts[i] + final)
+            writes.append((final, first + final, blocks))
+        self._write(step, rows, writes)
+        stale = [s for s, state in self._contexts.items() if state.seen < self._step - FORGET_AFTER_STEPS]
+        for seq_id in stale:
+            del self._contexts[seq_id]
+
+    def _write(self, step: ExecutedStep, rows: list[int], writes: list[tuple[int, int, list[int]]]) -> None:
+        """The context entries of the step's final rows, in one forward (one-row sequences
+        first, as the metadata contract orders them)."""
+        order = sorted(range(len(writes)), key=lambda w: writes[w][0] != 1)
+        offsets = [0]
+        for count, _, _ in writes:
+            offsets.append(offsets[-1] + count)
+        picked = [rows[r] for w in order for r in range(offsets[w], offsets[w + 1])]
+        if not picked:
+            return
+        kept = [w for w in order if writes[w][0]]
+        metadata = AttentionMetadata.build(
+            query_lens=[writes[w][0] for w in kept],
+            seq_lens=[writes[w][1] for w in kept],
+            block_tables=[writes[w][2] for w in kept],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        index = torch.tensor(picked, device=self.device)
+        context = self.model.context([tap[index] for tap in step.taps])
+        positions = torch.tensor(
+            [p for w in kept for p in range(writes[w][1] - writes[w][0], writes[w][1])], device=self.device
+        )
+        self.model.write_context(context, positions, self.caches, metadata)
+
+    # -- before each forward ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
+        jobs: list[_Job] = []
+        for i, slot in enumerate(slots):
+            state = self._contexts.get(slot.seq_id)
+            anchor = len(slot.token_ids) - 1
+            count = min(self.max_draft_tokens, slot.max_draft)
+            if state is None or state.written != anchor or count <= 0:
+                continue  # no complete context to draft from (cannot happen after a step that sampled it)
+            owned = -(-anchor // self.block_size)  # blocks holding the context
+            jobs.append(_Job(i, slot, anchor, count, state.blocks[:owned]))
+        tokens: list[list[int]] = [[] for _ in slots]
+        confidences: list[list[float]] = [[] for _ in slots]
+        probs: list[torch.Tensor | None] = [None] * len(slots)
+        for group in self._groups(jobs):
+            for job, (drafts, raw, q) in zip(group, self._draft(group), strict=True):
+                tokens[job.index], confidences[job.index], probs[job.index] = drafts, raw, q
+        return DraftBatch(tokens=tokens, confidences=confidences, draft_probs=probs)
+
+    def record(self, seq_id: int, verified: int, accepted: int) -> None:
+        """Nothing to learn online: the confidences come from the drafter's trained head."""
+
+    def _blocks_needed(self, job: _Job) -> int:
+        """Blocks through the block's last position."""
+        return -(-(job.anchor + self.draft_block) // self.block_size)
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """Jobs in groups whose scratch blocks fit."""
+        groups: list[list[_Job]] = []
+        used = len(self.scratch_blocks) + 1
+        for job in jobs:
+            needed = self._blocks_needed(job) - len(job.table)
+            if used + needed > len(self.scratch_blocks):
+                groups.append([])
+                used = 0
+            groups[-1].append(job)
+            used += needed
+        return groups
+
+    def _draft(self, jobs: Sequence[_Job]) -> list[tuple[list[int], list[float], torch.Tensor | None]]:
+        """One block per job in one forward, then the drafts chosen position by position."""
+        size = self.draft_block
+        scratch = iter(self.scratch_blocks)
+        tables = [job.table + [next(scratch) for _ in range(self._blocks_needed(job) - len(job.table))] for job in jobs]
+        metadata = AttentionMetadata.build(
+            query_lens=[size] * len(jobs),
+            seq_lens=[job.anchor + size for job in jobs],
+            block_tables=tables,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        ids = [tok for job in jobs for tok in (job.slot.token_ids[-1], *(self.mask_token_id,) * (size - 1))]
+        positions = [p for job in jobs for p in range(job.anchor, job.anchor + size)]
+        hidden = self.model.block(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, metadata
+        ).view(len(jobs), size, -1)
+        base = self.model.base_logits(hidden)  # [jobs, size, vocab]
+        tokens: list[list[int]] = [[] for _ in jobs]
+        confidences: list[list[float]] = [[] for _ in jobs]
+        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        previous = torch.tensor([job.slot.token_ids[-1] for job in jobs], device=self.device)
+        active = list(range(len(jobs)))
+        for k in range(max(job.count for job in jobs)):
+            rows = torch.tensor(active, device=self.device)
+            out = hidden[rows, k]
+            logits = self.model.corrected_logits(base[rows, k], previous, out)
+            chosen, raw, q = draw_drafts(
+                logits, [jobs[j].slot.params for j in active], [jobs[j].slot.generator for j in active]
+            )
+            head = self.model.confidence(out, previous)
+            if head is not None:
+                raw = head.tolist()
+            for row, j in enumerate(active):
+                tokens[j].append(chosen[row])
+                confidences[j].append(raw[row])
+                if q[row] is not None:
+                    probs[j].append(q[row])  # type: ignore[arg-type]
+            going = [row for row, j in enumerate(active) if len(tokens[j]) < jobs[j].count]
+            active = [active[row] for row in going]
+            previous = torch.tensor([chosen[row] for row in going], device=self.device)
+            if not active:
+                break
+        return [(tokens[j], confidences[j], torch.stack(probs[j]) if probs[j] else None) for j in range(len(jobs))]

@@ -1,0 +1,297 @@
+"""DeepSeek's DSpark block drafter (``[dspark] drafter = "block"``) on a tiny Qwen3 target.
+
+The drafter is a tiny random DeepSpec checkpoint (``write_tiny_deepspec_drafter``); a
+"mimic" copy has its Markov head rewritten to predict the target's own greedy bigrams,
+so its drafts are accepted often and rejected often, by construction. Checked here:
+
+- every proposal the engine's drafter makes equals the drafter computed from scratch by
+  a dense float64 implementation below (written from DeepSpec's modeling code and fed
+  transformers' hidden states of the target): the context entries were written from the
+  right rows through chunked prefill, accepted and rejected drafts, preemption and
+  prefix-cache hits;
+- greedy speculation gives plain decoding's tokens;
+- sampled speculation (drafts drawn one after another from the Markov-corrected block
+  distribution, which verification gets as q) keeps the target's law at temperatures 0.6
+  and 1.0 with top-p (chi-square over the first two tokens), and a control that hands
+  verification the distribution before the Markov bias fails the same test;
+- a drafter that does not fit the target, or no drafter folder, is refused with the reason.
+
+DeepSpec's own code is checked against in ``test_deepspec_fixtures.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from powertrain import LLM, SamplingParams
+from powertrain.config import EngineConfig
+from powertrain.llm import apply_overrides
+from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
+from powertrain.testing.base import fresh_seed
+from powertrain_dspark.block import BlockDrafter
+from powertrain_dspark.drafter import DraftBatch
+
+PROFILE = [1, 2]
+#: The module's checkpoints' seed (set by their fixture; failure messages name it).
+CHECKPOINT_SEED = [0]
+#: Draft argmaxes closer than this may differ between two correct runs (float32 rounding).
+TIE = 1e-4
+DRAFT_BLOCK = 7
+
+
+@pytest.fixture
+def seed() -> int:
+    value = fresh_seed()
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    seed = fresh_seed()
+    print(f"checkpoint seed={seed}")
+    CHECKPOINT_SEED[0] = seed
+    target = write_tiny_qwen3(tmp_path_factory.mktemp("target"), seed=seed, num_hidden_layers=4)
+    drafter = write_tiny_deepspec_drafter(
+        tmp_path_factory.mktemp("drafter"), target, seed=seed + 1, block_size=DRAFT_BLOCK
+    )
+    return {"target": target, "drafter": drafter}
+
+
+@pytest.fixture(scope="module")
+def hf_target(checkpoints: dict[str, Path]) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["target"]), dtype=torch.float32).eval()
+
+
+def engine_config(checkpoints: dict[str, Path], speculative: str, drafter: str = "drafter", **settings: Any) -> EngineConfig:
+    dspark = {
+        "drafter": "block",
+        "draft_model": str(checkpoints[drafter]),
+        "profile_sequences": PROFILE,
+        "max_draft_tokens": DRAFT_BLOCK,
+        **settings.pop("dspark", {}),
+    }
+    base = {"path": str(checkpoints["target"]), "dtype": "float32", "speculative": speculative, "block_size": 4}
+    config = apply_overrides(EngineConfig(), {**base, **settings})
+    return attrs.evolve(config, sections={"dspark": dspark}) if speculative != "none" else config
+
+
+def prompts(seed: int, lengths: Sequence[int] = (3, 11, 29, 45)) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 500, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def generate(config: EngineConfig, batch: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    with LLM(config=config) as llm:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+class ScratchDrafter:
+    """The DSpark block drafter in dense float64 from its safetensors, as DeepSpec's
+    ``Qwen3DSparkModel`` computes a block at inference (context keys/values from the
+    projected target hidden states, non-causal attention, Markov and confidence heads)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.config = json.loads((folder / "config.json").read_text())
+        self.w = {name: t.double() for name, t in load_file(str(folder / "model.safetensors")).items()}
+        c = self.config
+        self.heads, self.kv_heads, self.head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        self.eps = c["rms_norm_eps"]
+        theta = c.get("rope_parameters", {}).get("rope_theta", c.get("rope_theta", 10000.0))
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [n, heads, dim]
+        angles = positions[:, None].double() * self.inv_freq[None, :]
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    def block(self, taps: Sequence[torch.Tensor], tokens: Sequence[int], anchor: int) -> dict[str, torch.Tensor]:
+        """``taps``: the target's tapped layer outputs over positions < anchor."""
+        w, size = self.w, self.config["block_size"]
+        context = self.norm(torch.cat([t.double() for t in taps], -1) @ w["fc.weight"].T, "hidden_norm.weight")
+        ids = torch.tensor([tokens[anchor]] + [self.config["mask_token_id"]] * (size - 1))
+        hidden = w["embed_tokens.weight"][ids]
+        positions = torch.arange(anchor + size)
+        group = self.heads // self.kv_heads
+        for i in range(self.config["num_hidden_layers"]):
+            p = f"layers.{i}."
+            x = self.norm(hidden, p + "input_layernorm.weight")
+            q = (x @ w[p + "self_attn.q_proj.weight"].T).view(size, self.heads, self.head_dim)
+            q = self.rope(self.norm(q, p + "self_attn.q_norm.weight"), positions[anchor:])
+            sources = torch.cat([context, x])
+            k = (sources @ w[p + "self_attn.k_proj.weight"].T).view(-1, self.kv_heads, self.head_dim)
+            k = self.rope(self.norm(k, p + "self_attn.k_norm.weight"), positions)
+            v = (sources @ w[p + "self_attn.v_proj.weight"].T).view(-1, self.kv_heads, self.head_dim)
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.head_dim)
+            attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(size, -1)
+            hidden = hidden + attended @ w[p + "self_attn.o_proj.weight"].T
+            x = self.norm(hidden, p + "post_attention_layernorm.weight")
+            gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+            hidden = hidden + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        hidden = self.norm(hidden, "norm.weight")
+        return {"hidden": hidden, "base": hidden @ w["lm_head.weight"].T}
+
+    def markov(self, previous: int, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if "markov_head.markov_w1.weight" not in w:
+            return torch.zeros(w["lm_head.weight"].shape[0], dtype=torch.float64)
+        embedded = w["markov_head.markov_w1.weight"][previous]
+        if "markov_head.gate_proj.weight" in w:
+            gate = torch.cat([hidden, embedded]) @ w["markov_head.gate_proj.weight"].T + w["markov_head.gate_proj.bias"]
+            embedded = torch.sigmoid(gate) * embedded
+        return embedded @ w["markov_head.markov_w2.weight"].T
+
+    def confidence(self, previous: int, hidden: torch.Tensor) -> float:
+        w = self.w
+        features = hidden
+        if self.config.get("confidence_head_with_markov"):
+            features = torch.cat([hidden, w["markov_head.markov_w1.weight"][previous]])
+        logit = features @ w["confidence_head.proj.weight"][0] + w["confidence_head.proj.bias"][0]
+        return float(torch.sigmoid(logit))
+
+    def greedy_drafts(
+        self, taps: Sequence[torch.Tensor], tokens: Sequence[int], anchor: int, count: int
+    ) -> tuple[list[int], list[float], list[float]]:
+        """Drafts, confidences and each draft's top-two logit margin."""
+        out = self.block(taps, tokens, anchor)
+        drafts, confidences, margins = [], [], []
+        previous = tokens[anchor]
+        for k in range(count):
+            logits = out["base"][k] + self.markov(previous, out["hidden"][k])
+            top = logits.topk(2).values
+            confidences.append(self.confidence(previous, out["hidden"][k]))
+            previous = int(logits.argmax())
+            drafts.append(previous)
+            margins.append(float(top[0] - top[1]))
+        return drafts, confidences, margins
+
+
+def tapped(hf: Any, tokens: Sequence[int], layers: Sequence[int]) -> list[torch.Tensor]:
+    """transformers' outputs of the tapped layers at every position of ``tokens``."""
+    with torch.no_grad():
+        states = hf(torch.tensor([list(tokens)]), output_hidden_states=True).hidden_states
+    return [states[layer + 1][0] for layer in layers]
+
+
+def mimic(folder: Path, out: Path, bigrams: dict[int, int], strength: float = 40.0) -> Path:
+    """A copy of the drafter whose Markov head predicts ``bigrams`` (previous -> next token)
+    for as many previous tokens as its rank allows: drafts the target often accepts."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    w1, w2 = tensors["markov_head.markov_w1.weight"], tensors["markov_head.markov_w2.weight"]
+    w1.zero_()
+    w2.zero_()
+    for slot, (previous, following) in enumerate(list(bigrams.items())[: w1.shape[1]]):
+        w1[previous, slot] = 1.0
+        w2[following, slot] = strength
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+# --------------------------------------------------------------------------- proposals
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoints: dict[str, Path]) -> dict[int, list[list[int]]]:
+    """Plain decoding's greedy tokens, per prompt seed (memoised)."""
+    return {}
+
+
+def plain_tokens(plain: dict, checkpoints: dict[str, Path], seed: int, batch: list[list[int]], n: int) -> list:
+    if seed not in plain:
+        plain[seed] = generate(engine_config(checkpoints, "none"), batch, [greedy(n)] * len(batch))
+    return plain[seed]
+
+
+@pytest.mark.parametrize("case", ["chunked", "preempted", "prefix-hit"])
+def test_every_proposal_equals_the_drafter_from_scratch(
+    checkpoints: dict[str, Path], hf_target: Any, plain: dict, case: str, seed: int, tmp_path: Path
+) -> None:
+    """Proposals of the engine's drafter against the dense oracle over the sequence so
+    far (drafts up to the first near tie, confidences through it), and greedy outputs
+    equal to plain decoding's. Preemption recomputes a sequence's entries; a prefix hit
+    reads entries another sequence wrote."""
+    batch = prompts(seed)
+    if case == "prefix-hit":  # the later prompts extend the first, which runs alone first
+        batch = [batch[3]] + [batch[3] + extra for extra in batch[:3]]
+    expected = plain_tokens(plain, checkpoints, seed if case != "prefix-hit" else -seed, batch, 24)
+    bigrams = {a: b for out in expected for a, b in zip(out, out[1:], strict=False)}
+    checkpoints = {**checkpoints, "mimic": mimic(checkpoints["drafter"], tmp_path / "mimic", bigrams)}
+    settings: dict[str, Any] = {"max_num_batched_tokens": 24, "prefix_caching": case == "prefix-hit"}
+    if case == "preempted":
+        settings["num_blocks"] = 26  # 104 tokens: too few for every sequence at once
+    config = engine_config(checkpoints, "fixed-k", "mimic", **settings)
+    proposals: list[tuple[list[int], list[int], list[float]]] = []
+    with LLM(config=config) as llm:
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
+        assert isinstance(drafter, BlockDrafter)
+        for cache in drafter.caches:  # an entry never written would show as NaN
+            for tensor in cache.values():
+                tensor.fill_(float("nan"))
+        propose = drafter.propose
+
+        def spy(slots: list) -> DraftBatch:
+            drafted = propose(slots)
+            for slot, tokens, confidences in zip(slots, drafted.tokens, drafted.confidences, strict=True):
+                proposals.append((list(slot.token_ids), list(tokens), list(confidences)))
+            return drafted
+
+        drafter.propose = spy  # type: ignore[method-assign]
+        params = [greedy(24)] * len(batch)
+        if case == "prefix-hit":
+            got = [list(llm.generate(batch[:1], params[:1])[0].outputs[0].token_ids)]
+            got += [list(o.outputs[0].token_ids) for o in llm.generate(batch[1:], params[1:])]
+        else:
+            got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
+        stats = llm.engine.stats()
+    where = f"{case}, seed={seed}, checkpoint seed={CHECKPOINT_SEED[0]}"
+    assert got == expected, where
+    assert stats.speculative_accepted_tokens > 0, where
+    assert stats.speculative_verified_tokens > stats.speculative_accepted_tokens, where
+    if case == "preempted":
+        assert stats.preemptions > 0, where
+    if case == "prefix-hit":
+        assert stats.prefix_cache_hit_tokens > 0, where
+    oracle = ScratchDrafter(checkpoints["mimic"])
+    layers = oracle.config["target_layer_ids"]
+    sequences = [p + out for p, out in zip(batch, expected, strict=True)]
+    taps = [tapped(hf_target, tokens, layers) for tokens in sequences]
+    checked = 0
+    for history, drafts, confidences in proposals:
+        if not drafts:
+            continue
+        index = next(i for i, tokens in enumerate(sequences) if tokens[: len(history)] == history)
+        anchor = len(history) - 1
+        context = [t[:anchor] for t in taps[index]]
+        want, want_confidences, margins = oracle.greedy_drafts(context, history, anchor, len(drafts))
+        tie = next((k for k, margin in enumerate(margins) if margin < TIE), len(drafts))
+        at = f"{where}, history of {len(history)} tokens"
+        assert drafts[:tie] == want[:tie], at
+        assert confidences[: tie + 1] == pytest.approx(want_confidences[: tie + 1], rel=1e-4, abs=1e-6), at
+        checked += 1
+    assert checked > 10, f"only {checked} proposals had drafts ({where})"
