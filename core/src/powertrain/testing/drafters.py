@@ -1,0 +1,224 @@
+"""``write_tiny_deepspec_drafter``: a tiny random DSpark block drafter in the layout of
+DeepSeek's DeepSpec (github.com/deepseek-ai/DeepSpec, ``Qwen3DSparkModel.save_pretrained``),
+written from a seed and a tiny Qwen3 target alone: no DeepSpec import.
+
+What makes it DeepSpec's layout:
+
+- ``config.json`` is the target's Qwen3 config with what DeepSpec's ``build_draft_config``
+  sets on a copy of it: ``architectures: ["Qwen3DSparkModel"]``, ``num_target_layers`` (the
+  target's depth), ``num_hidden_layers`` (the drafter's), ``layer_types``, ``block_size``,
+  ``mask_token_id``, ``target_layer_ids``, ``num_anchors``, ``tie_word_embeddings: false``,
+  ``enable_confidence_head`` (with ``confidence_head_with_markov`` only when enabled) and
+  ``markov_rank`` (with ``markov_head_type`` only when above zero).
+- ``model.safetensors`` holds the names DeepSpec's model saves, without a ``model.`` prefix:
+  ``embed_tokens``, ``layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+  post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``, ``fc`` (the tapped target
+  layers, concatenated, to the hidden size), ``hidden_norm``, ``lm_head``,
+  ``markov_head.markov_w{1,2}`` (and ``markov_head.gate_proj`` for the gated head) and
+  ``confidence_head.proj``.
+- ``embed_tokens`` and ``lm_head`` are the target's, as DeepSpec's training copies and freezes
+  them. No tokenizer: DeepSpec's evaluator reads the target's.
+
+The golden fixtures in ``plugins/dspark/tests/fixtures/deepspec`` were computed by DeepSpec's
+own code on this drafter; the same call writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from powertrain.testing.checkpoints import RECIPE_FILE, _reuse_or_clear, _write_tensors
+
+__all__ = ["DEEPSPEC_NUM_ANCHORS", "MARKOV_HEAD_TYPES", "deepspec_drafter_shapes", "write_tiny_deepspec_drafter"]
+
+#: Training anchors per sample, as every DSpark config of DeepSpec sets it (unused at inference).
+DEEPSPEC_NUM_ANCHORS = 512
+MARKOV_HEAD_TYPES = ("vanilla", "gated")
+
+
+def write_tiny_deepspec_drafter(
+    path: str | Path,
+    target: str | Path,
+    *,
+    seed: int = 0,
+    block_size: int = 7,
+    num_layers: int = 2,
+    target_layer_ids: Sequence[int] = (0, 2),
+    markov_rank: int = 16,
+    markov_head_type: str = "vanilla",
+    confidence_head: bool = True,
+    confidence_head_with_markov: bool = True,
+    mask_token_id: int = 3,
+) -> Path:
+    """Write a tiny random DeepSpec DSpark drafter for the Qwen3 checkpoint folder ``target``
+    (e.g. from ``write_tiny_qwen3``) to ``path`` (new or empty) and return it.
+
+    Weights are drawn in name order from one generator seeded with ``seed``, in the target's
+    dtype: every RMSNorm weight 1 + 0.1 N(0, 1), linear weights N(0, 1/fan_in), biases
+    0.1 N(0, 1), the Markov head's ``markov_w1`` table N(0, 1); ``embed_tokens`` and
+    ``lm_head`` are copied from the target. So every part moves the logits and the
+    confidences, and a part wired wrongly shows. ``markov_rank=0`` builds no Markov head,
+    ``confidence_head=False`` no confidence head. A second call with the same arguments
+    (and the same target) returns at once.
+    """
+    folder, target = Path(path), Path(target)
+    target_config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    layer_ids = [int(layer) for layer in target_layer_ids]
+    _check_arguments(
+        target_config, layer_ids, markov_rank, markov_head_type, confidence_head, confidence_head_with_markov
+    )
+    recipe = {
+        "variant": "deepspec-dspark-qwen3",
+        "seed": seed,
+        "target_digest": _digest(target, ("config.json", "model.safetensors")),
+        "block_size": block_size,
+        "num_layers": num_layers,
+        "target_layer_ids": layer_ids,
+        "markov_rank": markov_rank,
+        "markov_head_type": markov_head_type,
+        "confidence_head": confidence_head,
+        "confidence_head_with_markov": confidence_head_with_markov,
+        "mask_token_id": mask_token_id,
+    }
+    if _reuse_or_clear(folder, recipe):
+        return folder
+
+    config = {
+        **target_config,
+        "architectures": ["Qwen3DSparkModel"],
+        "num_target_layers": target_config["num_hidden_layers"],
+        "num_hidden_layers": num_layers,
+        "block_size": block_size,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * num_layers,
+        "mask_token_id": mask_token_id,
+        "target_layer_ids": layer_ids,
+        "num_anchors": DEEPSPEC_NUM_ANCHORS,
+        "enable_confidence_head": confidence_head,
+        "markov_rank": markov_rank,
+    }
+    if confidence_head:
+        config["confidence_head_with_markov"] = confidence_head_with_markov
+    if markov_rank > 0:
+        config["markov_head_type"] = markov_head_type
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    embed, head = _target_embedding_and_head(target)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {"embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()}
+    for name, shape in sorted(deepspec_drafter_shapes(config).items()):
+        if name in tensors:
+            continue
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1 + 0.1 * values
+        elif name.endswith(".bias"):
+            values = 0.1 * values
+        elif name != "markov_head.markov_w1.weight":  # a lookup table, not a sum over fan-in
+            values = values / shape[-1] ** 0.5
+        tensors[name] = values.to(embed.dtype)
+    _write_tensors(folder / "model.safetensors", tensors)
+
+    files = sorted(file.name for file in folder.iterdir())
+    (folder / RECIPE_FILE).write_text(json.dumps({**recipe, "files": files}, indent=2) + "\n")
+    return folder
+
+
+def deepspec_drafter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor DeepSpec's ``Qwen3DSparkModel`` saves for ``config``
+    (a drafter's config.json)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, rank = config["intermediate_size"], config["markov_rank"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "norm.weight": (hidden,),
+        "fc.weight": (hidden, len(config["target_layer_ids"]) * hidden),
+        "hidden_norm.weight": (hidden,),
+    }
+    projections = {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"layers.{layer}."
+        for name, shape in projections.items():
+            shapes[f"{prefix}{name}.weight"] = shape
+            if config.get("attention_bias"):
+                shapes[f"{prefix}{name}.bias"] = shape[:1]
+        shapes |= {
+            f"{prefix}self_attn.q_norm.weight": (head_dim,),
+            f"{prefix}self_attn.k_norm.weight": (head_dim,),
+            f"{prefix}input_layernorm.weight": (hidden,),
+            f"{prefix}post_attention_layernorm.weight": (hidden,),
+            f"{prefix}mlp.gate_proj.weight": (inter, hidden),
+            f"{prefix}mlp.up_proj.weight": (inter, hidden),
+            f"{prefix}mlp.down_proj.weight": (hidden, inter),
+        }
+    if rank > 0:
+        shapes["markov_head.markov_w1.weight"] = (vocab, rank)
+        shapes["markov_head.markov_w2.weight"] = (vocab, rank)
+        if config["markov_head_type"] == "gated":
+            shapes["markov_head.gate_proj.weight"] = (rank, hidden + rank)
+            shapes["markov_head.gate_proj.bias"] = (rank,)
+    if config["enable_confidence_head"]:
+        features = hidden + (rank if config["confidence_head_with_markov"] else 0)
+        shapes["confidence_head.proj.weight"] = (1, features)
+        shapes["confidence_head.proj.bias"] = (1,)
+    return shapes
+
+
+def _check_arguments(
+    target_config: dict[str, Any],
+    layer_ids: list[int],
+    markov_rank: int,
+    markov_head_type: str,
+    confidence_head: bool,
+    confidence_head_with_markov: bool,
+) -> None:
+    """Refuse what DeepSpec would refuse (its config checks, and its evaluator's: the target's
+    last layer is not tapped, as transformers returns it normalised)."""
+    last = target_config["num_hidden_layers"] - 1
+    if not layer_ids or any(not -1 <= layer < last for layer in layer_ids) or layer_ids != sorted(set(layer_ids)):
+        raise ValueError(
+            f"target_layer_ids must be strictly increasing, each -1 (the embeddings) or a layer in "
+            f"[0, {last - 1}] of the {last + 1}-layer target; got {layer_ids}"
+        )
+    if markov_rank < 0:
+        raise ValueError(f"markov_rank must be >= 0, got {markov_rank}")
+    if markov_rank and markov_head_type not in MARKOV_HEAD_TYPES:
+        raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {markov_head_type!r}")
+    if confidence_head and confidence_head_with_markov and not markov_rank:
+        raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+
+
+def _target_embedding_and_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's ``model.embed_tokens`` and ``lm_head`` weights (the embedding when tied)."""
+    found: dict[str, torch.Tensor] = {}
+    for shard in sorted(target.glob("*.safetensors")):
+        with safe_open(shard, "pt") as file:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in file.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    found[name] = file.get_tensor(name)
+    if "model.embed_tokens.weight" not in found:
+        raise ValueError(f"{target} holds no model.embed_tokens.weight: pass a Qwen3 checkpoint folder")
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)
+
+
+def _digest(folder: Path, names: Sequence[str]) -> str:
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update((folder / name).read_bytes())
+    return digest.hexdigest()
