@@ -74,7 +74,9 @@ def hf_target(checkpoints: dict[str, Path]) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["target"]), dtype=torch.float32).eval()
 
 
-def engine_config(checkpoints: dict[str, Path], speculative: str, drafter: str = "drafter", **settings: Any) -> EngineConfig:
+def engine_config(
+    checkpoints: dict[str, Path], speculative: str, drafter: str = "drafter", **settings: Any
+) -> EngineConfig:
     dspark = {
         "drafter": "block",
         "draft_model": str(checkpoints[drafter]),

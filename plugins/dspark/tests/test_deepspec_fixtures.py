@@ -1,7 +1,9 @@
 """The DeepSpec golden fixtures (``fixtures/deepspec``, made by DeepSeek's DeepSpec code, see
 their README) are whole: their provenance says where they came from, the tiny target and
 drafters they were computed on are written again bit for bit from the recorded seeds, and
-every tensor has the shape the README's scheme gives it."""
+every tensor has the shape the README's scheme gives it. Then powertrain's block drafter
+against them: the engine's proposals, and the drafter model's logits and confidences along
+greedy and forced paths."""
 
 from __future__ import annotations
 
@@ -9,12 +11,20 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from powertrain import LLM, SamplingParams
+from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.config import EngineConfig
+from powertrain.interfaces import AttentionMetadata, allocate_caches
+from powertrain.llm import apply_overrides
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
+from powertrain_dspark.block_model import load_block_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspec"
 VOCAB = 512
@@ -141,3 +151,126 @@ def test_fixture_values_are_consistent(golden: dict[str, torch.Tensor]) -> None:
             prefix = f"{name}.anchor_{anchor}."
             assert (golden[prefix + "forced_tokens"] != golden[prefix + "tokens"]).all()
             assert torch.equal(golden[prefix + "forced_logits"][0], golden[prefix + "logits"][0])
+
+
+# --------------------------------------------------------------------------- powertrain's drafter against them
+
+#: DeepSpec's numbers are float32 like ours; the README's incremental-vs-scratch difference
+#: (2e-6) is that arithmetic's own spread, and the acceptance bar is 1e-5.
+EXACT = 1e-5
+
+
+@pytest.fixture(scope="module")
+def drafters(provenance: dict, target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: write_tiny_deepspec_drafter(tmp_path_factory.mktemp(name), target, **scenario["drafter"])
+        for name, scenario in provenance["scenarios"].items()
+    }
+
+
+@pytest.mark.parametrize("scenario", ["main", "gated"])
+def test_engine_proposals_equal_deepspecs(
+    scenario: str, provenance: dict, golden: dict[str, torch.Tensor], target: Path, drafters: dict[str, Path]
+) -> None:
+    """The target's greedy continuation through the engine with the block drafter: every
+    block it drafts (at whatever anchors the run visits) has DeepSpec's draft tokens and
+    confidences there. The engine's context entries come from the engine's own taps of the
+    target, so this covers the taps, the cache writes and the drafting together."""
+    tokens = golden["target.tokens"].tolist()
+    prompt = tokens[: provenance["prompt_len"]]
+    dspark = {
+        "drafter": "block",
+        "draft_model": str(drafters[scenario]),
+        "max_draft_tokens": provenance["scenarios"][scenario]["drafter"]["block_size"],
+        "profile_sequences": [1],
+    }
+    base = {"path": str(target), "dtype": "float32", "speculative": "fixed-k", "block_size": 4}
+    config = attrs.evolve(apply_overrides(EngineConfig(), base), sections={"dspark": dspark})
+    proposals = []
+    with LLM(config=config) as llm:
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
+        propose = drafter.propose
+
+        def spy(slots: list) -> Any:
+            drafted = propose(slots)
+            proposals.extend(
+                (len(slot.token_ids) - 1, t, c) for slot, t, c in zip(slots, drafted.tokens, drafted.confidences)
+            )
+            return drafted
+
+        drafter.propose = spy
+        params = SamplingParams(temperature=0, max_tokens=provenance["new_tokens"], ignore_eos=True)
+        output = llm.generate([prompt], [params])[0].outputs[0].token_ids
+    assert prompt + list(output) == tokens, "the engine's greedy continuation is not transformers' (fixture)"
+    anchors = [anchor for anchor, drafts, _ in proposals if drafts and f"{scenario}.anchor_{anchor}.tokens" in golden]
+    assert len(anchors) >= 5, f"only {len(anchors)} blocks at fixture anchors: {proposals}"
+    for anchor, drafts, confidences in proposals:
+        key = f"{scenario}.anchor_{anchor}"
+        if not drafts or f"{key}.tokens" not in golden:
+            continue
+        count = len(drafts)
+        assert drafts == golden[f"{key}.tokens"][:count].tolist(), f"draft tokens at anchor {anchor}"
+        want = torch.sigmoid(golden[f"{key}.confidence_logits"][:count])
+        torch.testing.assert_close(torch.tensor(confidences), want, atol=EXACT, rtol=0, msg=f"anchor {anchor}")
+
+
+@pytest.mark.parametrize("scenario", ["main", "gated"])
+def test_block_logits_equal_deepspecs_along_greedy_and_forced_paths(
+    scenario: str, provenance: dict, golden: dict[str, torch.Tensor], target: Path, drafters: dict[str, Path]
+) -> None:
+    """The drafter model on DeepSpec's own taps, one anchor at a time over a paged cache:
+    base logits, Markov-corrected logits along the greedy path and along a forced
+    (non-greedy) previous-token path (what a sampled draft's q is processed from), and the
+    confidences along both, within 1e-5 of DeepSpec's."""
+    config = json.loads((target / "config.json").read_text())
+    model = load_block_drafter(
+        drafters[scenario], config, TorchReferenceAttention(), torch.float32, torch.device("cpu")
+    )
+    tokens, taps = golden["target.tokens"], golden["target.taps"]
+    width = config["hidden_size"]
+    split = [taps[:, i * width : (i + 1) * width] for i in range(taps.shape[1] // width)]
+    size = model.config.block_size
+    block_size = 4
+    blocks = -(-(len(tokens) + size) // block_size)
+    caches = allocate_caches(
+        model.attention_layers,
+        [TorchReferenceAttention().kv_cache_spec(layer, block_size, torch.float32) for layer in model.attention_layers],
+        {None: blocks},
+        "cpu",
+    )
+    table = list(range(blocks))
+    anchors = golden[f"{scenario}.anchors"].tolist()
+    written = 0
+    for anchor in anchors:
+        if anchor > written:  # the context rows not yet in the cache
+            meta = AttentionMetadata.build(
+                query_lens=[anchor - written], seq_lens=[anchor], block_tables=[table], block_size=block_size
+            )
+            context = model.context([tap[written:anchor] for tap in split])
+            model.write_context(context, torch.arange(written, anchor), caches, meta)
+            written = anchor
+        meta = AttentionMetadata.build(
+            query_lens=[size], seq_lens=[anchor + size], block_tables=[table], block_size=block_size
+        )
+        ids = torch.tensor([int(tokens[anchor])] + [model.config.mask_token_id] * (size - 1))
+        hidden = model.block(ids, torch.arange(anchor, anchor + size), caches, meta)
+        base = model.base_logits(hidden)
+        key = f"{scenario}.anchor_{anchor}"
+        paths = {"": golden[f"{key}.tokens"]}
+        if f"{key}.forced_tokens" in golden:
+            paths["forced_"] = golden[f"{key}.forced_tokens"]
+        for prefix, path in paths.items():
+            previous = torch.cat([tokens[anchor : anchor + 1], path[:-1]])
+            logits = model.corrected_logits(base, previous, hidden)
+            confidence = model.confidence(hidden, previous)
+            where = f"{scenario}, anchor {anchor}, {prefix or 'greedy '}path"
+            if f"{key}.{prefix}logits" in golden:
+                torch.testing.assert_close(logits, golden[f"{key}.{prefix}logits"], atol=EXACT, rtol=0, msg=where)
+            if not prefix:
+                assert logits.argmax(-1).tolist() == path.tolist(), where
+                chosen = logits.gather(1, path[:, None])[:, 0]
+                torch.testing.assert_close(chosen, golden[f"{key}.chosen_logits"], atol=EXACT, rtol=0, msg=where)
+                if f"{key}.base_logits" in golden:
+                    torch.testing.assert_close(base, golden[f"{key}.base_logits"], atol=EXACT, rtol=0, msg=where)
+            want = torch.sigmoid(golden[f"{key}.{prefix}confidence_logits"])
+            torch.testing.assert_close(confidence, want, atol=EXACT, rtol=0, msg=where)
