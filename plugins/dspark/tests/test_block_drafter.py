@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any

@@ -194,7 +194,8 @@ def test_engine_proposals_equal_deepspecs(
         def spy(slots: list) -> Any:
             drafted = propose(slots)
             proposals.extend(
-                (len(slot.token_ids) - 1, t, c) for slot, t, c in zip(slots, drafted.tokens, drafted.confidences)
+                (len(slot.token_ids) - 1, t, c)
+                for slot, t, c in zip(slots, drafted.tokens, drafted.confidences, strict=True)
             )
             return drafted
 
@@ -223,9 +224,8 @@ def test_block_logits_equal_deepspecs_along_greedy_and_forced_paths(
     (non-greedy) previous-token path (what a sampled draft's q is processed from), and the
     confidences along both, within 1e-5 of DeepSpec's."""
     config = json.loads((target / "config.json").read_text())
-    model = load_block_drafter(
-        drafters[scenario], config, TorchReferenceAttention(), torch.float32, torch.device("cpu")
-    )
+    reference = TorchReferenceAttention()
+    model = load_block_drafter(drafters[scenario], config, reference, torch.float32, torch.device("cpu"))
     tokens, taps = golden["target.tokens"], golden["target.taps"]
     width = config["hidden_size"]
     split = [taps[:, i * width : (i + 1) * width] for i in range(taps.shape[1] // width)]
@@ -234,7 +234,7 @@ def test_block_logits_equal_deepspecs_along_greedy_and_forced_paths(
     blocks = -(-(len(tokens) + size) // block_size)
     caches = allocate_caches(
         model.attention_layers,
-        [TorchReferenceAttention().kv_cache_spec(layer, block_size, torch.float32) for layer in model.attention_layers],
+        [reference.kv_cache_spec(layer, block_size, torch.float32) for layer in model.attention_layers],
         {None: blocks},
         "cpu",
     )
