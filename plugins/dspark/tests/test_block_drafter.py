@@ -35,10 +35,14 @@ from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
 from powertrain.config import EngineConfig
+from powertrain.interfaces import target_probs
 from powertrain.llm import apply_overrides
-from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
+from powertrain.testing import sampling_law, write_tiny_deepspec_drafter, write_tiny_qwen3
 from powertrain.testing.base import fresh_seed
+from powertrain.testing.sampling_law import SIGNIFICANCE
+from powertrain_dspark import block as block_module
 from powertrain_dspark.block import BlockDrafter
+from powertrain_dspark.block_model import BlockDrafterModel
 from powertrain_dspark.drafter import DraftBatch
 
 PROFILE = [1, 2]
@@ -296,3 +300,94 @@ def test_every_proposal_equals_the_drafter_from_scratch(
         assert confidences[: tie + 1] == pytest.approx(want_confidences[: tie + 1], rel=1e-4, abs=1e-6), at
         checked += 1
     assert checked > 10, f"only {checked} proposals had drafts ({where})"
+
+
+# --------------------------------------------------------------------------- sampling law
+
+GENERATED = 3
+RUNS = 1500
+#: A fixed target, drafter and prompt for the law: with them the control below is known to
+#: have power.
+LAW_SEEDS = {"target": 7, "drafter": 8, "prompt": 11}
+
+
+@pytest.fixture(scope="module")
+def law_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The target, its transformers model and prompt, and a mimic drafter for its greedy bigrams."""
+    target = write_tiny_qwen3(tmp_path_factory.mktemp("law-target"), seed=LAW_SEEDS["target"], num_hidden_layers=4)
+    weights = load_file(str(target / "model.safetensors"))
+    weights["lm_head.weight"] *= 6.0  # a sharper target: top-p 0.9 then cuts its top 4
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    drafter = write_tiny_deepspec_drafter(
+        tmp_path_factory.mktemp("law-drafter"), target, seed=LAW_SEEDS["drafter"], block_size=DRAFT_BLOCK
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    prompt = prompts(LAW_SEEDS["prompt"], (9,))[0]
+    with torch.inference_mode():
+        continued = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0].tolist()
+    bigrams = dict(zip(continued, continued[1:], strict=False))
+    mimicked = mimic(drafter, tmp_path_factory.mktemp("law-mimic"), bigrams)
+    return {"target": target, "mimic": mimicked, "hf": hf, "prompt": prompt}
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+@pytest.mark.usefixtures("steady_step_time")
+def test_sampled_drafts_keep_the_targets_law(
+    law_models: dict[str, Any], temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded requests at ``temperature`` with top-p 0.9 (and top-k 4, so the law of the
+    first three tokens has at most 64 outcomes) under DSpark with the block drafter: drafts
+    drawn one after another from the Markov-corrected block distribution, processed as the
+    target's, which verification gets as q. The output law must be the target's.
+
+    The control: verification handed the distribution before the Markov bias (what the
+    block alone predicts) as q, while the drafts come from the corrected one, must fail."""
+    params = SamplingParams(temperature=temperature, top_k=4, top_p=0.9, max_tokens=GENERATED, ignore_eos=True)
+    hf, prompt = law_models["hf"], law_models["prompt"]
+    with torch.inference_mode():
+        law = sampling_law.exact_law(lambda tokens: hf(torch.tensor([tokens])).logits[0, -1], prompt, params, GENERATED)
+    checkpoints = {"target": law_models["target"], "drafter": law_models["mimic"]}
+    requests = [attrs.evolve(params, seed=30_000 + i) for i in range(RUNS)]
+    counts = {}
+    for control in (False, True):
+        if control:
+            monkeypatch.setattr(block_module, "draw_drafts", _q_before_the_markov_bias(monkeypatch))
+        config = engine_config(checkpoints, "dspark", dspark={"profile_sequences": [1, 32]}, max_num_seqs=32)
+        with LLM(config=config) as llm:
+            outputs = llm.generate([prompt] * RUNS, requests)
+            stats = llm.engine.stats()
+        counts[control] = sampling_law.count_outcomes(outputs)
+        print(f"control={control}: {stats.speculative_accepted_tokens} of {stats.speculative_verified_tokens} accepted")
+        if not control:
+            assert 0 < stats.speculative_accepted_tokens < stats.speculative_verified_tokens, stats
+    assert set(counts[False]) <= set(law), "an outcome the target cannot produce"
+    p_value = sampling_law.chi_square_p(counts[False], law, RUNS)
+    p_control = sampling_law.chi_square_p(counts[True], law, RUNS)
+    print(f"{len(law)} outcomes; chi-square p = {p_value:.3g}, control (q before the Markov bias) p = {p_control:.3g}")
+    assert p_value > SIGNIFICANCE, f"output law differs from the target's: chi-square p = {p_value:.2e}"
+    assert p_control < SIGNIFICANCE, f"the control passed (p = {p_control:.2e}): the test has no power"
+
+
+def _q_before_the_markov_bias(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``draw_drafts`` that draws as it should but reports as q the distribution of the
+    block's logits before the Markov bias (the control's mistake)."""
+    seen: dict[str, torch.Tensor] = {}
+    corrected = BlockDrafterModel.corrected_logits
+
+    def remember(self: Any, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        seen["base"] = base
+        return corrected(self, base, previous, hidden)
+
+    monkeypatch.setattr(BlockDrafterModel, "corrected_logits", remember)
+    draw = block_module.draw_drafts
+
+    def wrong_q(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Any]) -> Any:
+        tokens, raw, q = draw(logits, params, generators)
+        base = seen["base"]
+        return (
+            tokens,
+            raw,
+            [None if d is None else target_probs(base[row][None], params[row])[0] for row, d in enumerate(q)],
+        )
+
+    return wrong_q

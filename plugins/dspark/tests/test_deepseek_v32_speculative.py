@@ -29,15 +29,15 @@ import transformers  # the oracle for the sampling law; the locked dev group has
 
 from powertrain import LLM, SamplingParams
 from powertrain.config import EngineConfig
-from powertrain.interfaces.sampling import target_probs
 from powertrain.llm import apply_overrides
+from powertrain.testing import sampling_law
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.checkpoints import TINY_DEEPSEEK_V32_CONFIG, mimic_mtp_layers, write_tiny_deepseek_v32
+from powertrain.testing.sampling_law import SIGNIFICANCE
 from powertrain_dspark.mtp import MTPDrafter
 
 PROFILE = [1, 2]  # a short startup profile (sequence counts) keeps the tests quick
 INDEX_TOPK = TINY_DEEPSEEK_V32_CONFIG["index_topk"]
-SIGNIFICANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -184,50 +184,12 @@ def law_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def exact_law(path: Path, prompt: list[int], params: SamplingParams, **config: Any) -> dict[tuple[int, ...], float]:
     """The law of the first ``GENERATED`` tokens under ``params``, from transformers' V3.2
-    (which skips the MTP tensors; ``config`` overrides config.json): one forward per
-    prefix of nonzero probability."""
+    (which skips the MTP tensors; ``config`` overrides config.json)."""
     model = transformers.DeepseekV32ForCausalLM.from_pretrained(str(path), dtype=torch.float32, **config).eval()
-    law: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.inference_mode():
-        for _ in range(GENERATED):
-            grown = {}
-            for outcome, p in law.items():
-                logits = model(input_ids=torch.tensor([prompt + list(outcome)])).logits[0, -1:]
-                probs = target_probs(logits, params)[0].double()
-                for token in probs.nonzero().flatten().tolist():
-                    grown[(*outcome, token)] = p * float(probs[token])
-            law = grown
-    return law
-
-
-def chi_square_p(counts: dict, law: dict, runs: int) -> float:
-    """Pearson's test of ``counts`` against ``law``; outcomes expected fewer than 5 times
-    are pooled (the chi-square approximation), an outcome the law excludes gives 0."""
-    if not set(counts) <= set(law):
-        return 0.0
-    observed, expected = [], []
-    rare_observed, rare_expected = 0, 0.0
-    for outcome, p in law.items():
-        if runs * p < 5:
-            rare_observed += counts.get(outcome, 0)
-            rare_expected += runs * p
-        else:
-            observed.append(counts.get(outcome, 0))
-            expected.append(runs * p)
-    if rare_expected > 0:
-        observed.append(rare_observed)
-        expected.append(rare_expected)
-    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
-    dof = len(expected) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
-
-
-def count_outcomes(outputs: list) -> dict[tuple[int, ...], int]:
-    counts: dict[tuple[int, ...], int] = {}
-    for output in outputs:
-        outcome = tuple(output.outputs[0].token_ids)
-        counts[outcome] = counts.get(outcome, 0) + 1
-    return counts
+        return sampling_law.exact_law(
+            lambda tokens: model(input_ids=torch.tensor([tokens])).logits[0, -1], prompt, params, GENERATED
+        )
 
 
 def test_sampling_with_ngram_drafts_follows_the_exact_law(law_checkpoint: Path) -> None:
@@ -253,13 +215,13 @@ def test_sampling_with_ngram_drafts_follows_the_exact_law(law_checkpoint: Path) 
         outputs = llm.generate([prompt] * RUNS, [attrs.evolve(params, seed=20_000 + i) for i in range(RUNS)])
         stats = llm.engine.stats()
     assert_rolled_back(stats)
-    counts = count_outcomes(outputs)
+    counts = sampling_law.count_outcomes(outputs)
     law = exact_law(law_checkpoint, prompt, params)
     assert set(counts) <= set(law), "an outcome the target cannot produce"
-    p_value = chi_square_p(counts, law, RUNS)
+    p_value = sampling_law.chi_square_p(counts, law, RUNS)
     assert p_value > SIGNIFICANCE, f"output law differs from the target's: chi-square p = {p_value:.2e}"
     dense = exact_law(law_checkpoint, prompt, params, index_topk=4 * len(prompt))
-    p_control = chi_square_p(counts, dense, RUNS)
+    p_control = sampling_law.chi_square_p(counts, dense, RUNS)
     print(f"chi-square p = {p_value:.3g} against the sparse law, {p_control:.3g} against the dense one")
     assert p_control < SIGNIFICANCE, f"the dense-attention law passed (p = {p_control:.2e}): the test has no power"
 
@@ -290,12 +252,12 @@ def test_sampling_with_dspark_and_mtp_follows_the_exact_law(law_checkpoint: Path
         outputs = llm.generate([prompt] * RUNS, [attrs.evolve(params, seed=10_000 + i) for i in range(RUNS)])
         stats = llm.engine.stats()
     assert_rolled_back(stats)
-    counts = count_outcomes(outputs)
+    counts = sampling_law.count_outcomes(outputs)
     law = exact_law(law_checkpoint, prompt, params)
     assert len(law) == 3**GENERATED and sum(law.values()) == pytest.approx(1.0)
     assert set(counts) <= set(law), "an outcome the target cannot produce"
-    p_value = chi_square_p(counts, law, RUNS)
+    p_value = sampling_law.chi_square_p(counts, law, RUNS)
     assert p_value > SIGNIFICANCE, f"output law differs from the target's: chi-square p = {p_value:.2e}"
     dense = exact_law(law_checkpoint, prompt, params, index_topk=4 * len(prompt))
-    p_control = chi_square_p(counts, dense, RUNS)
+    p_control = sampling_law.chi_square_p(counts, dense, RUNS)
     assert p_control < SIGNIFICANCE, f"the dense-attention law passed (p = {p_control:.2e}): the test has no power"
