@@ -34,6 +34,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
+from powertrain.assemble.planning import plan
 from powertrain.config import EngineConfig
 from powertrain.interfaces import target_probs
 from powertrain.llm import apply_overrides
@@ -233,14 +234,15 @@ def plain_tokens(plain: dict, checkpoints: dict[str, Path], seed: int, batch: li
     return plain[seed]
 
 
-@pytest.mark.parametrize("case", ["chunked", "preempted", "prefix-hit"])
+@pytest.mark.parametrize("case", ["chunked", "preempted", "prefix-hit", "overlapped"])
 def test_every_proposal_equals_the_drafter_from_scratch(
     checkpoints: dict[str, Path], hf_target: Any, plain: dict, case: str, seed: int, tmp_path: Path
 ) -> None:
     """Proposals of the engine's drafter against the dense oracle over the sequence so
     far (drafts up to the first near tie, confidences through it), and greedy outputs
     equal to plain decoding's. Preemption recomputes a sequence's entries; a prefix hit
-    reads entries another sequence wrote."""
+    reads entries another sequence wrote; overlapped steps (async scheduling) draft on the
+    device thread after the step before, as synchronous ones do."""
     batch = prompts(seed)
     if case == "prefix-hit":  # the later prompts extend the first, which runs alone first
         batch = [batch[3]] + [batch[3] + extra for extra in batch[:3]]
@@ -248,6 +250,8 @@ def test_every_proposal_equals_the_drafter_from_scratch(
     bigrams = {a: b for out in expected for a, b in zip(out, out[1:], strict=False)}
     checkpoints = {**checkpoints, "mimic": mimic(checkpoints["drafter"], tmp_path / "mimic", bigrams)}
     settings: dict[str, Any] = {"max_num_batched_tokens": 24, "prefix_caching": case == "prefix-hit"}
+    if case == "overlapped":
+        settings["speculative_overlap"] = "on"
     if case == "preempted":
         settings["num_blocks"] = 26  # 104 tokens: too few for every sequence at once
     config = engine_config(checkpoints, "fixed-k", "mimic", **settings)
@@ -273,8 +277,9 @@ def test_every_proposal_equals_the_drafter_from_scratch(
             got += [list(o.outputs[0].token_ids) for o in llm.generate(batch[1:], params[1:])]
         else:
             got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
-        stats = llm.engine.stats()
+        stats, overlapped = llm.engine.stats(), llm.engine.runner.overlapped_steps
     where = f"{case}, seed={seed}, checkpoint seed={CHECKPOINT_SEED[0]}"
+    assert (overlapped > 0) == (case == "overlapped"), where
     assert got == expected, where
     assert stats.speculative_accepted_tokens > 0, where
     assert stats.speculative_verified_tokens > stats.speculative_accepted_tokens, where
@@ -391,3 +396,42 @@ def _q_before_the_markov_bias(monkeypatch: pytest.MonkeyPatch) -> Any:
         )
 
     return wrong_q
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_the_block_drafter_asks_assembly_for_non_causal_attention() -> None:
+    """Its layers attend both ways inside a block: planning adds the capability to the
+    attention requirements, so auto picks a backend that has it and a named one that lacks
+    it is refused by name."""
+    sections = {"dspark": {"drafter": "block", "draft_model": "unused"}}
+    auto = attrs.evolve(apply_overrides(EngineConfig(), {"speculative": "dspark"}), sections=sections)
+    chosen = plan(auto, strict=False).resolutions["attention"]
+    assert "non-causal" in chosen.provided.record.capabilities  # type: ignore[union-attr]
+    named = attrs.evolve(
+        apply_overrides(EngineConfig(), {"speculative": "dspark", "attention": "sdpa"}), sections=sections
+    )
+    refused = plan(named, strict=False).resolutions["attention"]
+    assert "sdpa" in refused.error and "non-causal" in refused.error
+    ngram = attrs.evolve(named, sections={"dspark": {"drafter": "ngram"}})
+    assert plan(ngram, strict=False).resolutions["attention"].name == "sdpa"
+
+
+def test_a_drafter_that_does_not_fit_the_target_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A drafter trained for another target (its width), no drafter folder, and a Markov
+    head this engine does not run, each refused at startup with what to change."""
+    other = write_tiny_qwen3(tmp_path / "other", seed=1, num_hidden_layers=4, hidden_size=32, head_dim=8)
+    wrong = {**checkpoints, "wrong": write_tiny_deepspec_drafter(tmp_path / "wrong", other)}
+    with pytest.raises(
+        ValueError, match=r"does not fit the target model: its hidden_size is 32, the target's hidden_size is 64"
+    ):
+        LLM(config=engine_config(wrong, "dspark", "wrong"))
+    with pytest.raises(ValueError, match=r"needs draft_model = <folder of a DeepSpec DSpark drafter>"):
+        LLM(config=engine_config(checkpoints, "dspark", dspark={"draft_model": ""}))
+    rnn = tmp_path / "rnn"
+    rnn.mkdir()
+    config = json.loads((checkpoints["drafter"] / "config.json").read_text())
+    (rnn / "config.json").write_text(json.dumps({**config, "markov_head_type": "rnn"}))
+    with pytest.raises(ValueError, match=r"markov_head_type='rnn'; supported: vanilla, gated"):
+        LLM(config=engine_config({**checkpoints, "rnn": rnn}, "dspark", "rnn"))
