@@ -102,8 +102,11 @@ def causal_softmax(scores: torch.Tensor, context: int, window: int | None, causa
     visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
     for j in range(q_len):
         me = context + j
-        first = 0 if window is None else max(0, me - window + 1)
-        visible[j, first : (me + 1 if causal else seq_len)] = True
+        if causal:
+            first = 0 if window is None else max(0, me - window + 1)
+            visible[j, first : me + 1] = True
+        else:  # every new token, and the window before the first of them
+            visible[j, 0 if window is None else max(0, context - window) :] = True
     exp = torch.where(visible, torch.exp(scores - scores.max(dim=-1, keepdim=True).values), 0.0)
     return exp / exp.sum(dim=-1, keepdim=True)
 
@@ -484,8 +487,8 @@ def test_refusing_on_the_device_reads_refused_indices_as_padding_and_raises_afte
 @pytest.mark.parametrize("batch", ["chunked", "prefill"])
 def test_non_causal_matches_oracle(batch: str, window: int | None, seed: int) -> None:
     """A block drafter's layer (``causal`` False): each new token sees all of its sequence's
-    keys, the step's later ones too, a window bounding only what lies before it; both
-    builtin backends against the float64 oracle."""
+    keys, the step's later ones too, or with a window the window before the first new
+    token and all new ones; both builtin backends against the float64 oracle."""
     gen = torch.Generator().manual_seed(seed)
     layer = gqa_layer(8, 2, window=window, causal=False)
     shape = (2, layer.head_size)

@@ -79,10 +79,14 @@ class _ShortGroup:
             offset = torch.minimum(slot[None, :], query_len[:, None] - 1)  # [r, width_q]
             query_pos = (seq_len - query_len)[:, None] + offset
             key_pos = torch.arange(num_blocks * metadata.block_size, device=device)
-            last_seen = query_pos if causal else (seq_len - 1)[:, None].expand_as(query_pos)
-            visible = key_pos[None, None, :] <= last_seen[:, :, None]
-            if sliding_window is not None:
-                visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+            if causal:
+                visible = key_pos[None, None, :] <= query_pos[:, :, None]
+                if sliding_window is not None:
+                    visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+            else:  # the same keys for every new token (interfaces.attention: AttentionLayerSpec.causal)
+                first = seq_len - query_len - sliding_window if sliding_window is not None else 0 * seq_len
+                seen = (key_pos[None, :] < seq_len[:, None]) & (key_pos[None, :] >= first[:, None])
+                visible = seen[:, None, :].expand(-1, width_q, -1)
             real = (slot[None, :] < query_len[:, None]).flatten()
             tail = (bucket - 1) * BUCKET
             plan.append(
@@ -238,8 +242,12 @@ class BucketedAttention:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=gqa)
             return out.transpose(0, 1)
         query_pos = positions[seq_len - q_len :, None]
-        mask = positions[None, :] <= (query_pos if layer.causal else seq_len - 1)
-        if layer.sliding_window is not None:
-            mask = mask & (positions[None, :] > query_pos - layer.sliding_window)
+        if layer.causal:
+            mask = positions[None, :] <= query_pos
+            if layer.sliding_window is not None:
+                mask = mask & (positions[None, :] > query_pos - layer.sliding_window)
+        else:  # the same keys for every new token: the window before the first, and all new ones
+            first = seq_len - q_len - (layer.sliding_window if layer.sliding_window is not None else seq_len)
+            mask = (positions[None, :] >= first).expand(q_len, seq_len)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out.transpose(0, 1)

@@ -236,7 +236,8 @@ def _attend(
     MLA without copying keys per head. New token ``j`` sits at position
     ``context_len + j`` and sees positions up to its own; with a sliding window it sees
     only the last ``sliding_window`` of them (itself included), the Mistral/HF rule.
-    Not ``causal``: every new token also sees the new tokens after it.
+    Not ``causal``: every new token sees every new token, and the window (if any) is the
+    ``sliding_window`` cached tokens before the first new one, the same for all of them.
     """
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -247,9 +248,13 @@ def _attend(
 
     query_pos = torch.arange(context_len, context_len + q_len, device=query.device)[:, None]
     key_pos = torch.arange(seq_len, device=query.device)[None, :]
-    visible = key_pos <= (query_pos if causal else seq_len - 1)
-    if sliding_window is not None:
-        visible = visible & (key_pos > query_pos - sliding_window)
+    if causal:
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible = visible & (key_pos > query_pos - sliding_window)
+    else:
+        first = context_len - (seq_len if sliding_window is None else sliding_window)
+        visible = (key_pos >= first).expand(q_len, seq_len)
 
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))

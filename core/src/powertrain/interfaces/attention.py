@@ -261,8 +261,9 @@ class AttentionLayerSpec:
     sliding_window: int | None = None
     #: False: each new token of a sequence sees every key of it, this step's later ones
     #: too (a block drafter's block over its cache: DSpark's block attends both ways).
-    #: A sliding window still bounds what lies before a token. Only backends declaring the
-    #: "non-causal" capability serve such layers.
+    #: With a sliding window W, every new token sees the same keys: the W cached before the
+    #: step's first new token, and all new ones (DeepSeek-V4.1's DSpark block over its
+    #: window). Only backends declaring the "non-causal" capability serve such layers.
     causal: bool = attrs.field(default=True)
     #: Cache groups the model itself writes and reads beside the backend's KV (DeepSeek-V3.2:
     #: its indexer's ``index_keys``), each with its own granularity and retention (see

@@ -661,7 +661,8 @@ class AttentionBackendSuite(ComponentSuite):
         self, subject: Subject, scenario: str, windowed: bool, dtype: torch.dtype, block_size: int, seed: int
     ) -> None:
         """A block drafter's layer (``causal`` False): each new token sees every key of its
-        sequence, this step's later tokens too; a window bounds only what lies before it."""
+        sequence, this step's later tokens too; with a window, the window before the step's
+        first new token and every new token."""
         lengths_of, capabilities = _SCENARIOS[scenario]
         needed = ("non-causal", "paged", *capabilities, *(("sliding-window",) if windowed else ()))
         self.require(subject.provided, *needed)
