@@ -38,12 +38,12 @@ from powertrain.assemble.planning import plan
 from powertrain.config import EngineConfig
 from powertrain.interfaces import target_probs
 from powertrain.llm import apply_overrides
+from powertrain.models.dspark import BlockDrafterModel
 from powertrain.testing import sampling_law, write_tiny_deepspec_drafter, write_tiny_qwen3
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.sampling_law import SIGNIFICANCE
 from powertrain_dspark import block as block_module
 from powertrain_dspark.block import BlockDrafter
-from powertrain_dspark.block_model import BlockDrafterModel
 from powertrain_dspark.drafter import DraftBatch
 
 PROFILE = [1, 2]

@@ -23,8 +23,8 @@ from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
 from powertrain.interfaces import AttentionMetadata, allocate_caches
 from powertrain.llm import apply_overrides
+from powertrain.models.dspark import load_block_drafter
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
-from powertrain_dspark.block_model import load_block_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspec"
 VOCAB = 512

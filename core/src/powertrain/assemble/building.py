@@ -20,6 +20,7 @@ from powertrain.engine.device_thread import DeviceThread
 from powertrain.engine.speculative import StepsPerSecondProfiler
 from powertrain.interfaces.scheduling import SchedulerContext, SchedulerLimits
 from powertrain.interfaces.speculative import SpeculativeContext
+from powertrain.models.dspark import load_block_drafter
 from powertrain.parallel.expert import ExpertParallel, build_dispatcher
 from powertrain.parallel.layout import RankPlacement, layout_of
 
@@ -199,8 +200,7 @@ def build_speculative(
             model, list(kv_caches), block_size, min(num_blocks.values()), plan.device
         ),
         allocate_kv_caches=allocate,
-        attention_backend=attention,
-        dtype=dtype,
+        load_draft_model=lambda folder: load_block_drafter(folder, model_config, attention, dtype, plan.device),
         expert_parallel_size=expert_parallel_size,
         join_expert_rounds=lockstep.join_draft_rounds if lockstep is not None else None,
     )

@@ -100,6 +100,8 @@ from powertrain.interfaces.scheduling import (
 )
 from powertrain.interfaces.speculative import (
     TAP_FORMS,
+    BlockDraftModel,
+    DraftModelLoader,
     DraftSlot,
     ExecutedStep,
     ExpertRounds,
@@ -117,6 +119,8 @@ __all__ = [
     "TAP_FORMS",
     "HiddenTap",
     "TapRecorder",
+    "BlockDraftModel",
+    "DraftModelLoader",
     # attention
     "AttentionBackend",
     "AttentionBackendContext",

@@ -174,6 +174,57 @@ class ExecutedStep:
     taps: tuple[torch.Tensor, ...] = ()
 
 
+@runtime_checkable
+class BlockDraftModel(Protocol):
+    """A block drafter's model (DeepSeek's DSpark drafter): it reads the target's hidden
+    states at ``taps``, keeps per-layer context keys/values in a paged cache like the
+    target's (``attention_layers``, allocated through ``SpeculativeContext``), and drafts a
+    whole block per forward: the anchor token and ``block_size - 1`` copies of
+    ``mask_token_id`` after it, attending both ways among themselves and to the context.
+    Built by the core's model code (``SpeculativeContext.load_draft_model``)."""
+
+    taps: tuple[HiddenTap, ...]
+    block_size: int
+    mask_token_id: int
+    attention_layers: tuple[AttentionLayerSpec, ...]
+
+    def context(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The taps of some rows (each ``[rows, width]``, in ``taps`` order) -> their context vectors."""
+        ...
+
+    def write_context(
+        self,
+        context: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Each layer's keys/values of ``context`` rows, written at their positions."""
+        ...
+
+    def block(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The blocks' outputs ``[rows, hidden]``, one row per block position."""
+        ...
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of block outputs, before the Markov bias."""
+        ...
+
+    def corrected_logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``base`` plus the Markov bias of the ``previous`` tokens (the token before each draft)."""
+        ...
+
+    def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
+        """Predicted acceptance probability of each draft, or None without a confidence head."""
+        ...
+
+
 class StepsPerSecondProbe(Protocol):
     """``(sequence counts, tokens per sequence) -> {(n, q): target steps per second}``,
     measured now on this machine: one forward + logits of ``n`` sequences of ``q`` new
@@ -186,6 +237,13 @@ class ExpertRounds(Protocol):
     """``(MoE layers) -> (the call to make before each forward that runs them)``."""
 
     def __call__(self, layers: Sequence[Any]) -> Callable[[], None]: ...
+
+
+class DraftModelLoader(Protocol):
+    """``(folder) -> the block drafter checkpoint there``, built for this target: refused
+    (ValueError, with the reason) when its architecture is unknown or it does not fit."""
+
+    def __call__(self, folder: str) -> BlockDraftModel: ...
 
 
 class KVCacheAllocator(Protocol):
@@ -213,11 +271,10 @@ class SpeculativeContext:
     block_size: int
     measure_steps_per_second: StepsPerSecondProbe
     allocate_kv_caches: KVCacheAllocator
-    #: The attention backend the target's layers use (a drafter with its own attention
-    #: layers uses it too: it has every capability the record's ``requirements`` asked for).
-    attention_backend: Any = None
-    #: The target's compute dtype.
-    dtype: torch.dtype = torch.float32
+    #: Loads a block drafter's checkpoint for this target, its layers on the target's
+    #: attention backend (which has what the record's ``requirements`` asked for) and dtype
+    #: (None: no loader here).
+    load_draft_model: DraftModelLoader | None = None
     #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none).
     expert_parallel_size: int = 1
     #: Under expert parallelism (None: one process): a policy that runs MoE layers outside

@@ -1,4 +1,5 @@
-"""The block drafter: DeepSeek's DSpark drafter (``block_model``) drafting for the engine.
+"""The block drafter: DeepSeek's DSpark drafter (an ``interfaces.BlockDraftModel``) drafting
+for the engine.
 
 Context (``observe``, after every forward). The drafter keeps, in a paged cache laid
 out like the target's and indexed by the same block tables, each layer's key and value
@@ -31,8 +32,7 @@ from typing import Any
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, HiddenTap
-from powertrain_dspark.block_model import BlockDrafterModel, load_block_drafter
+from powertrain.interfaces import AttentionMetadata, BlockDraftModel, DraftSlot, ExecutedStep
 from powertrain_dspark.drafter import DraftBatch, draw_drafts
 
 #: Private blocks for block positions past a sequence's own blocks (a block of up to 16
@@ -64,7 +64,7 @@ class _Job:
 class BlockDrafter:
     def __init__(
         self,
-        model: BlockDrafterModel,
+        model: BlockDraftModel,
         caches: Sequence[Any],
         scratch_blocks: Sequence[int],
         *,
@@ -77,11 +77,11 @@ class BlockDrafter:
         self.scratch_blocks = list(scratch_blocks)
         self.block_size = block_size  # the cache's
         self.device = device
-        self.draft_block = model.config.block_size
+        self.draft_block = model.block_size
         self.max_draft_tokens = min(max_draft_tokens, self.draft_block)
-        self.mask_token_id = model.config.mask_token_id
-        #: The target's hidden states the drafter reads, in its ``fc``'s order.
-        self.taps = tuple(HiddenTap(layer, "layer_output") for layer in model.config.target_layer_ids)
+        self.mask_token_id = model.mask_token_id
+        #: The target's hidden states the drafter reads.
+        self.taps = model.taps
         self._contexts: dict[int, _Context] = {}
         self._step = 0
 
@@ -90,9 +90,9 @@ class BlockDrafter:
         """The drafter ``[dspark] draft_model`` names, for the target of ``context``."""
         if not config.draft_model:
             raise ValueError(NO_MODEL)
-        model = load_block_drafter(
-            config.draft_model, context.model_config, context.attention_backend, context.dtype, context.device
-        )
+        if context.load_draft_model is None:
+            raise ValueError("[dspark] drafter = 'block': this engine cannot load a drafter checkpoint")
+        model = context.load_draft_model(config.draft_model)
         caches = context.allocate_kv_caches(model.attention_layers, extra_blocks=SCRATCH_BLOCKS)
         for cache in caches:
             for tensor in cache.values():

@@ -15,7 +15,9 @@ previous token's Markov embedding and predicts that the draft is accepted.
 
 The layers run through the engine's attention backend with ``causal`` False
 (capability ``non-causal``): the context keys and values sit in a paged cache like the
-target's, the block's are written after them and attended in one call.
+target's, the block's are written after them and attended in one call. The model
+implements ``interfaces.BlockDraftModel``; the DSpark plugin drafts with it
+(``SpeculativeContext.load_draft_model``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, HiddenTap, LayerKVCache
 from powertrain.layers.embedding import Embedding
 from powertrain.layers.linear import Linear
 from powertrain.layers.norm import RMSNorm
@@ -173,11 +175,16 @@ class ConfidenceHead(nn.Module):
 
 
 class BlockDrafterModel(nn.Module):
-    """The drafter's modules, named as DeepSpec saves them (q/k/v and gate/up fused)."""
+    """The drafter's modules, named as DeepSpec saves them (q/k/v and gate/up fused).
+    Implements ``interfaces.BlockDraftModel``."""
 
     def __init__(self, config: BlockDrafterConfig, backend: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        #: The target's layer outputs it reads, in its ``fc``'s order.
+        self.taps = tuple(HiddenTap(layer, "layer_output") for layer in config.target_layer_ids)
         args = config.layers
         with torch.device("meta"):
             self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
