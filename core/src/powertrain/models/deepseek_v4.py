@@ -22,6 +22,11 @@ Read docs/deepseek_v4_notes.md first; this follows transformers 5.24's
   (``layers/hyper_connections.py``); the hyper head collapses them before the final norm.
 - **MoE** on every layer: sqrtsoftplus scores, learned (correction bias picks) or hash
   (``tid2eid[token]``) routing, clamped SwiGLU experts (``swiglu_limit``) and a shared expert.
+- **MTP.** ``num_nextn_predict_layers`` layers stored as ``mtp.{k}.*`` (DeepSeek's ``MTPBlock``
+  in its V4 ``inference/model.py``, vLLM's ``deepseek_v4_mtp.py``): a V4 block fed the target's
+  streams before the hyper head plus the next token's embedding, with its own hyper head and
+  norm before the model's head. ``DeepseekV4MTP`` runs them as a drafter; a checkpoint without
+  ``mtp.*`` tensors loads without it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import structlog
 import torch
 from torch import nn
 
@@ -38,6 +44,7 @@ from powertrain.interfaces import (
     AttentionLayerSpec,
     AttentionMetadata,
     CacheGroupSpec,
+    HiddenTap,
     KVTensorSpec,
     LayerKVCache,
     LightningIndexerBackend,
@@ -64,6 +71,8 @@ from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, deepseek_r
 from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import ROUTED_EXPERT, check_complete, copy_checked, held_here
 
+log = structlog.get_logger(__name__)
+
 ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM"})
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 #: DeepSeek's per-layer ``compress_ratios`` (older configs) -> layer type.
@@ -77,6 +86,9 @@ class V4Args:
     vocab_size: int
     hidden_size: int
     num_layers: int
+    #: MTP layers after the decoder's (``num_nextn_predict_layers``); ``layer_types`` and
+    #: ``mlp_layer_types`` hold theirs after the decoder layers'.
+    num_mtp_layers: int
     num_heads: int
     head_dim: int
     rope_head_dim: int
@@ -110,6 +122,7 @@ class V4Args:
         required = required_reader(config, "DeepSeek-V4")
 
         layers = int(required("num_hidden_layers"))
+        mtp = int(config.get("num_nextn_predict_layers") or 0)
         head_dim = int(required("head_dim"))
         partial = config.get("partial_rotary_factor")
         if partial is None and config.get("qk_rope_head_dim") is not None:
@@ -120,14 +133,18 @@ class V4Args:
         layer_types = config.get("layer_types")
         if layer_types is None and config.get("compress_ratios") is not None:
             layer_types = [_RATIO_TYPES.get(int(r), f"compress_ratio={r}") for r in config["compress_ratios"]]
-        layer_types = tuple(required("layer_types") if layer_types is None else layer_types)[:layers]
+        layer_types = tuple(required("layer_types") if layer_types is None else layer_types)
         mlp_types = config.get("mlp_layer_types")
         if mlp_types is None:
             hashed = int(config.get("num_hash_layers") or 0)
             mlp_types = ["hash_moe"] * hashed + ["moe"] * (layers - hashed)
-        mlp_types = tuple(mlp_types)[:layers]
-        _check_kinds("layer_types", layer_types, (SLIDING, CSA, HCA), layers)
-        _check_kinds("mlp_layer_types", mlp_types, ("hash_moe", "moe"), layers)
+        mlp_types = tuple(mlp_types)
+        _check_kinds("layer_types", layer_types[:layers], (SLIDING, CSA, HCA), layers)
+        _check_kinds("mlp_layer_types", mlp_types[:layers], ("hash_moe", "moe"), layers)
+        layer_types = _with_mtp_kinds(layer_types, layers, mtp, SLIDING)
+        mlp_types = _with_mtp_kinds(mlp_types, layers, mtp, "moe")
+        _check_kinds("MTP layer_types", layer_types[layers:], (SLIDING, CSA, HCA), mtp)
+        _check_kinds("MTP mlp_layer_types", mlp_types[layers:], ("hash_moe", "moe"), mtp)
         for kind in {CSA, HCA} & set(layer_types):
             if not isinstance(rates.get(kind), int) or rates[kind] < 1:
                 raise ValueError(f"DeepSeek-V4 config: compress_rates[{kind!r}] must be a positive int, got {rates}")
@@ -140,6 +157,7 @@ class V4Args:
             vocab_size=int(required("vocab_size")),
             hidden_size=int(required("hidden_size")),
             num_layers=layers,
+            num_mtp_layers=mtp,
             num_heads=int(required("num_attention_heads")),
             head_dim=head_dim,
             rope_head_dim=rope_dim,
@@ -178,6 +196,14 @@ class V4Args:
             norm_topk_prob=True,
             routed_scaling_factor=self.routed_scaling_factor,
         )
+
+
+def _with_mtp_kinds(kinds: Sequence[str], layers: int, mtp: int, default: str) -> tuple[str, ...]:
+    """The decoder layers' kinds, then the MTP layers': listed after the decoder's where the
+    config lists them (DeepSeek's ``compress_ratios`` counts the MTP layers), else ``default``,
+    what the release's MTP layer is (sliding attention, learned routing)."""
+    listed = kinds[layers : layers + mtp]
+    return (*kinds[:layers], *listed, *(default,) * (mtp - len(listed)))
 
 
 def _check_kinds(key: str, kinds: Sequence[str], known: Sequence[str], layers: int) -> None:
@@ -396,8 +422,80 @@ class V4Block(nn.Module):
         return HyperConnection.expand(streams, out, post, comb)
 
 
+class V4MTPLayer(V4Block):
+    """``mtp.{k}``: a V4 block (layer ``num_layers + k`` of the config's kinds) whose input
+    streams are the target's streams before the hyper head, each normed (``hnorm``) and
+    projected (``h_proj``), plus the next token's normed embedding projected (``e_proj``)
+    and added to every stream; its output streams go through its own hyper head and norm
+    before the model's head (DeepSeek's ``MTPBlock``)."""
+
+    def __init__(self, args: V4Args, depth: int, ctx: ModelContext) -> None:
+        super().__init__(args, args.num_layers + depth, ctx)
+        h = args.hidden_size
+        self.enorm = V4RMSNorm(h, args.rms_norm_eps)
+        self.hnorm = V4RMSNorm(h, args.rms_norm_eps)
+        self.e_proj = Linear(h, h, bias=False)
+        self.h_proj = Linear(h, h, bias=False)
+        self.hc_head = HyperHead(h, args.hc_mult, args.hc_eps, args.rms_norm_eps)
+        self.norm = V4RMSNorm(h, args.rms_norm_eps)
+
+
+class DeepseekV4MTP(nn.Module):
+    """The checkpoint's MTP layers as a drafter, with ``deepseek_v3.DeepseekMTP``'s interface.
+
+    Its hidden state is a position's streams flattened, ``[num_tokens, hc_mult * hidden]``:
+    what it reads of the target is the streams before the hyper head (``reads``, a hidden
+    tap), and what a depth returns is its block's output streams, which the next draft
+    reads in their place (vLLM's V4 MTP feeds them back so). Logits come from them through
+    the layer's own hyper head and norm (``collapse``, ``compute_logits``).
+    """
+
+    def __init__(self, model: DeepseekV4ForCausalLM, layers: Sequence[V4MTPLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self._model = [model]  # the shared embedding, rotary tables and head; not a submodule
+        self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(layer.attn.spec for layer in self.layers)
+        #: The target's hidden state a depth-0 position reads in place of the final one.
+        self.reads = HiddenTap(model.args.num_layers, "head_streams")
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The target's token embedding (the MTP layers share it)."""
+        return self._model[0].embed
+
+    def forward(
+        self,
+        depth: int,
+        input_ids: torch.Tensor,  # [num_tokens]: the token after each position
+        positions: torch.Tensor,  # [num_tokens]
+        previous_hidden: torch.Tensor,  # [num_tokens, hc_mult * hidden]: the target's (or a depth's) streams
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Depth ``depth``'s output streams, flattened (before its hyper head)."""
+        model, layer = self._model[0], self.layers[depth]
+        streams = previous_hidden.view(-1, model.args.hc_mult, model.args.hidden_size)
+        projected = layer.h_proj(layer.hnorm(streams).flatten(0, 1)).view_as(streams)
+        embedded = layer.e_proj(layer.enorm(model.embed(input_ids)))
+        streams = layer(projected + embedded.unsqueeze(1), input_ids, positions, model.rope, kv_cache, metadata)
+        return streams.flatten(1)
+
+    def collapse(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, hidden]``: depth ``depth``'s streams through its hyper head (before its norm)."""
+        args = self._model[0].args
+        return self.layers[depth].hc_head(hidden.view(-1, args.hc_mult, args.hidden_size))
+
+    def compute_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self._model[0].compute_logits(self.layers[depth].norm(self.collapse(depth, hidden)))
+
+    def routed_expert_layers(self, depth: int) -> list[MoE]:
+        """The MoE layers depth ``depth``'s forward runs."""
+        return [self.layers[depth].ffn.experts]
+
+
 class DeepseekV4ForCausalLM(nn.Module):
-    """Implements ``interfaces.CausalLM`` for DeepSeek-V4 (parameters under native names)."""
+    """Implements ``interfaces.CausalLM`` for DeepSeek-V4 (parameters under native names),
+    and carries ``mtp``, the drafter, when the checkpoint has MTP layers."""
 
     #: Nothing outside the backends syncs: in a step of decodes the compressors find the
     #: windows it closes from the lengths on the device (``_compress_decodes``).
@@ -426,15 +524,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                 self.head = Linear(args.hidden_size, args.vocab_size, bias=False)
                 if args.tie_word_embeddings:
                     self.head.weight = self.embed.weight
+                mtp_layers = [V4MTPLayer(args, depth, ctx) for depth in range(args.num_mtp_layers)]
             finally:
                 torch.set_default_dtype(previous)
         self.rope = {
             "main": RotaryEmbedding(args.head_dim, args.main_rope, args.max_position_embeddings),
             "compress": RotaryEmbedding(args.head_dim, args.compress_rope, args.max_position_embeddings),
         }
+        self.mtp: DeepseekV4MTP | None = DeepseekV4MTP(self, mtp_layers) if mtp_layers else None
         self.requires_grad_(False)
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(layer.attn.spec for layer in self.layers)
-        self.mtp = None
 
     def forward(
         self,
@@ -464,6 +563,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ----------------------------------------------------------------------- loading
 
     def routed_expert_layers(self) -> list[MoE]:
+        """The MoE layers ``forward`` runs, in order (the MTP's run in the drafter's forward)."""
         return [layer.ffn.experts for layer in self.layers]
 
     def keep_fp4(self, name: str) -> bool:
@@ -478,7 +578,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors in under DeepSeek's native names (bare or ``model.``-prefixed, as
         transformers' ``save_pretrained`` writes them) or transformers' own; routed experts
-        and routers go through their MoE layer. Raises ValueError naming unexpected and
+        and routers go through their MoE layer, MTP layers (``mtp.{k}.*``) into ``mtp``. A
+        checkpoint with no ``mtp.*`` tensor at all loads without ``mtp`` (transformers writes
+        none, yet its config counts the layer). Raises ValueError naming unexpected and
         missing tensors."""
         targets = {name: param.data for name, param in self.named_parameters() if ".ffn.experts." not in name}
         loaded: set[str] = set()
@@ -489,23 +591,34 @@ class DeepseekV4ForCausalLM(nn.Module):
                 if name in targets:
                     copy_checked(stored, targets[name], tensor)
                     loaded.add(name)
-                elif not self._load_routed(name, tensor):
+                elif self._load_routed(name, tensor):
+                    loaded.add(name)
+                else:
                     unexpected.append(stored)
-            for moe in self.routed_expert_layers():
+            if self.mtp is not None and not any(name.startswith("mtp.") for name in loaded):
+                log.info("deepseek_v4.no_mtp_layers", num_nextn_predict_layers=self.args.num_mtp_layers)
+                self.mtp = None
+                targets = {name: target for name, target in targets.items() if not name.startswith("mtp.")}
+            for moe in self._moe_layers():
                 moe.finish_loading()
         missing = sorted(targets.keys() - loaded)
         if self.args.tie_word_embeddings:
             missing = [m for m in missing if m != "head.weight"]
         check_complete(type(self).__name__, unexpected, missing)
 
+    def _moe_layers(self) -> list[MoE]:
+        return self.routed_expert_layers() + [layer.ffn.experts for layer in (self.mtp.layers if self.mtp else ())]
+
     def _load_routed(self, name: str, tensor: torch.Tensor) -> bool:
         match = _ROUTED.match(name)
-        if match is None or int(match.group(1)) >= len(self.layers):
+        if match is None:
             return False
-        return self.layers[int(match.group(1))].ffn.experts.load_weight(match.group(2), tensor)
+        blocks = self.layers if match.group(1) == "layers" else self.mtp.layers if self.mtp else ()
+        index = int(match.group(2))
+        return index < len(blocks) and blocks[index].ffn.experts.load_weight(match.group(3), tensor)
 
 
-_ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
+_ROUTED = re.compile(r"^(layers|mtp\.layers)\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
 #: transformers' in-memory names -> native ones (its conversion_mapping's "deepseek_v4" read
 #: forwards), applied to name parts; the ``model.`` prefix is dropped first.
 _HF_PARTS = {
@@ -543,10 +656,12 @@ def native_name(name: str) -> str:
         parts.remove("scorer")
     if "indexer" in parts and "compressor" in parts:
         parts = _indexer_parts(parts)
-    name = ".".join(parts)
+    name = re.sub(r"^mtp\.(\d+)\.", r"mtp.layers.\1.", ".".join(parts))  # the drafter's ModuleList
     for which in ("attn", "ffn"):  # hc_attn_fn -> attn_hc.fn
-        name = re.sub(rf"^(layers\.\d+\.)(?:hc_{which}_|{which}_hc\.)(fn|base|scale)$", rf"\g<1>{which}_hc.\2", name)
-    name = re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", name)
+        name = re.sub(
+            rf"^((?:mtp\.)?layers\.\d+\.)(?:hc_{which}_|{which}_hc\.)(fn|base|scale)$", rf"\g<1>{which}_hc.\2", name
+        )
+    name = re.sub(r"^((?:mtp\.layers\.\d+\.)?)hc_head_(fn|base|scale)$", r"\g<1>hc_head.hc_\2", name)
     return name
 
 
@@ -565,4 +680,4 @@ def _indexer_parts(parts: list[str]) -> list[str]:
     return f"{prefix}indexer.compressor.{rest}".split(".")
 
 
-__all__: Sequence[str] = ["ARCHITECTURES", "DeepseekV4ForCausalLM", "V4Args", "native_name"]
+__all__: Sequence[str] = ["ARCHITECTURES", "DeepseekV4ForCausalLM", "DeepseekV4MTP", "V4Args", "native_name"]

@@ -461,6 +461,7 @@ def write_tiny_deepseek_v4(
     dtype: torch.dtype = torch.float32,
     fp4_experts: bool = False,
     fp8_dense: bool = False,
+    mtp_layers: int = 0,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random DeepSeek-V4 checkpoint folder (``DeepseekV4ForCausalLM``) and return it.
@@ -496,11 +497,25 @@ def write_tiny_deepseek_v4(
       ``X.weight`` with ``X.scale`` ``float8_e8m0fnu`` per 128x128 block (power-of-two scales,
       ``scale_fmt: ue8m0``); compressors, routers, norms and the rest stay as they are.
 
-    transformers' V4 builds no MTP layer (it ignores ``mtp.*``), so none is written.
+    - ``mtp_layers``: that many MTP layers (``num_nextn_predict_layers``), which transformers' V4
+      neither builds nor writes (it ignores ``mtp.*``), in a shard of their own as DeepSeek's release
+      stores them and vLLM's ``deepseek_v4_mtp.py`` loads them: ``mtp.{k}.`` then a decoder block's
+      native names (``attn.wq_a``, ``attn.kv_norm``, ``hc_attn_fn``, ``ffn.experts.{e}.w1``...; the
+      block of a transformers V4 one layer deeper, random from its own seed, so the decoder's
+      weights do not change) and the MTP's own ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``,
+      ``norm`` and ``hc_head_{fn,base,scale}`` (float32, as mHC). The MTP layer's attention and
+      routing are ``layer_types`` / ``mlp_layer_types`` entries after the decoder's when the
+      overrides list them (as DeepSeek's ``compress_ratios`` does), else the release's: sliding,
+      learned; config.json lists them so. Quantised as the decoder's under ``fp4_experts`` /
+      ``fp8_dense`` (``e_proj``, ``h_proj`` FP8 too, as released).
     """
     folder = Path(path)
     config_args = copy.deepcopy({**TINY_DEEPSEEK_V4_CONFIG, **overrides})
-    variant = "v4" + ("-fp4" if fp4_experts else "") + ("-fp8" if fp8_dense else "")
+    if mtp_layers:
+        config_args["num_nextn_predict_layers"] = mtp_layers
+    variant = (
+        "v4" + ("-fp4" if fp4_experts else "") + ("-fp8" if fp8_dense else "") + f"-mtp{mtp_layers}" * bool(mtp_layers)
+    )
     recipe = _recipe(variant, seed, dtype, True, config_args)
     if _reuse_or_clear(folder, recipe):
         return folder
@@ -508,33 +523,97 @@ def write_tiny_deepseek_v4(
     tokenizer = _tokenizer_for(config_args)
     model = _tiny_deepseek_v4_model(config_args, seed, dtype)
     model.save_pretrained(folder)
+    if not (fp4_experts or fp8_dense or mtp_layers):
+        return _finish(folder, tokenizer, recipe)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if fp4_experts or fp8_dense:
         saved = folder / "model.safetensors"
-        tensors: dict[str, torch.Tensor] = {}
-        for name, tensor in load_file(saved).items():
-            scale = name.removesuffix("weight") + "scale"
-            if fp4_experts and _V4_EXPERT_WEIGHT.fullmatch(name):
-                tensors[name], tensors[scale] = quantize_fp4(tensor)
-            elif fp8_dense and _V4_FP8_WEIGHT.fullmatch(name):
-                tensors[name], tensors[scale] = quantize_fp8_ue8m0(tensor)
-            else:
-                tensors[name] = tensor
-        _write_tensors(saved, tensors)
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        _write_tensors(saved, _quantize_v4(load_file(saved), fp4_experts, fp8_dense))
         quantization = dict(DEEPSEEK_V4_FP4_QUANTIZATION_CONFIG)
         if not fp4_experts:
             del quantization["expert_dtype"]
         config["quantization_config"] = quantization
-        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
+    if mtp_layers:
+        kinds = _v4_kinds_with_mtp(config_args, mtp_layers)
+        config.update(kinds)
+        mtp = _tiny_deepseek_v4_mtp({**config_args, **kinds}, mtp_layers, seed, dtype)
+        _add_shard(folder, _quantize_v4(mtp, fp4_experts, fp8_dense))
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return _finish(folder, tokenizer, recipe)
+
+
+def _quantize_v4(tensors: Mapping[str, torch.Tensor], fp4_experts: bool, fp8_dense: bool) -> dict[str, torch.Tensor]:
+    """``tensors`` with routed experts FP4 and the dense weights DeepSeek ships in FP8 so, as asked
+    (see ``write_tiny_deepseek_v4``), each with its ``.scale`` beside it."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        scale = name.removesuffix("weight") + "scale"
+        if fp4_experts and _V4_EXPERT_WEIGHT.fullmatch(name):
+            out[name], out[scale] = quantize_fp4(tensor)
+        elif fp8_dense and _V4_FP8_WEIGHT.fullmatch(name):
+            out[name], out[scale] = quantize_fp8_ue8m0(tensor)
+        else:
+            out[name] = tensor
+    return out
+
+
+def _v4_kinds_with_mtp(config_args: Mapping[str, Any], mtp_layers: int) -> dict[str, list[str]]:
+    """``layer_types`` and ``mlp_layer_types`` for the decoder and then the MTP layers: listed in
+    ``config_args`` past the decoder's, else the release's MTP layer (sliding, learned routing)."""
+    layers = config_args["num_hidden_layers"]
+    kinds = {}
+    for key, default in (("layer_types", "sliding_attention"), ("mlp_layer_types", "moe")):
+        given = list(config_args[key])[: layers + mtp_layers]
+        kinds[key] = given + [default] * (layers + mtp_layers - len(given))
+    return kinds
+
+
+def _tiny_deepseek_v4_mtp(
+    config_args: Mapping[str, Any], count: int, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``count`` random MTP layers under the release's names (see ``write_tiny_deepseek_v4``):
+    the blocks of a transformers V4 with ``count`` more layers, as ``save_pretrained`` names
+    them, moved under ``mtp.{k}.``, plus each MTP layer's own tensors."""
+    import tempfile
+
+    layers, hidden, streams = config_args["num_hidden_layers"], config_args["hidden_size"], config_args["hc_mult"]
+    deeper = {**config_args, "num_hidden_layers": layers + count, "num_nextn_predict_layers": 0}
+    # Its own seed: the decoder's weights are the same with or without MTP layers.
+    model = _tiny_deepseek_v4_model(deeper, seed + 1_000_003 * (layers + 1), dtype)
+    with tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(scratch)
+        saved = load_file(Path(scratch) / "model.safetensors")
+    tensors: dict[str, torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(seed + 1_000_003 * (layers + count + 1))
+    for depth in range(count):
+        block = f"model.layers.{layers + depth}."
+        for name, tensor in saved.items():
+            if name.startswith(block):
+                # save_pretrained spells the attention's kv_norm as transformers' mapping reads it back.
+                tensors[f"mtp.{depth}." + name.removeprefix(block).replace("attn.norm.", "attn.kv_norm.")] = tensor
+        shapes = {
+            "e_proj.weight": (hidden, hidden),
+            "h_proj.weight": (hidden, hidden),
+            "enorm.weight": (hidden,),
+            "hnorm.weight": (hidden,),
+            "norm.weight": (hidden,),
+            "hc_head_fn": (streams, streams * hidden),
+            "hc_head_base": (streams,),
+            "hc_head_scale": (1,),
+        }
+        own = {f"mtp.{depth}.{name}": torch.empty(shape) for name, shape in shapes.items()}
+        _randomize(own, generator)
+        for name, tensor in own.items():
+            keep_float32 = ".hc_" in name or name.endswith("norm.weight")
+            tensors[name] = tensor.to(torch.float32 if keep_float32 else dtype)
+    return tensors
 
 
 #: Routed-expert weights under the names ``save_pretrained`` writes for V4 (native ``w1/w2/w3``).
 _V4_EXPERT_WEIGHT = re.compile(r".+\.ffn\.experts\.\d+\.w[123]\.weight")
 #: The dense V4 weights ``fp8_dense`` stores FP8 (see ``write_tiny_deepseek_v4``).
 _V4_FP8_WEIGHT = re.compile(
-    r".+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight"
+    r".+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|[eh]_proj)\.weight"
 )
 
 
@@ -646,23 +725,29 @@ def mimic_mtp_layers(path: str | Path, scale: float = 0.1, sharpen: float = 4.0)
     target, for drafter tests that need drafts accepted often (and rejected often): every
     block's attention and MLP outputs scaled down by ``scale``, the heads sharpened by
     ``sharpen``, an MTP input projection that passes the embedding through (plus a little
-    of the hidden state), unit ``enorm`` and the final norm as the MTP head's norm."""
+    of the hidden state), unit ``enorm`` and the final norm as the MTP head's norm.
+    DeepSeek-V3's names or V4's (``wo_b``, ``w2``, ``head``; ``e_proj`` the identity,
+    ``h_proj`` scaled down, ``mtp.{k}.norm``); float checkpoints only."""
     path = Path(path)
     shards = sorted(path.glob("*.safetensors"))
     tensors = {shard: load_file(shard) for shard in shards}
     final_norm = next(t["model.norm.weight"] for t in tensors.values() if "model.norm.weight" in t)
     for shard, named in tensors.items():
         for name, tensor in named.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "wo_b.weight", "w2.weight")):
                 named[name] = tensor * scale
-            elif name.endswith(("lm_head.weight", "shared_head.head.weight")):
+            elif name.endswith("head.weight"):  # lm_head, shared_head.head, V4's head
                 named[name] = tensor * sharpen
             elif name.endswith("eh_proj.weight"):  # [embedding; hidden] -> embedding (+ a little hidden)
                 size = tensor.shape[0]
                 named[name] = torch.cat([torch.eye(size), tensor[:, size:] * scale], dim=1)
+            elif name.endswith(".e_proj.weight"):  # V4: embedding and hidden projected apart
+                named[name] = torch.eye(tensor.shape[0], dtype=tensor.dtype)
+            elif name.endswith(".h_proj.weight"):
+                named[name] = tensor * scale
             elif name.endswith("enorm.weight"):
                 named[name] = torch.ones_like(tensor)
-            elif name.endswith("shared_head.norm.weight"):
+            elif name.endswith("shared_head.norm.weight") or re.fullmatch(r"mtp\.\d+\.norm\.weight", name):
                 named[name] = final_norm.clone()
         save_file(named, shard, metadata={"format": "pt"})
     return path

@@ -33,23 +33,31 @@ the drafts before k, never of draft k.
 A prefix-cache hit shares a block's MTP entries along with the target's; the entry at
 a block's last position was computed with the writer's next token, which the sharer
 may not have. Its drafts can then be worse, never wrong: verification decides.
+
+What h is: the target's final hidden state (DeepSeek-V3), or the hidden state the MTP
+says it reads in its place (``mtp.reads``, a ``HiddenTap``: DeepSeek-V4's streams before
+the hyper head), which the drafter then asks the target's forward for (``taps``) and finds
+in each step's ``taps``. g is whatever the MTP's depth returns (V4: its output streams),
+and the confidence head reads g through ``mtp.collapse`` where the MTP has one. The MTP
+layer's cache may hold several retention classes (V4's sliding window and compressor
+rows): each class has its own block tables, taken from the step's, and its own scratch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, SamplingParams
+from powertrain.interfaces import AttentionMetadata, DraftSlot, ExecutedStep, HiddenTap, SamplingParams
 from powertrain_dspark.confidence_head import ConfidenceHead, ConfidenceLog, acceptance_probability, head_features
 from powertrain_dspark.drafter import DraftBatch, draw_drafts
 
 #: Private blocks for draft positions past a sequence's own blocks (a sequence needs at
 #: most two per step for up to 16 drafts at block size 16; more sequences than fit
-#: draft in several groups).
+#: draft in several groups), in each retention class.
 SCRATCH_BLOCKS = 128
 #: A sequence not seen in this many steps is forgotten (finished or aborted).
 FORGET_AFTER_STEPS = 256
@@ -57,6 +65,10 @@ FORGET_AFTER_STEPS = 256
 NO_MTP = (
     "[dspark] drafter = 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers > 0); use drafter = 'ngram'"
 )
+
+
+#: A sequence's block list in each retention class of the MTP layer's cache (window -> blocks).
+Blocks = dict[int | None, list[int]]
 
 
 @attrs.define
@@ -67,7 +79,11 @@ class _Tail:
     hidden: torch.Tensor
     position: int
     token: int
-    blocks: list[int]
+    blocks: Blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(next(iter(self.blocks.values())))
 
     def fits(self, token_ids: Sequence[int]) -> bool:
         return len(token_ids) == self.position + 2 and token_ids[-1] == self.token
@@ -130,7 +146,7 @@ class MTPDrafter:
         self,
         model: Any,
         kv_cache: Any,
-        scratch_blocks: Sequence[int],
+        scratch_blocks: Mapping[int | None, Sequence[int]],
         *,
         block_size: int,
         device: torch.device,
@@ -140,9 +156,16 @@ class MTPDrafter:
     ) -> None:
         self.model = model
         self.mtp = model.mtp
-        self.embed = model.model.embed_tokens
+        self.embed = _embedding(model)
+        reads: HiddenTap | None = getattr(self.mtp, "reads", None)
+        #: The target's hidden states the drafter reads (``SpeculativePolicy.taps``): none
+        #: when the MTP reads the final hidden state (``ExecutedStep.hidden``).
+        self.taps: tuple[HiddenTap, ...] = () if reads is None else (reads,)
+        #: Where the confidence head reads g: through the MTP's hyper head where it has one.
+        self._head_state = getattr(self.mtp, "collapse", None)
         self.kv_cache = kv_cache
-        self.scratch_blocks = list(scratch_blocks)
+        #: Private block ids per retention class of the cache, as many in each, used index by index.
+        self.scratch_blocks = {window: list(ids) for window, ids in scratch_blocks.items()}
         self.block_size = block_size
         self.device = device
         self.max_draft_tokens = max_draft_tokens
@@ -169,18 +192,25 @@ class MTPDrafter:
         if context.join_expert_rounds is not None:
             expert_round = context.join_expert_rounds(mtp.routed_expert_layers(0))
         # Only depth 0 drafts (recursively), so only its cache is kept.
-        (cache,) = context.allocate_kv_caches(mtp.attention_layers[:1], extra_blocks=SCRATCH_BLOCKS)
+        layer = mtp.attention_layers[0]
+        (cache,) = context.allocate_kv_caches([layer], extra_blocks=SCRATCH_BLOCKS)
         for tensor in cache.values():
             tensor.zero_()  # an entry never written (see the module doc) must not be NaN
-        total = next(iter(cache.values())).shape[0]
+        # A class's extra blocks are its last ids. A sliding class's pool ends in a null
+        # block of its own, which no block table names: it serves as scratch, while the id
+        # the target's tables use for their null block (the first extra one) is left zero.
+        scratch = {}
+        for name, tensor in cache.items():
+            total = tensor.shape[0]
+            scratch[layer.window_of(name)] = range(total - SCRATCH_BLOCKS, total)
         head = None
         if config.confidence_head:
-            hidden_size = context.model.model.embed_tokens.embedding_dim
+            hidden_size = _embedding(context.model).embedding_dim
             head = ConfidenceHead.load(config.confidence_head, hidden_size).to(context.device)
         return cls(
             context.model,
             cache,
-            range(total - SCRATCH_BLOCKS, total),
+            scratch,
             block_size=context.block_size,
             device=context.device,
             max_draft_tokens=config.max_draft_tokens,
@@ -260,7 +290,8 @@ class MTPDrafter:
         metadata = step.metadata
         starts, contexts = metadata.query_start_loc_host, metadata.context_lens_host
         input_ids = step.input_ids.tolist()
-        tables = metadata.block_tables.tolist()
+        tables = {window: metadata.for_window(window).block_tables.tolist() for window in self.scratch_blocks}
+        source = step.taps[0] if self.taps else step.hidden  # h of each of the step's rows
         deferred: list[torch.Tensor] = []  # waiting rows' h, indexed after the step's rows
         work: list[_Rows] = []
         for i, seq_id in enumerate(step.seq_ids):
@@ -273,7 +304,7 @@ class MTPDrafter:
             start, end = starts[i], starts[i + 1]
             rows = _Rows(i, first=contexts[i])
             if state.pending is not None and state.pending[1] == rows.first - 1:
-                rows.add(len(step.hidden) + len(deferred), input_ids[start])
+                rows.add(len(source) + len(deferred), input_ids[start])
                 deferred.append(state.pending[0])
                 rows.first -= 1
             state.pending = None
@@ -285,7 +316,7 @@ class MTPDrafter:
             else:  # a prompt chunk: its last row waits for the next chunk's first token
                 for row in range(start, end - 1):
                     rows.add(row, input_ids[row + 1])
-                state.pending = (step.hidden[end - 1].clone(), contexts[i] + end - 1 - start)
+                state.pending = (source[end - 1].clone(), contexts[i] + end - 1 - start)
             if rows.sources:
                 work.append(rows)
         if not work:
@@ -294,11 +325,14 @@ class MTPDrafter:
         catch_up = AttentionMetadata.build(
             query_lens=[len(rows.sources) for rows in work],
             seq_lens=[rows.end for rows in work],
-            block_tables=[tables[rows.index][: -(-rows.end // self.block_size)] for rows in work],
+            block_tables={
+                window: [table[rows.index][: -(-rows.end // self.block_size)] for rows in work]
+                for window, table in tables.items()
+            },
             block_size=self.block_size,
             device=self.device,
         )
-        hidden = torch.cat([step.hidden, torch.stack(deferred)]) if deferred else step.hidden
+        hidden = torch.cat([source, torch.stack(deferred)]) if deferred else source
         sources = torch.tensor([r for rows in work for r in rows.sources], device=self.device)
         output = self._forward(
             torch.tensor([t for rows in work for t in rows.next_tokens], device=self.device),
@@ -312,7 +346,8 @@ class MTPDrafter:
             kept = step.accepted[rows.index]
             if kept:
                 owned = -(-metadata.seq_lens_host[rows.index] // self.block_size)
-                tail = _Tail(output[last - 1].clone(), rows.end - 1, kept[-1], tables[rows.index][:owned])
+                blocks = {window: table[rows.index][:owned] for window, table in tables.items()}
+                tail = _Tail(output[last - 1].clone(), rows.end - 1, kept[-1], blocks)
                 tails[step.seq_ids[rows.index]] = tail
         return tails
 
@@ -321,9 +356,10 @@ class MTPDrafter:
         results: list[_Drafts] = []
         group: list[_Job] = []
         used = 0
+        available = len(next(iter(self.scratch_blocks.values())))
         for job in jobs:
             needed = self._scratch_needed(job)
-            if group and used + needed > len(self.scratch_blocks):
+            if group and used + needed > available:
                 results += self._draft_group(group)
                 group, used = [], 0
             group.append(job)
@@ -334,14 +370,20 @@ class MTPDrafter:
 
     def _scratch_needed(self, job: _Job) -> int:
         blocks = (job.tail.position + job.count - 1) // self.block_size + 1  # through the last draft position
-        return max(0, blocks - len(job.tail.blocks))
+        return max(0, blocks - job.tail.num_blocks)
 
     def _draft_group(self, jobs: Sequence[_Job]) -> list[_Drafts]:
-        scratch = iter(self.scratch_blocks)
-        tables = []
+        scratch = iter(range(len(next(iter(self.scratch_blocks.values())))))  # an index into each class's
+        tables: list[Blocks] = []
         for job in jobs:
             blocks = (job.tail.position + job.count - 1) // self.block_size + 1
-            tables.append(job.tail.blocks[:blocks] + [next(scratch) for _ in range(self._scratch_needed(job))])
+            private = [next(scratch) for _ in range(self._scratch_needed(job))]
+            tables.append(
+                {
+                    window: own[:blocks] + [self.scratch_blocks[window][i] for i in private]
+                    for window, own in job.tail.blocks.items()
+                }
+            )
         tokens: list[list[int]] = [[] for _ in jobs]
         confidences: list[list[float]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
@@ -354,7 +396,8 @@ class MTPDrafter:
             chosen, raw, q = self._choose(logits, [jobs[i] for i in active])
             feats = None
             if self.head is not None or self.log is not None:
-                feats = head_features(hidden, self.embed(previous))
+                state = hidden if self._head_state is None else self._head_state(0, hidden)
+                feats = head_features(state, self.embed(previous))
                 if self.head is not None:
                     raw = self.head.confidence(feats).tolist()
             for row, i in enumerate(active):
@@ -372,7 +415,7 @@ class MTPDrafter:
             metadata = AttentionMetadata.build(
                 query_lens=[1] * len(active),
                 seq_lens=[p + 1 for p in positions],
-                block_tables=[tables[i] for i in active],
+                block_tables={window: [tables[i][window] for i in active] for window in self.scratch_blocks},
                 block_size=self.block_size,
                 device=self.device,
             )
@@ -418,3 +461,10 @@ class MTPDrafter:
             target = self.model.compute_logits(step.hidden[starts[i] : starts[i] + verified]).float().cpu()
             labels = acceptance_probability(target, drafts.tokens, drafts.probs, self._slots[seq_id].params)
             self.log.add(drafts.features, labels, drafts.confidences)  # type: ignore[arg-type]
+
+
+def _embedding(model: Any) -> torch.nn.Embedding:
+    """The target's token embedding: where its MTP says (``mtp.embed_tokens``, V4's), else
+    where DeepSeek-V3 keeps it."""
+    mtp = model.mtp
+    return mtp.embed_tokens if hasattr(mtp, "embed_tokens") else model.model.embed_tokens
