@@ -1,0 +1,359 @@
+"""Gemma 4 text models (``models/gemma4.py``) against HF transformers' ``Gemma4ForCausalLM``.
+
+Tiny random float32 checkpoints (``write_tiny_gemma4``: 6 layers, sliding ones with an 8-token
+window and 16-wide heads beside full ones with 32-wide heads and proportional RoPE, every norm
+and layer scalar perturbed away from one, soft-capped logits) in two shapes: the E2B/E4B kind
+("gemma4": the last two layers read layers 3's and 2's keys and values through double-wide MLPs,
+per-layer embeddings, tied head) and the 31B kind ("gemma4-k-eq-v": full layers with one
+key/value head whose key projection is also the value, no per-layer embeddings, no KV sharing,
+an untied head). Logits over a paged cache with shuffled block ids: a ragged prefill, decode
+steps beside a neighbour, a prefill in chunks, a prefix-cache hit; then the whole engine and the
+CLI; hidden-state taps against transformers' hidden states. Last, GGUF files written from the
+same checkpoints with gguf-py's own tensor names and llama.cpp's converter's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the oracle; the locked dev group pins 5.24, which has Gemma 4
+from click.testing import CliRunner
+
+import powertrain.builtin.models
+from powertrain import LLM, SamplingParams
+from powertrain.builtin.reference_attention import TorchReferenceAttention
+from powertrain.cli import main
+from powertrain.interfaces import HiddenTap, ModelContext, TapRecorder
+from powertrain.layers.rotary import RopeParameters, inverse_frequencies
+from powertrain.loader import load_checkpoint
+from powertrain.models.gemma4 import Gemma4Args, Gemma4ForCausalLM
+from powertrain.plugins import PluginManager
+from powertrain.testing import write_tiny_gemma4
+from powertrain.testing.base import fresh_seed
+from powertrain.testing.oracle import assert_greedy_agrees, hf_greedy, hf_greedy_row, hf_logits, relative_error
+from powertrain.testing.paged import PagedRunner
+
+#: Relative to the largest reference logit, the Llama family's bound (test_qwen3_model.py): the
+#: same float32 arithmetic in other orders, a flat batch against one sequence. The widest sums
+#: here are the double-wide MLP's 192 terms and attention's at most ~80 positions, over 6 layers.
+RELATIVE_TOLERANCE = 1e-4
+#: A greedy pick departs from the oracle's only at a tie that close.
+TIE = 2 * RELATIVE_TOLERANCE
+DECODE_STEPS = 16
+WINDOW = 8
+LAYERS = 6
+#: The 31B's shape: key-as-value full layers with one key/value head, nothing shared, untied head.
+K_EQ_V = {
+    "attention_k_eq_v": True,
+    "num_kv_shared_layers": 0,
+    "use_double_wide_mlp": False,
+    "hidden_size_per_layer_input": 0,
+    "tie_word_embeddings": False,
+}
+VARIANTS = ("gemma4", "gemma4-k-eq-v")
+
+
+def write(variant: str, folder: Path, seed: int) -> Path:
+    return write_tiny_gemma4(folder, seed=seed, **(K_EQ_V if variant == "gemma4-k-eq-v" else {}))
+
+
+@pytest.fixture(scope="module")
+def weights_seed() -> int:
+    value = fresh_seed()
+    print(f"checkpoint seed={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory, weights_seed: int) -> dict[str, Path]:
+    return {variant: write(variant, tmp_path_factory.mktemp(variant), weights_seed) for variant in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def hf_models(paths: dict[str, Path]) -> dict[str, Any]:
+    return {
+        variant: transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        for variant, path in paths.items()
+    }
+
+
+def context_of(config: dict[str, Any], dtype: torch.dtype = torch.float32) -> ModelContext:
+    return ModelContext(config=config, dtype=dtype, device=torch.device("cpu"), attention=TorchReferenceAttention())
+
+
+def load_ours(path: Path, dtype: torch.dtype = torch.float32) -> Gemma4ForCausalLM:
+    """From a checkpoint folder or a GGUF file."""
+    checkpoint = load_checkpoint(str(path))
+    model = Gemma4ForCausalLM(context_of(dict(checkpoint.config), dtype))
+    model.load_weights(checkpoint.tensors())
+    return model
+
+
+def config_of(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def random_tokens(path: Path, n: int) -> list[int]:
+    return torch.randint(0, config_of(path)["vocab_size"], (n,)).tolist()
+
+
+def check(variant: str, what: str, got: torch.Tensor, expected: torch.Tensor, seed: int) -> None:
+    error = relative_error(got, expected)
+    print(f"{variant}, {what}: max |diff| / max |logit| = {error:.2e}")
+    assert error <= RELATIVE_TOLERANCE, f"{variant}, {what}: logits off by {error:.2e} (seed={seed})"
+
+
+# --------------------------------------------------------------------------- model against HF
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_logits_match_hf(variant: str, paths: dict[str, Path], hf_models: dict[str, Any], seed: int) -> None:
+    path, hf = paths[variant], hf_models[variant]
+    prompts = [random_tokens(path, n) for n in (random.randint(25, 40), random.randint(2, 24))]
+    runner = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=4, num_blocks=32)
+    logits = runner.step([("a", prompts[0]), ("b", prompts[1])])
+    for prompt, got in zip(prompts, logits, strict=True):
+        check(variant, f"prefill of {len(prompt)} tokens", got, hf_logits(hf, prompt), seed)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_and_decode_beside_a_neighbour_match_hf(
+    variant: str, paths: dict[str, Path], hf_models: dict[str, Any], seed: int
+) -> None:
+    path, hf = paths[variant], hf_models[variant]
+    prompt = random_tokens(path, random.randint(12, 30))
+    neighbour = random_tokens(path, random.randint(3, 15))
+    runner = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=4, num_blocks=64)
+    logits, generated = runner.greedy_beside_a_neighbour(prompt, neighbour, random_tokens(path, DECODE_STEPS - 1))
+    check(
+        variant,
+        f"prefill {len(prompt)} + {DECODE_STEPS - 1} decodes",
+        logits,
+        hf_logits(hf, prompt + generated[:-1]),
+        seed,
+    )
+    expected = hf_greedy(hf, prompt, DECODE_STEPS)
+    assert_greedy_agrees(generated, expected, hf_greedy_row(hf, prompt, expected), TIE, f"{variant} greedy")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_prefill_matches_hf(variant: str, paths: dict[str, Path], hf_models: dict[str, Any], seed: int) -> None:
+    """A prompt prefilled in three chunks (cut anywhere, across blocks and windows) while a
+    neighbour decodes in the same steps."""
+    path, hf = paths[variant], hf_models[variant]
+    prompt = random_tokens(path, random.randint(30, 45))
+    cuts = sorted(random.sample(range(1, len(prompt)), 2))
+    chunks = [prompt[: cuts[0]], prompt[cuts[0] : cuts[1]], prompt[cuts[1] :]]
+    runner = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=4, num_blocks=64)
+    runner.step([("other", random_tokens(path, 5))])
+    pieces = []
+    for chunk in chunks:
+        _, logits = runner.step([("other", random_tokens(path, 1)), ("p", chunk)])
+        pieces.append(logits)
+    check(variant, f"chunks {[len(c) for c in chunks]}", torch.cat(pieces), hf_logits(hf, prompt), seed)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_prefix_cache_hit_matches_hf(
+    variant: str, paths: dict[str, Path], hf_models: dict[str, Any], seed: int
+) -> None:
+    """A second sequence starts on the first one's full blocks (past the window), computes
+    only the rest of its prompt beside a neighbour, then decodes."""
+    path, hf = paths[variant], hf_models[variant]
+    first = random_tokens(path, random.randint(20, 30))
+    common = random.randint(13, 20)
+    prompt = first[:common] + random_tokens(path, random.randint(3, 12))
+    runner = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=4, num_blocks=96)
+    runner.step([("first", first)])
+    skipped = runner.share_prefix("s", "first", common)
+    assert skipped > WINDOW
+    logits, generated = runner.greedy_beside_a_neighbour(
+        prompt, random_tokens(path, 6), random_tokens(path, 7), skip=skipped
+    )
+    expected = hf_logits(hf, prompt + generated[:-1])[skipped:]
+    check(variant, f"{skipped} of {len(prompt)} prompt tokens cached, 7 decodes", logits, expected, seed)
+
+
+def test_hf_applies_the_window_we_compare_against(paths: dict[str, Path], hf_models: dict[str, Any], seed: int) -> None:
+    """Otherwise the comparisons would not test it: past the window, transformers' logits differ
+    from the same weights' with a window longer than the prompt."""
+    path = paths["gemma4"]
+    wide = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, sliding_window=4096)
+    tokens = random_tokens(path, 3 * WINDOW)
+    windowed, unwindowed = hf_logits(hf_models["gemma4"], tokens), hf_logits(wide.eval(), tokens)
+    assert relative_error(windowed[:WINDOW], unwindowed[:WINDOW]) <= RELATIVE_TOLERANCE, f"seed={seed}"
+    assert relative_error(windowed[WINDOW:], unwindowed[WINDOW:]) > 1e-2, f"seed={seed}"
+    assert [layer.sliding_window for layer in load_ours(path).attention_layers[:4]] == [WINDOW, WINDOW, None, WINDOW]
+
+
+def test_kv_sharing_layers_hold_no_cache_and_read_their_sources(paths: dict[str, Path]) -> None:
+    """Layers 4 and 5 read layers 3's and 2's keys and values: they declare a ``custom`` layer
+    without cache groups, so the engine allocates nothing for them; their MLPs are double-wide."""
+    model = load_ours(paths["gemma4"])
+    assert [layer.kv_source for layer in model.args.layers] == [None, None, None, None, 3, 2]
+    assert [spec.kind for spec in model.attention_layers] == ["gqa"] * 4 + ["custom"] * 2
+    assert all(not spec.cache_groups for spec in model.attention_layers[4:])
+    assert [layer.mlp.up_proj.out_features for layer in model.model.layers] == [96] * 4 + [192] * 2
+    dense = load_ours(paths["gemma4-k-eq-v"])
+    assert [(spec.head_size, spec.num_kv_heads) for spec in dense.attention_layers[1:3]] == [(16, 2), (32, 1)]
+    assert dense.model.layers[2].self_attn.v_proj is None and dense.model.layers[1].self_attn.v_proj is not None
+
+
+def test_bfloat16_logits_stay_near_hf_in_bfloat16(paths: dict[str, Path], seed: int) -> None:
+    """In bfloat16 both sides round at every op; the embedding and per-layer scales are rounded
+    to bfloat16 as transformers rounds them. Measured: about 1e-2 of the largest logit apart."""
+    path = paths["gemma4"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    prompt = random_tokens(path, 29)
+    runner = PagedRunner(load_ours(path, torch.bfloat16), TorchReferenceAttention(), dtype=torch.bfloat16)
+    (got,) = runner.step([("a", prompt)])
+    error = relative_error(got, hf_logits(hf, prompt))
+    print(f"bfloat16 prefill: max |diff| / max |logit| = {error:.2e}")
+    assert torch.isfinite(got).all() and error <= 5e-2, f"bfloat16 logits off by {error:.2e} (seed={seed})"
+
+
+# --------------------------------------------------------------------------- the engine and the CLI
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_greedy_with_prefix_hits_equals_hf(
+    variant: str, paths: dict[str, Path], hf_models: dict[str, Any], seed: int
+) -> None:
+    """The whole engine, prefix caching on: the second and third prompts start with the first's
+    tokens, so they hit its cached blocks (sliding blocks out of the window freed)."""
+    path, hf = paths[variant], hf_models[variant]
+    shared = random_tokens(path, random.randint(20, 28))
+    prompts = [shared, shared + random_tokens(path, 9), shared[:17] + random_tokens(path, 4)]
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    with LLM(str(path), dtype="float32", block_size=4, num_blocks=96, prefix_caching=True) as llm:
+        assert type(llm.engine.runner.model) is Gemma4ForCausalLM
+        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = hf_greedy(hf, prompt, DECODE_STEPS)
+        tokens = list(output.outputs[0].token_ids)
+        assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, f"{variant} engine greedy")
+
+
+def test_generate_answers_through_the_cli(paths: dict[str, Path]) -> None:
+    result = CliRunner().invoke(
+        main, ["generate", "--model", str(paths["gemma4"]), "--max-tokens", "6", "--json", "--no-chat", "Once"]
+    )
+    assert result.exit_code == 0, result.output
+    (answer,) = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert answer["text"] and answer["output_tokens"] == 6
+
+
+def test_layer_output_taps_equal_transformers_hidden_states(
+    paths: dict[str, Path], hf_models: dict[str, Any], seed: int
+) -> None:
+    """``layer_output`` at the layers asked for (a KV-sharing one among them) is transformers'
+    ``output_hidden_states`` entry ``layer + 1``, for every row of a ragged two-sequence step."""
+    path, hf = paths["gemma4"], hf_models["gemma4"]
+    model = load_ours(path)
+    asked = sorted(random.sample(range(4), 2) + [4])
+    prompts = {"a": random_tokens(path, 17), "b": random_tokens(path, 5)}
+    model.taps = TapRecorder([HiddenTap(layer, "layer_output") for layer in asked])
+    PagedRunner(model, TorchReferenceAttention()).step(list(prompts.items()))
+    rows = torch.split(torch.stack(model.taps.taken()), [17, 5], dim=1)
+    for (name, tokens), got in zip(prompts.items(), rows, strict=True):
+        with torch.inference_mode():
+            states = hf(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        expected = torch.stack([states[layer + 1][0] for layer in asked])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n} {asked}: {m}")
+
+
+# --------------------------------------------------------------------------- config and registry
+
+
+def test_the_gemma4_record_builds_the_model_and_asks_for_sliding_windows(paths: dict[str, Path]) -> None:
+    manager = PluginManager.load(environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    manager.register(powertrain.builtin.models)
+    (provided,) = [p for p in manager.records("model") if p.record.name == "gemma4"]
+    assert provided.record.architectures == {"Gemma4ForCausalLM"}
+    requirements = provided.record.requirements
+    assert requirements is not None
+    config = config_of(paths["gemma4"])
+    assert requirements(config) == {
+        "attention": {"gqa", "paged", "prefill", "decode", "chunked-prefill", "sliding-window"}
+    }
+    full = {**config, "layer_types": ["full_attention"] * LAYERS, "per_layer_config": {}}
+    assert "sliding-window" not in requirements(full)["attention"]
+    assert isinstance(provided.record.factory(context_of(config)), Gemma4ForCausalLM)
+
+
+def test_proportional_rope_is_transformers(hf_models: dict[str, Any]) -> None:
+    rotary = hf_models["gemma4"].model.rotary_emb
+    params = RopeParameters.from_config(
+        {"rope_parameters": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+    )
+    assert torch.equal(inverse_frequencies(params, 32), rotary.full_attention_inv_freq)
+    assert torch.equal(inverse_frequencies(RopeParameters(theta=1e4), 16), rotary.sliding_attention_inv_freq)
+
+
+def test_both_config_spellings_of_the_full_layers_read_the_same(paths: dict[str, Path]) -> None:
+    """transformers 5.24 saves ``per_layer_config``; configs written before it (the Hub's) say
+    ``global_head_dim`` and ``num_global_key_value_heads``, from which it derives the same."""
+    saved = config_of(paths["gemma4-k-eq-v"])
+    assert saved["per_layer_config"] == {
+        "2": {"head_dim": 32, "num_key_value_heads": 1},
+        "5": saved["per_layer_config"]["2"],
+    }
+    older = {k: v for k, v in saved.items() if k != "per_layer_config"} | {
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+    }
+    assert Gemma4Args.from_config(older) == Gemma4Args.from_config(saved)
+    # Without attention_k_eq_v transformers keeps the full layers' key/value heads.
+    plain = Gemma4Args.from_config({**older, "attention_k_eq_v": False})
+    assert [layer.num_kv_heads for layer in plain.layers] == [2] * LAYERS
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"enable_moe_block": True}, r"enable_moe_block=True: Gemma 4's routed experts .* SwiGLU experts"),
+        ({"use_bidirectional_attention": "all"}, r"use_bidirectional_attention='all'"),
+        ({"hidden_activation": "silu"}, r"GELU-tanh MLP, but the config says hidden_activation='silu'"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}, "full_attention": {}}},
+            r"rope_parameters\['sliding_attention'\] has rope_type='yarn'",
+        ),
+        (
+            {"per_layer_config": {"2": {"intermediate_size": 8}}},
+            r"per_layer_config\[2\] overrides \['intermediate_size'\]",
+        ),
+        ({"num_kv_shared_layers": LAYERS}, r"num_kv_shared_layers=6 must leave at least one"),
+        (
+            {"layer_types": ["sliding_attention"] * 5 + ["chunked_attention"]},
+            r"layer_types names \['chunked_attention'\]",
+        ),
+    ],
+)
+def test_configs_it_cannot_follow_are_refused(paths: dict[str, Path], changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Gemma4ForCausalLM(context_of({**config_of(paths["gemma4"]), **changes}))
+
+
+def test_tensors_are_checked_and_kv_sharing_layers_drop_their_kv(paths: dict[str, Path]) -> None:
+    """Missing and unexpected tensors are named; a KV-sharing layer's own k/v tensors, which
+    older checkpoints hold, are dropped unread as transformers drops them."""
+    path = paths["gemma4"]
+    tensors = dict(load_checkpoint(str(path)).tensors())
+    model = Gemma4ForCausalLM(context_of(config_of(path)))
+    stale = {
+        "model.layers.5.self_attn.k_proj.weight": torch.randn(32, 64),
+        "model.layers.4.self_attn.v_norm.weight": torch.ones(16),
+    }
+    model.load_weights({**tensors, **stale}.items())
+    dropped = {
+        name: t for name, t in tensors.items() if name not in ("model.layers.3.layer_scalar", "model.norm.weight")
+    }
+    with pytest.raises(ValueError, match=r"missing tensors: model.layers.3.layer_scalar, model.norm.weight"):
+        model.load_weights(dropped.items())
+    with pytest.raises(ValueError, match=r"unexpected tensors: model.layers.2.self_attn.v_norm.weight"):
+        model.load_weights([*tensors.items(), ("model.layers.2.self_attn.v_norm.weight", torch.ones(32))])
