@@ -19,6 +19,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+import attrs
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers  # the oracle; the locked dev group pins 5.24, which has Gemma 4
@@ -30,7 +33,7 @@ from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.cli import main
 from powertrain.interfaces import HiddenTap, ModelContext, TapRecorder
 from powertrain.layers.rotary import RopeParameters, inverse_frequencies
-from powertrain.loader import load_checkpoint
+from powertrain.loader import UnsupportedCheckpointError, load_checkpoint
 from powertrain.models.gemma4 import Gemma4Args, Gemma4ForCausalLM
 from powertrain.plugins import PluginManager
 from powertrain.testing import write_tiny_gemma4
@@ -357,3 +360,152 @@ def test_tensors_are_checked_and_kv_sharing_layers_drop_their_kv(paths: dict[str
         model.load_weights(dropped.items())
     with pytest.raises(ValueError, match=r"unexpected tensors: model.layers.2.self_attn.v_norm.weight"):
         model.load_weights([*tensors.items(), ("model.layers.2.self_attn.v_norm.weight", torch.ones(32))])
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def write_gguf(
+    folder: Path, path: Path, quantize: gguf.GGMLQuantizationType | None = None, tokenizer_model: str = "gpt2"
+) -> Path:
+    """What llama.cpp's Gemma 4 converter (``conversion/gemma.py``) writes for the folder, in F32:
+    gguf-py's GEMMA4 tensor names, norms as stored (Gemma 4's scale by ``w``, no ``+ 1``),
+    ``layer_scalar`` as ``layer_output_scale``, no head when tied, a ``rope_freqs`` tensor for
+    the full layers' proportional RoPE, and ``set_gguf_parameters``' metadata (per-layer arrays
+    where layers differ). The tokenizer is the folder's tiny one as a gpt2 vocabulary (a real
+    Gemma 4 file says ``gemma4``: ``tokenizer_model``). ``quantize``: the block type of every
+    matrix whose rows it divides."""
+    config = config_of(folder)
+    args = Gemma4Args.from_config(config)
+    full = next(layer for layer in args.layers if layer.kind == "full_attention")
+    swa = next(layer for layer in args.layers if layer.kind == "sliding_attention")
+    writer = gguf.GGUFWriter(str(path), arch="gemma4")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(args.num_layers)
+    widths = [layer.intermediate_size for layer in args.layers]
+    writer.add_feed_forward_length(widths if len(set(widths)) > 1 else widths[0])
+    writer.add_head_count(config["num_attention_heads"])
+    kv_heads = [layer.num_kv_heads for layer in args.layers]
+    writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else kv_heads[0])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(full.head_dim)
+    writer.add_value_length(full.head_dim)
+    writer.add_key_length_swa(swa.head_dim)
+    writer.add_value_length_swa(swa.head_dim)
+    writer.add_rope_freq_base(full.rope.theta)
+    writer.add_rope_freq_base_swa(swa.rope.theta)
+    writer.add_rope_dimension_count(full.head_dim)
+    writer.add_rope_dimension_count_swa(swa.head_dim)
+    if config["final_logit_softcapping"]:
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([layer.kind == "sliding_attention" for layer in args.layers])
+    writer.add_shared_kv_layers(config["num_kv_shared_layers"])
+    writer.add_embedding_length_per_layer_input(config["hidden_size_per_layer_input"])
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"] | {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    special = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(sorted(vocab, key=vocab.__getitem__))
+    writer.add_token_types([3 if i in special else 1 for i in range(len(vocab))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    rotated = int(full.head_dim * full.rope.partial_rotary_factor / 2)
+    writer.add_tensor(
+        "rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (full.head_dim // 2 - rotated), np.float32)
+    )
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA4, args.num_layers)
+    for name, tensor in load_checkpoint(str(folder)).tensors():
+        if name == "lm_head.weight" and config["tie_word_embeddings"]:
+            continue
+        if name.endswith(".layer_scalar"):  # the converter's filter_tensors names it a weight
+            name += ".weight"
+        stored = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if quantize is not None and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+            blocks = gguf.quants.quantize(tensor.numpy(), quantize)
+            writer.add_tensor(stored, blocks, raw_shape=blocks.shape, raw_dtype=quantize)
+        else:
+            writer.add_tensor(stored, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_llama_cpp_gguf_of_the_checkpoint_matches_hf(
+    variant: str, tmp_path: Path, paths: dict[str, Path], hf_models: dict[str, Any], seed: int
+) -> None:
+    folder, hf = paths[variant], hf_models[variant]
+    path = write_gguf(folder, tmp_path / f"{variant}.gguf")
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.format == "gguf"
+    # The same model, but for rms_norm_eps, which GGUF stores as float32.
+    ours, theirs = Gemma4Args.from_config(checkpoint.config), Gemma4Args.from_config(config_of(folder))
+    assert ours == attrs.evolve(theirs, rms_norm_eps=ours.rms_norm_eps)
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-7)
+    assert sorted(checkpoint.tensor_names) == sorted(load_checkpoint(str(folder)).tensor_names)
+    prompt = random_tokens(folder, random.randint(12, 30))
+    runner = PagedRunner(load_ours(path), TorchReferenceAttention(), block_size=4, num_blocks=64)
+    logits, generated = runner.greedy_beside_a_neighbour(prompt, random_tokens(folder, 7), random_tokens(folder, 11))
+    check(
+        f"{variant} from GGUF",
+        f"prefill {len(prompt)} + 11 decodes",
+        logits,
+        hf_logits(hf, prompt + generated[:-1]),
+        seed,
+    )
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    with LLM(str(path), dtype="float32", block_size=4, num_blocks=64) as llm:
+        (output,) = llm.generate([prompt], params)
+    expected = hf_greedy(hf, prompt, DECODE_STEPS)
+    tokens = list(output.outputs[0].token_ids)
+    assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, f"{variant} GGUF engine greedy")
+
+
+def test_weights_kept_quantized_give_the_dequantized_logits(tmp_path: Path, paths: dict[str, Path], seed: int) -> None:
+    """Q8_0 projections, the token embedding (and so the tied head) and the per-layer projection
+    kept as stored (the reference kernel multiplies by exactly what dequantisation gives)."""
+    from powertrain.builtin.quantized_linear import DequantizingLinear
+
+    path = write_gguf(paths["gemma4"], tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.quantized_formats == {"q8"}
+    prompt = random_tokens(paths["gemma4"], 19)
+    logits = []
+    for kernel in (DequantizingLinear(), None):
+        context = ModelContext(
+            config=checkpoint.config,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            attention=TorchReferenceAttention(),
+            quantized_linear=kernel,
+        )
+        model = Gemma4ForCausalLM(context)
+        model.load_weights(checkpoint.tensors(keep_quantized=model.keep_quantized if kernel else None))
+        kept = [model.model.layers[0].self_attn.q_proj.quantized, model.model.embed_tokens.quantized]
+        assert all(weight is not None for weight in kept) is (kernel is not None)
+        logits.append(PagedRunner(model, TorchReferenceAttention()).step([("a", prompt)])[0])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_gguf_files_it_cannot_read_are_refused(tmp_path: Path, paths: dict[str, Path]) -> None:
+    """Routed experts (the 26B-A4B) and Gemma 4's own tokenizer (``gemma4``), which powertrain
+    does not rebuild from GGUF metadata yet, are refused by name."""
+    moe = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(moe), arch="gemma4")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedCheckpointError, match="routed experts .* does not run its MoE blocks"):
+        load_checkpoint(str(moe))
+    with pytest.raises(UnsupportedCheckpointError, match="tokenizer.ggml.model is 'gemma4'"):
+        load_checkpoint(str(write_gguf(paths["gemma4"], tmp_path / "gemma4-vocab.gguf", tokenizer_model="gemma4")))
