@@ -102,7 +102,8 @@ def config_of(path: Path) -> dict[str, Any]:
 
 
 def random_tokens(path: Path, n: int) -> list[int]:
-    return torch.randint(0, config_of(path)["vocab_size"], (n,)).tolist()
+    config = config_of(path)
+    return torch.randint(0, config.get("text_config", config)["vocab_size"], (n,)).tolist()
 
 
 def check(variant: str, what: str, got: torch.Tensor, expected: torch.Tensor, seed: int) -> None:
@@ -180,6 +181,37 @@ def test_a_prefix_cache_hit_matches_hf(
     )
     expected = hf_logits(hf, prompt + generated[:-1])[skipped:]
     check(variant, f"{skipped} of {len(prompt)} prompt tokens cached, 7 decodes", logits, expected, seed)
+
+
+def test_the_multimodal_release_class_serves_its_text_model(
+    tmp_path: Path, paths: dict[str, Path], weights_seed: int, seed: int
+) -> None:
+    """Google's checkpoints are ``Gemma4ForConditionalGeneration``: the text config nested, the
+    weights under ``model.language_model.``. Its text model, against transformers' class of that
+    name, in a step and through the engine; the (here absent) towers would not be read."""
+    folder = write_tiny_gemma4(tmp_path / "multimodal", seed=weights_seed, conditional_generation=True)
+    assert config_of(folder)["architectures"] == ["Gemma4ForConditionalGeneration"]
+    assert "model.language_model.layers.0.layer_scalar" in load_checkpoint(str(folder)).tensor_names
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Gemma4ForConditionalGeneration"
+    model = load_ours(folder)
+    assert not model.wants_weight("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight")
+    prompt = random_tokens(folder, random.randint(12, 30))
+    runner = PagedRunner(model, TorchReferenceAttention(), block_size=4, num_blocks=64)
+    logits, generated = runner.greedy_beside_a_neighbour(prompt, random_tokens(folder, 5), random_tokens(folder, 7))
+    check(
+        "gemma4 multimodal class",
+        f"prefill {len(prompt)} + 7 decodes",
+        logits,
+        hf_logits(hf, prompt + generated[:-1]),
+        seed,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(folder), dtype="float32", block_size=4, num_blocks=64) as llm:
+        (output,) = llm.generate([prompt], params)
+    expected = hf_greedy(hf, prompt, 8)
+    tokens = list(output.outputs[0].token_ids)
+    assert_greedy_agrees(tokens, expected, hf_greedy_row(hf, prompt, expected), TIE, "multimodal class engine greedy")
 
 
 def test_hf_applies_the_window_we_compare_against(paths: dict[str, Path], hf_models: dict[str, Any], seed: int) -> None:
@@ -277,7 +309,7 @@ def test_the_gemma4_record_builds_the_model_and_asks_for_sliding_windows(paths: 
     manager = PluginManager.load(environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"})
     manager.register(powertrain.builtin.models)
     (provided,) = [p for p in manager.records("model") if p.record.name == "gemma4"]
-    assert provided.record.architectures == {"Gemma4ForCausalLM"}
+    assert provided.record.architectures == {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"}
     requirements = provided.record.requirements
     assert requirements is not None
     config = config_of(paths["gemma4"])

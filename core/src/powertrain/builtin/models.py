@@ -141,11 +141,12 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
         ),
         ModelArchitectureRecord(
             name="gemma4",
-            architectures={"Gemma4ForCausalLM"},
+            architectures={"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"},
             factory=build_gemma4,
             requirements=gemma4_requirements,
             description="Gemma 4 text decoders: sliding and full layers with their own head sizes and RoPE, "
-            "q/k/v norms, KV sharing across layers, per-layer embeddings, soft-capped logits",
+            "q/k/v norms, KV sharing across layers, per-layer embeddings, soft-capped logits "
+            "(text; the multimodal releases' images and audio are not read)",
         ),
         ModelArchitectureRecord(
             name="deepseek-v3",

@@ -1,4 +1,7 @@
-"""Gemma 4 text decoders (``Gemma4ForCausalLM``), as transformers 5.24's ``modeling_gemma4`` computes them.
+"""Gemma 4 text decoders, as transformers 5.24's ``modeling_gemma4`` computes them: ``Gemma4ForCausalLM``,
+and the text model of ``Gemma4ForConditionalGeneration`` (the class Google's releases are saved as:
+``text_config`` nested in the config, weights under ``model.language_model.``; its vision and
+audio towers are not read, so images and audio are not served).
 
 What sets them apart from the Llama family:
 
@@ -55,7 +58,6 @@ from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
 from powertrain.models.weights import check_complete, copy_checked, materialize
 
-ARCHITECTURES = frozenset({"Gemma4ForCausalLM"})
 LAYER_TYPES = ("sliding_attention", "full_attention")
 #: transformers' ``Gemma4TextConfig`` rope tables when a config names none.
 _DEFAULT_ROPE = {
@@ -67,6 +69,10 @@ _LAYER_OVERRIDES = frozenset({"head_dim", "num_key_value_heads"})
 #: A KV-sharing layer's tensors that an older checkpoint may still hold; transformers drops them unread.
 _KV_TENSORS = ("k_proj", "v_proj", "k_norm", "v_norm")
 _ACTIVATIONS = ("gelu_pytorch_tanh",)
+#: ``Gemma4ForConditionalGeneration``'s text model, whose names are the causal LM's under ``model.``.
+_LANGUAGE_MODEL = "model.language_model."
+#: Its towers and their projections into the text model, which serving text never reads.
+_NOT_TEXT = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +114,10 @@ class Gemma4Args:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Gemma4Args:
+        """A causal LM's config, or a ``Gemma4ForConditionalGeneration``'s (its ``text_config``;
+        whether the head is tied is said at the top)."""
+        tied = config.get("tie_word_embeddings")
+        config = config.get("text_config") or config
         required = required_reader(config, "Gemma 4")
         _refuse_what_the_engine_cannot_run(config)
         num_layers = int(required("num_hidden_layers"))
@@ -120,7 +130,7 @@ class Gemma4Args:
             num_heads=heads,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(config.get("max_position_embeddings") or 131_072),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True) if tied is None else tied),
             attention_bias=bool(config.get("attention_bias", False)),
             final_logit_softcapping=config.get("final_logit_softcapping"),
             per_layer_size=per_layer_size,
@@ -500,9 +510,14 @@ class Gemma4ForCausalLM(nn.Module):
 
     # ----------------------------------------------------------------------- loading
 
+    def wants_weight(self, name: str) -> bool:
+        """False for a multimodal checkpoint's vision and audio tensors: they are not read."""
+        return not name.startswith(_NOT_TEXT)
+
     def keep_quantized(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` may arrive as a ``QuantizedWeight`` (only with a
         quantised-linear kernel): projections, embeddings and the head, never a norm or scalar."""
+        name = _text_name(name)
         return self.quantized_linear is not None and (
             name.endswith(("_proj.weight", "_gate.weight", "_projection.weight"))
             or name in ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight", "lm_head.weight")
@@ -510,7 +525,8 @@ class Gemma4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copy HF-named tensors in (cast to the model's dtype and device); quantised ones go to
-        their layers as stored. Raises ValueError naming unexpected and missing tensors."""
+        their layers as stored. A multimodal checkpoint's text tensors are read under their causal
+        LM names, its towers skipped. Raises ValueError naming unexpected and missing tensors."""
         targets = dict(self.named_parameters(remove_duplicate=False))
         if self.args.tie_word_embeddings:
             del targets["lm_head.weight"]
@@ -520,8 +536,9 @@ class Gemma4ForCausalLM(nn.Module):
         quantized: dict[str, QuantizedWeight] = {}
         head: torch.Tensor | QuantizedWeight | None = None
         with torch.no_grad():
-            for name, tensor in weights:
-                if name in ignored:
+            for stored, tensor in weights:
+                name = _text_name(stored)
+                if name in ignored or not self.wants_weight(name):
                     continue
                 if name == "lm_head.weight" and self.args.tie_word_embeddings:
                     head = tensor  # checked against the embedding once both are seen
@@ -578,6 +595,11 @@ class Gemma4ForCausalLM(nn.Module):
                     self.lm_head.use_quantized(weight, kernel)
             else:
                 module.use_quantized(weight, kernel)
+
+
+def _text_name(name: str) -> str:
+    """A ``Gemma4ForConditionalGeneration`` tensor's name in ``Gemma4ForCausalLM``."""
+    return "model." + name.removeprefix(_LANGUAGE_MODEL) if name.startswith(_LANGUAGE_MODEL) else name
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:

@@ -722,21 +722,37 @@ def write_tiny_qwen3(path: str | Path, *, seed: int = 0, dtype: torch.dtype = to
     )
 
 
-def write_tiny_gemma4(path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+def write_tiny_gemma4(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    conditional_generation: bool = False,
+    **overrides: Any,
+) -> Path:
     """Write a tiny random Gemma 4 text checkpoint folder (``Gemma4ForCausalLM``, ``TINY_GEMMA4_CONFIG``
     with ``overrides``, e.g. ``attention_k_eq_v=True, num_kv_shared_layers=0``) to ``path`` (new or
     empty) and return it. Weights and files as ``write_tiny_deepseek`` describes (seeded; every norm,
     the per-head ones included, and every ``layer_scalar`` 1 + 0.1 N(0, 1)). transformers saves the
     full layers' head size and key/value heads as ``per_layer_config``; ``vocab_size_per_layer_input``
-    is the tokenizer's size too."""
+    is the tokenizer's size too. ``conditional_generation``: as Google's releases are saved, a
+    ``Gemma4ForConditionalGeneration`` (the text config nested, weights under
+    ``model.language_model.``), here without vision or audio towers."""
     transformers = _import_transformers()
     config_args = {**TINY_GEMMA4_CONFIG, **overrides}
     config_args.setdefault("vocab_size_per_layer_input", TOKENIZER_VOCAB_SIZE)
+
+    def composite(**text: Any) -> Any:
+        tied = text.get("tie_word_embeddings", True)
+        return transformers.Gemma4Config(
+            text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=tied
+        )
+
     return _write_tiny_hf(
         path,
-        "gemma4",
-        transformers.Gemma4TextConfig,
-        transformers.Gemma4ForCausalLM,
+        "gemma4-conditional-generation" if conditional_generation else "gemma4",
+        composite if conditional_generation else transformers.Gemma4TextConfig,
+        transformers.Gemma4ForConditionalGeneration if conditional_generation else transformers.Gemma4ForCausalLM,
         config_args,
         seed=seed,
         dtype=dtype,
