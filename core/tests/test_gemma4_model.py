@@ -369,6 +369,7 @@ def test_both_config_spellings_of_the_full_layers_read_the_same(paths: dict[str,
             r"per_layer_config\[2\] overrides \['intermediate_size'\]",
         ),
         ({"num_kv_shared_layers": LAYERS}, r"num_kv_shared_layers=6 must leave at least one"),
+        ({"per_layer_config": {"5": {"head_dim": 64}}}, r"gives the full_attention layers head sizes \[16, 64\]"),
         (
             {"layer_types": ["sliding_attention"] * 5 + ["chunked_attention"]},
             r"layer_types names \['chunked_attention'\]",

@@ -193,6 +193,12 @@ def _layers(config: Mapping[str, Any], num_layers: int, heads: int) -> tuple[Gem
                 intermediate_size=intermediate * (2 if double_wide and shared else 1),
             )
         )
+    for kind in set(kinds):
+        sizes = sorted({layer.head_dim for layer in layers if layer.kind == kind})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"per_layer_config gives the {kind} layers head sizes {sizes}; their one RoPE table needs one"
+            )
     for index, layer in enumerate(layers):
         source = layer.kv_source
         if source is not None and (layer.head_dim, layer.num_kv_heads) != (
@@ -422,7 +428,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_embed_scale = _rounded(args.per_layer_size**0.5, dtype)
             self.per_layer_model_projection = Linear(args.hidden_size, width, bias=False)
             self.per_layer_projection_norm = GemmaRMSNorm(args.per_layer_size, args.rms_norm_eps)
-        #: Per layer: does a later layer read its keys and values?
+        #: The layers whose keys and values a later layer reads.
         self._sources = {layer.kv_source for layer in args.layers if layer.kv_source is not None}
 
     def forward(
