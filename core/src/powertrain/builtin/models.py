@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from powertrain.models.deepseek_v4 import DeepseekV4ForCausalLM
     from powertrain.models.deepseek_v32 import DeepseekV32ForCausalLM
     from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from powertrain.models.gemma4 import Gemma4ForCausalLM
     from powertrain.models.llama import LlamaFamilyForCausalLM
 
 POWERTRAIN_HOOK_API = 1
@@ -46,6 +47,24 @@ def llama_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
     if args.sparse is not None:
         needs["moe"] = set()
     return needs
+
+
+def build_gemma4(context: ModelContext) -> Gemma4ForCausalLM:
+    from powertrain.models.gemma4 import Gemma4ForCausalLM
+
+    return Gemma4ForCausalLM(context)
+
+
+def gemma4_requirements(config: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Paged GQA attention for prefill (chunked) and decode, with a sliding window where a
+    layer slides (Gemma 4's do unless every layer is full)."""
+    from powertrain.models.gemma4 import Gemma4Args
+
+    args = Gemma4Args.from_config(config)
+    needs = {"gqa", "paged", "prefill", "decode", "chunked-prefill"}
+    if any(layer.sliding_window is not None for layer in args.layers):
+        needs.add("sliding-window")
+    return {"attention": needs}
 
 
 def build_deepseek(context: ModelContext) -> DeepseekV3ForCausalLM:
@@ -119,6 +138,15 @@ def powertrain_model_architectures() -> list[ModelArchitectureRecord]:
             requirements=llama_requirements,
             description="Llama-family decoders: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Qwen3-MoE "
             "(GQA, RoPE scaling, qkv bias, q/k norms, softmax-routed experts)",
+        ),
+        ModelArchitectureRecord(
+            name="gemma4",
+            architectures={"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"},
+            factory=build_gemma4,
+            requirements=gemma4_requirements,
+            description="Gemma 4 text decoders: sliding and full layers with their own head sizes and RoPE, "
+            "q/k/v norms, KV sharing across layers, per-layer embeddings, soft-capped logits "
+            "(text; the multimodal releases' images and audio are not read)",
         ),
         ModelArchitectureRecord(
             name="deepseek-v3",

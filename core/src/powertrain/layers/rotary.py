@@ -5,6 +5,10 @@ position rather than an offset per sequence. The convention is HF's "rotate_half
 (the two halves of the rotary dims form the pairs), which is how HF-format Llama,
 Mistral and Qwen2 checkpoints store q/k. Frequencies follow transformers'
 ``modeling_rope_utils`` exactly, so logits match HF to float32 rounding.
+
+Gemma 4's "proportional" RoPE pairs dim ``i`` with ``i + head/2`` across the whole head
+and rotates only the first ``partial_rotary_factor`` of the pairs; the others get
+frequency zero (cos 1, sin 0), so its table spans the whole head (``rotary_width``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import attrs
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @attrs.frozen(kw_only=True)
@@ -87,8 +91,18 @@ class RopeParameters:
         )
 
 
+def rotary_width(params: RopeParameters, head_size: int) -> int:
+    """How many of a head's dims the cos/sin table covers: the whole head for proportional
+    RoPE (its unrotated pairs are spread over both halves), else ``partial_rotary_factor`` of it."""
+    if params.rope_type == "proportional":
+        return head_size
+    return int(head_size * params.partial_rotary_factor)
+
+
 def inverse_frequencies(params: RopeParameters, rotary_dim: int) -> torch.Tensor:
     """float32 ``[rotary_dim // 2]``, computed op for op as transformers does."""
+    if params.rope_type == "proportional":
+        return _proportional(params, rotary_dim)
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / rotary_dim
     pos_freqs = params.theta**exponents
     inv_freq = 1.0 / pos_freqs
@@ -137,6 +151,16 @@ def _yarn_scaling(pos_freqs: torch.Tensor, params: RopeParameters, rotary_dim: i
     return (1.0 / (params.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+def _proportional(params: RopeParameters, head_size: int) -> torch.Tensor:
+    """Gemma 4's full layers (transformers' ``_compute_proportional_rope_parameters``): the first
+    ``partial_rotary_factor`` of the pairs at the frequencies of a whole-head table, the rest zero."""
+    rotated = int(params.partial_rotary_factor * head_size // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").to(torch.float) / head_size
+    inv_freq = 1.0 / (params.theta**exponents)
+    inv_freq = torch.cat((inv_freq, torch.zeros(head_size // 2 - rotated, dtype=torch.float32, device="cpu")))
+    return inv_freq / params.factor
+
+
 def _llama3_scaling(inv_freq: torch.Tensor, params: RopeParameters) -> torch.Tensor:
     """Llama 3.1: slow down long wavelengths by ``factor``, keep short ones, blend between
     (transformers' ``_compute_llama3_parameters``)."""
@@ -161,7 +185,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_size: int, params: RopeParameters, max_positions: int) -> None:
         super().__init__()
-        self.rotary_dim = int(head_size * params.partial_rotary_factor)
+        self.rotary_dim = rotary_width(params, head_size)
         self.max_positions = max_positions
         self.inv_freq = inverse_frequencies(params, self.rotary_dim)
         self.scaling = attention_factor(params)

@@ -8,7 +8,8 @@ q_proj/k_proj for its interleaved rope; we undo that (as HF transformers' GGUF l
 our models use HF's half-split rope. Its Qwen converters leave those rows as they are (their
 rope is llama.cpp's NEOX kind, which is HF's), and write a Qwen3-MoE layer's experts stacked in
 one tensor per projection (``ffn_gate_exps`` ``[experts, ffn, hidden]``), which are read back as
-HF's per-expert tensors.
+HF's per-expert tensors. Gemma 4's files have their own names and per-layer metadata
+(``loader.gguf_gemma4``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import torch
 from powertrain.interfaces import QuantizedWeight
 from powertrain.loader.checkpoint import Checkpoint
 from powertrain.loader.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from powertrain.loader.gguf_gemma4 import gemma4_config, gemma4_tensor_name
 from powertrain.loader.gguf_quants import KEPT_FORMATS, to_quantized_weight
 from powertrain.loader.gguf_reader import GGUFFile, GGUFFormatError, read_gguf
 from powertrain.loader.gguf_tokenizer import tokenizer_from_gguf
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3moe", "gemma4")
 #: GGUF architecture -> the HF architecture and model_type whose config.json it becomes.
 _HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -84,9 +86,13 @@ def load_gguf(path: Path, *, source: str | None = None) -> Checkpoint:
         )
 
     file_tensors = {tensor.name: tensor for tensor in gguf_file.tensors}
-    config = _hf_config(architecture, metadata, file_tensors, source)
-    experts = int(config.get("num_experts", 0))
-    names = {name: hf_tensor_names(name, experts, source) for name in file_tensors if name != _ROPE_FREQS}
+    if architecture == "gemma4":
+        config = gemma4_config(metadata, file_tensors, source)
+        names = {name: (gemma4_tensor_name(name, source),) for name in file_tensors if name != _ROPE_FREQS}
+    else:
+        config = _hf_config(architecture, metadata, file_tensors, source)
+        experts = int(config.get("num_experts", 0))
+        names = {name: hf_tensor_names(name, experts, source) for name in file_tensors if name != _ROPE_FREQS}
     started = time.perf_counter()
     tokenizer = tokenizer_from_gguf(metadata, source=source)
     tokenizer_s = time.perf_counter() - started

@@ -37,8 +37,9 @@ writes a tiny DeepSeek-V3.2 (Lightning Indexer in every attention layer) and
 routing, mHC; FP4 experts optional) and ``write_tiny_deepseek_v41(folder)`` a tiny
 DeepSeek-V4.1-Flash in its release's own layout (every block type, Engram, DSpark, FP8/FP4).
 ``write_tiny_qwen3(folder)`` and ``write_tiny_qwen3_moe(folder)`` write a tiny Qwen3 and
-Qwen3-MoE, and ``write_tiny_deepspec_drafter(folder, target)`` a tiny DSpark block drafter for
-such a Qwen3 in the layout of DeepSeek's DeepSpec. All are deterministic per seed;
+Qwen3-MoE, ``write_tiny_gemma4(folder)`` a tiny Gemma 4 text model, and
+``write_tiny_deepspec_drafter(folder, target)`` a tiny DSpark block drafter for such a Qwen3
+in the layout of DeepSeek's DeepSpec. All are deterministic per seed;
 cache them with a session-scoped fixture over ``tmp_path_factory`` (see
 ``powertrain.testing.checkpoints``).
 """
@@ -55,6 +56,7 @@ from powertrain.testing.checkpoints import (
     write_tiny_deepseek,
     write_tiny_deepseek_v4,
     write_tiny_deepseek_v32,
+    write_tiny_gemma4,
     write_tiny_qwen3,
     write_tiny_qwen3_moe,
 )
@@ -86,6 +88,7 @@ __all__ = [
     "write_tiny_deepseek_v32",
     "write_tiny_deepseek_v41",
     "write_tiny_deepspec_drafter",
+    "write_tiny_gemma4",
     "write_tiny_qwen3",
     "write_tiny_qwen3_moe",
 ]

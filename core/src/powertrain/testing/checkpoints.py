@@ -1,4 +1,4 @@
-"""Tiny random DeepSeek and Qwen3 checkpoints, written locally, for tests of model code, loaders and kernels.
+"""Tiny random DeepSeek, Qwen3 and Gemma 4 checkpoints, written locally, for tests of model code, loaders and kernels.
 
 No model hub is needed: ``write_tiny_deepseek`` builds the model with HF transformers (the
 oracle that model code is tested against), fills it with seeded random weights and saves it as
@@ -39,6 +39,7 @@ __all__ = [
     "TINY_DEEPSEEK_CONFIGS",
     "TINY_DEEPSEEK_V32_CONFIG",
     "TINY_DEEPSEEK_V4_CONFIG",
+    "TINY_GEMMA4_CONFIG",
     "TINY_QWEN3_CONFIG",
     "TINY_QWEN3_MOE_CONFIG",
     "dequantize_fp4",
@@ -52,6 +53,7 @@ __all__ = [
     "write_tiny_deepseek",
     "write_tiny_deepseek_v32",
     "write_tiny_deepseek_v4",
+    "write_tiny_gemma4",
     "write_tiny_qwen3",
     "write_tiny_qwen3_moe",
 ]
@@ -243,6 +245,40 @@ TINY_QWEN3_MOE_CONFIG: Mapping[str, Any] = {
     "norm_topk_prob": True,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [0],
+}
+
+#: HF config arguments of the tiny Gemma 4 (``Gemma4TextConfig``), before ``**overrides``: sliding
+#: layers with an 8-token window and 16-wide heads (2 key/value heads) beside full layers with
+#: 32-wide heads and proportional RoPE over a quarter of their pairs (with ``attention_k_eq_v``
+#: also one key/value head, ``num_global_key_value_heads``); the last two layers read the keys
+#: and values of layers 3 and 2 (``num_kv_shared_layers``) through double-wide MLPs; per-layer
+#: embeddings of 8 per layer; soft-capped logits. What Gemma 4's E2B and E4B have, at toy size;
+#: the 31B's key-as-value full layers are ``attention_k_eq_v=True``.
+TINY_GEMMA4_CONFIG: Mapping[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "sliding_window": 8,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 8,
+    "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 1,
 }
 
 #: What a DeepSeek-V4 config.json with FP4 experts says (transformers' ``FineGrainedFP8Config``):
@@ -771,6 +807,43 @@ def write_tiny_qwen3(path: str | Path, *, seed: int = 0, dtype: torch.dtype = to
     )
 
 
+def write_tiny_gemma4(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    conditional_generation: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random Gemma 4 text checkpoint folder (``Gemma4ForCausalLM``, ``TINY_GEMMA4_CONFIG``
+    with ``overrides``, e.g. ``attention_k_eq_v=True, num_kv_shared_layers=0``) to ``path`` (new or
+    empty) and return it. Weights and files as ``write_tiny_deepseek`` describes (seeded; every norm,
+    the per-head ones included, and every ``layer_scalar`` 1 + 0.1 N(0, 1)). transformers saves the
+    full layers' head size and key/value heads as ``per_layer_config``; ``vocab_size_per_layer_input``
+    is the tokenizer's size too. ``conditional_generation``: as Google's releases are saved, a
+    ``Gemma4ForConditionalGeneration`` (the text config nested, weights under
+    ``model.language_model.``), here without vision or audio towers."""
+    transformers = _import_transformers()
+    config_args = {**TINY_GEMMA4_CONFIG, **overrides}
+    config_args.setdefault("vocab_size_per_layer_input", TOKENIZER_VOCAB_SIZE)
+
+    def composite(**text: Any) -> Any:
+        tied = text.get("tie_word_embeddings", True)
+        return transformers.Gemma4Config(
+            text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=tied
+        )
+
+    return _write_tiny_hf(
+        path,
+        "gemma4-conditional-generation" if conditional_generation else "gemma4",
+        composite if conditional_generation else transformers.Gemma4TextConfig,
+        transformers.Gemma4ForConditionalGeneration if conditional_generation else transformers.Gemma4ForCausalLM,
+        config_args,
+        seed=seed,
+        dtype=dtype,
+    )
+
+
 def write_tiny_qwen3_moe(
     path: str | Path,
     *,
@@ -968,7 +1041,8 @@ def _randomize(tensors: Mapping[str, torch.Tensor], generator: torch.Generator) 
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
             if name.endswith(("e_score_correction_bias", "norm.bias")):  # the indexer's k_norm LayerNorm
                 values = 0.1 * values
-            elif "norm" in name.rsplit(".", 2)[-2]:  # input_layernorm, q_a_layernorm, enorm, shared_head.norm
+            elif "norm" in name.rsplit(".", 2)[-2] or name.endswith(".layer_scalar"):
+                # input_layernorm, q_a_layernorm, enorm, shared_head.norm; Gemma 4's per-layer output scale
                 values = 1 + 0.1 * values
             elif "embed_tokens" not in name:
                 values = values / tensor.shape[-1] ** 0.5  # fan-in scaled: linears, experts, router
