@@ -56,7 +56,7 @@ from powertrain.layers.embedding import Embedding
 from powertrain.layers.linear import Linear
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked, materialize
+from powertrain.models.weights import check_complete, copy_or_keep, materialize
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 #: transformers' ``Gemma4TextConfig`` rope tables when a config names none.
@@ -553,15 +553,7 @@ class Gemma4ForCausalLM(nn.Module):
                 if target is None:
                     unexpected.append(name)
                     continue
-                if isinstance(tensor, QuantizedWeight):
-                    if tensor.shape != tuple(target.shape):
-                        raise ValueError(
-                            f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
-                            f"but this model's config needs {list(target.shape)}"
-                        )
-                    quantized[name] = tensor
-                else:
-                    copy_checked(name, target, tensor)
+                copy_or_keep(name, target, tensor, quantized)
                 loaded.add(name)
         check_complete(type(self).__name__, unexpected, sorted(targets.keys() - loaded))
         if head is not None:

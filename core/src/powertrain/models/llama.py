@@ -42,7 +42,7 @@ from powertrain.layers.moe import MoE
 from powertrain.layers.norm import RMSNorm
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding
 from powertrain.models.config_reading import required_reader
-from powertrain.models.weights import check_complete, copy_checked, fused_targets, held_here, materialize
+from powertrain.models.weights import check_complete, copy_checked, copy_or_keep, fused_targets, held_here, materialize
 
 #: Checkpoint tensors that hold nothing to load (precomputed rotary tables).
 _IGNORED = re.compile(r"\.rotary_emb\.")
@@ -443,15 +443,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                         continue
                     unexpected.append(name)
                     continue
-                if isinstance(tensor, QuantizedWeight):
-                    if tensor.shape != tuple(target.shape):
-                        raise ValueError(
-                            f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
-                            f"but this model's config needs {list(target.shape)}"
-                        )
-                    quantized[name] = tensor
-                else:
-                    copy_checked(name, target, tensor)
+                copy_or_keep(name, target, tensor, quantized)
                 loaded.add(name)
             if tied_head is not None:
                 self._load_tied_head(tied_head, loaded, quantized)

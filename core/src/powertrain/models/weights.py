@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from powertrain.interfaces import QuantizedWeight
+
 #: A routed expert's tensor, in any naming (``mlp.experts.N.`` or DeepSeek's ``ffn.experts.N.``;
 #: a shared expert's ``shared_experts`` never matches).
 ROUTED_EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -48,6 +50,22 @@ def copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
             f"but this model's config needs {tuple(target.shape)}"
         )
     target.copy_(tensor)
+
+
+def copy_or_keep(
+    name: str, target: torch.Tensor, tensor: torch.Tensor | QuantizedWeight, quantized: dict[str, QuantizedWeight]
+) -> None:
+    """A dense checkpoint tensor is copied into ``target`` (``copy_checked``); one kept quantised
+    (``QuantizedWeight``) goes to ``quantized`` for its layer, its shape checked against ``target``'s."""
+    if not isinstance(tensor, QuantizedWeight):
+        copy_checked(name, target, tensor)
+        return
+    if tensor.shape != tuple(target.shape):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, "
+            f"but this model's config needs {list(target.shape)}"
+        )
+    quantized[name] = tensor
 
 
 def name_list(names: Sequence[str], limit: int = 8) -> str:
