@@ -100,6 +100,7 @@ from powertrain.interfaces.scheduling import (
 )
 from powertrain.interfaces.speculative import (
     TAP_FORMS,
+    BlockDraftModel,
     DraftSlot,
     ExecutedStep,
     ExpertRounds,
@@ -115,6 +116,7 @@ from powertrain.interfaces.speculative import (
 
 __all__ = [
     "TAP_FORMS",
+    "BlockDraftModel",
     "HiddenTap",
     "TapRecorder",
     # attention

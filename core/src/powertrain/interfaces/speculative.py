@@ -268,3 +268,51 @@ class SpeculativePolicy(Protocol):
     def observe(self, step: ExecutedStep) -> None:
         """Every executed step, for drafters that keep state."""
         ...
+
+
+@runtime_checkable
+class BlockDraftModel(Protocol):
+    """A DSpark block drafter's network, as the block drafter (``powertrain_dspark.block``)
+    drives it: DeepSpec's drafters for Qwen3 targets, and the drafter a checkpoint carries
+    itself (DeepSeek-V4.1's ``mtp.*``, exposed by the target as ``model.dspark``).
+
+    Per position ``p`` whose target hidden state is final, ``context`` turns the target's
+    ``taps`` there into a context vector and ``write_context`` stores what the drafter's
+    layers read of it in their caches (``attention_layers``, allocated through
+    ``SpeculativeContext.allocate_kv_caches`` and indexed by the target's full-history block
+    tables). A block is the anchor token and ``block_size - 1`` ``mask_token_id`` at the
+    positions after it; ``block`` runs all of a step's blocks in one forward (``metadata``:
+    each block's rows as new tokens after the context), and the drafts are read from its
+    outputs one after another: ``base_logits``, plus the Markov bias of the token before
+    each draft (``corrected_logits``), and ``confidence``, the predicted probability that a
+    draft is accepted (None: no confidence head).
+    """
+
+    taps: tuple[HiddenTap, ...]
+    block_size: int
+    mask_token_id: int
+    attention_layers: tuple[AttentionLayerSpec, ...]
+
+    def context(self, taps: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    def write_context(
+        self,
+        context: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> None: ...
+
+    def block(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def corrected_logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None: ...

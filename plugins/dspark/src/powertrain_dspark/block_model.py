@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, LayerKVCache
+from powertrain.interfaces import AttentionLayerSpec, AttentionMetadata, HiddenTap, LayerKVCache
 from powertrain.layers.embedding import Embedding
 from powertrain.layers.linear import Linear
 from powertrain.layers.norm import RMSNorm
@@ -173,7 +173,8 @@ class ConfidenceHead(nn.Module):
 
 
 class BlockDrafterModel(nn.Module):
-    """The drafter's modules, named as DeepSpec saves them (q/k/v and gate/up fused)."""
+    """The drafter's modules, named as DeepSpec saves them (q/k/v and gate/up fused);
+    implements ``interfaces.BlockDraftModel``."""
 
     def __init__(self, config: BlockDrafterConfig, backend: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -204,6 +205,19 @@ class BlockDrafterModel(nn.Module):
             "qkv_proj": (("q_proj", "k_proj", "v_proj"), (args.num_heads * args.head_dim, kv_rows, kv_rows)),
             "gate_up_proj": (("gate_proj", "up_proj"), (args.intermediate_size, args.intermediate_size)),
         }
+
+    @property
+    def taps(self) -> tuple[HiddenTap, ...]:
+        """The target's layer outputs the drafter reads, in its ``fc``'s order."""
+        return tuple(HiddenTap(layer, "layer_output") for layer in self.config.target_layer_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
 
     # -- loading ------------------------------------------------------------------------------
 
