@@ -306,10 +306,16 @@ def test_engram_tables_stay_in_the_file_and_each_step_reads_its_rows(
 
 
 def test_the_load_names_what_it_does_not_read_yet(folders: dict[str, Path]) -> None:
-    """DSpark's layer (``mtp.0.*``, its copies of embed and head included) and the routers'
-    image-token biases are not read, and the load says so (logged with these counts)."""
+    """The routers' image-token biases (six layers and DSpark's) are not read, and the load says
+    so (logged with this count); DSpark's drafter (``mtp.0.*``) is (``model.dspark``, sharing the
+    target's embed and head instead of its copies). Without ``dspark_block_size`` it is not built,
+    and its tensors are named instead."""
+    assert load_ours(folders["main"]).not_used == {"the image tokens' router bias (images)": 7}
     drafter = len([n for n in load_checkpoint(str(folders["main"])).tensor_names if n.startswith("mtp.")])
-    assert load_ours(folders["main"]).not_used == {
+    model = DeepseekV41ForCausalLM(context_of(folders["main"], dspark_block_size=0))
+    model.load_weights(load_checkpoint(str(folders["main"])).tensors(wanted=model.wants_weight))
+    assert model.dspark is None
+    assert model.not_used == {
         "DSpark's drafter (speculative decoding)": drafter,
         "the image tokens' router bias (images)": 6,
     }

@@ -176,12 +176,16 @@ class ExecutedStep:
 
 @runtime_checkable
 class BlockDraftModel(Protocol):
-    """A block drafter's model (DeepSeek's DSpark drafter): it reads the target's hidden
-    states at ``taps``, keeps per-layer context keys/values in a paged cache like the
-    target's (``attention_layers``, allocated through ``SpeculativeContext``), and drafts a
-    whole block per forward: the anchor token and ``block_size - 1`` copies of
-    ``mask_token_id`` after it, attending both ways among themselves and to the context.
-    Built by the core's model code (``SpeculativeContext.load_draft_model``)."""
+    """A block drafter's model (DeepSeek's DSpark drafter): DeepSpec's drafters for Qwen3
+    targets (``SpeculativeContext.load_draft_model``), or the drafter a checkpoint carries
+    itself (DeepSeek-V4.1's ``mtp.*``, exposed by the target as ``model.dspark``).
+
+    It reads the target's hidden states at ``taps``, keeps per-layer context keys/values
+    of every position whose target hidden state is final in a paged cache like the
+    target's (``attention_layers``, allocated through ``SpeculativeContext`` and indexed by
+    the target's full-history block tables), and drafts a whole block per forward: the
+    anchor token and ``block_size - 1`` copies of ``mask_token_id`` after it, attending both
+    ways among themselves and to the context."""
 
     taps: tuple[HiddenTap, ...]
     block_size: int

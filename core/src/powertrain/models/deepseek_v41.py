@@ -34,8 +34,10 @@ group is still open scores another layer's keys there; here it scores its own gr
 - **MoE**: sqrtsoftplus scores of the logits over ``gate_temp`` (folded into the router's
   weight at load), correction-bias picks, normalised top-k weights times the routed
   scaling, clamped SwiGLU experts, one shared expert.
-- Logits come from a float32 head. ``mtp.*`` (DSpark's drafter) and ``vision.*`` /
-  ``aligner.*`` / ``image_*`` / ``bias_vl`` (images) are not read; the load says so.
+- Logits come from a float32 head. ``mtp.*``, DSpark's drafter, is built and loaded as
+  ``model.dspark`` when the config sets ``dspark_block_size`` (``deepseek_v41_dspark``; the
+  target records the streams it reads, ``tap_forms``); ``vision.*`` / ``aligner.*`` /
+  ``image_*`` / ``bias_vl`` (images) are not read; the load says so.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from powertrain.layers.paged import read_entries, write_entries
 from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, deepseek_rope_tables
 from powertrain.loader.mapped_rows import MappedFp8Rows
 from powertrain.models.config_reading import required_reader
+from powertrain.models.deepseek_v41_dspark import DeepseekV41DSpark, DSparkArgs
 from powertrain.models.weights import check_complete, copy_checked, held_here
 
 log = structlog.get_logger(__name__)
@@ -83,7 +86,6 @@ log = structlog.get_logger(__name__)
 ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM", "DeepseekV41ForConditionalGeneration"})
 #: Checkpoint tensors another issue's component reads: prefix or pattern -> what reads them.
 NOT_USED_YET: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^mtp\."), "DSpark's drafter (speculative decoding)"),
     (re.compile(r"^(vision|aligner)\.|^image_"), "the vision tower (images)"),
     (re.compile(r"\.ffn\.gate\.bias_vl$"), "the image tokens' router bias (images)"),
 )
@@ -96,9 +98,13 @@ HF_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
 #: The release's names -> this module's, where they differ.
 RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"layers.\1.\2_hc.\3"),
+    (re.compile(r"^mtp\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"dspark.stages.\1.\2_hc.\3"),
+    (re.compile(r"^mtp\."), "dspark.stages."),
 )
+#: DSpark's copies of the target's embedding and head (the drafter uses the target's).
+_DSPARK_COPIES = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 _ENGRAM_TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv|scale)$")
-_ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
+_ROUTED = re.compile(r"^(layers|dspark\.stages)\.(\d+)\.ffn\.((?:gate|experts)\..*)$")
 
 
 # --------------------------------------------------------------------------- config
@@ -748,6 +754,14 @@ class DeepseekV41ForCausalLM(nn.Module):
                 self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
                 # DeepSeek's head is float32, fed the normed state widened.
                 self.head = Linear(args.hidden_size, args.vocab_size, bias=False, dtype=torch.float32)
+                # DSpark's drafter (its MoE runs outside the target's forward: one process only).
+                dspark = DSparkArgs.from_config(ctx.config.get("text_config", ctx.config), args.num_layers,
+                                                args.num_experts, args.top_k)  # fmt: skip
+                self.dspark = (
+                    DeepseekV41DSpark(args, dspark, ctx, self.embed, self.head)
+                    if dspark is not None and ctx.expert_parallel_size == 1
+                    else None
+                )
             finally:
                 torch.set_default_dtype(previous)
         self.rope = {
@@ -762,7 +776,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.attention_layers: tuple[AttentionLayerSpec, ...] = tuple(specs)
         self._engram_cache_layer = args.engram.layer_ids[0] if args.engram else None
         self._gatherer: ThreadPoolExecutor | None = None
-        self.mtp = None
+        self.mtp = None  # V4's MTP drafter: V4.1 drafts with ``dspark`` instead
 
     def forward(
         self,
@@ -820,16 +834,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self._fp4_experts and ".ffn.experts." in name
 
     def wants_weight(self, name: str) -> bool:
-        """False for what is mapped instead of read (Engram tables), for another issue's
-        tensors (noted, reported at the end of the load), and for another expert-parallel
-        rank's routed experts."""
+        """False for what is mapped instead of read (Engram tables), for DSpark's copies of the
+        embedding and head (the drafter shares the target's), for another issue's tensors
+        (noted, reported at the end of the load; ``mtp.*`` where no drafter is built), and for
+        another expert-parallel rank's routed experts."""
         name = _renamed(name, HF_NAMES)
-        if _ENGRAM_TABLE.match(name):
+        if _ENGRAM_TABLE.match(name) or (self.dspark is not None and _DSPARK_COPIES.match(name)):
             return False
-        for pattern, reader in NOT_USED_YET:
-            if pattern.search(name):
-                self.not_used[reader] = self.not_used.get(reader, 0) + 1
-                return False
+        readers = [reader for pattern, reader in NOT_USED_YET if pattern.search(name)]
+        if self.dspark is None and name.startswith("mtp."):
+            readers = ["DSpark's drafter (speculative decoding)"]
+        for reader in readers[:1]:
+            self.not_used[reader] = self.not_used.get(reader, 0) + 1
+            return False
         return held_here(name, self._expert_slice)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -852,21 +869,28 @@ class DeepseekV41ForCausalLM(nn.Module):
                     loaded.add(name)
                 elif not self._load_routed(name, tensor):
                     unexpected.append(stored)
-            for moe in self.routed_expert_layers():
+            for moe in self._all_routed_layers():
                 moe.finish_loading()
         check_complete(type(self).__name__, unexpected, sorted(targets.keys() - loaded))
         self._map_engram_tables()
         if self.not_used:
             log.info("checkpoint tensors present, not used yet", **{reader: n for reader, n in self.not_used.items()})
 
+    def _all_routed_layers(self) -> list[MoE]:
+        drafter = [] if self.dspark is None else [stage.ffn.experts for stage in self.dspark.stages]
+        return self.routed_expert_layers() + drafter
+
     def _load_routed(self, name: str, tensor: torch.Tensor) -> bool:
         match = _ROUTED.match(name)
-        if match is None or int(match.group(1)) >= len(self.layers):
+        if match is None:
             return False
-        rest = match.group(2)
+        blocks = self.layers if match.group(1) == "layers" else self.dspark.stages if self.dspark else []
+        if int(match.group(2)) >= len(blocks):
+            return False
+        rest = match.group(3)
         if rest == "gate.weight":
             tensor = tensor.float() / self.args.gate_temp  # sqrtsoftplus(x W / t) = sqrtsoftplus(x (W / t))
-        return self.layers[int(match.group(1))].ffn.experts.load_weight(rest, tensor)
+        return blocks[int(match.group(2))].ffn.experts.load_weight(rest, tensor)
 
     def _map_engram_tables(self) -> None:
         """Map each Engram layer's table from its file, checked against the config's layout."""

@@ -181,10 +181,6 @@ class BlockDrafterModel(nn.Module):
     def __init__(self, config: BlockDrafterConfig, backend: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.block_size = config.block_size
-        self.mask_token_id = config.mask_token_id
-        #: The target's layer outputs it reads, in its ``fc``'s order.
-        self.taps = tuple(HiddenTap(layer, "layer_output") for layer in config.target_layer_ids)
         args = config.layers
         with torch.device("meta"):
             self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
@@ -211,6 +207,19 @@ class BlockDrafterModel(nn.Module):
             "qkv_proj": (("q_proj", "k_proj", "v_proj"), (args.num_heads * args.head_dim, kv_rows, kv_rows)),
             "gate_up_proj": (("gate_proj", "up_proj"), (args.intermediate_size, args.intermediate_size)),
         }
+
+    @property
+    def taps(self) -> tuple[HiddenTap, ...]:
+        """The target's layer outputs the drafter reads, in its ``fc``'s order."""
+        return tuple(HiddenTap(layer, "layer_output") for layer in self.config.target_layer_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
 
     # -- loading ------------------------------------------------------------------------------
 

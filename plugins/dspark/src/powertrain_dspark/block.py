@@ -1,11 +1,14 @@
-"""The block drafter: DeepSeek's DSpark drafter (an ``interfaces.BlockDraftModel``) drafting
-for the engine.
+"""The block drafter: a DSpark drafter network (``interfaces.BlockDraftModel``) drafting for
+the engine. Two networks implement it: DeepSpec's checkpoints for Qwen3 targets
+(``powertrain.models.dspark``, ``[dspark] draft_model``), and the drafter a target's
+checkpoint carries itself (DeepSeek-V4.1's ``mtp.*``, the target's ``model.dspark``), used
+when no ``draft_model`` is named.
 
 Context (``observe``, after every forward). The drafter keeps, in a paged cache laid
-out like the target's and indexed by the same block tables, each layer's key and value
-of every position whose target hidden state is final: all rows of a prompt chunk, and
-for a sequence that sampled its rows up to the last accepted draft. They are computed
-from the step's taps (``HiddenTap`` layer outputs) and written in one forward. Rejected
+out like the target's and indexed by the same (full-history) block tables, each layer's
+context entries of every position whose target hidden state is final: all rows of a
+prompt chunk, and for a sequence that sampled its rows up to the last accepted draft.
+They are computed from the step's taps (``HiddenTap``) and written in one forward. Rejected
 drafts' rows are never written, so rejection needs no rollback; positions before the
 first row a sequence computes (a prefix-cache hit) were written by the sequence that
 computed them, and an entry depends only on the target's hidden state there, so the hit
@@ -42,7 +45,10 @@ SCRATCH_BLOCKS = 128
 #: A sequence not seen in this many steps is forgotten (finished or aborted).
 FORGET_AFTER_STEPS = 256
 
-NO_MODEL = "[dspark] drafter = 'block' needs draft_model = <folder of a DeepSpec DSpark drafter>"
+NO_MODEL = (
+    "[dspark] drafter = 'block' needs draft_model = <folder of a DeepSpec DSpark drafter>: the target's "
+    "checkpoint carries no DSpark drafter of its own"
+)
 
 
 @attrs.define
@@ -80,19 +86,30 @@ class BlockDrafter:
         self.draft_block = model.block_size
         self.max_draft_tokens = min(max_draft_tokens, self.draft_block)
         self.mask_token_id = model.mask_token_id
-        #: The target's hidden states the drafter reads.
-        self.taps = model.taps
+        #: The target's hidden states the drafter reads, in the order its ``context`` takes them.
+        self.taps = tuple(model.taps)
         self._contexts: dict[int, _Context] = {}
         self._step = 0
 
     @classmethod
     def from_context(cls, context: Any, config: Any) -> BlockDrafter:
-        """The drafter ``[dspark] draft_model`` names, for the target of ``context``."""
-        if not config.draft_model:
-            raise ValueError(NO_MODEL)
-        if context.load_draft_model is None:
-            raise ValueError("[dspark] drafter = 'block': this engine cannot load a drafter checkpoint")
-        model = context.load_draft_model(config.draft_model)
+        """The drafter ``[dspark] draft_model`` names, for the target of ``context``; without
+        one, the target's own (``model.dspark``)."""
+        model: BlockDraftModel
+        if config.draft_model:
+            if context.load_draft_model is None:
+                raise ValueError("[dspark] drafter = 'block': this engine cannot load a drafter checkpoint")
+            model = context.load_draft_model(config.draft_model)
+        else:
+            own = getattr(context.model, "dspark", None)
+            if own is None:
+                raise ValueError(NO_MODEL)
+            if context.expert_parallel_size > 1:
+                raise ValueError(
+                    "[dspark] the target's own DSpark drafter runs MoE layers outside the target's forward, "
+                    "which expert parallelism does not support yet; use parallel.expert_parallel = 1"
+                )
+            model = own
         caches = context.allocate_kv_caches(model.attention_layers, extra_blocks=SCRATCH_BLOCKS)
         for cache in caches:
             for tensor in cache.values():
@@ -114,7 +131,7 @@ class BlockDrafter:
         self._step += 1
         metadata = step.metadata
         starts, contexts = metadata.query_start_loc_host, metadata.context_lens_host
-        tables = metadata.block_tables.tolist()
+        tables = metadata.for_window(None).block_tables.tolist()  # the drafter's cache keeps all history
         rows: list[int] = []
         writes: list[tuple[int, int, list[int]]] = []  # (rows, seq_len, blocks) per sequence
         for i, seq_id in enumerate(step.seq_ids):

@@ -65,10 +65,11 @@ class DSparkConfig:
     """The ``[dspark]`` table of engine.toml."""
 
     #: "ngram" (prompt lookup, any model), "mtp" (a DeepSeek checkpoint's MTP layers) or
-    #: "block" (DeepSeek's DSpark block drafter, from ``draft_model``).
+    #: "block" (DeepSeek's DSpark block drafter: from ``draft_model``, or without it the one
+    #: the target's checkpoint carries, DeepSeek-V4.1's ``mtp.*``).
     drafter: str = attrs.field(default="ngram", validator=_one_of(*DRAFTERS))
     #: The block drafter's folder: a DeepSpec DSpark checkpoint (config.json, safetensors)
-    #: trained for this target.
+    #: trained for this target ("": the target's own drafter).
     draft_model: str = ""
     #: Drafts per request and step at most (fixed-k verifies this many).
     max_draft_tokens: int = attrs.field(default=5, validator=_in_range(1, 16))
@@ -160,8 +161,10 @@ def make_drafter(context: SpeculativeContext, config: DSparkConfig) -> Drafter:
 
 
 def requirements(section: Mapping[str, Any]) -> dict[str, set[str]]:
-    """The block drafter's layers attend both ways inside a block (``causal`` False)."""
-    return {"attention": {"non-causal"}} if section.get("drafter") == "block" else {}
+    """DeepSpec's block drafter's layers attend both ways inside a block (``causal`` False)
+    through the attention backend; a target's own drafter (no ``draft_model``) computes
+    its attention itself."""
+    return {"attention": {"non-causal"}} if section.get("drafter") == "block" and section.get("draft_model") else {}
 
 
 def build_dspark(context: SpeculativeContext) -> SpeculativeDecoder:
