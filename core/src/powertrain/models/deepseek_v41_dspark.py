@@ -221,7 +221,9 @@ class DeepseekV41DSpark(nn.Module):
 
     def context(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         first = self.stages[0]
-        return first.main_norm(first.main_proj(torch.cat([tap.to(first.main_proj.weight.dtype) for tap in taps], -1)))
+        # The norm's weight gives the model dtype: a projection's may be packed away (Linear.pack).
+        dtype = first.main_norm.weight.dtype
+        return first.main_norm(first.main_proj(torch.cat([tap.to(dtype) for tap in taps], -1)))
 
     def write_context(
         self,

@@ -240,7 +240,8 @@ class BlockDrafterModel(nn.Module):
 
     def context(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target's tapped hidden states ``[rows, width]`` each -> context vectors."""
-        return self.hidden_norm(self.fc(torch.cat([tap.to(self.fc.weight.dtype) for tap in taps], dim=-1)))
+        dtype = self.hidden_norm.weight.dtype  # the model's (a Linear's weight may be packed away)
+        return self.hidden_norm(self.fc(torch.cat([tap.to(dtype) for tap in taps], dim=-1)))
 
     def write_context(
         self,
