@@ -1,4 +1,5 @@
-"""Speculative decoding policies on SmolLM2 with the n-gram drafter, at several concurrencies.
+"""Speculative decoding policies on SmolLM2 with the n-gram drafter (and, given
+``--block-drafter <folder>``, DeepSeek's DSpark block drafter), at several concurrencies.
 
 The workload is one where drafts are useful: each request asks the model to repeat a
 paragraph of its prompt, so prompt lookup finds what the model writes next. For each
@@ -11,16 +12,22 @@ finishes; greedy, 64 output tokens each), after the same warm-up on other prompt
 engines stay loaded and take turns; each cell is the median of ``--repeats`` runs.
 DSpark's confidences are first calibrated (per-position temperature scaling, as
 ``powertrain-dspark calibrate`` does) on a verification log of other prompts.
+With ``--block-drafter`` (a folder ``powertrain-dspark train-drafter`` wrote) the rows
+``fixed-K-block`` (fixed-k, K = the drafter's block size unless named otherwise) and
+``dspark-block`` draft with it; its confidences are its own confidence head's, trained
+against acceptance, and are not recalibrated.
 Printed per policy and concurrency: output
 tokens/s, draft tokens verified per request-step and tokens accepted per request-step
 (a request-step is one decoding step of one request that could speculate).
 
     uv run python benchmarks/speculative.py
+    uv run python benchmarks/speculative.py --block-drafter ~/.cache/powertrain/drafters/smollm2-block
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import tempfile
 import time
@@ -126,6 +133,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="KV cache per engine (all stay loaded)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-drafter", help="a DSpark block drafter folder: adds fixed-K-block and dspark-block")
     parser.add_argument(
         "--no-calibrate",
         dest="calibrate",
@@ -133,6 +141,11 @@ def main() -> None:
         help="DSpark on raw confidences instead of ones calibrated on held-out prompts first",
     )
     args = parser.parse_args()
+    if args.block_drafter:
+        block = json.loads((Path(args.block_drafter).expanduser() / "config.json").read_text())["block_size"]
+        args.policies += [p for p in (f"fixed-{block}-block", "dspark-block") if p not in args.policies]
+    elif any(p.endswith("-block") for p in args.policies):
+        parser.error("the -block policies need --block-drafter")
     dspark_rows = {"dspark", "dspark-sync"} & set(args.policies)
     calibration = calibrate(args) if args.calibrate and dspark_rows else ""
 
@@ -143,6 +156,12 @@ def main() -> None:
             speculative, section = "fixed-k", {"max_draft_tokens": int(policy.split("-")[1])}
         elif policy in ("dspark", "dspark-sync"):
             speculative, section = "dspark", {"calibration": calibration} if calibration else {}
+        elif policy == "dspark-block":
+            speculative = "dspark"
+        if policy.endswith("-block"):
+            section |= {"drafter": "block", "draft_model": str(Path(args.block_drafter).expanduser())}
+            if policy == "dspark-block":
+                section["max_draft_tokens"] = block
         overrides = {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}
         overrides["speculative_overlap"] = "off" if policy == "dspark-sync" else "on"
         config = apply_overrides(EngineConfig(), {**overrides, "memory_gib": args.kv_gib})
@@ -176,7 +195,7 @@ def main() -> None:
 
     flat: dict[str, object] = {}
     for concurrency in args.concurrency:
-        others = [results[p][concurrency]["tok/s"] for p in results if p not in ("dspark", "dspark-sync")]
+        others = [results[p][concurrency]["tok/s"] for p in results if not p.startswith("dspark")]
         for policy in results:
             row = results[policy][concurrency]
             flat[f"c={concurrency} {policy}"] = (
@@ -188,7 +207,12 @@ def main() -> None:
         if {"dspark", "dspark-sync"} <= set(results):
             overlapped, synchronous = (results[p][concurrency]["tok/s"] for p in ("dspark", "dspark-sync"))
             flat[f"c={concurrency} dspark overlapped / synchronous"] = overlapped / synchronous
-    report("speculative decoding policies, n-gram drafter, SmolLM2 (repeat-the-paragraph workload)", flat)
+        if "dspark-block" in results and others:
+            flat[f"c={concurrency} dspark-block / best other"] = results["dspark-block"][concurrency]["tok/s"] / max(
+                others
+            )
+    drafters = "n-gram and DSpark block drafters" if args.block_drafter else "n-gram drafter"
+    report(f"speculative decoding policies, {drafters}, SmolLM2 (repeat-the-paragraph workload)", flat)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""Training the DSpark block drafter (``block_training``) on a tiny Qwen3 target.
+
+- The dense training forward, fed the engine's own taps (recorded by ``HiddenStateLog``
+  while the engine drafts), gives the outputs ``BlockDrafterModel.block`` gives through the
+  engine's paged-cache path for every block the engine drafted (float32).
+- ``train_drafter`` on the tiny target lowers the loss, writes a folder in DeepSpec's
+  format (the names and shapes ``deepspec_drafter_shapes`` lists), which the engine loads
+  and drafts with; greedy outputs equal plain decoding's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from powertrain import LLM, SamplingParams
+from powertrain.config import EngineConfig
+from powertrain.llm import apply_overrides
+from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
+from powertrain.testing.drafters import deepspec_drafter_shapes
+from powertrain_dspark.block import BlockDrafter
+from powertrain_dspark.block_model import read_drafter_config
+from powertrain_dspark.block_training import DenseBlockDrafter, HiddenStateLog, TrainSettings, train_drafter
+
+DRAFT_BLOCK = 5
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3(tmp_path_factory.mktemp("target"), seed=3, num_hidden_layers=4)
+
+
+def engine_config(target: Path, drafter: Path | None) -> EngineConfig:
+    base = {"path": str(target), "dtype": "float32", "block_size": 4, "prefix_caching": False}
+    if drafter is None:
+        return apply_overrides(EngineConfig(), {**base, "speculative": "none"})
+    config = apply_overrides(EngineConfig(), {**base, "speculative": "fixed-k"})
+    dspark = {"drafter": "block", "draft_model": str(drafter), "max_draft_tokens": DRAFT_BLOCK}
+    return attrs.evolve(config, sections={"dspark": dspark})
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(4, 500, (n,), generator=generator).tolist() for n in (3, 17, 40)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def load_dense(folder: Path) -> DenseBlockDrafter:
+    model = DenseBlockDrafter(read_drafter_config(folder))
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    return model.eval()
+
+
+def test_dense_training_forward_equals_the_engines_blocks(target: Path, tmp_path: Path) -> None:
+    drafter_folder = write_tiny_deepspec_drafter(tmp_path / "drafter", target, seed=4, block_size=DRAFT_BLOCK)
+    dense = load_dense(drafter_folder)
+    log = HiddenStateLog(dense.config.target_layer_ids, torch.float32)
+    blocks: list[tuple[int, list[int], int, torch.Tensor]] = []  # seq id, history, anchor, block outputs
+    with LLM(config=engine_config(target, drafter_folder)) as llm:
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
+        assert isinstance(drafter, BlockDrafter)
+        observe, draft, block = drafter.observe, drafter._draft, drafter.model.block
+        jobs: list[Any] = []
+
+        def observe_spy(step: Any) -> None:
+            log.observe(step)
+            observe(step)
+
+        def draft_spy(drafted: Any) -> Any:
+            jobs[:] = drafted
+            return draft(drafted)
+
+        def block_spy(*args: Any) -> torch.Tensor:
+            out = block(*args)
+            for job, rows in zip(jobs, out.view(len(jobs), DRAFT_BLOCK, -1), strict=True):
+                blocks.append((job.slot.seq_id, list(job.slot.token_ids), job.anchor, rows.clone()))
+            return out
+
+        drafter.observe, drafter._draft, drafter.model.block = observe_spy, draft_spy, block_spy  # type: ignore[method-assign]
+        llm.generate(prompts(), [greedy(20)] * 3)
+    sequences = log.sequences()
+    assert len(blocks) > 20
+    with torch.no_grad():
+        for seq_id, history, anchor, engine_rows in blocks:
+            tokens, taps, _ = sequences[seq_id]
+            assert tokens[: anchor + 1].tolist() == history
+            anchors = torch.tensor([[anchor]])
+            rows = dense(taps[None, : anchor + 1], torch.tensor([history]), anchors)[0, 0]
+            torch.testing.assert_close(rows, engine_rows, rtol=1e-5, atol=1e-5)
+            previous = torch.tensor([history[-1]])
+            engine_logits = drafter.model.corrected_logits(
+                drafter.model.base_logits(engine_rows[:1]), previous, engine_rows[:1]
+            )
+            torch.testing.assert_close(dense.corrected_logits(rows[:1], previous), engine_logits, rtol=1e-5, atol=1e-4)
+            confidence = torch.sigmoid(dense.confidence_logits(rows[:1], previous))  # type: ignore[arg-type]
+            torch.testing.assert_close(confidence, drafter.model.confidence(engine_rows[:1], previous))
+
+
+def test_training_lowers_the_loss_and_the_engine_drafts_with_the_result(target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "trained"
+    settings = TrainSettings(steps=40, batch_size=4, num_anchors=8, lr=3e-3, seed=1)
+    report = train_drafter(
+        str(target), out, responses=24, max_tokens=40, layer_ids=[0, 2], num_layers=1,
+        block_size=DRAFT_BLOCK, markov_rank=16, mask_token_id=3, settings=settings, held_out=0.25,
+    )  # fmt: skip
+    assert report["train_loss_last"] < report["train_loss_first"]
+    assert report["held_out_after"]["loss"] < report["held_out_before"]["loss"]
+    assert report["held_out_after"]["l1"] < report["held_out_before"]["l1"]
+
+    config = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), "pt") as saved:
+        shapes = {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}  # noqa: SIM118
+    assert shapes == deepspec_drafter_shapes(config)
+    target_weights = load_file(str(target / "model.safetensors"))
+    trained = load_file(str(out / "model.safetensors"))
+    assert torch.equal(trained["embed_tokens.weight"], target_weights["model.embed_tokens.weight"])
+    assert torch.equal(trained["lm_head.weight"], target_weights["lm_head.weight"])
+
+    batch = prompts()
+    with LLM(config=engine_config(target, None)) as llm:
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(batch, [greedy(24)] * 3)]
+    with LLM(config=engine_config(target, out)) as llm:
+        drafted = [list(o.outputs[0].token_ids) for o in llm.generate(batch, [greedy(24)] * 3)]
+        stats = llm.engine.stats()
+    assert drafted == plain
+    assert stats.speculative_verified_tokens > 0
