@@ -26,6 +26,10 @@ PUBLIC = (
     "powertrain.hookspecs",  # the hooks and HOOK_API_VERSION
     "powertrain.distributed",  # the torch.distributed communicator kernel packs build on
     "powertrain.testing",  # the conformance kit
+    # DSpark's block drafter: its checkpoint format and modules, which powertrain-dspark's
+    # `train-drafter` trains in and writes (the engine loads it through the interfaces).
+    "powertrain.models.dspark",
+    "powertrain.layers.rotary",  # RoPE as the models apply it: a drafter trainer rotates the same way
 )
 
 #: Where plugin code lives: each distribution's import package (not its tests).

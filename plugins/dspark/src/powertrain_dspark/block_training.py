@@ -41,7 +41,7 @@ from torch import nn
 
 from powertrain.interfaces import DraftSlot, ExecutedStep, HiddenTap
 from powertrain.layers.rotary import RotaryEmbedding, apply_rotary
-from powertrain_dspark.block_model import BlockDrafterConfig
+from powertrain.models.dspark import BlockDrafterConfig
 from powertrain_dspark.drafter import DraftBatch
 
 # --------------------------------------------------------------------------- the corpus
@@ -722,7 +722,7 @@ def train_drafter(
 ) -> dict[str, Any]:
     """Record a corpus with ``model``, train a drafter on most of it, evaluate it on the rest
     and write it to ``out``; returns the report (also written there as training.json)."""
-    from powertrain_dspark.block_model import read_drafter_config
+    from powertrain.models.dspark import read_drafter_config
 
     say = progress or (lambda _: None)
     torch.manual_seed(settings.seed)
