@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 from powertrain import LLM, SamplingParams
 from powertrain.config import EngineConfig
 from powertrain.llm import apply_overrides
+from powertrain.models.dspark import read_drafter_config
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
 from powertrain.testing.drafters import deepspec_drafter_shapes
 from powertrain_dspark.block import BlockDrafter
-from powertrain_dspark.block_model import read_drafter_config
 from powertrain_dspark.block_training import DenseBlockDrafter, HiddenStateLog, TrainSettings, train_drafter
 
 DRAFT_BLOCK = 5

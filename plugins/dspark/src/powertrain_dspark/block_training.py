@@ -19,7 +19,7 @@
   the block, and the confidence head's BCE against the acceptance probability
   ``1 - L1 / 2``. The Markov head's previous tokens are the true ones (teacher forcing).
 - ``train`` and ``save_drafter``: AdamW with ``embed_tokens`` and ``lm_head`` copied from the
-  target and frozen, then the checkpoint in DeepSpec's format (``block_model`` loads it).
+  target and frozen, then the checkpoint in DeepSpec's format (``powertrain.models.dspark`` loads it).
 """
 
 from __future__ import annotations
