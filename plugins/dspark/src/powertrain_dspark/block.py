@@ -132,8 +132,7 @@ class BlockDrafter:
         metadata = step.metadata
         starts, contexts = metadata.query_start_loc_host, metadata.context_lens_host
         tables = metadata.for_window(None).block_tables.tolist()  # the drafter's cache keeps all history
-        rows: list[int] = []
-        writes: list[tuple[int, int, list[int]]] = []  # (rows, seq_len, blocks) per sequence
+        writes: list[tuple[int, int, int, list[int]]] = []  # (first row, rows, seq_len, blocks) per sequence
         for i, seq_id in enumerate(step.seq_ids):
             first = contexts[i]  # earlier positions: written before, or by a prefix's writer
             computed = starts[i + 1] - starts[i]
@@ -142,37 +141,30 @@ class BlockDrafter:
             blocks = tables[i][: -(-metadata.seq_lens_host[i] // self.block_size)]
             state = self._contexts.setdefault(seq_id, _Context(self._step, 0, blocks))
             state.seen, state.written, state.blocks = self._step, first + final, blocks
-            rows += range(starts[i], starts[i] + final)
-            writes.append((final, first + final, blocks))
-        self._write(step, rows, writes)
+            if final:
+                writes.append((starts[i], final, first + final, blocks))
+        self._write(step, writes)
         stale = [s for s, state in self._contexts.items() if state.seen < self._step - FORGET_AFTER_STEPS]
         for seq_id in stale:
             del self._contexts[seq_id]
 
-    def _write(self, step: ExecutedStep, rows: list[int], writes: list[tuple[int, int, list[int]]]) -> None:
+    def _write(self, step: ExecutedStep, writes: list[tuple[int, int, int, list[int]]]) -> None:
         """The context entries of the step's final rows, in one forward (one-row sequences
         first, as the metadata contract orders them)."""
-        order = sorted(range(len(writes)), key=lambda w: writes[w][0] != 1)
-        offsets = [0]
-        for count, _, _ in writes:
-            offsets.append(offsets[-1] + count)
-        picked = [rows[r] for w in order for r in range(offsets[w], offsets[w + 1])]
-        if not picked:
+        if not writes:
             return
-        kept = [w for w in order if writes[w][0]]
+        writes = sorted(writes, key=lambda write: write[1] != 1)
         metadata = AttentionMetadata.build(
-            query_lens=[writes[w][0] for w in kept],
-            seq_lens=[writes[w][1] for w in kept],
-            block_tables=[writes[w][2] for w in kept],
+            query_lens=[count for _, count, _, _ in writes],
+            seq_lens=[seq_len for _, _, seq_len, _ in writes],
+            block_tables=[blocks for _, _, _, blocks in writes],
             block_size=self.block_size,
             device=self.device,
         )
-        index = torch.tensor(picked, device=self.device)
-        context = self.model.context([tap[index] for tap in step.taps])
-        positions = torch.tensor(
-            [p for w in kept for p in range(writes[w][1] - writes[w][0], writes[w][1])], device=self.device
-        )
-        self.model.write_context(context, positions, self.caches, metadata)
+        rows = [row for first, count, _, _ in writes for row in range(first, first + count)]
+        positions = [p for _, count, seq_len, _ in writes for p in range(seq_len - count, seq_len)]
+        context = self.model.context([tap[torch.tensor(rows, device=self.device)] for tap in step.taps])
+        self.model.write_context(context, torch.tensor(positions, device=self.device), self.caches, metadata)
 
     # -- before each forward ------------------------------------------------------------------
 
