@@ -158,18 +158,25 @@ def attend_with_sinks(
     allowed: torch.Tensor,  # bool [n, k]
     sinks: torch.Tensor,  # float32 [heads]
     scale: float,
+    picked: tuple[torch.Tensor, torch.Tensor] | None = None,  # [n, p, d] each query's own keys, bool [n, p]
 ) -> torch.Tensor:
     """Shared-KV multi-query attention with one sink logit per head: softmax over the
-    allowed keys and the sink, the sink's share dropped (so rows may sum to less than 1).
-    ``[n, heads, d]`` in ``query``'s dtype."""
+    allowed keys (and each query's ``picked`` ones) and the sink, the sink's share dropped
+    (so rows may sum to less than 1). ``[n, heads, d]`` in ``query``'s dtype."""
     # The scores in the activation dtype, the softmax with the float32 sinks in float32 (as
     # transformers' eager attention promotes them when it appends the sink column).
-    logits = (torch.einsum("nhd,kd->nhk", query, keys) * scale).float()
-    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-    combined = torch.cat((logits, sink), dim=-1)
-    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+    logits = [(torch.einsum("nhd,kd->nhk", query, keys) * scale).float().masked_fill(~allowed[:, None, :], -torch.inf)]
+    if picked is not None:
+        own, own_allowed = picked
+        own_logits = (torch.einsum("nhd,npd->nhp", query, own) * scale).float()
+        logits.append(own_logits.masked_fill(~own_allowed[:, None, :], -torch.inf))
+    logits.append(sinks.float().view(1, -1, 1).expand(query.shape[0], -1, 1))
+    combined = torch.cat(logits, dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1).to(keys.dtype)
+    out = torch.einsum("nhk,kd->nhd", probs[..., : keys.shape[0]], keys)
+    if picked is not None:
+        out += torch.einsum("nhp,npd->nhd", probs[..., keys.shape[0] : -1], picked[0])
+    return out
 
 
 def attend_window_and_entries(
@@ -209,10 +216,16 @@ def attend_window_and_entries(
             if entry_indices is None:  # HCA: every closed window
                 closed = (query_positions + 1) // compress_rate
                 chosen = torch.arange(count, device=query.device)[None, :] < closed[:, None]
-            else:  # CSA: the listed entries (-1 lands in a spare column)
+            else:  # CSA: the listed entries
                 picks = entry_indices[start:end].to(device=query.device, dtype=torch.long)
+                if picks.shape[1] < count:
+                    # Fewer picks than entries (a long context): each query gathers its own,
+                    # so the work grows with the picks, not with the context.
+                    picked = (entries[picks.clamp(min=0)], picks >= 0)
+                    out[start:end] = attend_with_sinks(query[start:end], keys, allowed, sinks, layer.scale, picked)
+                    continue
                 chosen = torch.zeros(end - start, count + 1, dtype=torch.bool, device=query.device)
-                chosen.scatter_(1, picks.masked_fill(picks < 0, count), True)
+                chosen.scatter_(1, picks.masked_fill(picks < 0, count), True)  # -1 lands in a spare column
                 chosen = chosen[:, :count]
             keys = torch.cat((keys, entries))
             allowed = torch.cat((allowed, chosen), dim=1)
