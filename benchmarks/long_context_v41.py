@@ -41,15 +41,18 @@ No greedy-token cross-check precedes the timing (the V3.2 benchmark compares spa
 MLA below ``index_topk``): V4 and V4.1 have no dense twin with the same weights, and three
 models with different weights share no answer to compare.
 
-Time on this machine (2 AMD EPYC cores, AVX2): the prefills dominate and grow about
-quadratically with the context (the reference indexers score every entry, V3's MLA is dense).
-Measured prefill seconds, V4.1 / V4 / V3: 9.9 / 6.6 / 4.7 at 4k, 140 / 39 / 82 at 16k; the
-whole default run (4k and 16k, decode included) took 5 minutes, peak RSS 1.6 GB with
-``--prefill-chunk`` 512. 64k was not run: at 16 times 16k it would take about 37 + 10 + 22
-minutes of prefill, over an hour, so the default contexts are 4096 and 16384;
-``--contexts 4096 16384 65536`` still runs it (its memory peak is unmeasured: a 512-token
-chunk's indexer scores over 64k entries are ~1 GB per matrix, so lower ``--prefill-chunk``
-if memory is tight).
+Time on this machine (2 AMD EPYC cores, AVX2, otherwise idle): the prefills dominate and grow
+about quadratically with the context (the reference indexers score every entry, V3's MLA is
+dense; V4's and V4.1's sparse layers gather each query's picks, so their attention grows with
+``index_topk``). Measured prefill seconds, V4.1 / V4 / V3: 6.5 / 2.6 / 2.4 at 4k, 37 / 21 / 52
+at 16k, 598 / 138 / 744 at 64k; the default run (4k and 16k, decode included) takes about 3
+minutes, ``--contexts 4096 16384 65536`` 31 minutes (peak RSS unmeasured; a 512-token chunk's
+indexer scores over 64k entries are ~1 GB per matrix, so lower ``--prefill-chunk`` if memory is
+tight). Decode ms per step, same run: 29.0 / 29.5 / 14.1 at 4k, 55 / 44 / 30 at 16k, 140 / 64 /
+143 at 64k; KV bytes per token (float32) 896 / 932 / 1920, 800 / 524 / 1920, 776 / 422 / 1920.
+V4.1's decode step is spent in the reference indexer (every index source scores all its
+entries with 8 heads and sorts them for a stable top-k); a backend's indexer kernel is where
+it would shrink.
 
 **Part 2, Engram RSS at load** (``--engram-gib``, 0 skips). A V4.1 of the tiny width whose one
 Engram layer (layer 1) has a table of at least that many GiB: the tiny checkpoint is written
@@ -74,7 +77,7 @@ page), and 32 decode steps read 282 rows whose 562 table and scale pages (2.2 Mi
 2.2 MiB the map gained; with ``--warm-cache`` the same 282 rows mapped 534 MiB.
 
     uv run python benchmarks/long_context_v41.py                                 # 4k, 16k; 2 GiB Engram
-    uv run python benchmarks/long_context_v41.py --contexts 4096 16384 65536     # 64k too (over an hour)
+    uv run python benchmarks/long_context_v41.py --contexts 4096 16384 65536     # 64k too (about 30 minutes)
     uv run python benchmarks/long_context_v41.py --contexts 1024 --engram-gib 0  # a quick check
     uv run python benchmarks/long_context_v41.py --contexts --engram-gib 4       # Engram only
 """
