@@ -1,5 +1,6 @@
-"""DeepSeek's DSpark block drafter as DeepSpec saves it (``Qwen3DSparkModel``): its config,
-its layers, and loading a checkpoint folder.
+"""DeepSeek's DSpark block drafters as DeepSpec saves them: ``Qwen3DSparkModel`` (here) and
+``Gemma4DSparkModel`` (``models/dspark_gemma4.py``), their configs, and loading a checkpoint
+folder (``load_block_drafter`` picks the class by the config's ``architectures``).
 
 The drafter reads the target's hidden states at ``target_layer_ids`` (layer outputs),
 concatenated and projected to one context vector per position (``fc``, ``hidden_norm``).
@@ -46,12 +47,13 @@ from powertrain.models.dspark_base import (
     MarkovHead,
     refuse_unfit,
 )
+from powertrain.models.dspark_gemma4 import GEMMA4_ARCHITECTURE, Gemma4BlockDrafterConfig, Gemma4BlockDrafterModel
 from powertrain.models.llama import LlamaArgs, LlamaAttention, LlamaMLP
 from powertrain.models.weights import fused_targets, materialize
 
 QWEN3_ARCHITECTURE = "Qwen3DSparkModel"
 #: The DeepSpec architectures ``load_block_drafter`` builds.
-ARCHITECTURES = (QWEN3_ARCHITECTURE,)
+ARCHITECTURES = (QWEN3_ARCHITECTURE, GEMMA4_ARCHITECTURE)
 
 
 @attrs.frozen(kw_only=True)
@@ -145,7 +147,7 @@ class BlockDrafterModel(BlockDrafterBase):
         return self.lm_head(hidden).float()
 
 
-def read_drafter_config(folder: str | Path) -> BlockDrafterConfig:
+def read_drafter_config(folder: str | Path) -> BlockDrafterConfig | Gemma4BlockDrafterConfig:
     """The config of the drafter in ``folder``, of the class its ``architectures`` names."""
     path = Path(folder)
     config_file = path / "config.json"
@@ -153,6 +155,8 @@ def read_drafter_config(folder: str | Path) -> BlockDrafterConfig:
         raise ValueError(f"[dspark] draft_model = {str(folder)!r}: no config.json there (a DeepSpec drafter folder)")
     config = json.loads(config_file.read_text())
     architectures = list(config.get("architectures") or [])
+    if GEMMA4_ARCHITECTURE in architectures:
+        return Gemma4BlockDrafterConfig.from_config(config, str(path))
     if QWEN3_ARCHITECTURE in architectures:
         return BlockDrafterConfig.from_config(config, str(path))
     raise ValueError(
@@ -174,11 +178,15 @@ def drafter_tensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_block_drafter(
     folder: str | Path, target_config: Mapping[str, Any], backend: Any, dtype: torch.dtype, device: torch.device
-) -> BlockDrafterModel:
+) -> BlockDrafterModel | Gemma4BlockDrafterModel:
     """The drafter in ``folder``, checked against the target's config, weights loaded."""
     config = read_drafter_config(folder)
     config.check_target(target_config, str(folder))
-    model = BlockDrafterModel(config, backend, dtype, device)
+    model: BlockDrafterModel | Gemma4BlockDrafterModel
+    if isinstance(config, Gemma4BlockDrafterConfig):
+        model = Gemma4BlockDrafterModel(config, backend, dtype, device)
+    else:
+        model = BlockDrafterModel(config, backend, dtype, device)
     model.load_weights(drafter_tensors(folder))
     return model
 
@@ -190,6 +198,8 @@ __all__: Sequence[str] = [
     "BlockDrafterModel",
     "ConfidenceHead",
     "DSparkKeys",
+    "Gemma4BlockDrafterConfig",
+    "Gemma4BlockDrafterModel",
     "MarkovHead",
     "drafter_tensors",
     "load_block_drafter",

@@ -3,7 +3,8 @@
 heads, the check that a drafter fits its target, and the methods of
 ``interfaces.BlockDraftModel`` that do not depend on the layers.
 
-``models/dspark.py`` builds DeepSpec's ``Qwen3DSparkModel`` on it and loads the drafter.
+``models/dspark.py`` builds DeepSpec's ``Qwen3DSparkModel`` on it and loads every drafter;
+``models/dspark_gemma4.py`` builds ``Gemma4DSparkModel``.
 """
 
 from __future__ import annotations
