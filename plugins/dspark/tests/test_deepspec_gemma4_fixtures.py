@@ -323,14 +323,20 @@ def test_a_target_of_another_family_or_shape_is_refused_and_a_flat_one_served(
     provenance: dict, targets: dict[str, Path], drafters: dict[str, Path], tmp_path: Path
 ) -> None:
     """The target's config may nest its text config (Gemma4ForConditionalGeneration) or be a
-    Gemma4ForCausalLM's; a Qwen3 target, or a Gemma 4 one of another width, is refused."""
+    Gemma4ForCausalLM's (the writer, too, drafts for either); a Qwen3 target, or a Gemma 4 one
+    of another width, is refused."""
     folder = drafters["main"]
     nested = json.loads((targets["main"] / "config.json").read_text())
     assert "text_config" in nested
     flat = write_tiny_gemma4(tmp_path / "flat", seed=0, global_head_keys=True, hidden_size_per_layer_input=0)
+    flat_config = json.loads((flat / "config.json").read_text())
     reference, cpu = TorchReferenceAttention(), torch.device("cpu")
-    for config in (nested, json.loads((flat / "config.json").read_text())):
+    for config in (nested, flat_config):
         load_block_drafter(folder, config, reference, torch.float32, cpu)
+    for_flat = write_tiny_deepspec_drafter(tmp_path / "for-flat", flat, num_layers=1, target_layer_ids=(2,))
+    written = json.loads((for_flat / "config.json").read_text())
+    assert (written["target_model_type"], written["target_text_model_type"]) == ("gemma4_text", "gemma4_text")
+    load_block_drafter(for_flat, flat_config, reference, torch.float32, cpu)
     qwen3 = {"model_type": "qwen3", "hidden_size": 64, "vocab_size": VOCAB, "num_hidden_layers": 6}
     with pytest.raises(ValueError, match=r"does not fit the target model: it is DeepSpec's Gemma 4 drafter .*'qwen3'"):
         load_block_drafter(folder, qwen3, reference, torch.float32, cpu)
