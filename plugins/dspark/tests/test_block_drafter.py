@@ -14,9 +14,12 @@ so its drafts are accepted often and rejected often, by construction. Checked he
   distribution, which verification gets as q) keeps the target's law at temperatures 0.6
   and 1.0 with top-p (chi-square over the first two tokens), and a control that hands
   verification the distribution before the Markov bias fails the same test;
-- a drafter that does not fit the target, or no drafter folder, is refused with the reason.
+- a drafter that does not fit the target, or no drafter folder, is refused with the reason;
+- on a tiny Gemma 4 target (sliding and full layers, KV sharing, soft-capped logits) DeepSpec's
+  Gemma 4 drafter speculates too, and greedy runs give plain decoding's tokens.
 
-DeepSpec's own code is checked against in ``test_deepspec_fixtures.py``.
+DeepSpec's own code is checked against in ``test_deepspec_fixtures.py`` (Qwen3) and
+``test_deepspec_gemma4_fixtures.py`` (Gemma 4).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from powertrain.config import EngineConfig
 from powertrain.interfaces import target_probs
 from powertrain.llm import apply_overrides
 from powertrain.models.dspark import BlockDrafterModel
-from powertrain.testing import sampling_law, write_tiny_deepspec_drafter, write_tiny_qwen3
+from powertrain.testing import sampling_law, write_tiny_deepspec_drafter, write_tiny_gemma4, write_tiny_qwen3
 from powertrain.testing.base import fresh_seed
 from powertrain.testing.sampling_law import SIGNIFICANCE
 from powertrain_dspark import block as block_module
@@ -305,6 +308,63 @@ def test_every_proposal_equals_the_drafter_from_scratch(
         assert confidences[: tie + 1] == pytest.approx(want_confidences[: tie + 1], rel=1e-4, abs=1e-6), at
         checked += 1
     assert checked > 10, f"only {checked} proposals had drafts ({where})"
+
+
+# --------------------------------------------------------------------------- a Gemma 4 target
+
+
+@pytest.fixture(scope="module")
+def gemma4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Gemma 4 target as Google's releases are saved (``Gemma4ForConditionalGeneration``,
+    ``global_head_dim``) without per-layer inputs (DeepSpec's drafter refuses them), and a
+    three-layer DeepSpec Gemma 4 drafter for it."""
+    seed = fresh_seed()
+    print(f"gemma4 checkpoint seed={seed}")
+    target = write_tiny_gemma4(
+        tmp_path_factory.mktemp("gemma4-target"),
+        seed=seed,
+        conditional_generation=True,
+        global_head_keys=True,
+        hidden_size_per_layer_input=0,
+    )
+    drafter = write_tiny_deepspec_drafter(
+        tmp_path_factory.mktemp("gemma4-drafter"),
+        target,
+        seed=seed + 1,
+        block_size=DRAFT_BLOCK,
+        num_layers=3,
+        target_layer_ids=(1, 3),
+        mask_token_id=4,
+    )
+    return {"target": target, "drafter": drafter}
+
+
+@pytest.mark.parametrize("speculative", ["dspark", "fixed-k"])
+@pytest.mark.usefixtures("steady_step_time")
+def test_a_gemma4_drafter_gives_plain_decodings_greedy_tokens(
+    gemma4_checkpoints: dict[str, Path], speculative: str, seed: int, tmp_path: Path
+) -> None:
+    """``[speculative] dspark`` (and ``fixed-k``) with ``[dspark] drafter = "block"`` and a
+    DeepSpec Gemma 4 drafter on a Gemma 4 target: greedy outputs equal plain decoding's. The
+    drafter is the mimic copy (its Markov head predicts the target's greedy bigrams), so drafts
+    are accepted and rejected; with every draft verified (``fixed-k``) both must happen."""
+    batch = prompts(seed, (5, 13, 30))
+    # A fixed cache: the drafter's gets as many blocks as the target's few full-attention layers.
+    sized = {"num_blocks": 128}
+    expected = generate(engine_config(gemma4_checkpoints, "none", **sized), batch, [greedy(20)] * len(batch))
+    bigrams = {a: b for out in expected for a, b in zip(out, out[1:], strict=False)}
+    checkpoints = {**gemma4_checkpoints, "mimic": mimic(gemma4_checkpoints["drafter"], tmp_path / "mimic", bigrams)}
+    config = engine_config(checkpoints, speculative, "mimic", max_num_batched_tokens=24, **sized)
+    with LLM(config=config) as llm:
+        assert isinstance(llm.speculative_policy.drafter, BlockDrafter)  # type: ignore[union-attr]
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, [greedy(20)] * len(batch))]
+        stats = llm.engine.stats()
+    where = f"{speculative}, seed={seed}"
+    print(f"{where}: {stats.speculative_accepted_tokens} of {stats.speculative_verified_tokens} drafts accepted")
+    assert got == expected, where
+    assert stats.speculative_accepted_tokens > 0, where
+    if speculative == "fixed-k":
+        assert stats.speculative_accepted_tokens < stats.speculative_verified_tokens, where
 
 
 # --------------------------------------------------------------------------- sampling law

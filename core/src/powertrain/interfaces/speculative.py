@@ -176,8 +176,8 @@ class ExecutedStep:
 
 @runtime_checkable
 class BlockDraftModel(Protocol):
-    """A block drafter's model (DeepSeek's DSpark drafter): DeepSpec's drafters for Qwen3
-    targets (``SpeculativeContext.load_draft_model``), or the drafter a checkpoint carries
+    """A block drafter's model (DeepSeek's DSpark drafter): DeepSpec's drafters for Qwen3 and
+    Gemma 4 targets (``SpeculativeContext.load_draft_model``), or the drafter a checkpoint carries
     itself (DeepSeek-V4.1's ``mtp.*``, exposed by the target as ``model.dspark``).
 
     It reads the target's hidden states at ``taps``, keeps per-layer context keys/values

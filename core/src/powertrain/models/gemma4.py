@@ -306,7 +306,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma4Attention(nn.Module):
-    def __init__(self, args: Gemma4Args, index: int, backend: Any) -> None:
+    def __init__(self, args: Gemma4Args, index: int, backend: Any, causal: bool = True) -> None:
+        """``causal`` False: a block drafter's attention (``AttentionLayerSpec.causal``)."""
         super().__init__()
         layer = args.layers[index]
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, layer.num_kv_heads, layer.head_dim
@@ -329,6 +330,7 @@ class Gemma4Attention(nn.Module):
             head_size=self.head_dim,
             scale=1.0,
             sliding_window=layer.sliding_window,
+            causal=causal,
         )
         self.attn = Attention(spec, backend)
         #: What the engine allocates for: nothing for a layer that reads another's cache.
@@ -366,10 +368,10 @@ class Gemma4MLP(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(self, args: Gemma4Args, index: int, backend: Any) -> None:
+    def __init__(self, args: Gemma4Args, index: int, backend: Any, causal: bool = True) -> None:
         super().__init__()
         hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = Gemma4Attention(args, index, backend)
+        self.self_attn = Gemma4Attention(args, index, backend, causal)
         self.mlp = Gemma4MLP(hidden, args.layers[index].intermediate_size)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)

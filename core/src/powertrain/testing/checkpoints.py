@@ -22,7 +22,7 @@ import copy
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import EllipsisType
 from typing import Any, Literal
@@ -813,6 +813,7 @@ def write_tiny_gemma4(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     conditional_generation: bool = False,
+    global_head_keys: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random Gemma 4 text checkpoint folder (``Gemma4ForCausalLM``, ``TINY_GEMMA4_CONFIG``
@@ -822,10 +823,14 @@ def write_tiny_gemma4(
     full layers' head size and key/value heads as ``per_layer_config``; ``vocab_size_per_layer_input``
     is the tokenizer's size too. ``conditional_generation``: as Google's releases are saved, a
     ``Gemma4ForConditionalGeneration`` (the text config nested, weights under
-    ``model.language_model.``), here without vision or audio towers."""
+    ``model.language_model.``), here without vision or audio towers. ``global_head_keys``: the
+    config gives those head shapes as Google's releases (and transformers 5.10.2, which DeepSpec
+    pins) spell them, ``global_head_dim`` and ``num_global_key_value_heads``, instead of
+    ``per_layer_config``; the weights are the same."""
     transformers = _import_transformers()
     config_args = {**TINY_GEMMA4_CONFIG, **overrides}
     config_args.setdefault("vocab_size_per_layer_input", TOKENIZER_VOCAB_SIZE)
+    variant = "gemma4-conditional-generation" if conditional_generation else "gemma4"
 
     def composite(**text: Any) -> Any:
         tied = text.get("tie_word_embeddings", True)
@@ -835,13 +840,28 @@ def write_tiny_gemma4(
 
     return _write_tiny_hf(
         path,
-        "gemma4-conditional-generation" if conditional_generation else "gemma4",
+        variant + ("-global-head-keys" if global_head_keys else ""),
         composite if conditional_generation else transformers.Gemma4TextConfig,
         transformers.Gemma4ForConditionalGeneration if conditional_generation else transformers.Gemma4ForCausalLM,
         config_args,
         seed=seed,
         dtype=dtype,
+        edit_config=_gemma4_global_head_keys(config_args) if global_head_keys else None,
     )
+
+
+def _gemma4_global_head_keys(config_args: Mapping[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """Rewrites a saved Gemma 4 config.json's ``per_layer_config`` as ``global_head_dim`` and
+    ``num_global_key_value_heads`` (``Gemma4TextConfig``'s arguments, which transformers 5.24
+    folds into ``per_layer_config`` and 5.10.2 keeps)."""
+
+    def edit(config: dict[str, Any]) -> None:
+        text = config.get("text_config", config)
+        text.pop("per_layer_config", None)
+        text["global_head_dim"] = int(config_args.get("global_head_dim", 512))
+        text["num_global_key_value_heads"] = config_args.get("num_global_key_value_heads")
+
+    return edit
 
 
 def write_tiny_qwen3_moe(
@@ -881,9 +901,11 @@ def _write_tiny_hf(
     seed: int,
     dtype: torch.dtype,
     per_expert_names: bool = True,
+    edit_config: Callable[[dict[str, Any]], None] | None = None,
 ) -> Path:
     """Build ``model_class`` from ``config_args``, fill it with seeded weights, save it with the
-    tiny tokenizer (reusing ``path`` if it already holds exactly this checkpoint)."""
+    tiny tokenizer (reusing ``path`` if it already holds exactly this checkpoint). ``edit_config``
+    changes the saved config.json in place."""
     folder = Path(path)
     recipe = _recipe(variant, seed, dtype, per_expert_names, config_args)
     if _reuse_or_clear(folder, recipe):
@@ -897,6 +919,11 @@ def _write_tiny_hf(
     model.save_pretrained(folder)
     saved = folder / "model.safetensors"
     _write_tensors(saved, _expert_layout(load_file(saved), per_expert=per_expert_names))
+    if edit_config is not None:
+        config_file = folder / "config.json"
+        saved_config = json.loads(config_file.read_text(encoding="utf-8"))
+        edit_config(saved_config)
+        config_file.write_text(json.dumps(saved_config, indent=2, sort_keys=True) + "\n")
     return _finish(folder, tokenizer, recipe)
 
 

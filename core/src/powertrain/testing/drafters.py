@@ -1,26 +1,32 @@
 """``write_tiny_deepspec_drafter``: a tiny random DSpark block drafter in the layout of
-DeepSeek's DeepSpec (github.com/deepseek-ai/DeepSpec, ``Qwen3DSparkModel.save_pretrained``),
-written from a seed and a tiny Qwen3 target alone: no DeepSpec import.
+DeepSeek's DeepSpec (github.com/deepseek-ai/DeepSpec, ``Qwen3DSparkModel.save_pretrained`` for
+a Qwen3 target, ``Gemma4DSparkModel.save_pretrained`` for a Gemma 4 one), written from a seed
+and a tiny target alone: no DeepSpec import.
 
 What makes it DeepSpec's layout:
 
-- ``config.json`` is the target's Qwen3 config with what DeepSpec's ``build_draft_config``
-  sets on a copy of it: ``architectures: ["Qwen3DSparkModel"]``, ``num_target_layers`` (the
-  target's depth), ``num_hidden_layers`` (the drafter's), ``layer_types``, ``block_size``,
-  ``mask_token_id``, ``target_layer_ids``, ``num_anchors``, ``tie_word_embeddings: false``,
-  ``enable_confidence_head`` (with ``confidence_head_with_markov`` only when enabled) and
-  ``markov_rank`` (with ``markov_head_type`` only when above zero).
+- ``config.json`` is the target's config (a Gemma 4 target's text config) with what
+  DeepSpec's ``build_draft_config`` sets on a copy of it: ``architectures`` (its class),
+  ``num_target_layers`` (the target's depth), ``num_hidden_layers`` (the drafter's),
+  ``layer_types``, ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``num_anchors``,
+  ``tie_word_embeddings: false``, ``enable_confidence_head`` (with
+  ``confidence_head_with_markov`` only when enabled) and ``markov_rank`` (with
+  ``markov_head_type`` only when above zero); for Gemma 4 also ``target_model_type`` and
+  ``target_text_model_type`` (the target's top and text model types).
 - ``model.safetensors`` holds the names DeepSpec's model saves, without a ``model.`` prefix:
   ``embed_tokens``, ``layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
   post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``norm``, ``fc`` (the tapped target
   layers, concatenated, to the hidden size), ``hidden_norm``, ``lm_head``,
   ``markov_head.markov_w{1,2}`` (and ``markov_head.gate_proj`` for the gated head) and
-  ``confidence_head.proj``.
+  ``confidence_head.proj``. A Gemma 4 drafter's layers also have
+  ``{pre,post}_feedforward_layernorm`` and ``layer_scalar``, and no ``v_proj`` with
+  ``attention_k_eq_v``.
 - ``embed_tokens`` and ``lm_head`` are the target's, as DeepSpec's training copies and freezes
   them. No tokenizer: DeepSpec's evaluator reads the target's.
 
-The golden fixtures in ``plugins/dspark/tests/fixtures/deepspec`` were computed by DeepSpec's
-own code on this drafter; the same call writes the same bytes.
+The golden fixtures in ``plugins/dspark/tests/fixtures/deepspec`` (Qwen3) and
+``deepspec_gemma4`` were computed by DeepSpec's own code on this drafter; the same call writes
+the same bytes.
 """
 
 from __future__ import annotations
@@ -57,25 +63,35 @@ def write_tiny_deepspec_drafter(
     confidence_head_with_markov: bool = True,
     mask_token_id: int = 3,
 ) -> Path:
-    """Write a tiny random DeepSpec DSpark drafter for the Qwen3 checkpoint folder ``target``
-    (e.g. from ``write_tiny_qwen3``) to ``path`` (new or empty) and return it.
+    """Write a tiny random DeepSpec DSpark drafter for the checkpoint folder ``target`` (a
+    Qwen3 one, e.g. from ``write_tiny_qwen3``, or a Gemma 4 one from
+    ``write_tiny_gemma4(..., global_head_keys=True, hidden_size_per_layer_input=0)``, flat or
+    ``conditional_generation``) to ``path`` (new or empty) and return it.
 
     Weights are drawn in name order from one generator seeded with ``seed``, in the target's
-    dtype: every RMSNorm weight 1 + 0.1 N(0, 1), linear weights N(0, 1/fan_in), biases
-    0.1 N(0, 1), the Markov head's ``markov_w1`` table N(0, 1); ``embed_tokens`` and
-    ``lm_head`` are copied from the target. So every part moves the logits and the
-    confidences, and a part wired wrongly shows. ``markov_rank=0`` builds no Markov head,
-    ``confidence_head=False`` no confidence head. A second call with the same arguments
-    (and the same target) returns at once.
+    dtype: every RMSNorm weight and Gemma 4's ``layer_scalar`` 1 + 0.1 N(0, 1), linear
+    weights N(0, 1/fan_in), biases 0.1 N(0, 1), the Markov head's ``markov_w1`` table
+    N(0, 1); ``embed_tokens`` and ``lm_head`` are copied from the target. So every part
+    moves the logits and the confidences, and a part wired wrongly shows. ``markov_rank=0``
+    builds no Markov head, ``confidence_head=False`` no confidence head. A second call with
+    the same arguments (and the same target) returns at once.
+
+    DeepSpec builds a Gemma 4 drafter only for a ``Gemma4ForConditionalGeneration`` target
+    (its ``build_draft_config`` asks for a ``text_config``); for a flat ``Gemma4ForCausalLM``
+    one this writes what it would: both target model types are the text config's.
     """
     folder, target = Path(path), Path(target)
     target_config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    gemma4 = _is_gemma4(target_config)
+    text_config = target_config.get("text_config") or target_config
     layer_ids = [int(layer) for layer in target_layer_ids]
     _check_arguments(
-        target_config, layer_ids, markov_rank, markov_head_type, confidence_head, confidence_head_with_markov
+        text_config, layer_ids, markov_rank, markov_head_type, confidence_head, confidence_head_with_markov
     )
+    if gemma4:
+        _check_gemma4_target(text_config, target)
     recipe = {
-        "variant": "deepspec-dspark-qwen3",
+        "variant": "deepspec-dspark-gemma4" if gemma4 else "deepspec-dspark-qwen3",
         "seed": seed,
         "target_digest": _digest(target, ("config.json", "model.safetensors")),
         "block_size": block_size,
@@ -91,9 +107,9 @@ def write_tiny_deepspec_drafter(
         return folder
 
     config = {
-        **target_config,
-        "architectures": ["Qwen3DSparkModel"],
-        "num_target_layers": target_config["num_hidden_layers"],
+        **text_config,
+        "architectures": ["Gemma4DSparkModel" if gemma4 else "Qwen3DSparkModel"],
+        "num_target_layers": text_config["num_hidden_layers"],
         "num_hidden_layers": num_layers,
         "block_size": block_size,
         "tie_word_embeddings": False,
@@ -108,6 +124,16 @@ def write_tiny_deepspec_drafter(
         config["confidence_head_with_markov"] = confidence_head_with_markov
     if markov_rank > 0:
         config["markov_head_type"] = markov_head_type
+    if gemma4:
+        config["target_model_type"] = target_config["model_type"]
+        config["target_text_model_type"] = text_config["model_type"]
+        # What save_pretrained writes of a text config of its own under transformers 5.10.2
+        # (DeepSpec's pin): the dtype and version a composite config keeps at its top, and the
+        # defaults its RoPE standardization sets beside the per-layer-type tables.
+        for key in ("dtype", "transformers_version"):
+            if key in target_config:
+                config.setdefault(key, target_config[key])
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": None, **text_config["rope_parameters"]}
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     embed, head = _target_embedding_and_head(target)
@@ -117,7 +143,7 @@ def write_tiny_deepspec_drafter(
         if name in tensors:
             continue
         values = torch.randn(shape, generator=generator, dtype=torch.float32)
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "layer_scalar")):
             values = 1 + 0.1 * values
         elif name.endswith(".bias"):
             values = 0.1 * values
@@ -132,12 +158,18 @@ def write_tiny_deepspec_drafter(
 
 
 def deepspec_drafter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor DeepSpec's ``Qwen3DSparkModel`` saves for ``config``
-    (a drafter's config.json)."""
+    """Name -> shape of every tensor DeepSpec's ``Qwen3DSparkModel`` or ``Gemma4DSparkModel``
+    (by its ``architectures``) saves for ``config`` (a drafter's config.json)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     inter, rank = config["intermediate_size"], config["markov_rank"]
+    gemma4 = "Gemma4DSparkModel" in config["architectures"]
+    value_is_key = False
+    if gemma4:  # every layer shaped as a full-attention one (DeepSpec's Gemma4DSparkAttention)
+        head_dim = config.get("global_head_dim", 512)
+        value_is_key = bool(config.get("attention_k_eq_v"))
+        kv_heads = config["num_global_key_value_heads"] if value_is_key else kv_heads
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens.weight": (vocab, hidden),
         "lm_head.weight": (vocab, hidden),
@@ -151,21 +183,31 @@ def deepspec_drafter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]
         "self_attn.v_proj": (kv_heads * head_dim, hidden),
         "self_attn.o_proj": (hidden, heads * head_dim),
     }
-    for layer in range(config["num_hidden_layers"]):
+    if value_is_key:
+        del projections["self_attn.v_proj"]
+    layers = config["num_hidden_layers"]
+    for layer in range(layers):
         prefix = f"layers.{layer}."
         for name, shape in projections.items():
             shapes[f"{prefix}{name}.weight"] = shape
             if config.get("attention_bias"):
                 shapes[f"{prefix}{name}.bias"] = shape[:1]
+        width = inter * (2 if gemma4 and _gemma4_double_wide(config, layer) else 1)
         shapes |= {
             f"{prefix}self_attn.q_norm.weight": (head_dim,),
             f"{prefix}self_attn.k_norm.weight": (head_dim,),
             f"{prefix}input_layernorm.weight": (hidden,),
             f"{prefix}post_attention_layernorm.weight": (hidden,),
-            f"{prefix}mlp.gate_proj.weight": (inter, hidden),
-            f"{prefix}mlp.up_proj.weight": (inter, hidden),
-            f"{prefix}mlp.down_proj.weight": (hidden, inter),
+            f"{prefix}mlp.gate_proj.weight": (width, hidden),
+            f"{prefix}mlp.up_proj.weight": (width, hidden),
+            f"{prefix}mlp.down_proj.weight": (hidden, width),
         }
+        if gemma4:
+            shapes |= {
+                f"{prefix}pre_feedforward_layernorm.weight": (hidden,),
+                f"{prefix}post_feedforward_layernorm.weight": (hidden,),
+                f"{prefix}layer_scalar": (1,),
+            }
     if rank > 0:
         shapes["markov_head.markov_w1.weight"] = (vocab, rank)
         shapes["markov_head.markov_w2.weight"] = (vocab, rank)
@@ -203,17 +245,51 @@ def _check_arguments(
         raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
 
 
+def _is_gemma4(target_config: dict[str, Any]) -> bool:
+    text = target_config.get("text_config") or target_config
+    return text.get("model_type") == "gemma4_text"
+
+
+def _check_gemma4_target(text_config: dict[str, Any], target: Path) -> None:
+    """Refuse what DeepSpec's Gemma 4 drafter refuses, or reads otherwise than the config says."""
+    if text_config.get("enable_moe_block"):
+        raise ValueError(f"{target}: enable_moe_block=True; DeepSpec's Gemma 4 drafter has no MoE layers")
+    if text_config.get("hidden_size_per_layer_input", 256):
+        raise ValueError(
+            f"{target}: hidden_size_per_layer_input must be 0 (DeepSpec's Gemma 4 drafter has no per-layer inputs); "
+            "write the target with hidden_size_per_layer_input=0"
+        )
+    if "global_head_dim" not in text_config:
+        raise ValueError(
+            f"{target}: its config gives the full layers' head shapes only as per_layer_config; DeepSpec's Gemma 4 "
+            "drafter reads global_head_dim and num_global_key_value_heads: write the target with "
+            "write_tiny_gemma4(..., global_head_keys=True)"
+        )
+
+
+def _gemma4_double_wide(config: dict[str, Any], layer: int) -> bool:
+    """Whether transformers' ``Gemma4TextMLP`` (5.10.2, DeepSpec's pin) doubles the drafter's
+    layer ``layer`` (its config's own ``num_hidden_layers``)."""
+    first = config["num_hidden_layers"] - int(config.get("num_kv_shared_layers") or 0)
+    return bool(config.get("use_double_wide_mlp")) and layer >= first > 0
+
+
+#: Where a checkpoint keeps its text model's token embedding (a causal LM; Gemma 4's multimodal class).
+_EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
 def _target_embedding_and_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's ``model.embed_tokens`` and ``lm_head`` weights (the embedding when tied)."""
+    """The target's token embedding and ``lm_head`` weights (the embedding when tied)."""
     found: dict[str, torch.Tensor] = {}
     for shard in sorted(target.glob("*.safetensors")):
         with safe_open(shard, "pt") as file:
-            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            for name in (*_EMBEDDINGS, "lm_head.weight"):
                 if name in file.keys():  # noqa: SIM118 (safe_open is no mapping)
                     found[name] = file.get_tensor(name)
-    if "model.embed_tokens.weight" not in found:
-        raise ValueError(f"{target} holds no model.embed_tokens.weight: pass a Qwen3 checkpoint folder")
-    embed = found["model.embed_tokens.weight"]
+    embeddings = [found[name] for name in _EMBEDDINGS if name in found]
+    if not embeddings:
+        raise ValueError(f"{target} holds none of {', '.join(_EMBEDDINGS)}: pass a Qwen3 or Gemma 4 checkpoint folder")
+    embed = embeddings[0]
     return embed, found.get("lm_head.weight", embed)
 
 

@@ -1,5 +1,5 @@
 """The block drafter: a DSpark drafter network (``interfaces.BlockDraftModel``) drafting for
-the engine. Two networks implement it: DeepSpec's checkpoints for Qwen3 targets
+the engine. Two networks implement it: DeepSpec's checkpoints for Qwen3 and Gemma 4 targets
 (``powertrain.models.dspark``, ``[dspark] draft_model``), and the drafter a target's
 checkpoint carries itself (DeepSeek-V4.1's ``mtp.*``, the target's ``model.dspark``), used
 when no ``draft_model`` is named.
