@@ -13,20 +13,19 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from powertrain import LLM, SamplingParams
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
 from powertrain.interfaces import AttentionMetadata, allocate_caches
 from powertrain.llm import apply_overrides
 from powertrain.models.dspark import Gemma4BlockDrafterModel, load_block_drafter, read_drafter_config
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_gemma4
+from powertrain.testing.drafters import check_engine_proposals
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspec_gemma4"
 SCENARIOS = ("main", "gated")
@@ -186,7 +185,6 @@ def test_engine_proposals_equal_deepspecs(
     every block it drafts at a fixture anchor has DeepSpec's draft tokens and confidences
     there. The context entries come from the engine's own taps of its own Gemma 4 target."""
     tokens = golden[f"{scenario}.target.tokens"].tolist()
-    prompt = tokens[: provenance["prompt_len"]]
     dspark = {
         "drafter": "block",
         "draft_model": str(drafters[scenario]),
@@ -203,33 +201,7 @@ def test_engine_proposals_equal_deepspecs(
         "num_blocks": 64,
     }
     config = attrs.evolve(apply_overrides(EngineConfig(), base), sections={"dspark": dspark})
-    proposals = []
-    with LLM(config=config) as llm:
-        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
-        propose = drafter.propose
-
-        def spy(slots: list) -> Any:
-            drafted = propose(slots)
-            proposals.extend(
-                (len(slot.token_ids) - 1, t, c)
-                for slot, t, c in zip(slots, drafted.tokens, drafted.confidences, strict=True)
-            )
-            return drafted
-
-        drafter.propose = spy
-        params = SamplingParams(temperature=0, max_tokens=provenance["new_tokens"], ignore_eos=True)
-        output = llm.generate([prompt], [params])[0].outputs[0].token_ids
-    assert prompt + list(output) == tokens, "the engine's greedy continuation is not the fixture's"
-    anchors = [anchor for anchor, drafts, _ in proposals if drafts and f"{scenario}.anchor_{anchor}.tokens" in golden]
-    assert len(anchors) >= 5, f"only {len(anchors)} blocks at fixture anchors: {proposals}"
-    for anchor, drafts, confidences in proposals:
-        key = f"{scenario}.anchor_{anchor}"
-        if not drafts or f"{key}.tokens" not in golden:
-            continue
-        count = len(drafts)
-        assert drafts == golden[f"{key}.tokens"][:count].tolist(), f"draft tokens at anchor {anchor}"
-        want = torch.sigmoid(golden[f"{key}.confidence_logits"][:count])
-        torch.testing.assert_close(torch.tensor(confidences), want, atol=EXACT, rtol=0, msg=f"anchor {anchor}")
+    check_engine_proposals(config, tokens, provenance["prompt_len"], golden, scenario, EXACT)
 
 
 class PagedDrafter:

@@ -42,7 +42,13 @@ from safetensors import safe_open
 
 from powertrain.testing.checkpoints import RECIPE_FILE, _reuse_or_clear, _write_tensors
 
-__all__ = ["DEEPSPEC_NUM_ANCHORS", "MARKOV_HEAD_TYPES", "deepspec_drafter_shapes", "write_tiny_deepspec_drafter"]
+__all__ = [
+    "DEEPSPEC_NUM_ANCHORS",
+    "MARKOV_HEAD_TYPES",
+    "check_engine_proposals",
+    "deepspec_drafter_shapes",
+    "write_tiny_deepspec_drafter",
+]
 
 #: Training anchors per sample, as every DSpark config of DeepSpec sets it (unused at inference).
 DEEPSPEC_NUM_ANCHORS = 512
@@ -298,3 +304,42 @@ def _digest(folder: Path, names: Sequence[str]) -> str:
     for name in names:
         digest.update((folder / name).read_bytes())
     return digest.hexdigest()
+
+
+def check_engine_proposals(
+    config: Any, tokens: list[int], prompt_len: int, golden: dict[str, torch.Tensor], scenario: str, tolerance: float
+) -> None:
+    """The engine built from ``config`` (a block drafter under fixed-k) continues the first
+    ``prompt_len`` of ``tokens`` greedily to ``tokens``, and every block it drafts at an anchor
+    the golden fixtures hold (at least 5) has their draft tokens and, within ``tolerance``,
+    their confidences (sigmoid of ``<scenario>.anchor_<a>.confidence_logits``)."""
+    from powertrain import LLM, SamplingParams
+
+    prompt = tokens[:prompt_len]
+    proposals = []
+    with LLM(config=config) as llm:
+        drafter = llm.speculative_policy.drafter
+        propose = drafter.propose
+
+        def spy(slots: list) -> Any:
+            drafted = propose(slots)
+            proposals.extend(
+                (len(slot.token_ids) - 1, t, c)
+                for slot, t, c in zip(slots, drafted.tokens, drafted.confidences, strict=True)
+            )
+            return drafted
+
+        drafter.propose = spy
+        params = SamplingParams(temperature=0, max_tokens=len(tokens) - prompt_len, ignore_eos=True)
+        output = llm.generate([prompt], [params])[0].outputs[0].token_ids
+    assert prompt + list(output) == tokens, "the engine's greedy continuation is not the fixture's"
+    anchors = [anchor for anchor, drafts, _ in proposals if drafts and f"{scenario}.anchor_{anchor}.tokens" in golden]
+    assert len(anchors) >= 5, f"only {len(anchors)} blocks at fixture anchors: {proposals}"
+    for anchor, drafts, confidences in proposals:
+        key = f"{scenario}.anchor_{anchor}"
+        if not drafts or f"{key}.tokens" not in golden:
+            continue
+        count = len(drafts)
+        assert drafts == golden[f"{key}.tokens"][:count].tolist(), f"draft tokens at anchor {anchor}"
+        want = torch.sigmoid(golden[f"{key}.confidence_logits"][:count])
+        torch.testing.assert_close(torch.tensor(confidences), want, atol=tolerance, rtol=0, msg=f"anchor {anchor}")
