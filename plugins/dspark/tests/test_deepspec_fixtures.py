@@ -23,7 +23,7 @@ from powertrain.interfaces import AttentionMetadata, allocate_caches
 from powertrain.llm import apply_overrides
 from powertrain.models.dspark import load_block_drafter
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
-from powertrain.testing.drafters import check_engine_proposals
+from powertrain.testing.drafters import anchor_tensor_scheme, check_engine_proposals
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspec"
 VOCAB = 512
@@ -118,20 +118,7 @@ def test_fixture_tensors_follow_the_readme_scheme(provenance: dict, golden: dict
         assert golden[f"{name}.full_logit_anchors"].tolist() == full
         assert golden[f"{name}.forced_anchors"].tolist() == forced
         assert len(forced) == 3 and set(forced) <= set(full) <= set(anchors)
-        for key, listed in (("anchors", anchors), ("full_logit_anchors", full), ("forced_anchors", forced)):
-            expected[f"{name}.{key}"] = ((len(listed),), torch.int64)
-        for anchor in anchors:
-            prefix = f"{name}.anchor_{anchor}."
-            expected[prefix + "tokens"] = ((block,), torch.int64)
-            expected[prefix + "confidence_logits"] = ((block,), torch.float32)
-            expected[prefix + "chosen_logits"] = ((block,), torch.float32)
-            if anchor in full:
-                expected[prefix + "logits"] = ((block, VOCAB), torch.float32)
-                expected[prefix + "base_logits"] = ((block, VOCAB), torch.float32)
-            if anchor in forced:
-                expected[prefix + "forced_tokens"] = ((block,), torch.int64)
-                expected[prefix + "forced_logits"] = ((block, VOCAB), torch.float32)
-                expected[prefix + "forced_confidence_logits"] = ((block,), torch.float32)
+        expected.update(anchor_tensor_scheme(name, anchors, full, forced, block, VOCAB))
     assert golden.keys() == expected.keys(), golden.keys() ^ expected.keys()
     for key, (shape, dtype) in expected.items():
         assert (tuple(golden[key].shape), golden[key].dtype) == (shape, dtype), key

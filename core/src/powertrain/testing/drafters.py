@@ -45,6 +45,7 @@ from powertrain.testing.checkpoints import RECIPE_FILE, _reuse_or_clear, _write_
 __all__ = [
     "DEEPSPEC_NUM_ANCHORS",
     "MARKOV_HEAD_TYPES",
+    "anchor_tensor_scheme",
     "check_engine_proposals",
     "deepspec_drafter_shapes",
     "write_tiny_deepspec_drafter",
@@ -343,3 +344,27 @@ def check_engine_proposals(
         assert drafts == golden[f"{key}.tokens"][:count].tolist(), f"draft tokens at anchor {anchor}"
         want = torch.sigmoid(golden[f"{key}.confidence_logits"][:count])
         torch.testing.assert_close(torch.tensor(confidences), want, atol=tolerance, rtol=0, msg=f"anchor {anchor}")
+
+
+def anchor_tensor_scheme(
+    scenario: str, anchors: list[int], full: list[int], forced: list[int], block: int, vocab: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of a DeepSpec golden file's tensors for one scenario's anchors
+    (the scheme of the fixtures' READMEs): every anchor's tokens and logits of the chosen
+    drafts and confidences, full logits at ``full`` anchors, forced paths at ``forced`` ones."""
+    expected = {}
+    for key, listed in (("anchors", anchors), ("full_logit_anchors", full), ("forced_anchors", forced)):
+        expected[f"{scenario}.{key}"] = ((len(listed),), torch.int64)
+    for anchor in anchors:
+        prefix = f"{scenario}.anchor_{anchor}."
+        expected[prefix + "tokens"] = ((block,), torch.int64)
+        expected[prefix + "confidence_logits"] = ((block,), torch.float32)
+        expected[prefix + "chosen_logits"] = ((block,), torch.float32)
+        if anchor in full:
+            expected[prefix + "logits"] = ((block, vocab), torch.float32)
+            expected[prefix + "base_logits"] = ((block, vocab), torch.float32)
+        if anchor in forced:
+            expected[prefix + "forced_tokens"] = ((block,), torch.int64)
+            expected[prefix + "forced_logits"] = ((block, vocab), torch.float32)
+            expected[prefix + "forced_confidence_logits"] = ((block,), torch.float32)
+    return expected
