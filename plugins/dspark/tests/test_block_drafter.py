@@ -32,10 +32,13 @@ from typing import Any
 
 import attrs
 import pytest
+import structlog
+import structlog.testing
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import powertrain.assemble.building as building
 from powertrain import LLM, SamplingParams
 from powertrain.assemble.planning import plan
 from powertrain.config import EngineConfig
@@ -342,7 +345,7 @@ def gemma4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
 @pytest.mark.parametrize("speculative", ["dspark", "fixed-k"])
 @pytest.mark.usefixtures("steady_step_time")
 def test_a_gemma4_drafter_gives_plain_decodings_greedy_tokens(
-    gemma4_checkpoints: dict[str, Path], speculative: str, seed: int, tmp_path: Path
+    gemma4_checkpoints: dict[str, Path], speculative: str, seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``[speculative] dspark`` (and ``fixed-k``) with ``[dspark] drafter = "block"`` and a
     DeepSpec Gemma 4 drafter on a Gemma 4 target: greedy outputs equal plain decoding's. The
@@ -355,10 +358,18 @@ def test_a_gemma4_drafter_gives_plain_decodings_greedy_tokens(
     bigrams = {a: b for out in expected for a, b in zip(out, out[1:], strict=False)}
     checkpoints = {**gemma4_checkpoints, "mimic": mimic(gemma4_checkpoints["drafter"], tmp_path / "mimic", bigrams)}
     config = engine_config(checkpoints, speculative, "mimic", max_num_batched_tokens=24, **sized)
+    recorder = structlog.testing.CapturingLogger()  # the module's logger (a cached one bypasses capture_logs)
+    monkeypatch.setattr(building, "log", recorder)
     with LLM(config=config) as llm:
-        assert isinstance(llm.speculative_policy.drafter, BlockDrafter)  # type: ignore[union-attr]
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
+        assert isinstance(drafter, BlockDrafter)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, [greedy(20)] * len(batch))]
         stats = llm.engine.stats()
+    # The drafter's cache sits beside the target's KV budget: startup says how big it is.
+    (said,) = [call.kwargs for call in recorder.calls if call.args == ("drafter kv cache",)]
+    held = sum(t.numel() * t.element_size() for cache in drafter.caches for t in cache.values())
+    assert said == {"layers": len(drafter.caches), "gib": round(held / 2**30, 3), "outside_kv_budget": True}
+    assert held > 0
     where = f"{speculative}, seed={seed}"
     print(f"{where}: {stats.speculative_accepted_tokens} of {stats.speculative_verified_tokens} drafts accepted")
     assert got == expected, where

@@ -187,6 +187,10 @@ def build_speculative(
         caches = interfaces.allocate_caches(layers, specs, counts, plan.device)
         if allocated is not None:
             allocated.extend(zip(layers, caches, strict=True))
+        # Beside the target's KV budget, not inside it: said at startup so it can be planned for.
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for c in caches for t in c.values()}
+        size = sum(storages.values())  # a tensor several layers read is counted once
+        log.info("drafter kv cache", layers=len(layers), gib=round(size / 2**30, 3), outside_kv_budget=True)
         return caches
 
     context = SpeculativeContext(
