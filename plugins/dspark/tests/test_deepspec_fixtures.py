@@ -23,7 +23,7 @@ from powertrain.interfaces import AttentionMetadata, allocate_caches
 from powertrain.llm import apply_overrides
 from powertrain.models.dspark import load_block_drafter
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
-from powertrain.testing.drafters import anchor_tensor_scheme, check_engine_proposals
+from powertrain.testing.drafters import anchor_tensor_scheme, check_anchor_heads, check_engine_proposals
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspec"
 VOCAB = 512
@@ -213,23 +213,7 @@ def test_block_logits_equal_deepspecs_along_greedy_and_forced_paths(
         )
         ids = torch.tensor([int(tokens[anchor])] + [model.config.mask_token_id] * (size - 1))
         hidden = model.block(ids, torch.arange(anchor, anchor + size), caches, meta)
-        base = model.base_logits(hidden)
         key = f"{scenario}.anchor_{anchor}"
-        paths = {"": golden[f"{key}.tokens"]}
-        if f"{key}.forced_tokens" in golden:
-            paths["forced_"] = golden[f"{key}.forced_tokens"]
-        for prefix, path in paths.items():
-            previous = torch.cat([tokens[anchor : anchor + 1], path[:-1]])
-            logits = model.corrected_logits(base, previous, hidden)
-            confidence = model.confidence(hidden, previous)
-            where = f"{scenario}, anchor {anchor}, {prefix or 'greedy '}path"
-            if f"{key}.{prefix}logits" in golden:
-                torch.testing.assert_close(logits, golden[f"{key}.{prefix}logits"], atol=EXACT, rtol=0, msg=where)
-            if not prefix:
-                assert logits.argmax(-1).tolist() == path.tolist(), where
-                chosen = logits.gather(1, path[:, None])[:, 0]
-                torch.testing.assert_close(chosen, golden[f"{key}.chosen_logits"], atol=EXACT, rtol=0, msg=where)
-                if f"{key}.base_logits" in golden:
-                    torch.testing.assert_close(base, golden[f"{key}.base_logits"], atol=EXACT, rtol=0, msg=where)
-            want = torch.sigmoid(golden[f"{key}.{prefix}confidence_logits"])
-            torch.testing.assert_close(confidence, want, atol=EXACT, rtol=0, msg=where)
+        check_anchor_heads(
+            model, hidden, tokens[anchor : anchor + 1], golden, key, EXACT, f"{scenario}, anchor {anchor}"
+        )

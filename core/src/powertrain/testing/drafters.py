@@ -46,6 +46,7 @@ __all__ = [
     "DEEPSPEC_NUM_ANCHORS",
     "MARKOV_HEAD_TYPES",
     "anchor_tensor_scheme",
+    "check_anchor_heads",
     "check_engine_proposals",
     "deepspec_drafter_shapes",
     "write_tiny_deepspec_drafter",
@@ -368,3 +369,37 @@ def anchor_tensor_scheme(
             expected[prefix + "forced_logits"] = ((block, vocab), torch.float32)
             expected[prefix + "forced_confidence_logits"] = ((block,), torch.float32)
     return expected
+
+
+def check_anchor_heads(
+    model: Any,
+    hidden: torch.Tensor,
+    anchor_token: torch.Tensor,
+    golden: dict[str, torch.Tensor],
+    key: str,
+    tolerance: float,
+    where: str,
+) -> None:
+    """A drafter's heads on the block ``hidden`` it made at one golden anchor (``key``:
+    ``<scenario>.anchor_<a>``; ``anchor_token`` a 1-element tensor): along the greedy path (and
+    a forced one where the fixtures hold it), the Markov-corrected logits, the greedy drafts'
+    chosen logits, the base logits and the confidences equal the fixtures within ``tolerance``."""
+    base = model.base_logits(hidden)
+    paths = {"": golden[f"{key}.tokens"]}
+    if f"{key}.forced_tokens" in golden:
+        paths["forced_"] = golden[f"{key}.forced_tokens"]
+    for prefix, path in paths.items():
+        previous = torch.cat([anchor_token, path[:-1]])
+        logits = model.corrected_logits(base, previous, hidden)
+        confidence = model.confidence(hidden, previous)
+        at = f"{where}, {prefix or 'greedy '}path"
+        if f"{key}.{prefix}logits" in golden:
+            torch.testing.assert_close(logits, golden[f"{key}.{prefix}logits"], atol=tolerance, rtol=0, msg=at)
+        if not prefix:
+            assert logits.argmax(-1).tolist() == path.tolist(), at
+            chosen = logits.gather(1, path[:, None])[:, 0]
+            torch.testing.assert_close(chosen, golden[f"{key}.chosen_logits"], atol=tolerance, rtol=0, msg=at)
+            if f"{key}.base_logits" in golden:
+                torch.testing.assert_close(base, golden[f"{key}.base_logits"], atol=tolerance, rtol=0, msg=at)
+        want = torch.sigmoid(golden[f"{key}.{prefix}confidence_logits"])
+        torch.testing.assert_close(confidence, want, atol=tolerance, rtol=0, msg=at)
