@@ -66,12 +66,7 @@ class BlockDrafterConfig(DSparkKeys):
     def from_config(cls, config: Mapping[str, Any], where: str) -> BlockDrafterConfig:
         """Read and check ``config`` (the folder ``where``'s config.json); a missing or
         unsupported key raises ValueError naming it."""
-        architectures = list(config.get("architectures") or [])
-        if QWEN3_ARCHITECTURE not in architectures:
-            raise ValueError(
-                f"{where}: architectures={architectures}; this config class reads DeepSpec's {QWEN3_ARCHITECTURE}"
-            )
-        keys = DSparkKeys.read(config, where)
+        keys = DSparkKeys.read(config, where, QWEN3_ARCHITECTURE)
         layers = LlamaArgs.from_config({**config, "model_type": "qwen3"})
         if any(window is not None for window in layers.sliding_windows):
             raise ValueError(f"{where}: the drafter's layers attend over its whole context; it sets a sliding window")

@@ -39,9 +39,15 @@ class DSparkKeys:
     confidence_head_with_markov: bool
 
     @staticmethod
-    def read(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-        """These keys of ``config`` (the folder ``where``'s config.json), checked, as keyword
-        arguments; a missing or unsupported key raises ValueError naming it."""
+    def read(config: Mapping[str, Any], where: str, architecture: str) -> dict[str, Any]:
+        """These keys of ``config`` (the folder ``where``'s config.json, which must name
+        ``architecture``), checked, as keyword arguments; a missing or unsupported key raises
+        ValueError naming it."""
+        architectures = list(config.get("architectures") or [])
+        if architecture not in architectures:
+            raise ValueError(
+                f"{where}: architectures={architectures}; this config class reads DeepSpec's {architecture}"
+            )
 
         def required(key: str) -> Any:
             if key not in config:

@@ -70,12 +70,7 @@ class Gemma4BlockDrafterConfig(DSparkKeys):
     def from_config(cls, config: Mapping[str, Any], where: str) -> Gemma4BlockDrafterConfig:
         """Read and check ``config`` (the folder ``where``'s config.json); a missing or
         unsupported key raises ValueError naming it."""
-        architectures = list(config.get("architectures") or [])
-        if GEMMA4_ARCHITECTURE not in architectures:
-            raise ValueError(
-                f"{where}: architectures={architectures}; this config class reads DeepSpec's {GEMMA4_ARCHITECTURE}"
-            )
-        keys = DSparkKeys.read(config, where)
+        keys = DSparkKeys.read(config, where, GEMMA4_ARCHITECTURE)
         _refuse_what_deepspec_refuses(config, where)
         num_layers = config.get("num_hidden_layers")
         if not isinstance(num_layers, int) or num_layers < 1:
