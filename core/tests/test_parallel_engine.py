@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from powertrain import LLM, SamplingParams
-from powertrain.deploy.frontend import ParallelEngine
+from powertrain.deploy.frontend import ParallelEngine, _Rank
 from powertrain.interfaces import AttentionBackendContext, CommunicatorContext, ModelContext, MoEBackendContext
 from powertrain.interfaces.engine import Engine, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
@@ -30,6 +30,7 @@ from powertrain.layers.moe import MoE
 from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v3 import DeepseekV3ForCausalLM
 from powertrain.parallel.expert import AllToAllDispatcher
+from powertrain.parallel.layout import ParallelLayout
 from powertrain.plugins import PluginManager
 from powertrain.testing.base import find_component
 from powertrain.testing.checkpoints import write_tiny_deepseek
@@ -320,14 +321,41 @@ def test_a_frozen_worker_is_declared_dead_after_the_silence_timeout(tiny_v3: Pat
     os.kill(frozen, signal.SIGSTOP)
     started = time.monotonic()
     try:
-        # Its peer, waiting for it in a collective, falls silent too: both may be named.
-        with pytest.raises(EngineDeadError, match=rf"no word for over 3 s from .*rank 1 \(pid {frozen} "):
+        # Its peer, waiting for it in a collective, may fall silent first: every rank is named.
+        named_frozen = rf"no word for over 3 s from rank \d .*quiet: .*rank 1 \(pid {frozen} "
+        with pytest.raises(EngineDeadError, match=named_frozen):
             llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         assert time.monotonic() - started < 30
     finally:
         llm.shutdown()  # kills the stopped process
     with pytest.raises(ProcessLookupError):
         os.kill(frozen, 0)
+
+
+@pytest.mark.parametrize("expert_parallel", [1, 2])
+def test_a_silence_names_the_peer_that_spoke_last_under_expert_parallelism(expert_parallel: int) -> None:
+    """Under load a rank waiting in a collective for a slow peer goes quiet first, and the
+    peer may report a moment before it freezes: the longest silent rank is then not the
+    stuck one. With expert parallelism (lockstep) the error names every rank; without it
+    the ranks are independent and only the silent ones are named."""
+    engine = ParallelEngine.__new__(ParallelEngine)  # the silence rule alone: no processes
+    engine.layout = ParallelLayout(data_parallel=2, expert_parallel=expert_parallel)
+    engine.silence_timeout_s = 3.0
+    now = time.monotonic()
+    engine._ranks = {
+        0: _Rank(0, pid=100, last_heard=now - 3.5),  # blocked in a collective since then
+        1: _Rank(1, pid=101, last_heard=now - 1.5),  # reported, then froze
+    }
+    lost: list[tuple[int, str]] = []
+    engine._lose = lambda entry, what: lost.append((entry.rank, what))
+    engine._check_silence()
+    [(rank, what)] = lost
+    assert rank == 0 and what.startswith("no word for over 3 s from rank 0 (pid 100 ")
+    assert ("rank 1 (pid 101 " in what) == (expert_parallel > 1), what
+    engine._ranks[0].last_heard = now - 2.5  # under the timeout: nothing happens
+    lost.clear()
+    engine._check_silence()
+    assert lost == []
 
 
 ORPHAN_SCRIPT = """

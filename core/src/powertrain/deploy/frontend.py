@@ -323,16 +323,20 @@ class ParallelEngine:
 
     def _check_silence(self) -> None:
         """Fail when a rank has been silent for ``silence_timeout_s``, naming every silent
-        rank, the longest silent first: with expert parallelism one stuck rank stalls its
-        peers in their next collective, so they fall silent too, a moment later."""
+        rank, the longest silent first. With expert parallelism the ranks run in lockstep,
+        so the longest silent need not be the stuck one: a rank waiting in a collective for
+        a slow peer goes quiet first, and that peer may have reported a moment before it
+        froze. So there every rank is named, with how long it has been quiet."""
         now = time.monotonic()
-        silent = sorted(
-            (r for r in self._ranks.values() if not r.stopped and now - r.last_heard > 2 * HEARTBEAT_S),
-            key=lambda r: r.last_heard,
-        )
+        live = sorted((r for r in self._ranks.values() if not r.stopped), key=lambda r: r.last_heard)
+        silent = [r for r in live if now - r.last_heard > 2 * HEARTBEAT_S]
         if silent and now - silent[0].last_heard > self.silence_timeout_s:
-            ages = ", ".join(f"{r.describe()} for {now - r.last_heard:.0f} s" for r in silent)
-            self._lose(silent[0], f"no word for over {self.silence_timeout_s:.0f} s from {ages}")
+            named = live if self.layout.expert_parallel_enabled else silent
+            ages = ", ".join(f"{r.describe()} {now - r.last_heard:.0f} s" for r in named)
+            self._lose(
+                silent[0],
+                f"no word for over {self.silence_timeout_s:.0f} s from {silent[0].describe()} (quiet: {ages})",
+            )
 
     def _drain(self, entry: _Rank) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
