@@ -406,7 +406,9 @@ class MoE(nn.Module):
 
     # ----------------------------------------------------------------------- running
 
-    def _route(self, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor | None, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights. With ``row_tile`` the router runs on whole tiles
         of rows (zero rows pad the last): torch's elementwise kernels take a scalar path for
         a tensor's last few elements, whose rounding (of the sigmoid's exp, say) differs from
@@ -421,17 +423,29 @@ class MoE(nn.Module):
         if self.tid2eid is not None:
             expert_ids = self.tid2eid[token_ids] if not pad else F.pad(self.tid2eid[token_ids], (0, 0, 0, pad))
             topk_ids, topk_weights = route(router_logits, self.routing, expert_ids=expert_ids)
+        elif correction_bias is not None:  # per-row biases: the core's routing (backends take one bias)
+            if correction_bias.shape != (rows, self.routing.num_experts):
+                raise ValueError(
+                    f"a per-row correction bias must be [{rows}, {self.routing.num_experts}], "
+                    f"got {list(correction_bias.shape)}"
+                )
+            bias = correction_bias if not pad else F.pad(correction_bias, (0, 0, 0, pad))
+            topk_ids, topk_weights = route(router_logits, self.routing, bias)
         else:
             choose = self.backend.route if self.backend_routes else route
             topk_ids, topk_weights = choose(router_logits, self.routing, self.e_score_correction_bias)
         return topk_ids[:rows], topk_weights[:rows]
 
-    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[T, H]`` -> the routed experts' weighted sum, ``[T, H]`` in ``hidden``'s dtype.
-        Hash routing needs the tokens' ids (``[T]``); other layers ignore them."""
+        Hash routing needs the tokens' ids (``[T]``); other layers ignore them. ``correction_bias``
+        (float32 ``[T, E]``, noaux_tc only) replaces the layer's bias row by row (V4.1 routes
+        image positions with another one)."""
         if self.prepared is None:
             raise RuntimeError("MoE.forward before finish_loading(): the backend has no weights yet")
-        topk_ids, topk_weights = self._route(hidden, token_ids)
+        topk_ids, topk_weights = self._route(hidden, token_ids, correction_bias)
         if self.dispatcher is None:
             return self.backend.forward(hidden, topk_ids, topk_weights, self.prepared)
         rows, tokens_per_expert, scales, handle = self.dispatcher.dispatch(
@@ -513,6 +527,12 @@ class SharedExpertMoE(nn.Module):
             ClampedSwiGLU(hidden_size, intermediate_size * n_shared, swiglu_limit) if n_shared else None
         )
 
-    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden, token_ids)
+    def forward(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = (
+            self.experts(hidden, token_ids)
+            if correction_bias is None
+            else self.experts(hidden, token_ids, correction_bias)
+        )
         return out if self.shared_experts is None else out + self.shared_experts(hidden)

@@ -36,8 +36,15 @@ group is still open scores another layer's keys there; here it scores its own gr
   scaling, clamped SwiGLU experts, one shared expert.
 - Logits come from a float32 head. ``mtp.*``, DSpark's drafter, is built and loaded as
   ``model.dspark`` when the config sets ``dspark_block_size`` (``deepseek_v41_dspark``; the
-  target records the streams it reads, ``tap_forms``); ``vision.*`` / ``aligner.*`` /
-  ``image_*`` / ``bias_vl`` (images) are not read; the load says so.
+  target records the streams it reads, ``tap_forms``).
+- **Images** (``deepseek_v41_vision``): where the config has a vision tower it is built as
+  ``model.vision_tower`` (``vision.*``, ``aligner.*``, ``image_*``) with each layer's router
+  bias for image positions (``ffn.gate.bias_vl``). ``forward(..., image_rows=ImageRows(...))``
+  puts the encoded span rows in place of those rows' token embeddings; those rows route with
+  ``bias_vl`` instead of ``bias``, and Engram skips them: their own gate is shut, and no
+  n-gram reaches back across them (their compressed ids are cached as ``ENGRAM_DEAD``, so a
+  later step still stops there). A text-only checkpoint's image tensors are not read; the
+  load says so.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ from powertrain.layers.rotary import RopeParameters, RotaryEmbedding, deepseek_r
 from powertrain.loader.mapped_rows import MappedFp8Rows
 from powertrain.models.config_reading import required_reader
 from powertrain.models.deepseek_v41_dspark import DeepseekV41DSpark, DSparkArgs
+from powertrain.models.deepseek_v41_vision import DeepseekV41Vision, ImageRows, VisionArgs
 from powertrain.models.weights import check_complete, copy_checked, held_here
 
 log = structlog.get_logger(__name__)
@@ -89,6 +97,13 @@ NOT_USED_YET: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(vision|aligner)\.|^image_"), "the vision tower (images)"),
     (re.compile(r"\.ffn\.gate\.bias_vl$"), "the image tokens' router bias (images)"),
 )
+#: With a vision tower, only DSpark's image router biases stay unread: drafts are text
+#: (the official code runs its DSpark blocks without the image mask).
+NOT_USED_WITH_VISION: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^mtp\.\d+\.ffn\.gate\.bias_vl$"), "DSpark's image-token router bias (drafts are text)"),
+)
+#: The compressed id Engram caches for an image position: no n-gram reaches back across it.
+ENGRAM_DEAD = -1
 #: transformers' spelling (the pull request's ``DeepseekV41ForCausalLM`` keeps the release's
 #: names under ``model.``, the head as ``lm_head``) -> the release's.
 HF_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -98,6 +113,8 @@ HF_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
 #: The release's names -> this module's, where they differ.
 RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"layers.\1.\2_hc.\3"),
+    (re.compile(r"^layers\.(\d+)\.ffn\.gate\.bias_vl$"), r"layers.\1.image_router_bias"),
+    (re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)"), r"vision_tower.\1"),
     (re.compile(r"^mtp\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"dspark.stages.\1.\2_hc.\3"),
     (re.compile(r"^mtp\."), "dspark.stages."),
 )
@@ -628,8 +645,9 @@ class EngramGate(nn.Module):
         #: The table, mapped from the checkpoint at load (never in RAM or on the device).
         self.table: MappedFp8Rows | None = None
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``streams`` ``[n, hc, D]``; ``rows`` ``[n, columns * head_dim]`` (the gathered table rows)."""
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor, shut: torch.Tensor | None = None) -> torch.Tensor:
+        """``streams`` ``[n, hc, D]``; ``rows`` ``[n, columns * head_dim]`` (the gathered table rows);
+        ``shut`` (bool ``[n]``, image rows): those rows pass through unchanged."""
         n, hc, d = streams.shape
         kv = self.wkv(rows.to(streams.dtype))
         key, value = kv[:, : hc * d].float().view(n, hc, d), kv[:, hc * d :].float()
@@ -638,6 +656,8 @@ class EngramGate(nn.Module):
         dot = dot * torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = dot * d**-0.5
         gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
+        if shut is not None:
+            gate = gate.masked_fill(shut[:, None], 0.0)
         return (h + gate[..., None] * value[:, None, :]).to(streams.dtype)
 
 
@@ -645,9 +665,11 @@ class EngramRows(nn.Module):
     """Which table rows each token reads, per Engram layer: its compressed id is cached (a
     sliding group of ``max_ngram_size`` tokens), the n-grams ending at it hashed."""
 
-    def __init__(self, engram: EngramArgs, token_map: Sequence[int]) -> None:
+    def __init__(self, engram: EngramArgs, token_map: Sequence[int], images: bool = False) -> None:
         super().__init__()
         self.engram = engram
+        #: Image positions may be cached (``ENGRAM_DEAD``): n-grams then stop at them.
+        self.images = images
         self.hasher = NgramHasher(engram.layout, engram.compressed_vocab_size)
         self.register_buffer("token_map", torch.tensor(token_map, dtype=torch.int64), persistent=False)
         self.pad = int(token_map[engram.pad_id])
@@ -661,9 +683,19 @@ class EngramRows(nn.Module):
             dtype=torch.float32,  # compressed ids are below 2**24: exact
         )
 
-    def __call__(self, input_ids: torch.Tensor, kv_cache: LayerKVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        """int64 ``[n, engram layers, columns]``: the rows of every token of the step."""
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        image_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """int64 ``[n, engram layers, columns]``: the rows of every token of the step. Rows of
+        ``image_mask`` are cached as ``ENGRAM_DEAD``; a look-back reaching one (at this step or an
+        earlier one) reads the pad id from there on, as DeepSeek's ``NgramHashState`` does."""
         compressed = self.token_map[input_ids]
+        if image_mask is not None:
+            compressed = compressed.masked_fill(image_mask, ENGRAM_DEAD)
         view = metadata.for_window(self.engram.max_ngram_size)
         view.store(kv_cache["engram_tokens"], compressed.float()[:, None])
         back = self.engram.max_ngram_size - 1
@@ -676,7 +708,10 @@ class EngramRows(nn.Module):
             history = torch.cat((torch.full((back - (first - lo),), self.pad, device=known.device), known))
             offsets = torch.arange(end - start, device=known.device)[:, None] + back
             grams.append(history[offsets - torch.arange(back + 1, device=known.device)])
-        return self.hasher.rows(torch.cat(grams))
+        gram = torch.cat(grams)  # [n, back + 1]: the token, then one further back per column
+        if self.images:
+            gram = gram.masked_fill((gram == ENGRAM_DEAD).cummax(dim=1).values, self.pad)
+        return self.hasher.rows(gram)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -686,7 +721,7 @@ class V41Block(nn.Module):
     """Attention then MoE, each between an mHC collapse and expand, the collapses lagged
     one site (module docstring); Engram, where the layer has it, first."""
 
-    def __init__(self, args: V41Args, layer: int, ctx: ModelContext) -> None:
+    def __init__(self, args: V41Args, layer: int, ctx: ModelContext, images: bool = False) -> None:
         super().__init__()
         hc = (args.hidden_size, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
@@ -703,6 +738,10 @@ class V41Block(nn.Module):
         )
         engram = args.engram
         self.engram = EngramGate(args, engram) if engram is not None and layer in engram.layer_ids else None
+        #: The router's correction bias for image positions (``ffn.gate.bias_vl``).
+        self.image_router_bias = (
+            nn.Parameter(torch.empty(args.num_experts, dtype=torch.float32), requires_grad=False) if images else None
+        )
 
     def forward(
         self,
@@ -714,13 +753,25 @@ class V41Block(nn.Module):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         step: StepPicks,
+        image_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn_pre, post, comb = self.attn_hc.weights(streams)
         out = self.attn(self.attn_norm(collapse_with(streams, pre)), positions, rope, kv_cache, metadata, step)
         streams = HyperConnection.expand_in_float32(streams, out, post, comb)
         ffn_pre, post, comb = self.ffn_hc.weights(streams)
-        out = self.ffn(self.ffn_norm(collapse_with(streams, attn_pre)), input_ids)
+        hidden = self.ffn_norm(collapse_with(streams, attn_pre))
+        if image_mask is None:
+            out = self.ffn(hidden, input_ids)
+        else:
+            out = self.ffn(hidden, input_ids, correction_bias=self._router_bias(image_mask))
         return HyperConnection.expand_in_float32(streams, out, post, comb), ffn_pre
+
+    def _router_bias(self, image_mask: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, experts]``: ``bias_vl`` at image rows, ``bias`` elsewhere."""
+        text_bias = self.ffn.experts.e_score_correction_bias
+        if self.image_router_bias is None or text_bias is None:
+            raise ValueError("image rows need a model built with a vision tower (and noaux_tc routing)")
+        return torch.where(image_mask[:, None], self.image_router_bias, text_bias)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -742,7 +793,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._tensor_files = dict(ctx.tensor_files)
         #: What the load found in the checkpoint and left to another component: reader -> tensors.
         self.not_used: dict[str, int] = {}
-        self.engram_rows = None if args.engram is None else EngramRows(args.engram, _token_map(ctx, args.engram))
+        #: The vision tower's sizes; None for a text-only checkpoint.
+        self.vision_args = VisionArgs.from_config(ctx.config)
+        images = self.vision_args is not None
+        self.engram_rows = (
+            None if args.engram is None else EngramRows(args.engram, _token_map(ctx, args.engram), images=images)
+        )
         with torch.device(ctx.device):
             previous = torch.get_default_dtype()
             torch.set_default_dtype(ctx.dtype)
@@ -750,7 +806,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 self.embed = nn.Embedding(
                     args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
                 )
-                self.layers = nn.ModuleList(V41Block(args, i, ctx) for i in range(args.num_layers))
+                self.layers = nn.ModuleList(V41Block(args, i, ctx, images) for i in range(args.num_layers))
+                self.vision_tower = DeepseekV41Vision(self.vision_args) if self.vision_args is not None else None
                 self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
                 # DeepSeek's head is float32, fed the normed state widened.
                 self.head = Linear(args.hidden_size, args.vocab_size, bias=False, dtype=torch.float32)
@@ -784,30 +841,55 @@ class DeepseekV41ForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
+        *,
+        image_rows: ImageRows | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states ``[num_tokens, hidden]`` of the flat batch."""
-        gathered = self._engram_rows(input_ids, kv_caches, metadata)
-        streams = self.embed(input_ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        """Final-normed hidden states ``[num_tokens, hidden]`` of the flat batch. ``image_rows``:
+        the rows of image spans in this batch and what they hold (``vision_tower.encode``)."""
+        image_mask = None if image_rows is None else self._image_mask(input_ids, image_rows)
+        gathered = self._engram_rows(input_ids, kv_caches, metadata, image_mask)
+        embeds = self.embed(input_ids)
+        if image_rows is not None:
+            embeds = embeds.index_copy(0, image_rows.rows.to(embeds.device), image_rows.embeds.to(embeds))
+        streams = embeds.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(input_ids.shape[0], self.args.hc_mult, device=streams.device)
         pre[:, 0] = 1.0  # the first site reads stream 0 as it is
         step = StepPicks()
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer.engram is not None:
-                streams = layer.engram(streams, _ready(gathered[index]))
+                streams = layer.engram(streams, _ready(gathered[index]), image_mask)
             if self.taps is not None and self.taps.wants(index, "streams_mean_in"):
                 self.taps.record(index, "streams_mean_in", streams.mean(dim=1))  # DSpark's drafter reads it
-            streams, pre = layer(streams, pre, input_ids, positions, self.rope, kv_cache, metadata, step)
+            streams, pre = layer(streams, pre, input_ids, positions, self.rope, kv_cache, metadata, step, image_mask)
         return self.norm(collapse_with(streams, pre))
 
+    def _image_mask(self, input_ids: torch.Tensor, image_rows: ImageRows) -> torch.Tensor:
+        """bool ``[num_tokens]``, True at image rows; checked against the model and the batch."""
+        if self.vision_tower is None:
+            raise ValueError(
+                "this DeepSeek-V4.1 checkpoint has no vision tower: its config has no vision_config layers"
+            )
+        n = input_ids.shape[0]
+        if image_rows.embeds.shape[1] != self.args.hidden_size:
+            raise ValueError(f"image rows are {image_rows.embeds.shape[1]} wide, the model {self.args.hidden_size}")
+        rows = image_rows.rows
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise ValueError(f"image rows must index the batch's {n} tokens, got {int(rows.min())}..{int(rows.max())}")
+        return image_rows.mask(n, input_ids.device)
+
     def _engram_rows(
-        self, input_ids: torch.Tensor, kv_caches: Sequence[LayerKVCache], metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+        image_mask: torch.Tensor | None = None,
     ) -> dict[int, Future[tuple[torch.Tensor, Any]]]:
         """Every Engram layer's table rows for this step, each gathered on a worker thread while
         the layers before it run (the row ids depend on token ids only): from the mapped file
         into pinned memory and, on an accelerator, copied without blocking the host."""
         if self.engram_rows is None:
             return {}
-        ids = self.engram_rows(input_ids, kv_caches[self._engram_cache_layer], metadata).cpu()
+        ids = self.engram_rows(input_ids, kv_caches[self._engram_cache_layer], metadata, image_mask).cpu()
         if self._gatherer is None:
             self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-rows")
         device = input_ids.device
@@ -841,7 +923,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         name = _renamed(name, HF_NAMES)
         if _ENGRAM_TABLE.match(name) or (self.dspark is not None and _DSPARK_COPIES.match(name)):
             return False
-        readers = [reader for pattern, reader in NOT_USED_YET if pattern.search(name)]
+        unread = NOT_USED_YET if self.vision_tower is None else NOT_USED_WITH_VISION
+        readers = [reader for pattern, reader in unread if pattern.search(name)]
         if self.dspark is None and name.startswith("mtp."):
             readers = ["DSpark's drafter (speculative decoding)"]
         for reader in readers[:1]:
@@ -873,6 +956,14 @@ class DeepseekV41ForCausalLM(nn.Module):
                 moe.finish_loading()
         check_complete(type(self).__name__, unexpected, sorted(targets.keys() - loaded))
         self._map_engram_tables()
+        if self.vision_tower is not None:
+            tower = list(self.vision_tower.parameters())
+            log.info(
+                "vision tower loaded",
+                parameters=sum(p.numel() for p in tower),
+                bytes=sum(p.numel() * p.element_size() for p in tower),
+                layers=self.vision_args.num_layers if self.vision_args else 0,
+            )
         if self.not_used:
             log.info("checkpoint tensors present, not used yet", **{reader: n for reader, n in self.not_used.items()})
 

@@ -114,6 +114,21 @@ TINY_DEEPSEEK_V41_TEXT_CONFIG: Mapping[str, Any] = {
     "eos_token_id": 1,
 }
 
+#: A tiny vision tower (``write_tiny_deepseek_v41(..., vision=True)``): the release's patch
+#: and merge sizes, a small token budget and minimum area so that its images stay small.
+TINY_DEEPSEEK_V41_VISION_CONFIG: Mapping[str, Any] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 48,
+    "patch_size": 14,
+    "rope_theta": 10000.0,
+    "downsample_ratio": 3,
+    "max_n_token": 30,
+    "min_pixels": 2500,
+    "max_wh_ratio": None,
+}
+
 #: The release's quantisation: FP8 dense weights in 32x32 blocks, FP4 experts, ue8m0 scales.
 DEEPSEEK_V41_QUANTIZATION_CONFIG: Mapping[str, Any] = {
     "activation_scheme": "dynamic",
@@ -131,16 +146,20 @@ FP8, FP4, ENGRAM, BF16, F32 = "fp8", "fp4", "engram", "bf16", "f32"
 BLOCK = 32
 
 
-def write_tiny_deepseek_v41(path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+def write_tiny_deepseek_v41(path: str | Path, *, seed: int = 0, vision: bool = False, **overrides: Any) -> Path:
     """Write the tiny V4.1 checkpoint folder (``TINY_DEEPSEEK_V41_TEXT_CONFIG``, any text
     config key overridden; ``engram_layer_ids=[]`` turns Engram off, ``candidate_source_layer_id
     =-1`` the two-level top-k) with the tiny tokenizer, and return it. The Engram table sizes
     and the compressed vocabulary's size are derived (from the layout's primes and the
-    tokenizer), as the release's config states them. A folder already holding the same one
-    is returned as it is."""
+    tokenizer), as the release's config states them. ``vision=True`` adds the tiny vision tower
+    (``TINY_DEEPSEEK_V41_VISION_CONFIG``; its tensors drawn from a generator of their own, so
+    every other tensor is the same as without it). A folder already holding the same one is
+    returned as it is."""
     folder = Path(path)
     text = copy.deepcopy({**TINY_DEEPSEEK_V41_TEXT_CONFIG, **overrides})
-    recipe = _recipe(f"v4.1-layout{LAYOUT}", seed, torch.bfloat16, True, text)
+    vision_config = dict(TINY_DEEPSEEK_V41_VISION_CONFIG) if vision else {"num_hidden_layers": 0}
+    recipe_args = {**text, "vision_config": vision_config} if vision else text
+    recipe = _recipe(f"v4.1-layout{LAYOUT}", seed, torch.bfloat16, True, recipe_args)
     if _reuse_or_clear(folder, recipe):
         return folder
     tokenizer = _tokenizer_for(text)
@@ -155,14 +174,16 @@ def write_tiny_deepseek_v41(path: str | Path, *, seed: int = 0, **overrides: Any
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
         "text_config": text,
-        # No vision tower in the tiny model (images: their own issue).
-        "vision_config": {"num_hidden_layers": 0},
+        "vision_config": vision_config,
         "image_token_id": text["vocab_size"] - 2,
         "quantization_config": dict(DEEPSEEK_V41_QUANTIZATION_CONFIG),
         "tie_word_embeddings": False,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_tensors(folder / "model.safetensors", random_weights(text, seed))
+    tensors = random_weights(text, seed)
+    if vision:
+        tensors |= vision_weights(vision_config, text["hidden_size"], seed)
+    _write_tensors(folder / "model.safetensors", tensors)
     return _finish(folder, tokenizer, recipe)
 
 
@@ -211,6 +232,53 @@ def random_weights(text: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor
         tensors[f"mtp.{stage}.embed.weight"] = tensors["embed.weight"].clone()
         tensors[f"mtp.{stage}.head.weight"] = tensors["head.weight"].clone()
     return tensors
+
+
+def vision_weights(vision: Mapping[str, Any], text_hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """The vision tower's tensors (bfloat16; the ViT's norms float32, as the release stores
+    them), drawn in name order from a generator of their own."""
+    generator = torch.Generator().manual_seed(seed + 0x5649)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (shape, kind) in sorted(vision_shapes(vision, text_hidden).items()):
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        if len(shape) == 1:
+            values = 1 + 0.1 * values if "norm" in name else 0.5 * values
+        else:
+            values = values * shape[-1] ** -0.5
+        tensors[name] = values.to(torch.float32 if kind == F32 else torch.bfloat16)
+    return tensors
+
+
+def vision_shapes(vision: Mapping[str, Any], text_hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, storage kind) of the vision tower's tensors, as DeepSeek's ``vision.py``
+    and ``Transformer`` declare them."""
+    dim, inter, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    merged = dim * vision["downsample_ratio"] ** 2
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "vision.patch_embed.proj.weight": ((dim, 3 * patch * patch), BF16),
+        "vision.patch_embed.proj.bias": ((dim,), BF16),
+        "vision.norm.weight": ((dim,), F32),
+        "aligner.w1.weight": ((text_hidden, merged), BF16),
+        "aligner.w1.bias": ((text_hidden,), BF16),
+        "aligner.w2.weight": ((text_hidden, text_hidden), BF16),
+        "aligner.w2.bias": ((text_hidden,), BF16),
+        "image_start": ((text_hidden,), BF16),
+        "image_end": ((text_hidden,), BF16),
+        "image_newline": ((text_hidden,), BF16),
+    }
+    for block in range(vision["num_hidden_layers"]):
+        prefix = f"vision.blocks.{block}."
+        shapes |= {
+            prefix + "norm1.weight": ((dim,), F32),
+            prefix + "norm2.weight": ((dim,), F32),
+            prefix + "attn.wqkv.weight": ((3 * dim, dim), BF16),
+            prefix + "attn.wqkv.bias": ((3 * dim,), BF16),
+            prefix + "attn.wo.weight": ((dim, dim), BF16),
+            prefix + "attn.wo.bias": ((dim,), BF16),
+            prefix + "mlp.w1.weight": ((2 * inter, dim), BF16),
+            prefix + "mlp.w2.weight": ((dim, inter), BF16),
+        }
+    return shapes
 
 
 def tensor_shapes(text: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:

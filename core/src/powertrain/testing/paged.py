@@ -80,12 +80,13 @@ class PagedRunner:
         )
         return metadata, torch.tensor(positions, dtype=torch.int64)
 
-    def step(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
-        """Run one step; float32 logits per chunk."""
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], **forward: Any) -> list[torch.Tensor]:
+        """Run one step; float32 logits per chunk. ``forward``: keyword arguments for the model's
+        forward where given (``image_rows``)."""
         metadata, positions = self.metadata(chunks)
         input_ids = torch.tensor([t for _, tokens in chunks for t in tokens], dtype=torch.int64)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.caches, metadata)
+            hidden = self.model(input_ids, positions, self.caches, metadata, **forward)
             logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32 and logits.shape[0] == len(input_ids)
         return list(logits.split(metadata.query_lens_host))
