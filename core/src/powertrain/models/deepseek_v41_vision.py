@@ -94,16 +94,14 @@ class VisionArgs:
         ``vision_*`` keys); None where it has no layers (a text-only checkpoint)."""
         vision = config.get("vision_config") or {}
         text = config.get("text_config", config)
+        if int(vision.get("num_hidden_layers", config.get("vision_n_layers")) or 0) <= 0:
+            return None
         values: dict[str, Any] = {}
         for key, field, flat, default in _VISION_KEYS:
             value = vision.get(key, config.get(flat, default))
             if value is None and field != "max_wh_ratio":
-                if field == "num_layers":
-                    return None
                 raise ValueError(f"DeepSeek-V4.1 vision_config: {key} is missing")
             values[field] = value
-        if int(values["num_layers"]) <= 0:
-            return None
         image_token_id = config.get("image_token_id", text.get("image_token_id"))
         if image_token_id is None:
             raise ValueError("DeepSeek-V4.1 with a vision tower needs image_token_id in config.json")
