@@ -417,6 +417,7 @@ fn conv11_image_base64() {
                 width: size.0,
                 height: size.1,
                 detail: powertrain_recipe::image_fit::ImageDetail::High,
+                source: Default::default(),
             }
         );
         assert_eq!(
