@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "selection",
         "startup",
     ),
-    ("distributed", "engine", "layers", "loader", "models", "parallel", "plugins", "tokenizer"),
+    ("distributed", "engine", "images", "layers", "loader", "models", "parallel", "plugins", "tokenizer"),
     ("builtin",),
     ("assemble",),
     ("deploy",),

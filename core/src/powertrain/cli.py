@@ -505,6 +505,7 @@ def serve_command(
         served_model_name=served_model_name,
         max_body_bytes=max_body_bytes,
         graceful_shutdown_s=graceful_shutdown,
+        images=config.server.images,
     )
     try:
         parallel = {"data_parallel": data_parallel, "expert_parallel": expert_parallel, "prefill_ranks": prefill_ranks}

@@ -206,6 +206,49 @@ class EngineOptionsConfig:
     )
 
 
+def _fetch_hosts(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for host in value:
+        if not host or "/" in host or ":" in host.strip("[]") and not host.startswith("["):
+            raise ValueError(
+                f"must be host names (images.example.com, .example.com for its subdomains), got {host!r}", attribute
+            )
+    if instance.fetch and not value:
+        raise ValueError(
+            'fetch = true needs the hosts images may come from (fetch_hosts = ["images.example.com"])', attribute
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ImagesConfig:
+    """How the server reads image parts (``[server.images]``)."""
+
+    #: Fetch ``http(s)`` image URLs (off: a remote URL is a 400 asking for inline data).
+    fetch: bool = False
+    #: The hosts images may be fetched from, redirects included: exact names, or a name
+    #: with a leading dot for its subdomains (".example.com"). Required with ``fetch``.
+    fetch_hosts: tuple[str, ...] = attrs.field(default=(), validator=_fetch_hosts)
+    #: A larger image (its Content-Length or what arrives) is refused.
+    fetch_max_bytes: int = attrs.field(default=20 * 2**20, validator=_positive)
+    #: The whole fetch of one image, redirects included.
+    fetch_timeout_s: float = attrs.field(default=10.0, validator=_optional_positive)
+    #: Fetch from private, loopback, link-local and other non-public addresses too (a
+    #: host on the allow-list may resolve to one; refused unless this is set).
+    fetch_private_addresses: bool = False
+    #: Images whose header declares more pixels are refused before they are decoded.
+    max_pixels: int = attrs.field(default=8192 * 8192, validator=_positive)
+    #: Images decoded at once (threads); with ``max_pixels`` this bounds decoding memory
+    #: (about 7 bytes a pixel each).
+    decode_threads: int = attrs.field(default=2, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """What ``powertrain serve`` reads from engine.toml (``[server]``); host, port and
+    keys are command-line flags."""
+
+    images: ImagesConfig = ImagesConfig()
+
+
 @attrs.frozen(kw_only=True)
 class PluginsConfig:
     #: If set, only these external (entry-point) plugins load; builtins always do.
@@ -222,6 +265,7 @@ CORE_SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "engine": EngineOptionsConfig,
     "plugins": PluginsConfig,
+    "server": ServerConfig,
 }
 
 
@@ -234,6 +278,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     engine: EngineOptionsConfig = EngineOptionsConfig()
     plugins: PluginsConfig = PluginsConfig()
+    server: ServerConfig = ServerConfig()
     #: Plugin-owned tables, raw until ``validate_sections``.
     sections: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     #: Where this config came from, used as the prefix of every error.

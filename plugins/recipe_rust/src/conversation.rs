@@ -6,6 +6,8 @@
 //! conversation compare equal here, which is what makes "the same prompt from every
 //! protocol" testable.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::image_fit::{ImageDetail, ImageFit};
@@ -45,7 +47,9 @@ pub enum Role {
 }
 
 /// One piece of a message's content. An image is inline data, checked when parsed
-/// (``protocols::images``): its data URL, its size in pixels and the detail asked for.
+/// (``protocols::images``): its data URL, its size in pixels and the detail asked for;
+/// or, where the caller lets remote images through, an ``http(s)`` URL whose size is
+/// known only once the server has fetched it (``width`` and ``height`` 0).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentPart {
@@ -60,7 +64,58 @@ pub enum ContentPart {
         height: u32,
         #[serde(default)]
         detail: ImageDetail,
+        /// Where the part was and its decoded bytes: not part of what it means.
+        #[serde(skip)]
+        source: ImageSource,
     },
+}
+
+/// What the adapter keeps of an image part besides its meaning: where in the request
+/// body it was (errors found later, when the server decodes or fetches it, name that
+/// field) and the bytes its base64 decoded to (so the server does not decode it again).
+///
+/// It compares equal to every other source: the same image sent in two protocols sits
+/// at two different paths, and its bytes are already in the part's ``url``.
+#[derive(Debug, Clone, Default)]
+pub struct ImageSource {
+    /// The field path of the image in the request body (``messages[0].content[1].image_url.url``).
+    pub path: String,
+    /// The declared media type of inline data; None for a remote URL.
+    pub media_type: Option<String>,
+    /// The decoded bytes of inline data; None for a remote URL.
+    pub data: Option<Arc<[u8]>>,
+}
+
+impl PartialEq for ImageSource {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl ImageSource {
+    /// Whether the image is a remote URL still to fetch.
+    pub fn is_remote(&self) -> bool {
+        self.data.is_none()
+    }
+}
+
+/// One image of a request as the server needs it, in placeholder order: where it was,
+/// what it claims to be, its size (0 for a remote image not fetched yet) and V4.1's
+/// preprocessed size and token count (None until its size is known).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImagePart {
+    pub path: String,
+    /// The declared media type of inline data; None for a remote URL.
+    pub media_type: Option<String>,
+    pub detail: ImageDetail,
+    pub width: u32,
+    pub height: u32,
+    pub fit: Option<ImageFit>,
+    /// The remote URL to fetch; None for inline data.
+    pub url: Option<String>,
+    /// The decoded bytes of inline data (the Python binding hands them over as ``bytes``).
+    #[serde(skip)]
+    pub data: Option<Arc<[u8]>>,
 }
 
 /// An assistant's call of a tool; ``arguments`` is the JSON text the model produced.
@@ -320,8 +375,12 @@ pub struct EngineRequest {
     /// encoder refuses the request when there are any).
     #[serde(default)]
     pub images: usize,
-    /// Each image's preprocessed size and token count, in placeholder order: what an
-    /// engine with V4.1's vision encoder expands each image placeholder to.
+    /// Each inline image's preprocessed size and token count, in placeholder order: what
+    /// an engine with V4.1's vision encoder expands each image placeholder to. A remote
+    /// image (let through by ``protocols::ImagePolicy``) has none until it is fetched.
     #[serde(default)]
     pub image_fits: Vec<ImageFit>,
+    /// Every image part, in placeholder order (``images`` of them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_parts: Vec<ImagePart>,
 }

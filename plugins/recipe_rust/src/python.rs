@@ -8,14 +8,15 @@
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
-use crate::conversation::{EngineRequest, Protocol};
+use crate::conversation::{EngineRequest, ImagePart, Protocol};
 use crate::error::RecipeError as Error;
 use crate::output::parser::{ForcedCall, OutputEvent, OutputFormat, StreamParser as RustParser};
 use crate::output::response::{FinishReason, Usage};
 use crate::output::sse::SseWriter;
+use crate::protocols::RemoteImages;
 use crate::render::Encoder;
 use crate::tokenize::PromptTokenizer;
 
@@ -79,6 +80,51 @@ fn image_tokens(width: usize, height: usize) -> PyResult<usize> {
     Ok(fit.tokens)
 }
 
+/// Checks the bytes of image ``number`` (from 1) of the ``count`` a request carries, as
+/// inline data is checked (``protocols::images::check_image_bytes`` and ``fit_image``):
+/// what a server that fetched a remote image runs on what it got. Returns ``{"width",
+/// "height", "fit": {"width", "height", "rows", "columns", "tokens"}}``; a refusal is a
+/// ``RecipeError`` naming ``path``, shaped for ``protocol_name``.
+#[pyfunction]
+#[pyo3(signature = (protocol_name, data, media_type, path, detail = "high", number = 1, count = 1))]
+#[allow(clippy::too_many_arguments)]
+fn check_image<'py>(
+    py: Python<'py>,
+    protocol_name: &str,
+    data: &[u8],
+    media_type: &str,
+    path: &str,
+    detail: &str,
+    number: usize,
+    count: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let protocol = protocol(protocol_name)?;
+    let detail = crate::image_fit::ImageDetail::parse(detail)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown image detail {detail:?}")))?;
+    let (width, height) = crate::protocols::images::check_image_bytes(data, media_type, path)
+        .map_err(|e| to_py(e, protocol))?;
+    let fit = crate::protocols::images::fit_image(width, height, detail, number, count, path)
+        .map_err(|e| to_py(e, protocol))?;
+    let result = serde_json::json!({"width": width, "height": height, "fit": fit});
+    pythonize::pythonize(py, &result).map_err(|e| to_py(Error::internal(e.to_string()), protocol))
+}
+
+/// The request dict's ``image_parts`` get each inline image's decoded bytes as ``data``.
+fn add_image_data(request: &Bound<'_, PyAny>, parts: &[ImagePart]) -> PyResult<()> {
+    if parts.is_empty() {
+        return Ok(());
+    }
+    let listed = request.get_item("image_parts")?;
+    for (index, part) in parts.iter().enumerate() {
+        let data = match &part.data {
+            Some(bytes) => PyBytes::new(request.py(), bytes).into_any(),
+            None => request.py().None().into_bound(request.py()),
+        };
+        listed.get_item(index)?.set_item("data", data)?;
+    }
+    Ok(())
+}
+
 /// A model's prompt side: its chat encoder (template or native) and tokenizer.
 #[pyclass(frozen)]
 struct PromptEncoder {
@@ -107,20 +153,29 @@ impl PromptEncoder {
     }
 
     /// Parse, render and tokenize in one call: ``(request dict, prompt text, token ids)``.
-    /// The request comes back as Python objects directly (no JSON text to parse again).
-    #[pyo3(signature = (protocol_name, body, add_generation_prompt = true))]
+    /// The request comes back as Python objects directly (no JSON text to parse again);
+    /// its ``image_parts`` carry each inline image's decoded bytes as ``data``.
+    /// ``remote_images``: let ``http(s)`` image URLs through as parts to fetch (the
+    /// server's operator enabled fetching) instead of refusing them.
+    #[pyo3(signature = (protocol_name, body, add_generation_prompt = true, remote_images = false))]
     fn prompt<'py>(
         &self,
         py: Python<'py>,
         protocol_name: &str,
         body: &[u8],
         add_generation_prompt: bool,
+        remote_images: bool,
     ) -> PyResult<(Bound<'py, PyAny>, String, Vec<u32>)> {
         let protocol = protocol(protocol_name)?;
+        let remote = if remote_images {
+            RemoteImages::Defer
+        } else {
+            RemoteImages::Refuse
+        };
         let body = body.to_vec();
-        let (request, text, ids) = py
+        let (mut request, text, ids) = py
             .detach(|| {
-                let request = crate::protocols::parse_request(protocol, &body)?;
+                let request = crate::protocols::parse_request_with(protocol, &body, remote)?;
                 let prompt = self
                     .encoder
                     .render_request(&request, add_generation_prompt)?;
@@ -128,9 +183,16 @@ impl PromptEncoder {
                 Ok((request, prompt.text(), ids))
             })
             .map_err(|e: Error| to_py(e, protocol))?;
-        let request = pythonize::pythonize(py, &request)
+        let parts = std::mem::take(&mut request.image_parts);
+        let native = pythonize::pythonize(py, &request)
             .map_err(|e| to_py(Error::internal(e.to_string()), protocol))?;
-        Ok((request, text, ids))
+        let listed = pythonize::pythonize(py, &parts)
+            .map_err(|e| to_py(Error::internal(e.to_string()), protocol))?;
+        if !parts.is_empty() {
+            native.set_item("image_parts", listed)?;
+        }
+        add_image_data(&native, &parts)?;
+        Ok((native, text, ids))
     }
 
     /// Render an already parsed request (``parse_request_json``'s output): ``(prompt text, ids)``.
@@ -460,6 +522,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_request_json, m)?)?;
     m.add_function(wrap_pyfunction!(image_fit, m)?)?;
     m.add_function(wrap_pyfunction!(image_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(check_image, m)?)?;
     m.add_class::<PromptEncoder>()?;
     m.add_class::<StreamParser>()?;
     m.add_class::<ResponseWriter>()?;

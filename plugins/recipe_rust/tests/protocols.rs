@@ -417,6 +417,7 @@ fn conv11_image_base64() {
                 width: size.0,
                 height: size.1,
                 detail: powertrain_recipe::image_fit::ImageDetail::High,
+                source: Default::default(),
             }
         );
         assert_eq!(
@@ -2247,4 +2248,51 @@ fn structured_outputs_extension_is_parsed_and_checked() {
     // Absent from the serialized request unless given.
     let plain = serde_json::to_value(ok(CHAT, &base(json!({})))).unwrap();
     assert!(plain.get("structured_outputs").is_none());
+}
+
+#[test]
+fn remote_images_are_refused_unless_deferred_and_inline_ones_carry_their_bytes() {
+    use powertrain_recipe::protocols::{images::check_image_bytes, parse_value_with, RemoteImages};
+    let inline = png_header_url(40, 30);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": inline}},
+        {"type": "image_url", "image_url": {"url": "https://images.example.com/a.png", "detail": "low"}}]}]});
+    let e = parse_value(CHAT, &body).unwrap_err();
+    assert_eq!(e.path, "messages[0].content[1].image_url.url");
+    assert!(e.message.contains("[server.images] fetch"), "{}", e.message);
+
+    let request = parse_value_with(CHAT, &body, RemoteImages::Defer).unwrap();
+    assert_eq!(request.images, 2);
+    assert_eq!(
+        request.image_fits.len(),
+        1,
+        "only the inline image's size is known"
+    );
+    let (first, second) = (&request.image_parts[0], &request.image_parts[1]);
+    assert_eq!(first.path, "messages[0].content[0].image_url.url");
+    assert_eq!((first.width, first.height), (40, 30));
+    assert_eq!(first.fit, Some(request.image_fits[0]));
+    let bytes = first
+        .data
+        .as_ref()
+        .expect("inline data keeps its decoded bytes");
+    assert_eq!(
+        check_image_bytes(bytes, "image/png", "x").unwrap(),
+        (40, 30)
+    );
+    assert_eq!(
+        second.url.as_deref(),
+        Some("https://images.example.com/a.png")
+    );
+    assert!(second.data.is_none() && second.fit.is_none());
+
+    // What the server runs on fetched bytes: the inline rules, naming the path it is given.
+    let e =
+        check_image_bytes(bytes, "image/jpeg", "messages[0].content[1].image_url.url").unwrap_err();
+    assert_eq!(e.path, "messages[0].content[1].image_url.url");
+    assert!(
+        e.message.contains("not a valid image/jpeg"),
+        "{}",
+        e.message
+    );
 }

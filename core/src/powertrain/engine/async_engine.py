@@ -42,17 +42,20 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that added tokens; the last one
         has ``finished=True``. Invalid input raises InvalidRequestError on first iteration;
         a request that failed where it ran (``RequestOutput.error``) raises
-        RequestFailedError."""
+        RequestFailedError. ``images`` (``interfaces.images.ImageInput``, for an engine
+        that ``accepts_images``) go to ``add_request`` as ``images=``; without them
+        ``add_request`` is called as before."""
         if self._stopping.is_set() or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down or has failed; no new requests are accepted")
         request_id = request_id or f"async-{next(self._ids)}"
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._inbox.put(("add", (request_id, prompt, params)))
+        self._inbox.put(("add", (request_id, prompt, params, images)))
         finished = False
         try:
             while True:
@@ -101,9 +104,12 @@ class AsyncEngine:
             if output is not None:
                 self._deliver(payload, output)
             return True
-        request_id, prompt, params = payload
+        request_id, prompt, params, images = payload
         try:
-            self.engine.add_request(prompt, params, request_id=request_id)
+            if images:
+                self.engine.add_request(prompt, params, request_id=request_id, images=images)  # type: ignore[call-arg]
+            else:
+                self.engine.add_request(prompt, params, request_id=request_id)
         except Exception as exc:  # refused input goes back to its caller only
             self._deliver(request_id, exc)
         return True

@@ -16,6 +16,7 @@ implementation. One module per concern:
 * ``sampling``: a request's sampling settings and the distribution they define;
 * ``outputs``: what the engine reports back for a request;
 * ``protocol``: protocol adapters and the parsed request they hand the server;
+* ``images``: the decoded images the server hands an engine that reads them;
 * ``quantized``: weights kept as integer codes, and the kernels that multiply by them;
 * ``model``: what an architecture's factory is given, and the decoder it builds;
 * ``engine``: the engine the front ends (``LLM``, ``AsyncEngine``, the server) drive;
@@ -50,6 +51,7 @@ from powertrain.interfaces.attention import (
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from powertrain.interfaces.images import ImageInput, accepts_images
 from powertrain.interfaces.kv_store import KVStore, KVStoreContext, StoredBlock, frame_block, unframe_block
 from powertrain.interfaces.model import CausalLM, ModelContext
 from powertrain.interfaces.moe import (
@@ -63,6 +65,8 @@ from powertrain.interfaces.moe import (
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.platform import Availability, PlatformInfo
 from powertrain.interfaces.protocol import (
+    ImageFit,
+    ImagePart,
     ModelTokenizer,
     ParsedRequest,
     ParserEvent,
@@ -186,10 +190,15 @@ __all__ = [
     "race_noise",
     "row_argmax",
     "target_probs",
+    # images
+    "ImageInput",
+    "accepts_images",
     # outputs
     "CompletionOutput",
     "RequestOutput",
     # protocol
+    "ImageFit",
+    "ImagePart",
     "ModelTokenizer",
     "ParsedRequest",
     "ParserEvent",

@@ -79,6 +79,51 @@ class StructuredOutputsField:
 
 
 @attrs.frozen(kw_only=True)
+class ImageFit:
+    """An image's size once preprocessed for DeepSeek V4.1's vision encoder, and the token
+    grid it becomes: ``rows`` rows of ``columns`` image tokens, each row ended by a newline
+    token, the whole enclosed by a start and an end token (``tokens`` prompt positions)."""
+
+    width: int
+    height: int
+    rows: int
+    columns: int
+    tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class ImagePart:
+    """One image of a request, in the order of the prompt's image placeholders.
+
+    Inline data (a data URL, Anthropic's base64 source) comes with its decoded ``data``,
+    its declared ``media_type``, its size from the header and its ``fit``, all checked by
+    the adapter. A remote image (let through only when the server fetches images) has a
+    ``url`` and nothing else until the server has fetched it and the adapter has checked
+    the bytes (``ProtocolAdapter.check_image``).
+    """
+
+    #: The field in the request body the image came from (``messages[0].content[1].image_url.url``):
+    #: errors found later (decoding, fetching) name it.
+    path: str
+    #: ``low``, ``high``, ``auto`` or ``original``, as the client asked (only ``low`` changes the fit).
+    detail: str = "high"
+    media_type: str | None = None
+    data: bytes | None = attrs.field(default=None, repr=lambda data: f"<{len(data)} bytes>" if data else "None")
+    #: The ``http(s)`` URL of a remote image; None for inline data.
+    url: str | None = None
+    #: The size in pixels its header gives (0 while a remote image is not fetched).
+    width: int = 0
+    height: int = 0
+    #: V4.1's preprocessed size and token count (None while a remote image is not fetched).
+    fit: ImageFit | None = None
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether this is a remote URL whose bytes are still to be fetched."""
+        return self.data is None
+
+
+@attrs.frozen(kw_only=True)
 class ParsedRequest:
     """A request as the protocol adapter parsed, rendered and tokenized it."""
 
@@ -97,11 +142,20 @@ class ParsedRequest:
     #: (every ``CausalLM`` today: its ``forward`` takes token ids only) refuses them.
     image_count: int = 0
     #: The prompt positions those images take once each placeholder is expanded to its
-    #: image's tokens (DeepSeek V4.1's image token specification).
+    #: image's tokens (DeepSeek V4.1's image token specification); remote images count
+    #: once fetched.
     image_tokens: int = 0
+    #: The image parts, in placeholder order (``image_count`` of them).
+    images: tuple[ImagePart, ...] = attrs.field(default=(), converter=tuple)
     #: The adapter's own parse (conversation, tools, protocol extras), JSON-like: the
     #: server never reads it; the adapter's other methods do.
     native: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def prompt_positions(self) -> int:
+        """The prompt's length once each image placeholder token is expanded to its
+        image's tokens: what usage reports as prompt tokens."""
+        return len(self.prompt_token_ids) - self.image_count + self.image_tokens
 
 
 class StreamParser(Protocol):
@@ -171,9 +225,21 @@ class ProtocolAdapter(Protocol):
 
     protocols: frozenset[str]
 
-    def parse_request(self, protocol: str, body: bytes) -> ParsedRequest:
+    def parse_request(self, protocol: str, body: bytes, remote_images: bool = False) -> ParsedRequest:
         """A request body -> the parsed request; invalid input raises an error carrying
-        ``status`` and a protocol-shaped ``body``."""
+        ``status`` and a protocol-shaped ``body``. An ``http(s)`` image URL is such an
+        error unless ``remote_images`` (the server fetches images): then it is an
+        ``ImagePart`` with only its ``url``, for the server to fetch and ``check_image``."""
+        ...
+
+    def check_image(
+        self, protocol: str, part: ImagePart, data: bytes, media_type: str, number: int, count: int
+    ) -> ImagePart:
+        """``part`` (image ``number``, from 1, of the ``count`` the request carries) with the
+        ``data`` fetched for it, checked by the rules inline data is checked by (type agreeing
+        with ``media_type``, size limits, the fit): the part with its data, size and fit.
+        A refusal is an error carrying ``status`` and a protocol-shaped ``body``, naming
+        ``part.path``."""
         ...
 
     def render_response(self, protocol: str, request: ParsedRequest, output: RequestOutput) -> bytes:

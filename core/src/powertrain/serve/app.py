@@ -23,11 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from powertrain.engine.async_engine import AsyncEngine
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from powertrain.interfaces.images import ImageInput, accepts_images
 from powertrain.interfaces.protocol import ParsedRequest, ParserEvent, ProtocolAdapter
 from powertrain.serve.completions import CompletionsEndpoint
 from powertrain.serve.disconnect import unless_disconnected
 from powertrain.serve.errors import ApiError, error_body
 from powertrain.serve.generation import Generation, sampling_params
+from powertrain.serve.images import ImageLoader
 from powertrain.serve.metrics import ServerMetrics
 from powertrain.serve.settings import ServeSettings
 
@@ -58,6 +60,7 @@ class Server:
         self.sampling_defaults = engine.engine.sampling_defaults
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())
+        self.images = ImageLoader(adapter, settings.images)
 
     # ----------------------------------------------------------------------- checks
 
@@ -102,22 +105,15 @@ class Server:
     async def generate(self, protocol: str, request: Request) -> Response:
         body = await self.read_body(request)
         try:
-            parsed = self.adapter.parse_request(protocol, body)
+            parsed = self.adapter.parse_request(protocol, body, **self._parse_options())
+            parsed, images = await self._images(protocol, parsed)
         except Exception as exc:
             status = getattr(exc, "status", None)
-            if status is None:
+            body_text = getattr(exc, "body", None)
+            if status is None or body_text is None:
                 raise
-            return _json(status, str(exc.body).encode())  # the adapter's protocol-shaped error
-        self.check_model(parsed.model)
-        if parsed.image_count:
-            raise ApiError(
-                400,
-                f"model {self.model_name!r} has no vision encoder and takes text only; "
-                f"remove the {parsed.image_count} image part(s) "
-                f"({parsed.image_tokens} prompt tokens once preprocessed for a vision encoder)",
-                "messages" if protocol != "openai.responses" else "input",
-            )
-        self.check_prompt_length(len(parsed.prompt_token_ids))
+            return _json(status, str(body_text).encode())  # the adapter's protocol-shaped error
+        self.check_prompt_length(parsed.prompt_positions)
         try:
             params = sampling_params(
                 parsed, self.max_model_len, self.adapter.tool_call_grammar(parsed), self.sampling_defaults
@@ -125,7 +121,15 @@ class Server:
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc)) from exc
         request_id = uuid.uuid4().hex[:24]
-        generation = Generation(self.engine, self.metrics, request_id, list(parsed.prompt_token_ids), params)
+        generation = Generation(
+            self.engine,
+            self.metrics,
+            request_id,
+            list(parsed.prompt_token_ids),
+            params,
+            images=images,
+            prompt_positions=parsed.prompt_positions,
+        )
         if parsed.stream:
             return StreamingResponse(
                 self._stream(protocol, parsed, generation),
@@ -138,11 +142,34 @@ class Server:
         self.metrics.requests.labels(protocol, "200").inc()
         return _json(200, self.adapter.render_response(protocol, parsed, final))
 
+    def _parse_options(self) -> dict[str, Any]:
+        """``remote_images`` only where fetching is on: an adapter written before the
+        keyword existed still parses every other request."""
+        return {"remote_images": True} if self.settings.images.fetch else {}
+
+    async def _images(self, protocol: str, parsed: ParsedRequest) -> tuple[ParsedRequest, list[ImageInput]]:
+        """The request's model checked, then its images fetched and decoded for an engine
+        that reads them (``interfaces.images.accepts_images``); for any other engine a
+        request with images is a 400 naming the model, before anything is fetched."""
+        self.check_model(parsed.model)
+        if not parsed.image_count:
+            return parsed, []
+        if not accepts_images(self.engine.engine):
+            known = all(part.fit is not None for part in parsed.images)
+            tokens = f" ({parsed.image_tokens} prompt tokens once preprocessed for a vision encoder)" if known else ""
+            raise ApiError(
+                400,
+                f"model {self.model_name!r} has no vision encoder and takes text only; "
+                f"remove the {parsed.image_count} image part(s){tokens}",
+                "messages" if protocol != "openai.responses" else "input",
+            )
+        return await self.images.load(protocol, parsed)
+
     async def _stream(self, protocol: str, parsed: ParsedRequest, generation: Generation) -> AsyncIterator[str]:
         """The SSE frames of one request: one parser and writer per choice (``n`` > 1 is
         Chat Completions only), token log-probabilities handed to each writer as they
         come, and the finish chunks, usage and terminator once every choice is done."""
-        prompt_tokens = len(generation.prompt_ids)
+        prompt_tokens = generation.prompt_positions
         n = generation.params.n
         created = int(time.time())
         writers = [
@@ -293,6 +320,7 @@ def create_app(engine: AsyncEngine, adapter: ProtocolAdapter, settings: ServeSet
     app.state.server = server
 
     app.add_middleware(AccessAndErrors, server=server)
+    app.router.add_event_handler("shutdown", server.images.aclose)
 
     for path, protocol in GENERATION_ROUTES.items():
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from powertrain.engine.async_engine import AsyncEngine
+from powertrain.interfaces.images import ImageInput
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.protocol import ParsedRequest
 from powertrain.interfaces.sampling import SamplingDefaults, SamplingParams, StructuredOutput
@@ -98,7 +99,9 @@ def structured_output(request: ParsedRequest, tool_call_grammar: str | None) -> 
 
 
 class Generation:
-    """Runs one request on the engine and keeps the per-request metrics."""
+    """Runs one request on the engine and keeps the per-request metrics. ``images``: the
+    decoded images of the prompt's placeholders, for an engine that reads them;
+    ``prompt_positions``: the prompt's length with them expanded (default: its ids)."""
 
     def __init__(
         self,
@@ -107,12 +110,16 @@ class Generation:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        images: Sequence[ImageInput] = (),
+        prompt_positions: int | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.images = list(images)
+        self.prompt_positions = len(prompt_ids) if prompt_positions is None else prompt_positions
         self.arrival = time.monotonic()
         self._last_token_time: float | None = None
         self._tokens_seen = 0
@@ -121,14 +128,15 @@ class Generation:
         """Each engine output with the text it added to each of its completions (the
         ``n`` choices, in index order)."""
         texts = [""] * self.params.n
-        async for output in self.engine.generate(self.prompt_ids, self.params, request_id=self.request_id):
+        images = {"images": self.images} if self.images else {}
+        async for output in self.engine.generate(self.prompt_ids, self.params, request_id=self.request_id, **images):
             self._observe(output)
             deltas = []
             for completion in output.outputs:
                 deltas.append(completion.text[len(texts[completion.index]) :])
                 texts[completion.index] = completion.text
             yield output, deltas
-        self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.metrics.prompt_tokens.inc(self.prompt_positions)
 
     async def final(self) -> RequestOutput:
         """Run to the end; the last output (a 503 if the server aborted it on shutdown)."""

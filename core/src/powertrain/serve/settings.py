@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from powertrain.config import ImagesConfig
+
 #: The environment variable that holds the API key when --api-key is not given.
 API_KEY_ENV = "POWERTRAIN_API_KEY"
 
@@ -20,3 +22,5 @@ class ServeSettings:
     max_body_bytes: int = 4 * 2**20
     #: In-flight requests get this long to finish on shutdown before they are aborted.
     graceful_shutdown_s: float = 10.0
+    #: How image parts are fetched and decoded (engine.toml's ``[server.images]``).
+    images: ImagesConfig = ImagesConfig()

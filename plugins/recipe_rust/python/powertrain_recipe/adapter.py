@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from powertrain.interfaces import (
+    ImageFit,
+    ImagePart,
     ModelTokenizer,
     ParsedRequest,
     ParserEvent,
@@ -16,7 +18,7 @@ from powertrain.interfaces import (
     ResponseFormat,
     StructuredOutputsField,
 )
-from powertrain_recipe._native import PromptEncoder, ResponseWriter, StreamParser, parse_request_json
+from powertrain_recipe._native import PromptEncoder, ResponseWriter, StreamParser, check_image, parse_request_json
 from powertrain_recipe.grammar import forced_call, tool_call_grammar, tool_syntax
 
 #: Protocol names as the core's ProtocolAdapterRecord spells them -> the native names.
@@ -35,8 +37,25 @@ def _native_protocol(protocol: str) -> str:
     return PROTOCOLS.get(protocol, protocol)
 
 
-def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: list[int]) -> ParsedRequest:
-    """The core's typed record of a native parse (``parse_request``'s dict) and its prompt."""
+def image_part(native: Mapping[str, Any]) -> ImagePart:
+    """The core's record of one of a native parse's ``image_parts``."""
+    fit = native.get("fit")
+    return ImagePart(
+        path=native["path"],
+        detail=native["detail"],
+        media_type=native.get("media_type"),
+        data=native.get("data"),
+        url=native.get("url"),
+        width=native["width"],
+        height=native["height"],
+        fit=None if fit is None else ImageFit(**fit),
+    )
+
+
+def parsed_request(native: dict[str, Any], prompt: str, prompt_token_ids: list[int]) -> ParsedRequest:
+    """The core's typed record of a native parse (``parse_request``'s dict) and its prompt.
+    The image parts (with their decoded bytes) move out of ``native`` into ``images``."""
+    images = tuple(image_part(part) for part in native.pop("image_parts", ()))
     sampling = native["sampling"]
     response_format = native.get("response_format") or {"type": "text"}
     extension = native.get("structured_outputs")
@@ -47,6 +66,7 @@ def parsed_request(native: Mapping[str, Any], prompt: str, prompt_token_ids: lis
         prompt_token_ids=prompt_token_ids,
         image_count=native.get("images", 0),
         image_tokens=sum(fit["tokens"] for fit in native.get("image_fits", ())),
+        images=images,
         sampling=RequestSampling(
             temperature=sampling.get("temperature"),
             top_p=sampling.get("top_p"),
@@ -132,10 +152,29 @@ class RecipeAdapter:
         }
         return cls(tokenizer.backend.to_str(), config, model_config)
 
-    def parse_request(self, protocol: str, body: bytes) -> ParsedRequest:
-        """Parse, render and tokenize: the request, its prompt and the prompt's tokens."""
-        native, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body)
+    def parse_request(self, protocol: str, body: bytes, remote_images: bool = False) -> ParsedRequest:
+        """Parse, render and tokenize: the request, its prompt and the prompt's tokens.
+        ``remote_images``: an ``http(s)`` image URL becomes a part to fetch, not a 400."""
+        native, prompt, ids = self.encoder.prompt(_native_protocol(protocol), body, remote_images=remote_images)
         return parsed_request(native, prompt, ids)
+
+    @staticmethod
+    def check_image(protocol: str, part: ImagePart, data: bytes, media_type: str, number: int, count: int) -> ImagePart:
+        """A fetched remote image checked by the rules inline data is checked by
+        (``check_image`` in Rust); raises RecipeError naming ``part.path``."""
+        checked = check_image(
+            _native_protocol(protocol), data, media_type, part.path, part.detail, number=number, count=count
+        )
+        return ImagePart(
+            path=part.path,
+            detail=part.detail,
+            media_type=media_type,
+            data=data,
+            url=part.url,
+            width=checked["width"],
+            height=checked["height"],
+            fit=ImageFit(**checked["fit"]),
+        )
 
     def stream_parser(self, request: ParsedRequest, id_prefix: str | None = None) -> StreamParser:
         """A parser for this request's generated text (its stop sequences), starting where
@@ -228,7 +267,9 @@ class RecipeAdapter:
         only); usage counts the prompt once and the completion tokens of all choices.
         """
         native = _native_protocol(protocol)
-        prompt_tokens = len(output.prompt_token_ids)
+        # The engine reports the prompt as sent, one placeholder token per image: usage
+        # counts the positions each image's tokens take instead.
+        prompt_tokens = len(output.prompt_token_ids) - request.image_count + request.image_tokens
         cached = output.num_cached_tokens
         bodies = []
         for completion in output.outputs:

@@ -187,6 +187,7 @@ pub fn parse(body: &Value) -> Result<EngineRequest> {
         structured_outputs,
         images: 0, // counted by parse_value
         image_fits: Vec::new(),
+        image_parts: Vec::new(),
     })
 }
 

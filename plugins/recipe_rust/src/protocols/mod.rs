@@ -33,22 +33,42 @@ use crate::conversation::{
 };
 use crate::error::{child, index, RecipeError, Result};
 
+pub use images::RemoteImages;
+
 /// Parses a raw request body. Malformed JSON is ``InvalidRequest`` with path "" and
-/// serde's line/column in the message.
+/// serde's line/column in the message. Remote image URLs are refused.
 pub fn parse_request(protocol: Protocol, body: &[u8]) -> Result<EngineRequest> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| RecipeError::invalid("", format!("request body is not valid JSON: {e}")))?;
-    parse_value(protocol, &value)
+    parse_request_with(protocol, body, RemoteImages::Refuse)
 }
 
-/// Parses an already-decoded request body.
+/// ``parse_request``, with remote image URLs refused or deferred as ``remote`` says.
+pub fn parse_request_with(
+    protocol: Protocol,
+    body: &[u8],
+    remote: RemoteImages,
+) -> Result<EngineRequest> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| RecipeError::invalid("", format!("request body is not valid JSON: {e}")))?;
+    parse_value_with(protocol, &value, remote)
+}
+
+/// Parses an already-decoded request body (remote image URLs refused).
 pub fn parse_value(protocol: Protocol, body: &Value) -> Result<EngineRequest> {
+    parse_value_with(protocol, body, RemoteImages::Refuse)
+}
+
+/// ``parse_value``, with remote image URLs refused or deferred as ``remote`` says.
+pub fn parse_value_with(
+    protocol: Protocol,
+    body: &Value,
+    remote: RemoteImages,
+) -> Result<EngineRequest> {
     let mut request = match protocol {
         Protocol::ChatCompletions => chat::parse(body),
         Protocol::Responses => responses::parse(body),
         Protocol::AnthropicMessages => anthropic::parse(body),
     }?;
-    images::fit_images(&mut request)?;
+    images::fit_images(&mut request, remote)?;
     Ok(request)
 }
 
