@@ -123,8 +123,15 @@ class _Replay:
     route_flips: int = 0
     pick_flips: int = 0
 
-    def route(self, original: Callable, layer: MoE, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> Any:
-        ids, weights = original(layer, hidden, token_ids)
+    def route(
+        self,
+        original: Callable,
+        layer: MoE,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor | None,
+        correction_bias: torch.Tensor | None = None,
+    ) -> Any:
+        ids, weights = original(layer, hidden, token_ids, correction_bias)
         if not self.replaying:
             self.routes.append(ids)
             return ids, weights
@@ -161,7 +168,11 @@ def replay(monkeypatch: pytest.MonkeyPatch) -> _Replay:
     replay = _Replay()
     original_route = MoE._route
     monkeypatch.setattr(
-        MoE, "_route", lambda layer, hidden, token_ids=None: replay.route(original_route, layer, hidden, token_ids)
+        MoE,
+        "_route",
+        lambda layer, hidden, token_ids=None, correction_bias=None: replay.route(
+            original_route, layer, hidden, token_ids, correction_bias
+        ),
     )
     original_topk = AscendAttention.index_topk
     monkeypatch.setattr(
