@@ -30,14 +30,17 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from powertrain import LLM, SamplingParams
-from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.cli import main
-from powertrain.interfaces import ModelContext
 from powertrain.loader import load_checkpoint
 from powertrain.loader.mapped_rows import MappedFp8Rows
 from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM, LayerRole, layer_roles
-from powertrain.testing.deepseek_v41 import TINY_DEEPSEEK_V41_TEXT_CONFIG, write_tiny_deepseek_v41
+from powertrain.testing.deepseek_v41 import (
+    TINY_DEEPSEEK_V41_TEXT_CONFIG,
+    load_tiny_v41,
+    tiny_v41_context,
+    write_tiny_deepseek_v41,
+)
 from powertrain.testing.oracle import assert_greedy_agrees, startup_event, top_two_gap
 from powertrain.testing.paged import PagedRunner
 
@@ -70,27 +73,6 @@ def provenance() -> dict[str, Any]:
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("v41")
     return {name: write_tiny_deepseek_v41(root / name, seed=0, **changes) for name, changes in VARIANTS.items()}
-
-
-def context_of(folder: Path, dtype: torch.dtype = torch.float32, **text_changes: Any) -> ModelContext:
-    checkpoint = load_checkpoint(str(folder))
-    config = dict(checkpoint.config)
-    config["text_config"] = {**config["text_config"], **text_changes}
-    return ModelContext(
-        config=config,
-        dtype=dtype,
-        device=torch.device("cpu"),
-        attention=TorchReferenceAttention(),
-        moe=TorchGroupedMoE(),
-        tensor_files=checkpoint.tensor_files,
-        tokenizer=checkpoint.tokenizer,
-    )
-
-
-def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
-    model = DeepseekV41ForCausalLM(context_of(folder, dtype))
-    model.load_weights(load_checkpoint(str(folder)).tensors(fp8_dtype=dtype, wanted=model.wants_weight))
-    return model
 
 
 def runner_of(model: DeepseekV41ForCausalLM, dtype: torch.dtype = torch.float32) -> PagedRunner:
@@ -159,12 +141,12 @@ def test_schedules_it_would_misread_are_refused(
     folders: dict[str, Path], changes: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        DeepseekV41ForCausalLM(context_of(folders["main"], **changes))
+        DeepseekV41ForCausalLM(tiny_v41_context(folders["main"], **changes))
 
 
 def test_readers_get_their_sources_cache_tensors(folders: dict[str, Path]) -> None:
     """One compressed cache per KV source: its readers hold the very tensors (no copy)."""
-    model = load_ours(folders["main"])
+    model = load_tiny_v41(folders["main"])
     runner = runner_of(model)
     caches = runner.caches
     for reader, source in ((2, 1), (4, 3), (5, 3)):
@@ -182,7 +164,7 @@ def test_readers_get_their_sources_cache_tensors(folders: dict[str, Path]) -> No
 def test_prefill_matches_the_official_exact_math(variant: str, folders: dict[str, Path], golden: dict) -> None:
     """Both prompts of ``main`` in one step (a neighbour's rows beside each), one of the others."""
     keys = [key for key in (f"{variant}.a", f"{variant}.b") if f"{key}.prompt" in golden]
-    runner = runner_of(load_ours(folders[variant]))
+    runner = runner_of(load_tiny_v41(folders[variant]))
     outputs = runner.step([(key, path_of(golden, key)[0]) for key in keys])
     for key, logits in zip(keys, outputs, strict=True):
         assert_rows_match(logits, golden[f"{key}.exact_prefill_logits"].float(), f"{key} prefill")
@@ -191,7 +173,7 @@ def test_prefill_matches_the_official_exact_math(variant: str, folders: dict[str
 def test_decoding_beside_a_decoding_neighbour_matches(folders: dict[str, Path], golden: dict) -> None:
     """Prompts a (40) and b (27) prefilled in one step, then both decode their 32 tokens in the
     same steps: b's ratio-2 groups close on the steps a's stay open, and the other way round."""
-    runner = runner_of(load_ours(folders["main"]))
+    runner = runner_of(load_tiny_v41(folders["main"]))
     paths = {key: path_of(golden, key) for key in ("main.a", "main.b")}
     prefills = runner.step([(key, prompt) for key, (prompt, _) in paths.items()])
     rows = {key: [logits] for key, logits in zip(paths, prefills, strict=True)}
@@ -206,7 +188,7 @@ def test_decoding_beside_a_decoding_neighbour_matches(folders: dict[str, Path], 
 def test_chunked_prefill_of_seven_tokens_a_step_matches(folders: dict[str, Path], golden: dict) -> None:
     """Prompt a in chunks of 7 (every chunk but the last ends inside an open ratio-2 group and
     inside Engram's n-gram history), beside prompt b decoding, then a's decode steps."""
-    runner = runner_of(load_ours(folders["main"]))
+    runner = runner_of(load_tiny_v41(folders["main"]))
     prompt, tokens = path_of(golden, "main.a")
     neighbour, neighbour_tokens = path_of(golden, "main.b")
     runner.step([("b", neighbour)])
@@ -224,7 +206,7 @@ def test_a_prefix_hit_and_a_preempted_sequence_match(folders: dict[str, Path], g
     hit is cut to a block, where the window and Engram's n-grams reach back across it) and
     computes the rest. Then a sequence preempted after 10 decode steps resumes by recomputing
     its tokens as one prefill on fresh blocks (the engine's recompute preemption)."""
-    runner = runner_of(load_ours(folders["main"]))
+    runner = runner_of(load_tiny_v41(folders["main"]))
     prompt, tokens = path_of(golden, "main.a")
     reference = exact(golden, "main.a")
     runner.step([("earlier", prompt[:25] + [7, 8, 9])])
@@ -246,7 +228,7 @@ def test_float32_is_no_further_from_the_official_bfloat16_than_its_exact_math(
 ) -> None:
     """The issue's rule, row by row: our float32 logits are at most as far from the official
     bfloat16 ones as the official exact math is (plus the float32 tolerance)."""
-    runner = runner_of(load_ours(folders["main"]))
+    runner = runner_of(load_tiny_v41(folders["main"]))
     prompt, tokens = path_of(golden, "main.a")
     ours = [runner.step([("a", prompt)])[0]] + [runner.step([("a", [t])])[0] for t in tokens]
     official = torch.cat([golden["main.a.prefill_logits"], golden["main.a.decode_logits"]]).float()
@@ -263,7 +245,7 @@ def test_bfloat16_run_stays_as_close_as_the_official_one(
     within that of the exact math, and within twice that of the official bfloat16 logits."""
     for variant in VARIANTS:
         spread = provenance["variants"][variant]["exact_vs_bf16"]
-        runner = runner_of(load_ours(folders[variant], torch.bfloat16), torch.bfloat16)
+        runner = runner_of(load_tiny_v41(folders[variant], torch.bfloat16), torch.bfloat16)
         prompt, tokens = path_of(golden, f"{variant}.a")
         ours = torch.cat([runner.step([("a", prompt)])[0]] + [runner.step([("a", [t])])[0] for t in tokens])
         to_exact = row_errors(ours, exact(golden, f"{variant}.a"))
@@ -285,7 +267,7 @@ def test_engram_tables_stay_in_the_file_and_each_step_reads_its_rows(
 ) -> None:
     """No parameter or buffer holds a table; each layer's rows are read from the mapped file,
     exactly the rows the official code's hashes name for every position of the path."""
-    model = load_ours(folders["main"])
+    model = load_tiny_v41(folders["main"])
     tables = [layer.engram.table for layer in model.layers if layer.engram is not None]
     assert [type(t) for t in tables] == [MappedFp8Rows, MappedFp8Rows]
     largest = max(t.shape[0] for t in tables)
@@ -310,9 +292,9 @@ def test_the_load_names_what_it_does_not_read_yet(folders: dict[str, Path]) -> N
     so (logged with this count); DSpark's drafter (``mtp.0.*``) is (``model.dspark``, sharing the
     target's embed and head instead of its copies). Without ``dspark_block_size`` it is not built,
     and its tensors are named instead."""
-    assert load_ours(folders["main"]).not_used == {"the image tokens' router bias (images)": 7}
+    assert load_tiny_v41(folders["main"]).not_used == {"the image tokens' router bias (images)": 7}
     drafter = len([n for n in load_checkpoint(str(folders["main"])).tensor_names if n.startswith("mtp.")])
-    model = DeepseekV41ForCausalLM(context_of(folders["main"], dspark_block_size=0))
+    model = DeepseekV41ForCausalLM(tiny_v41_context(folders["main"], dspark_block_size=0))
     model.load_weights(load_checkpoint(str(folders["main"])).tensors(wanted=model.wants_weight))
     assert model.dspark is None
     assert model.not_used == {
@@ -326,7 +308,7 @@ def test_fp4_experts_stay_packed_for_a_backend_that_multiplies_them(folders: dic
     as the release's packed e2m1 bytes and ue8m0 scales, and the logits are still the official
     exact math's."""
     checkpoint = load_checkpoint(str(folders["main"]))
-    packed = DeepseekV41ForCausalLM(attrs.evolve(context_of(folders["main"]), fp4_experts=True))
+    packed = DeepseekV41ForCausalLM(attrs.evolve(tiny_v41_context(folders["main"]), fp4_experts=True))
     packed.load_weights(checkpoint.tensors(keep_fp4=packed.keep_fp4, wanted=packed.wants_weight))
     for moe in packed.routed_expert_layers():
         weights = moe.prepared
@@ -345,7 +327,7 @@ def test_transformers_spelling_loads_the_same_model(folders: dict[str, Path], go
     tensors = load_file(native / "model.safetensors")
     renamed = {("lm_head.weight" if n == "head.weight" else f"model.{n}"): t for n, t in tensors.items()}
     save_file(renamed, spelled / "model.safetensors")
-    model = load_ours(spelled)
+    model = load_tiny_v41(spelled)
     assert model.layers[0].engram.table.weight.name == "model.layers.0.engram.embed.weight"
     (logits,) = runner_of(model).step([("a", path_of(golden, "main.a")[0])])
     assert_rows_match(logits, golden["main.a.exact_prefill_logits"].float(), "main.a prefill, transformers' names")
@@ -359,12 +341,12 @@ def test_a_checkpoint_without_its_engram_table_is_refused(folders: dict[str, Pat
         {n: t for n, t in tensors.items() if not n.startswith("layers.1.engram.embed.")}, damaged / "model.safetensors"
     )
     with pytest.raises(ValueError, match=r"no layers\.1\.engram\.embed\.weight \(layer 1's Engram table"):
-        load_ours(damaged)
+        load_tiny_v41(damaged)
 
 
 def test_a_tokenizer_that_is_not_the_models_is_refused(folders: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="engram_compressed_vocab_size=.*the tokenizer is not the model's"):
-        DeepseekV41ForCausalLM(context_of(folders["main"], engram_compressed_vocab_size=7))
+        DeepseekV41ForCausalLM(tiny_v41_context(folders["main"], engram_compressed_vocab_size=7))
 
 
 # --------------------------------------------------------------------------- the engine
@@ -379,7 +361,7 @@ def greedy(folder: Path, prompts: Sequence[Sequence[int]], steps: int = 32, **se
 
 def our_row(folder: Path, prompt: Sequence[int], expected: Sequence[int]) -> Any:
     """``assert_greedy_agrees``'s oracle row: our float32 model's logits along ``expected``."""
-    model = load_ours(folder)
+    model = load_tiny_v41(folder)
     return lambda i: runner_of(model).step([("s", [*prompt, *expected[:i]])])[0][-1]
 
 

@@ -15,10 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.builtin.reference_attention import TorchReferenceAttention
-from powertrain.interfaces import ModelContext
-from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
 from powertrain.models.deepseek_v41_vision import (
     ImageRows,
@@ -28,7 +25,12 @@ from powertrain.models.deepseek_v41_vision import (
     prepare_image,
     span_length,
 )
-from powertrain.testing.deepseek_v41 import TINY_DEEPSEEK_V41_VISION_CONFIG, checkpoint_digest, write_tiny_deepseek_v41
+from powertrain.testing.deepseek_v41 import (
+    TINY_DEEPSEEK_V41_VISION_CONFIG,
+    checkpoint_digest,
+    load_tiny_v41,
+    write_tiny_deepseek_v41,
+)
 from powertrain.testing.oracle import top_two_gap
 from powertrain.testing.paged import PagedRunner
 
@@ -67,23 +69,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(folder: Path):
-    return load_ours(folder)
-
-
-def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> DeepseekV41ForCausalLM:
-    checkpoint = load_checkpoint(str(folder))
-    ctx = ModelContext(
-        config=dict(checkpoint.config),
-        dtype=dtype,
-        device=torch.device("cpu"),
-        attention=TorchReferenceAttention(),
-        moe=TorchGroupedMoE(),
-        tensor_files=checkpoint.tensor_files,
-        tokenizer=checkpoint.tokenizer,
-    )
-    model = DeepseekV41ForCausalLM(ctx)
-    model.load_weights(checkpoint.tensors(fp8_dtype=dtype, wanted=model.wants_weight))
-    return model
+    return load_tiny_v41(folder)
 
 
 def runner_of(model: DeepseekV41ForCausalLM, dtype: torch.dtype = torch.float32) -> PagedRunner:
@@ -213,7 +199,7 @@ def test_span_rows_match_the_official_exact_math(golden: dict, provenance: dict,
 
 
 def test_the_bfloat16_tower_matches_the_official_bfloat16_one(golden: dict, provenance: dict, folder: Path) -> None:
-    model = load_ours(folder, torch.bfloat16)
+    model = load_tiny_v41(folder, torch.bfloat16)
     for name in provenance["images"]:
         rows = model.vision_tower.encode(prepare_image(pixels_of(provenance, name), "auto", model.vision_args))
         assert rows.dtype == torch.bfloat16
@@ -276,7 +262,7 @@ def test_a_misplaced_newline_or_the_text_router_bias_is_caught(
     reference = golden[f"{prompt}.exact_prefill_logits"]
     moved_logits = runner_of(model).step([(prompt, tokens)], image_rows=ImageRows.of_spans([(start, moved)]))[0]
     assert row_errors(moved_logits, reference).max() > 100 * TOLERANCE
-    text_biased = load_ours(folder)
+    text_biased = load_tiny_v41(folder)
     for layer in text_biased.layers:
         layer.image_router_bias.copy_(layer.ffn.experts.e_score_correction_bias)
     logits = runner_of(text_biased).step([(prompt, tokens)], image_rows=ImageRows.of_spans([(start, rows)]))[0]
@@ -333,7 +319,7 @@ def test_images_are_refused_where_they_cannot_go(model, tmp_path: Path) -> None:
     runner = runner_of(model)
     with pytest.raises(ValueError, match="index the batch"):
         runner.step([("a", [5, 6, 7])], image_rows=ImageRows(torch.tensor([3]), torch.zeros(1, 256)))
-    text_only = load_ours(write_tiny_deepseek_v41(tmp_path / "text", seed=0))
+    text_only = load_tiny_v41(write_tiny_deepseek_v41(tmp_path / "text", seed=0))
     assert text_only.vision_tower is None
     with pytest.raises(ValueError, match="no vision tower"):
         runner_of(text_only).step([("a", [5, 6, 7])], image_rows=ImageRows(torch.tensor([1]), torch.zeros(1, 256)))

@@ -23,14 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from powertrain import LLM, SamplingParams
-from powertrain.builtin.grouped_moe import TorchGroupedMoE
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.config import EngineConfig
-from powertrain.interfaces import AttentionMetadata, ModelContext, TapRecorder
+from powertrain.interfaces import AttentionMetadata, TapRecorder
 from powertrain.llm import apply_overrides
-from powertrain.loader import load_checkpoint
 from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
-from powertrain.testing.deepseek_v41 import write_tiny_deepseek_v41
+from powertrain.testing.deepseek_v41 import load_tiny_v41, write_tiny_deepseek_v41
 from powertrain.testing.paged import PagedRunner
 
 FIXTURES = Path(__file__).parents[3] / "core" / "tests" / "fixtures" / "deepseek_v41"
@@ -52,28 +50,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_deepseek_v41(tmp_path_factory.mktemp("v41"), seed=0)
 
 
-def load_ours(folder: Path) -> DeepseekV41ForCausalLM:
-    checkpoint = load_checkpoint(str(folder))
-    ctx = ModelContext(
-        config=checkpoint.config,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        attention=TorchReferenceAttention(),
-        moe=TorchGroupedMoE(),
-        tensor_files=checkpoint.tensor_files,
-        tokenizer=checkpoint.tokenizer,
-    )
-    model = DeepseekV41ForCausalLM(ctx)
-    model.load_weights(checkpoint.tensors(fp8_dtype=torch.float32, wanted=model.wants_weight))
-    return model
-
-
 def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float(((ours - reference).abs().amax(-1) / reference.abs().amax(-1)).max())
 
 
 def test_the_checkpoints_drafter_is_loaded_and_reads_the_streams_entering_its_target_layers(folder: Path) -> None:
-    model = load_ours(folder)
+    model = load_tiny_v41(folder)
     assert model.dspark is not None and "DSpark's drafter (speculative decoding)" not in model.not_used
     assert [(tap.layer, tap.form) for tap in model.dspark.taps] == [(4, "streams_mean_in"), (5, "streams_mean_in")]
     assert (model.dspark.block_size, model.dspark.mask_token_id) == (2, 511)
@@ -131,7 +113,7 @@ def test_draft_logits_and_confidences_equal_the_official_forward_spec(
     the context entries of positions <= p. The Markov-corrected logits along the official greedy
     drafts, the drafts themselves and the raw confidences."""
     path = torch.cat([golden[f"{key}.prompt"], golden[f"{key}.tokens"]]).tolist()
-    oracle = DraftOracle(load_ours(folder), path)
+    oracle = DraftOracle(load_tiny_v41(folder), path)
     worst = {"logits": 0.0, "confidence": 0.0}
     steps = golden[f"{key}.dspark_positions"].tolist()
     for step, position in enumerate(steps):
@@ -236,7 +218,7 @@ def test_greedy_speculation_with_its_own_drafter_keeps_plain_decodings_tokens(
             assert engine.scheduler.num_preemptions > 0
         else:
             assert both[1].num_cached_tokens >= 16
-    model = load_ours(folder)
+    model = load_tiny_v41(folder)
     oracles = [DraftOracle(model, path) for path in paths]
     for which, anchor, drafts, confidences in proposals:
         want, want_confidences = oracles[which].greedy(anchor, len(drafts))

@@ -34,7 +34,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,10 @@ from powertrain.testing.checkpoints import (
     quantize_fp4,
     quantize_fp8_ue8m0,
 )
+
+if TYPE_CHECKING:
+    from powertrain.interfaces import ModelContext
+    from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 #: The schedule of the issue: ratio 0 (window only); a KV and index source at ratio 2; a
 #: reader at ratio 2; a KV, index and candidate source at ratio 1; a reader at ratio 1; an
@@ -382,3 +386,40 @@ def _sources(text: Mapping[str, Any], layer: int) -> dict[str, tuple[tuple[int, 
                 "attn.indexer.k_norm.weight": ((index_dim,), BF16),
             }
     return shapes
+
+
+def tiny_v41_context(folder: str | Path, dtype: torch.dtype = torch.float32, **text_changes: Any) -> ModelContext:
+    """The ``ModelContext`` the V4.1 tests build a model from outside an engine: the
+    checkpoint's config (``text_changes`` override text config keys), the torch reference
+    attention and grouped MoE backends, the checkpoint's tensor files and tokenizer."""
+    from powertrain.builtin.grouped_moe import TorchGroupedMoE
+    from powertrain.builtin.reference_attention import TorchReferenceAttention
+    from powertrain.interfaces import ModelContext
+    from powertrain.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(str(folder))
+    config = dict(checkpoint.config)
+    if text_changes:
+        config["text_config"] = {**config["text_config"], **text_changes}
+    return ModelContext(
+        config=config,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        attention=TorchReferenceAttention(),
+        moe=TorchGroupedMoE(),
+        tensor_files=checkpoint.tensor_files,
+        tokenizer=checkpoint.tokenizer,
+    )
+
+
+def load_tiny_v41(
+    folder: str | Path, dtype: torch.dtype = torch.float32, **text_changes: Any
+) -> DeepseekV41ForCausalLM:
+    """A ``DeepseekV41ForCausalLM`` built on ``tiny_v41_context`` with the folder's weights
+    (FP8 weights dequantised to ``dtype``)."""
+    from powertrain.loader import load_checkpoint
+    from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM(tiny_v41_context(folder, dtype, **text_changes))
+    model.load_weights(load_checkpoint(str(folder)).tensors(fp8_dtype=dtype, wanted=model.wants_weight))
+    return model
