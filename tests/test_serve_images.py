@@ -1,12 +1,13 @@
-"""Images through the real server: the refusals that keep it serving, and the images it
-hands an engine that reads them.
+"""Images through the real server: image chats answered on all three protocols with the
+openai and anthropic SDKs, the refusals that keep it serving, and the images it hands the
+engine.
 
-The tiny random DeepSeek-V4.1 checkpoint runs behind the server with the recipe adapter,
-whose V4.1 encoding renders each image as its ``<｜image｜>`` placeholder. No engine reads
-images yet (the V4.1 vision tower is being written), so where a test needs one,
-``ImageReadingEngine`` stands in: the real engine, saying it accepts images, recording the
-ones the server hands it and running the prompt as text. Once a real vision engine exists
-these tests should run on it instead. After every refusal a plain request still gets 200.
+The tiny random DeepSeek-V4.1 checkpoint with its vision tower runs behind the server with
+the recipe adapter, whose V4.1 encoding renders each image as its ``<｜image｜>`` placeholder.
+Its tower sizes images as the release does (``RELEASE_IMAGE_SIZING``), so the engine widens
+each placeholder to the positions the recipe counts in usage. ``RecordedImages`` wraps the
+real engine's ``add_request`` to keep what the server handed it (and calls it unchanged).
+After every refusal a plain request still gets 200.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
@@ -35,7 +38,7 @@ from powertrain.llm import apply_overrides
 from powertrain.plugins import PluginManager
 from powertrain.serve.run import protocol_adapter
 from powertrain.serve.settings import ServeSettings
-from powertrain.testing.deepseek_v41 import write_tiny_deepseek_v41
+from powertrain.testing.deepseek_v41 import RELEASE_IMAGE_SIZING, write_tiny_deepseek_v41
 from powertrain.testing.server import running_server
 from powertrain_recipe._native import image_fit
 
@@ -43,42 +46,45 @@ MODEL = "tiny-v41"
 CHAT = "/v1/chat/completions"
 
 
-class ImageReadingEngine:
-    """A stand-in for an engine with a vision encoder (none exists yet): the real engine,
-    which runs the prompt as text, plus ``accepts_images`` and a record of what it got."""
-
-    accepts_images = True
+class RecordedImages:
+    """The images the server hands the engine's ``add_request``, one list per request."""
 
     def __init__(self, engine: Any) -> None:
-        self._engine = engine
         self.received: list[list[Any]] = []
+        add_request = engine.add_request
 
-    def add_request(self, prompt: Any, params: Any = None, request_id: str | None = None, images: Any = None) -> str:
-        self.received.append(list(images or ()))
-        return self._engine.add_request(prompt, params, request_id=request_id)
+        def recording(prompt: Any, params: Any = None, request_id: str | None = None, images: Any = None) -> str:
+            self.received.append(list(images or ()))
+            return add_request(prompt, params, request_id=request_id, **({"images": images} if images else {}))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+        engine.add_request = recording
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_deepseek_v41(tmp_path_factory.mktemp("v41-images"), seed=7, max_position_embeddings=4096)
-
-
-def _engine(checkpoint: Path, reads_images: bool) -> tuple[AsyncEngine, Any, Any]:
-    config = apply_overrides(EngineConfig(), {"path": str(checkpoint), "dtype": "float32", "block_size": 8})
-    plugins = PluginManager.load(config.plugins)
-    engine = build_engine(config, plugins)
-    inner = ImageReadingEngine(engine) if reads_images else engine
-    async_engine = AsyncEngine(inner)
-    return async_engine, protocol_adapter(plugins, engine.tokenizer, engine.model_config), inner
+    folder = tmp_path_factory.mktemp("v41-images")
+    return write_tiny_deepseek_v41(
+        folder, seed=7, vision=RELEASE_IMAGE_SIZING, image_token="<｜image｜>", max_position_embeddings=4096
+    )
 
 
 @pytest.fixture(scope="module")
-def text_only(checkpoint: Path) -> Iterator[str]:
-    """A server on the real engine, which has no vision encoder."""
-    engine, adapter, _ = _engine(checkpoint, reads_images=False)
+def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_deepseek_v41(tmp_path_factory.mktemp("v41-text"), seed=7, max_position_embeddings=4096)
+
+
+def _engine(checkpoint: Path) -> tuple[AsyncEngine, Any, RecordedImages]:
+    config = apply_overrides(EngineConfig(), {"path": str(checkpoint), "dtype": "float32", "block_size": 8})
+    plugins = PluginManager.load(config.plugins)
+    engine = build_engine(config, plugins)
+    recorded = RecordedImages(engine)
+    return AsyncEngine(engine), protocol_adapter(plugins, engine.tokenizer, engine.model_config), recorded
+
+
+@pytest.fixture(scope="module")
+def text_only(text_checkpoint: Path) -> Iterator[str]:
+    """A server on the V4.1 checkpoint without a vision tower."""
+    engine, adapter, _ = _engine(text_checkpoint)
     try:
         with running_server(engine, adapter, ServeSettings(served_model_name=MODEL)) as url:
             yield url
@@ -87,16 +93,17 @@ def text_only(checkpoint: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def reading(checkpoint: Path) -> Iterator[tuple[AsyncEngine, Any, ImageReadingEngine]]:
-    engine, adapter, inner = _engine(checkpoint, reads_images=True)
+def reading(checkpoint: Path) -> Iterator[tuple[AsyncEngine, Any, RecordedImages]]:
+    engine, adapter, recorded = _engine(checkpoint)
     try:
-        yield engine, adapter, inner
+        assert engine.engine.accepts_images
+        yield engine, adapter, recorded
     finally:
         engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def images_url(reading: tuple[AsyncEngine, Any, ImageReadingEngine]) -> Iterator[str]:
+def images_url(reading: tuple[AsyncEngine, Any, RecordedImages]) -> Iterator[str]:
     engine, adapter, _ = reading
     with running_server(engine, adapter, ServeSettings(served_model_name=MODEL)) as url:
         yield url
@@ -183,7 +190,7 @@ def test_a_decompression_bomb_is_refused(images_url: str) -> None:
 
 
 def test_the_servers_pixel_limit_refuses_before_decoding(
-    reading: tuple[AsyncEngine, Any, ImageReadingEngine],
+    reading: tuple[AsyncEngine, Any, RecordedImages],
 ) -> None:
     engine, adapter, inner = reading
     settings = ServeSettings(served_model_name=MODEL, images=ImagesConfig(max_pixels=1000))
@@ -195,7 +202,7 @@ def test_the_servers_pixel_limit_refuses_before_decoding(
 
 
 def test_a_truncated_image_with_a_valid_header_is_refused(
-    images_url: str, reading: tuple[AsyncEngine, Any, ImageReadingEngine]
+    images_url: str, reading: tuple[AsyncEngine, Any, RecordedImages]
 ) -> None:
     """The header (all the adapter reads) is fine; decoding finds the rest missing."""
     text = refused(images_url, chat_body(data_url(IMAGE[: len(IMAGE) // 2])))
@@ -230,7 +237,7 @@ def test_a_remote_url_is_refused_while_fetching_is_off(images_url: str) -> None:
 
 
 def test_the_engine_gets_each_images_pixels_and_usage_counts_their_tokens(
-    images_url: str, reading: tuple[AsyncEngine, Any, ImageReadingEngine]
+    images_url: str, reading: tuple[AsyncEngine, Any, RecordedImages]
 ) -> None:
     _, adapter, inner = reading
     first, second = random_rgb(30, 40, seed=1), random_rgb(700, 90, seed=2)
@@ -251,6 +258,69 @@ def test_the_engine_gets_each_images_pixels_and_usage_counts_their_tokens(
     # The recipe's fit (checked against DeepSeek's own in its tests) of each image's size.
     assert tokens == [image_fit(40, 30)[2], image_fit(90, 700)[2]] and sum(tokens) == parsed.image_tokens
     assert reply.json()["usage"]["prompt_tokens"] == len(parsed.prompt_token_ids) - 2 + sum(tokens)
+
+
+def test_an_image_chat_answers_on_every_protocol_with_usage_counting_its_tokens(
+    images_url: str, reading: tuple[AsyncEngine, Any, RecordedImages]
+) -> None:
+    """The SDKs unchanged: Chat Completions (whole and streamed), Responses and Anthropic
+    Messages answer an image chat; usage counts the image tokens the recipe computes; the
+    engine got the pixels; the image decides the answer (another image gives other
+    log-probabilities, the same one the same)."""
+    _, adapter, recorded = reading
+    pixels = random_rgb(48, 64, seed=3)
+    encoded = png(pixels)
+    url = data_url(encoded)
+    image_tokens = image_fit(64, 48)[2]
+    body = chat_body(url)
+    prompt_ids = adapter.parse_request("openai.chat", json.dumps(body).encode()).prompt_token_ids
+    expected = len(prompt_ids) - 1 + image_tokens
+    client = openai.OpenAI(base_url=f"{images_url}/v1", api_key="unused", max_retries=0)
+
+    def chat(image_url: str, **options: Any) -> Any:
+        return client.chat.completions.create(
+            model=MODEL, messages=chat_body(image_url)["messages"], max_tokens=3, temperature=0, **options
+        )
+
+    whole = chat(url, logprobs=True, top_logprobs=3)
+    assert whole.usage.prompt_tokens == expected and whole.usage.completion_tokens == 3
+    (image,) = recorded.received[-1]
+    np.testing.assert_array_equal(image.pixels, pixels)
+    assert image.part.fit.tokens == image_tokens
+    streamed = list(chat(url, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+    assert streamed[-1].usage.prompt_tokens == expected
+    again = chat(url, logprobs=True, top_logprobs=3)
+    other = chat(data_url(png(random_rgb(48, 64, seed=4))), logprobs=True, top_logprobs=3)
+
+    def first_logprobs(reply: Any) -> dict[str, float]:
+        return {t.token: t.logprob for t in reply.choices[0].logprobs.content[0].top_logprobs}
+
+    ours, cached, theirs = first_logprobs(whole), first_logprobs(again), first_logprobs(other)
+    # The repeat hits the prefix cache (its image's blocks): the same values in another float32
+    # summation order (test_engine_images's LOGPROB_TOLERANCE).
+    assert cached.keys() == ours.keys() and all(abs(cached[t] - ours[t]) <= 2e-4 for t in ours), (cached, ours)
+    print("another image:", theirs, "this one:", ours)
+    assert theirs.keys() != ours.keys() or max(abs(theirs[t] - ours[t]) for t in ours) > 1e-2
+    describe = {"type": "input_text", "text": "Describe."}
+    responses_input = [{"role": "user", "content": [describe, {"type": "input_image", "image_url": url}]}]
+    responses = client.responses.create(model=MODEL, max_output_tokens=3, input=responses_input)
+    assert responses.usage.output_tokens == 3
+    claude = anthropic.Anthropic(base_url=images_url, api_key="unused", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(encoded).decode()}
+    content = [{"type": "text", "text": "Describe."}, {"type": "image", "source": source}]
+    messages = [{"role": "user", "content": content}]
+    message = claude.messages.create(model=MODEL, max_tokens=3, messages=messages)
+    assert message.usage.output_tokens == 3
+    assert [len(images) for images in recorded.received[-2:]] == [1, 1]
+    # Anthropic counts prompt tokens read from the cache apart (the image's blocks were cached above).
+    message_input = message.usage.input_tokens + message.usage.cache_read_input_tokens
+    for protocol, counted, request in (
+        ("openai.responses", responses.usage.input_tokens, {"model": MODEL, "input": responses_input}),
+        ("anthropic.messages", message_input, {"model": MODEL, "max_tokens": 3, "messages": messages}),
+    ):
+        ids = adapter.parse_request(protocol, json.dumps(request).encode()).prompt_token_ids
+        assert counted == len(ids) - 1 + image_tokens, protocol
 
 
 # --------------------------------------------------------------------------- fetching
@@ -326,7 +396,7 @@ def fetching(**overrides: Any) -> ImagesConfig:
 
 
 def test_fetched_images_reach_the_engine_and_misbehaving_hosts_are_refused(
-    reading: tuple[AsyncEngine, Any, ImageReadingEngine], image_host: str
+    reading: tuple[AsyncEngine, Any, RecordedImages], image_host: str
 ) -> None:
     engine, adapter, inner = reading
     with running_server(engine, adapter, ServeSettings(served_model_name=MODEL, images=fetching())) as url:

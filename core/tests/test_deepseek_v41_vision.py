@@ -28,6 +28,7 @@ from powertrain.models.deepseek_v41_vision import (
 from powertrain.testing.deepseek_v41 import (
     TINY_DEEPSEEK_V41_VISION_CONFIG,
     checkpoint_digest,
+    fixture_image_pixels,
     load_tiny_v41,
     write_tiny_deepseek_v41,
 )
@@ -80,14 +81,6 @@ def row_errors(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (ours - reference.float()).abs().amax(-1) / reference.float().abs().amax(-1)
 
 
-def pixels_of(provenance: dict, name: str) -> np.ndarray:
-    """The fixture's image, drawn again from its seed (make_fixtures.image_pixels)."""
-    record = provenance["images"][name]
-    index = list(provenance["images"]).index(name)
-    rng = np.random.default_rng([provenance["image_seed"], index])
-    return rng.integers(0, 256, (record["height"], record["width"], 3), dtype=np.uint8)
-
-
 def images_of(prompt: str, provenance: dict) -> list[str]:
     return [part for part in provenance["prompts"][prompt] if isinstance(part, str)]
 
@@ -100,7 +93,7 @@ def image_rows_of(model, golden: dict, provenance: dict, prompt: str, offset: in
     starts = golden[f"{prompt}.image_starts"].tolist()
     spans = []
     for start, name in zip(starts, images_of(prompt, provenance), strict=True):
-        prepared = prepare_image(pixels_of(provenance, name), "auto", model.vision_args)
+        prepared = prepare_image(fixture_image_pixels(provenance, name), "auto", model.vision_args)
         spans.append((offset + start, model.vision_tower.encode(prepared)))
     return ImageRows.of_spans(spans)
 
@@ -127,7 +120,7 @@ def test_the_fixtures_say_where_they_came_from(provenance: dict, folder: Path) -
         "regenerate them as their README says"
     )
     for name, record in provenance["images"].items():
-        digest = hashlib.sha256(pixels_of(provenance, name).tobytes()).hexdigest()
+        digest = hashlib.sha256(fixture_image_pixels(provenance, name).tobytes()).hexdigest()
         assert digest == record["pixels_sha256"], f"numpy draws image {name} differently now"
     assert "`make_fixtures.py`" in (FIXTURES / "README.md").read_text(encoding="utf-8")
 
@@ -139,7 +132,7 @@ def test_preprocessing_equals_the_official_bit_for_bit(golden: dict, provenance:
     """Padding (aspect kept, grey bars), the resize, the normalisation and its bfloat16 rounding,
     and the patch order: every value equal."""
     for name in provenance["images"]:
-        prepared = prepare_image(pixels_of(provenance, name), "auto", model.vision_args)
+        prepared = prepare_image(fixture_image_pixels(provenance, name), "auto", model.vision_args)
         n_vit_h, n_vit_w, n_llm_h, n_llm_w = golden[f"{name}.grid"].tolist()
         assert (prepared.patch_rows, prepared.patch_columns) == (n_vit_h, n_vit_w), name
         assert (prepared.fit.rows, prepared.fit.columns) == (n_llm_h, n_llm_w), name
@@ -192,7 +185,7 @@ def test_sizes_and_token_counts_equal_the_recipes_image_fit() -> None:
 
 def test_span_rows_match_the_official_exact_math(golden: dict, provenance: dict, model) -> None:
     for name in provenance["images"]:
-        rows = model.vision_tower.encode(prepare_image(pixels_of(provenance, name), "auto", model.vision_args))
+        rows = model.vision_tower.encode_image(fixture_image_pixels(provenance, name), "auto")
         error = relative(rows, golden[f"{name}.exact_span_rows"])
         print(f"{name}: span rows {list(rows.shape)}, max |diff| / max |row| = {error:.2e}")
         assert error <= ROW_TOLERANCE, name
@@ -201,7 +194,7 @@ def test_span_rows_match_the_official_exact_math(golden: dict, provenance: dict,
 def test_the_bfloat16_tower_matches_the_official_bfloat16_one(golden: dict, provenance: dict, folder: Path) -> None:
     model = load_tiny_v41(folder, torch.bfloat16)
     for name in provenance["images"]:
-        rows = model.vision_tower.encode(prepare_image(pixels_of(provenance, name), "auto", model.vision_args))
+        rows = model.vision_tower.encode_image(fixture_image_pixels(provenance, name), "auto")
         assert rows.dtype == torch.bfloat16
         assert relative(rows, golden[f"{name}.span_rows"]) <= BF16_ROW_TOLERANCE, name
 
@@ -251,7 +244,7 @@ def test_a_misplaced_newline_or_the_text_router_bias_is_caught(
     instead of the end, or if image rows routed with the text bias."""
     prompt = "p2"
     name = images_of(prompt, provenance)[0]
-    prepared = prepare_image(pixels_of(provenance, name), "auto", model.vision_args)
+    prepared = prepare_image(fixture_image_pixels(provenance, name), "auto", model.vision_args)
     rows = model.vision_tower.encode(prepared)
     r, c = prepared.fit.rows, prepared.fit.columns
     body = rows[1:-1].view(r, c + 1, -1)
@@ -288,7 +281,7 @@ def test_placeholders_expand_to_their_spans() -> None:
         for start, length in spans:
             assert expanded[start : start + length] == [image] * length
         assert sum(t == image for t in expanded) == sum(counts)
-    with pytest.raises(ValueError, match="2 image placeholders but 1 images"):
+    with pytest.raises(ValueError, match=r"2 image placeholder\(s\) \(token \d+\) but 1 image\(s\)"):
         expand_image_placeholders([1, image, 2, image], image, [5])
 
 

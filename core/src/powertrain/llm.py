@@ -17,6 +17,7 @@ import attrs
 from powertrain.config import CORE_SECTIONS, EngineConfig, load_config
 from powertrain.interfaces.engine import Engine, EngineTokenizer
 from powertrain.interfaces.errors import InvalidRequestError
+from powertrain.interfaces.images import ImageInput
 from powertrain.interfaces.outputs import RequestOutput
 from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.speculative import SpeculativePolicy
@@ -81,18 +82,25 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. One whose
-        rank died (several ranks, no expert parallelism) comes back with ``error`` set."""
+        rank died (several ranks, no expert parallelism) comes back with ``error`` set.
+        ``images``: per prompt, one image (``ImageInput.of_pixels``) per image placeholder
+        token it holds, for a model with a vision encoder."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
             return []
         params = _params_per_prompt(sampling_params, len(prompts))
+        per_prompt = [() for _ in prompts] if images is None else list(images)
+        if len(per_prompt) != len(prompts):
+            raise InvalidRequestError(f"images must give one list per prompt: {len(per_prompt)} for {len(prompts)}")
         request_ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                request_ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, pictures in zip(prompts, params, per_prompt, strict=True):
+                extra = {"images": list(pictures)} if pictures else {}
+                request_ids.append(self.engine.add_request(prompt, p, **extra))
         except InvalidRequestError:
             for request_id in request_ids:  # all or nothing: the batch was refused
                 self.engine.abort_request(request_id)

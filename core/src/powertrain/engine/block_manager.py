@@ -32,7 +32,9 @@ produce logits.
 
 *Hashes.* A block's hash is a BLAKE2b digest chained over every token up to its end and
 rooted in the cache's ``namespace`` (the model, dtype, cache tensors and block size), so
-it names the block's content across processes and restarts, which the tiers need.
+it names the block's content across processes and restarts, which the tiers need. A block
+holding image positions (which all carry one token id) also hashes the digests of those
+images' pixels (``engine.images``).
 
 *Tiers* (``engine.kv_tiers``, optional). A cached block evicted from a pool (handed out
 again) is first copied out, keyed by its hash and retention class, to the tiers below
@@ -55,6 +57,7 @@ import attrs
 import structlog
 import torch
 
+from powertrain.engine.images import PromptImage, image_salt
 from powertrain.engine.kv_tiers import KVTiers
 from powertrain.engine.sequence import Sequence
 from powertrain.interfaces.scheduling import PrefixMatch
@@ -64,9 +67,10 @@ log = structlog.get_logger(__name__)
 Window = int | None
 
 
-def chain_hash(previous: bytes, tokens: tuple[int, ...]) -> bytes:
-    """The hash of a block of ``tokens`` after the block hashed ``previous``."""
-    return hashlib.blake2b(previous + array("q", tokens).tobytes(), digest_size=16).digest()
+def chain_hash(previous: bytes, tokens: tuple[int, ...], images: bytes = b"") -> bytes:
+    """The hash of a block of ``tokens`` after the block hashed ``previous``; ``images``: the
+    digests of the images the block holds (``engine.images.image_salt``), empty for text."""
+    return hashlib.blake2b(previous + array("q", tokens).tobytes() + images, digest_size=16).digest()
 
 
 def root_hash(namespace: bytes) -> bytes:
@@ -309,7 +313,7 @@ class BlockManager:
         hashes: list[bytes] = []
         # A full pool needs every block of a hit: one its pool misses is fetched right away.
         fetched: dict[tuple[Window, int], tuple[str, torch.Tensor]] = {}
-        for index, (tokens, previous) in enumerate(self._hit_chain(seq.token_ids)):
+        for index, (tokens, previous) in enumerate(self._hit_chain(seq.token_ids, seq.images)):
             here = {w: pool.lookup(previous, tokens) for w, pool in self.pools.items()}
             full_misses = [w for w, pool in self.pools.items() if pool.window is None and here[w] is None]
             if full_misses and self.tiers is None:
@@ -323,15 +327,19 @@ class BlockManager:
                 found[w].append(block_id)
         return self._longest_hit(found, hashes, fetched)
 
-    def _hit_chain(self, token_ids: list[int]) -> Iterator[tuple[tuple[int, ...], bytes]]:
-        """(tokens, hash) of each block a prompt of ``token_ids`` could hit, in order: its
-        full blocks but the last token's, up to a placeholder (a token not known yet)."""
+    def _hit_chain(
+        self, token_ids: list[int], images: tuple[PromptImage, ...] = ()
+    ) -> Iterator[tuple[tuple[int, ...], bytes]]:
+        """(tokens, hash) of each block a prompt of ``token_ids`` (holding ``images``) could
+        hit, in order: its full blocks but the last token's, up to a placeholder (a token not
+        known yet)."""
         previous = self.root
-        for index in range((len(token_ids) - 1) // self.block_size):
-            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+        size = self.block_size
+        for index in range((len(token_ids) - 1) // size):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
             if any(t < 0 for t in tokens):
                 return
-            previous = chain_hash(previous, tokens)
+            previous = chain_hash(previous, tokens, image_salt(images, index * size, (index + 1) * size))
             yield tokens, previous
 
     def _longest_hit(
@@ -506,7 +514,8 @@ class BlockManager:
             tokens = self._block_tokens(seq, len(hashes))
             if any(t < 0 for t in tokens):  # a placeholder: the token is not known yet
                 break
-            hashes.append(chain_hash(hashes[-1] if hashes else self.root, tokens))
+            salt = image_salt(seq.images, len(hashes) * self.block_size, (len(hashes) + 1) * self.block_size)
+            hashes.append(chain_hash(hashes[-1] if hashes else self.root, tokens, salt))
         for index in range(seq.num_registered_blocks, len(hashes)):
             tokens = self._block_tokens(seq, index)
             for w, pool in self.pools.items():

@@ -25,16 +25,18 @@ from typing import Any
 import attrs
 import structlog
 
-from powertrain.engine.admission import admit
+from powertrain.engine.admission import admit, tokenize_prompt
 from powertrain.engine.block_manager import BlockManager
 from powertrain.engine.device_thread import DeviceThread
+from powertrain.engine.images import PromptImage, lay_out_images
 from powertrain.engine.kv_transfer import BlockMover
 from powertrain.engine.model_runner import ModelRunner, StepResult
 from powertrain.engine.sequence import PLACEHOLDER, Request, SequenceSnapshot, ends_at
 from powertrain.engine.sequence import Sequence as Seq
 from powertrain.engine.speculative import can_speculate
 from powertrain.interfaces.engine import EngineStats
-from powertrain.interfaces.errors import EngineDeadError
+from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError
+from powertrain.interfaces.images import ImageInput
 from powertrain.interfaces.outputs import CompletionOutput, RequestOutput
 from powertrain.interfaces.sampling import SamplingDefaults, SamplingParams
 from powertrain.interfaces.scheduling import ScheduledBatch, Scheduler, SequenceStatus
@@ -126,10 +128,24 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        images: Sequence[ImageInput] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises
-        InvalidRequestError and leaves the engine untouched."""
+        InvalidRequestError and leaves the engine untouched. ``images``: one decoded image
+        per image placeholder token of the prompt, in order (an engine that
+        ``accepts_images``; ``interfaces.images``)."""
         self._check_alive()
+        given: list[int] | None = None
+        given_text: str | None = None
+        placed: tuple[PromptImage, ...] = ()
+        if images:
+            encoder = self.runner.image_encoder
+            if encoder is None:
+                raise InvalidRequestError(
+                    f"model {self.model_name!r} has no vision encoder and takes text only; send no images"
+                )
+            given_text, given = tokenize_prompt(self.tokenizer, prompt)
+            prompt, placed = lay_out_images(given, images, encoder)
         admitted = admit(
             self.tokenizer,
             prompt,
@@ -142,20 +158,29 @@ class LLMEngine:
             structured=lambda: self.runner.structured,
         )
         request_id, params, text, token_ids = admitted.request_id, admitted.params, admitted.text, admitted.token_ids
+        text = given_text if placed else text
         grammars = admitted.grammars
         # A constraint ends its output with EOS once complete (llguidance allows nothing else then).
         eos = self.tokenizer.eos_token_ids if not params.ignore_eos or grammars else set()
         stop_ids = tuple(sorted(set(params.stop_token_ids) | eos))
-        request = Request(request_id, text, token_ids, params, stop_token_ids=stop_ids)
+        request = Request(
+            request_id, text, token_ids, params, stop_token_ids=stop_ids, images=placed, given_token_ids=given
+        )
         self._requests[request_id] = request
         for seq, grammar in zip(request.sequences, grammars or [None] * params.n, strict=True):
             seq.grammar = grammar
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=token_ids
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=request.given_token_ids
             )
             self._texts[seq.seq_id] = ""
             self.scheduler.add(seq)
         return request_id
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether ``add_request`` takes ``images`` (``interfaces.images.accepts_images``): the
+        model has a vision encoder."""
+        return self.runner.image_encoder is not None
 
     @property
     def cache_tokens(self) -> int:
@@ -425,7 +450,7 @@ class LLMEngine:
         result = RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=request.given_token_ids,
             outputs=outputs,
             finished=finished,
             num_cached_tokens=min(seq.num_cached_tokens for seq in request.sequences),

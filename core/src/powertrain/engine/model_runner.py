@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from powertrain.engine.cuda_graphs import DecodeGraphs
+from powertrain.engine.images import EncodedImages, ImagePiece, image_pieces, model_image_encoder
 from powertrain.engine.sampler import Sampler, SamplingInputs
 from powertrain.engine.sequence import PLACEHOLDER, SequenceSnapshot, ends_at
 from powertrain.engine.sequence import Sequence as Seq
@@ -49,6 +50,8 @@ class PreparedStep:
     grammars: list[GrammarState] = attrs.field(factory=list)
     #: The step's drafts and how to verify them (None without speculative decoding).
     speculation: Speculation | None = None
+    #: The image span rows the step's tokens cover (``engine.images``); empty for text.
+    images: list[ImagePiece] = attrs.field(factory=list)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +120,10 @@ class ModelRunner:
         self.ended_rows_left_out = 0
         #: Captured decode steps (``engine.cuda_graphs``); None: every step runs eager.
         self.graphs: DecodeGraphs | None = None
+        #: The model's vision encoder (``CausalLM.image_encoder``); None: text only.
+        self.image_encoder = model_image_encoder(model)
+        #: Its recent outputs, by image (device thread); None: text only.
+        self.encoded_images = None if self.image_encoder is None else EncodedImages(self.image_encoder)
 
     def prepare(
         self, batch: ScheduledBatch[Seq] | ScheduledBatch[SequenceSnapshot], speculation: Speculation | None = None
@@ -130,9 +137,12 @@ class ModelRunner:
         params, generators, history, num_output, banned = [], [], [], [], []
         grammar_rows: list[int] = []
         grammars: list[GrammarState] = []
+        images: list[ImagePiece] = []
         for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             end = seq.num_computed_tokens  # the scheduler already counted this step's tokens
             start = end - count
+            if seq.images:
+                images.extend(image_pieces(seq.images, start, end, len(input_ids)))
             for offset, token in enumerate(seq.token_ids[start:end]):
                 if token == PLACEHOLDER:
                     input_patches.append((len(input_ids) + offset, seq.seq_id))
@@ -178,6 +188,7 @@ class ModelRunner:
             grammar_rows=grammar_rows,
             grammars=grammars,
             speculation=speculation,
+            images=images,
         )
 
     def execute_speculative(self, batch: ScheduledBatch[SequenceSnapshot], max_model_len: int) -> StepResult:
@@ -340,10 +351,12 @@ class ModelRunner:
         input_ids = input_ids.to(self.device)
         if self.lockstep is not None:
             self.lockstep.busy()
-        size = None if self.graphs is None else self.graphs.size_for(step.metadata)
+        rows = self.encoded_images.image_rows(step.images) if step.images else None  # type: ignore[union-attr]
+        # A captured graph replays text embeddings: a step with image rows runs eager.
+        size = None if self.graphs is None or rows is not None else self.graphs.size_for(step.metadata)
         if size is None:
             hidden, taps = forward_with_taps(
-                self.model, self.taps, input_ids, step.positions, self.kv_caches, step.metadata
+                self.model, self.taps, input_ids, step.positions, self.kv_caches, step.metadata, image_rows=rows
             )
             ran = step.metadata
         else:

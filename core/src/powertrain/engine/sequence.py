@@ -14,6 +14,7 @@ from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.scheduling import SequenceStatus
 
 if TYPE_CHECKING:
+    from powertrain.engine.images import PromptImage
     from powertrain.engine.structured import GrammarState
 
 #: A token sampled by a step that is still running (async scheduling): its id is
@@ -59,6 +60,11 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def images(self) -> tuple[PromptImage, ...]:
+        """The request's images, placed in its prompt (``engine.images``); empty for text."""
+        return self.request.images
 
     @property
     def block_table(self) -> list[int]:
@@ -129,6 +135,7 @@ class SequenceSnapshot:
     block_tables: dict[int | None, list[int]]
     #: Tokens its cache blocks can hold: its drafts must end below.
     capacity: int
+    images: tuple[PromptImage, ...] = ()
 
     @classmethod
     def of(cls, seq: Sequence, capacity: int) -> SequenceSnapshot:
@@ -143,6 +150,7 @@ class SequenceSnapshot:
             grammar=seq.grammar,
             block_tables={w: list(table) for w, table in seq.block_tables.items()},
             capacity=capacity,
+            images=seq.images,
         )
 
     @property
@@ -164,13 +172,20 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stop_token_ids: tuple[int, ...] = (),
+        images: tuple[PromptImage, ...] = (),
+        given_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         #: Tokens that end a sequence: the model's EOS ids (unless ignore_eos) and the
         #: request's own stop ids. None of them may be sampled before min_tokens.
         self.stop_token_ids = stop_token_ids
         self.prompt = prompt
+        #: What the sequences compute: with images, every placeholder widened to its span.
         self.prompt_token_ids = prompt_token_ids
+        #: The prompt as it came (one placeholder per image): what outputs report.
+        self.given_token_ids = prompt_token_ids if given_token_ids is None else given_token_ids
+        #: The images placed in the prompt (``engine.images``), in order.
+        self.images = images
         self.params = params
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

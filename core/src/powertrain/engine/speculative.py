@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from powertrain.interfaces.attention import AttentionMetadata, LayerKVCache
+from powertrain.interfaces.images import ImageRows
 from powertrain.interfaces.model import CausalLM
 from powertrain.interfaces.sampling import SamplingParams
 from powertrain.interfaces.speculative import HiddenTap, TapRecorder
@@ -141,15 +142,18 @@ def forward_with_taps(
     positions: torch.Tensor,
     kv_caches: Sequence[LayerKVCache],
     metadata: AttentionMetadata,
+    image_rows: ImageRows | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The model's forward, and the drafter's ``taps`` it recorded (a ``TapRecorder`` set as
-    the model's ``taps`` for this forward only); nothing is recorded when none is asked."""
+    the model's ``taps`` for this forward only); nothing is recorded when none is asked.
+    ``image_rows`` go to the forward only where the step has some (text models take none)."""
+    extra = {} if image_rows is None else {"image_rows": image_rows}
     if not taps:
-        return model.forward(input_ids, positions, kv_caches, metadata), ()
+        return model.forward(input_ids, positions, kv_caches, metadata, **extra), ()
     recorder = TapRecorder(taps)
     model.taps = recorder  # type: ignore[attr-defined]
     try:
-        hidden = model.forward(input_ids, positions, kv_caches, metadata)
+        hidden = model.forward(input_ids, positions, kv_caches, metadata, **extra)
     finally:
         model.taps = None  # type: ignore[attr-defined]
     return hidden, recorder.taken()

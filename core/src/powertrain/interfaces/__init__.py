@@ -51,7 +51,13 @@ from powertrain.interfaces.attention import (
 from powertrain.interfaces.communication import Communicator, CommunicatorContext, ExpertDispatcher
 from powertrain.interfaces.engine import Engine, EngineStats, EngineTokenizer
 from powertrain.interfaces.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from powertrain.interfaces.images import ImageInput, accepts_images
+from powertrain.interfaces.images import (
+    ImageEncoder,
+    ImageInput,
+    ImageRows,
+    accepts_images,
+    expand_image_placeholders,
+)
 from powertrain.interfaces.kv_store import KVStore, KVStoreContext, StoredBlock, frame_block, unframe_block
 from powertrain.interfaces.model import CausalLM, ModelContext
 from powertrain.interfaces.moe import (
@@ -191,8 +197,11 @@ __all__ = [
     "row_argmax",
     "target_probs",
     # images
+    "ImageEncoder",
     "ImageInput",
+    "ImageRows",
     "accepts_images",
+    "expand_image_placeholders",
     # outputs
     "CompletionOutput",
     "RequestOutput",

@@ -91,7 +91,10 @@ class CausalLM(Protocol):
     (``engine.cuda_graphs``: nothing outside the attention and MoE backends reads a value
     back to the host or builds a tensor from host data); ``tap_forms``, the hidden-state
     forms (``interfaces.TAP_FORMS``) its forward can hand a drafter, recorded into the
-    ``TapRecorder`` the runner sets as the model's ``taps`` attribute (None: nothing asked).
+    ``TapRecorder`` the runner sets as the model's ``taps`` attribute (None: nothing asked);
+    ``image_encoder``, an ``interfaces.images.ImageEncoder`` where the model reads images (None
+    or absent: text only), whose ``forward`` then takes ``image_rows=`` (``ImageRows``) for
+    the steps whose tokens cover image spans.
     """
 
     @property

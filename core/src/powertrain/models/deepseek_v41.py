@@ -835,6 +835,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._gatherer: ThreadPoolExecutor | None = None
         self.mtp = None  # V4's MTP drafter: V4.1 drafts with ``dspark`` instead
 
+    @property
+    def image_encoder(self) -> DeepseekV41Vision | None:
+        """``CausalLM.image_encoder``: the vision tower (None for a text-only checkpoint)."""
+        return self.vision_tower
+
     def forward(
         self,
         input_ids: torch.Tensor,

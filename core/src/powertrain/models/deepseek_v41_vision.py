@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from powertrain.interfaces.images import ImageRows, expand_image_placeholders
 from powertrain.layers.linear import Linear
 
 #: The detail levels a client may ask for (as the protocol adapter spells them); only ``low``
@@ -269,60 +270,6 @@ def prepare_image(pixels: np.ndarray, detail: str, args: VisionArgs) -> Prepared
     return PreparedImage(patches=patches.contiguous(), fit=fit, patch_rows=rows, patch_columns=columns)
 
 
-# --------------------------------------------------------------------------- prompt spans
-
-
-def expand_image_placeholders(
-    token_ids: Sequence[int], image_token_id: int, image_tokens: Sequence[int]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """A prompt with one ``image_token_id`` per image, widened: each placeholder becomes
-    ``image_tokens[i]`` copies of it (every span position carries the id, as in the official
-    code). Returns the expanded ids and each image's span ``(start, length)``, in order."""
-    places = [i for i, token in enumerate(token_ids) if token == image_token_id]
-    if len(places) != len(image_tokens):
-        raise ValueError(f"the prompt has {len(places)} image placeholders but {len(image_tokens)} images came with it")
-    expanded: list[int] = []
-    spans: list[tuple[int, int]] = []
-    last = 0
-    for place, count in zip(places, image_tokens, strict=True):
-        if count < 3:
-            raise ValueError(f"an image span holds at least start, a row and end, not {count} positions")
-        expanded.extend(token_ids[last:place])
-        spans.append((len(expanded), count))
-        expanded.extend([image_token_id] * count)
-        last = place + 1
-    expanded.extend(token_ids[last:])
-    return expanded, spans
-
-
-@attrs.frozen(eq=False)
-class ImageRows:
-    """What a forward puts in place of token embeddings: ``rows`` (int64 ``[n]``, indices into
-    the flat batch) take ``embeds`` (``[n, hidden]``). Those rows also route with the image
-    router bias and take no part in Engram's n-grams."""
-
-    rows: torch.Tensor
-    embeds: torch.Tensor
-
-    def __attrs_post_init__(self) -> None:
-        if self.rows.dtype != torch.int64 or self.rows.dim() != 1:
-            raise ValueError(f"ImageRows.rows must be int64 [n], got {self.rows.dtype} {list(self.rows.shape)}")
-        if self.embeds.dim() != 2 or self.embeds.shape[0] != self.rows.shape[0]:
-            raise ValueError(f"ImageRows.embeds must be [{self.rows.shape[0]}, hidden], got {list(self.embeds.shape)}")
-
-    @classmethod
-    def of_spans(cls, spans: Sequence[tuple[int, torch.Tensor]]) -> ImageRows:
-        """From ``(first flat row, encoded span rows)`` pairs."""
-        rows = [torch.arange(start, start + embeds.shape[0]) for start, embeds in spans]
-        return cls(torch.cat(rows).to(torch.int64), torch.cat([embeds for _, embeds in spans]))
-
-    def mask(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        """bool ``[num_tokens]``: True at image rows."""
-        mask = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-        mask[self.rows.to(device)] = True
-        return mask
-
-
 # --------------------------------------------------------------------------- the tower
 
 
@@ -464,6 +411,18 @@ class DeepseekV41Vision(nn.Module):
         self.image_start = nn.Parameter(torch.empty(d), requires_grad=False)
         self.image_end = nn.Parameter(torch.empty(d), requires_grad=False)
         self.image_newline = nn.Parameter(torch.empty(d), requires_grad=False)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.args.image_token_id
+
+    def image_tokens(self, width: int, height: int, detail: str) -> int:
+        """``ImageEncoder.image_tokens``: the span's positions once fitted."""
+        return fit_image(width, height, detail, self.args).tokens
+
+    def encode_image(self, pixels: np.ndarray, detail: str) -> torch.Tensor:
+        """``ImageEncoder.encode_image``: preprocessing, then ``encode``."""
+        return self.encode(self.prepare(pixels, detail))
 
     def prepare(self, pixels: np.ndarray, detail: str = "auto") -> PreparedImage:
         return prepare_image(pixels, detail, self.args)

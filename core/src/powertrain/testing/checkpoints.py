@@ -22,7 +22,7 @@ import copy
 import json
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import EllipsisType
 from typing import Any, Literal
@@ -1192,9 +1192,12 @@ def _reuse_or_clear(folder: Path, recipe: Mapping[str, Any]) -> bool:
     return False
 
 
-def _tokenizer_for(config_args: dict[str, Any]) -> Any:
-    """The tiny tokenizer, with ``config_args``' vocab_size set to its size (or checked)."""
+def _tokenizer_for(config_args: dict[str, Any], special: Sequence[str] = ()) -> Any:
+    """The tiny tokenizer (with the ``special`` tokens appended), with ``config_args``' vocab_size
+    set to its size (or checked)."""
     tokenizer = tiny_tokenizer()
+    if special:
+        tokenizer.add_special_tokens(list(special))
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     if config_args.setdefault("vocab_size", vocab_size) != vocab_size:
         raise ValueError(f"vocab_size must be the tokenizer's size, {vocab_size}; got {config_args['vocab_size']}")

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from powertrain.layers.engram import EngramLayout, compressed_token_map
@@ -150,24 +151,45 @@ FP8, FP4, ENGRAM, BF16, F32 = "fp8", "fp4", "engram", "bf16", "f32"
 BLOCK = 32
 
 
-def write_tiny_deepseek_v41(path: str | Path, *, seed: int = 0, vision: bool = False, **overrides: Any) -> Path:
+#: The release's image sizing (a 1,024-token budget, images under 544 x 544 pixels of area scaled
+#: up), which the protocol adapter counts image tokens with: a tiny tower with these sizes spans
+#: what the server reports (``write_tiny_deepseek_v41(vision=RELEASE_IMAGE_SIZING)``).
+RELEASE_IMAGE_SIZING: Mapping[str, Any] = {"max_n_token": 1024, "min_pixels": 544 * 544}
+
+
+def write_tiny_deepseek_v41(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    vision: bool | Mapping[str, Any] = False,
+    image_token: str | None = None,
+    **overrides: Any,
+) -> Path:
     """Write the tiny V4.1 checkpoint folder (``TINY_DEEPSEEK_V41_TEXT_CONFIG``, any text
     config key overridden; ``engram_layer_ids=[]`` turns Engram off, ``candidate_source_layer_id
     =-1`` the two-level top-k) with the tiny tokenizer, and return it. The Engram table sizes
     and the compressed vocabulary's size are derived (from the layout's primes and the
     tokenizer), as the release's config states them. ``vision=True`` adds the tiny vision tower
     (``TINY_DEEPSEEK_V41_VISION_CONFIG``; its tensors drawn from a generator of their own, so
-    every other tensor is the same as without it). A folder already holding the same one is
-    returned as it is."""
+    every other tensor is the same as without it); a mapping for ``vision`` changes those keys
+    of it. ``image_token`` (the release's ``<｜image｜>``): a special token appended to the
+    tokenizer as ``image_token_id``, so a protocol adapter's rendered image placeholders
+    tokenize to it (without it ``image_token_id`` is the plain token ``vocab_size - 2``, as the
+    fixtures' checkpoint has it). A folder already holding the same one is returned as it is."""
     folder = Path(path)
     text = copy.deepcopy({**TINY_DEEPSEEK_V41_TEXT_CONFIG, **overrides})
-    vision_config = dict(TINY_DEEPSEEK_V41_VISION_CONFIG) if vision else {"num_hidden_layers": 0}
+    changes = vision if isinstance(vision, Mapping) else {}
+    vision_config = {**TINY_DEEPSEEK_V41_VISION_CONFIG, **changes} if vision else {"num_hidden_layers": 0}
     recipe_args = {**text, "vision_config": vision_config} if vision else text
+    if image_token is not None:
+        recipe_args = {**recipe_args, "image_token": image_token}
     recipe = _recipe(f"v4.1-layout{LAYOUT}", seed, torch.bfloat16, True, recipe_args)
     if _reuse_or_clear(folder, recipe):
         return folder
-    tokenizer = _tokenizer_for(text)
-    text["dspark_noise_token_id"] = text.get("dspark_noise_token_id", text["vocab_size"] - 1)
+    tokenizer = _tokenizer_for(text, () if image_token is None else (image_token,))
+    image_token_id = text["vocab_size"] - 2 if image_token is None else tokenizer.token_to_id(image_token)
+    # The last token the tokenizer's model has (an appended image token is not one).
+    text["dspark_noise_token_id"] = text.get("dspark_noise_token_id", tokenizer.get_vocab_size(False) - 1)
     if text["engram_layer_ids"]:
         layout = engram_layout(text)
         text["engram_num_embeddings"] = list(layout.table_rows)
@@ -179,7 +201,7 @@ def write_tiny_deepseek_v41(path: str | Path, *, seed: int = 0, vision: bool = F
         "model_type": "deepseek_v41",
         "text_config": text,
         "vision_config": vision_config,
-        "image_token_id": text["vocab_size"] - 2,
+        "image_token_id": image_token_id,
         "quantization_config": dict(DEEPSEEK_V41_QUANTIZATION_CONFIG),
         "tie_word_embeddings": False,
     }
@@ -423,3 +445,12 @@ def load_tiny_v41(
     model = DeepseekV41ForCausalLM(tiny_v41_context(folder, dtype, **text_changes))
     model.load_weights(load_checkpoint(str(folder)).tensors(fp8_dtype=dtype, wanted=model.wants_weight))
     return model
+
+
+def fixture_image_pixels(provenance: Mapping[str, Any], name: str) -> np.ndarray:
+    """An image of the vision fixtures (``core/tests/fixtures/deepseek_v41_vision``), drawn again
+    from the seed its ``provenance.json`` records, as its ``make_fixtures.py`` drew it."""
+    record = provenance["images"][name]
+    index = list(provenance["images"]).index(name)
+    rng = np.random.default_rng([provenance["image_seed"], index])
+    return rng.integers(0, 256, (record["height"], record["width"], 3), dtype=np.uint8)
