@@ -5,7 +5,8 @@
   engine's paged-cache path for every block the engine drafted (float32).
 - ``train_drafter`` on the tiny target lowers the loss, writes a folder in DeepSpec's
   format (the names and shapes ``deepspec_drafter_shapes`` lists), which the engine loads
-  and drafts with; greedy outputs equal plain decoding's.
+  and drafts with, through the target's head (the drafter's is a frozen copy of it); greedy
+  outputs equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from powertrain.llm import apply_overrides
 from powertrain.models.dspark import read_drafter_config
 from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
 from powertrain.testing.drafters import deepspec_drafter_shapes
-from powertrain_dspark.block import BlockDrafter
+from powertrain_dspark.block import BlockDrafter, shared_head
 from powertrain_dspark.block_training import DenseBlockDrafter, HiddenStateLog, TrainSettings, train_drafter
 
 DRAFT_BLOCK = 5
@@ -132,5 +133,15 @@ def test_training_lowers_the_loss_and_the_engine_drafts_with_the_result(target: 
     with LLM(config=engine_config(target, out)) as llm:
         drafted = [list(o.outputs[0].token_ids) for o in llm.generate(batch, [greedy(24)] * 3)]
         stats = llm.engine.stats()
+        # The trained drafter's head is the target's (frozen copy): drafted through the target's.
+        runner = llm.engine.runner
+        drafter = runner.speculative.drafter
+        assert drafter.base_logits == runner.model.compute_logits
+        head = drafter.model.lm_head.weight
+        saved = head.clone()
+        head.mul_(1.01)  # no longer the same weights: the drafter keeps its own head
+        assert not shared_head(drafter.model, runner.model, runner.device)
+        head.copy_(saved)
+        assert shared_head(drafter.model, runner.model, runner.device)
     assert drafted == plain
     assert stats.speculative_verified_tokens > 0
