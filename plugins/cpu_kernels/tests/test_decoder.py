@@ -22,7 +22,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from powertrain.interfaces import DecoderStackKernel, ModelContext, QuantizedWeight
+from powertrain.interfaces import DecoderStackKernel, HiddenTap, ModelContext, QuantizedWeight, TapRecorder
 from powertrain.layers.norm import use_norm_kernel
 from powertrain.models.llama import LlamaForCausalLM
 from powertrain.testing.checkpoints import random_hf_model
@@ -179,6 +179,35 @@ def test_fused_steps_match_hf_and_the_layers_one_by_one(variant: str, activation
             if activation_bits == 32:
                 assert relative_error(ours, reference) < HF_TOLERANCE, where
     assert counted.ran == 5, f"the fused stack ran {counted.ran} of 5 short steps (seed={seed})"
+
+
+def test_a_drafters_taps_run_the_stack_in_segments(seed: int) -> None:
+    """A drafter reading layers 0 and 1 (of 3): the stack runs in three segments, recording
+    those outputs between them; outputs and taps equal the layers one by one (float32
+    activations: the same products in another order, HF_TOLERANCE's bound)."""
+    _, model, attention = make_models("llama-gqa", activation_bits=32)
+    fused = attention.fuse_decoder(model.decoder_layer_parts())
+    assert isinstance(fused, NativeDecoderStack)
+    counted = Counted(fused)
+    taps = (HiddenTap(0, "layer_output"), HiddenTap(1, "layer_output"))
+    chunks = [(f"s{i}", random_tokens(draw(1, 3))) for i in range(3)]  # few rows: the stack takes them
+    results = {}
+    for mode in ("fused", "one by one"):
+        model.use_fused_decoder(counted if mode == "fused" else None)
+        model.taps = recorder = TapRecorder(taps)
+        try:
+            logits = PagedRunner(model, attention).step(chunks)
+        finally:
+            model.taps = None
+        results[mode] = (torch.cat(logits), recorder.taken())
+    assert (counted.ran, counted.declined) == (3, 0)
+    (ours, our_taps), (theirs, their_taps) = results["fused"], results["one by one"]
+    assert relative_error(ours, theirs) <= HF_TOLERANCE, f"seed={seed}"
+    assert len(our_taps) == len(their_taps) == 2
+    for index, (mine, reference) in enumerate(zip(our_taps, their_taps, strict=True)):
+        assert relative_error(mine, reference) <= HF_TOLERANCE, f"tap {index} (seed={seed})"
+    with pytest.raises(ValueError, match="consecutive layers"):
+        fused(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), [], None, range(2, 5))  # type: ignore[arg-type]
 
 
 def test_steps_it_does_not_take_run_layer_by_layer(seed: int) -> None:

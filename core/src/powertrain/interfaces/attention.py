@@ -809,7 +809,11 @@ class FusedDecoder(Protocol):
     input, ``cos``/``sin`` the step's rotary angles, ``kv_caches`` one per layer. Returns
     ``(out, residual)``, the last layer's MLP output and the residual stream not yet added
     to it, as the layers one by one would; or None for a step it does not run (the model
-    then runs its layers itself). Outputs equal the layers' to float32 rounding."""
+    then runs its layers itself). Outputs equal the layers' to float32 rounding.
+
+    ``layers`` (consecutive, ascending): run only those, ``hidden`` then being the first one's
+    input (the layer before it's output and residual added); None: all. A model whose drafter
+    reads layer outputs runs the stack in segments ending at those layers."""
 
     def __call__(
         self,
@@ -818,6 +822,7 @@ class FusedDecoder(Protocol):
         sin: torch.Tensor,
         kv_caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
+        layers: range | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 

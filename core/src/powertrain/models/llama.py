@@ -293,18 +293,45 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # Every layer rotates by the same angles: look them up once per step.
         cos, sin = self.rotary_emb(positions, metadata.max_seq_len, hidden.dtype)
-        # A drafter reading layer outputs needs the layers one by one.
-        fused = None if self.fused is None or taps is not None else self.fused(hidden, cos, sin, kv_caches, metadata)
-        if fused is not None:
-            hidden, residual = fused
-        else:
-            residual = None
-            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
-                if taps is not None and taps.wants(index, "layer_output"):
-                    taps.record(index, "layer_output", hidden + residual)  # the add the next norm fuses
+        residual: torch.Tensor | None = None
+        start = 0  # the first layer still to run
+        if self.fused is not None:
+            hidden, residual, start = self._run_fused(hidden, cos, sin, kv_caches, metadata, taps)
+        for index in range(start, len(self.layers)):
+            hidden, residual = self.layers[index](hidden, residual, cos, sin, kv_caches[index], metadata)
+            if taps is not None and taps.wants(index, "layer_output"):
+                taps.record(index, "layer_output", hidden + residual)  # the add the next norm fuses
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _run_fused(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+        taps: TapRecorder | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The layers through the fused stack, in segments ending at the layers whose outputs
+        a drafter reads (recorded there): ``(hidden, residual, next layer)``, the layers from
+        the next one on left to run one by one (all of them where the stack declines the step)."""
+        assert self.fused is not None
+        last = len(self.layers) - 1
+        stops = [i for i in range(last) if taps is not None and taps.wants(i, "layer_output")] + [last]
+        residual: torch.Tensor | None = None
+        start = 0
+        for stop in stops:
+            layers = None if (start, stop) == (0, last) else range(start, stop + 1)
+            segment_input = hidden if residual is None else hidden + residual
+            ran = self.fused(segment_input, cos, sin, kv_caches, metadata, layers)
+            if ran is None:
+                break
+            hidden, residual = ran
+            if taps is not None and taps.wants(stop, "layer_output"):
+                taps.record(stop, "layer_output", hidden + residual)
+            start = stop + 1
+        return hidden, residual, start
 
 
 class LlamaFamilyForCausalLM(nn.Module):

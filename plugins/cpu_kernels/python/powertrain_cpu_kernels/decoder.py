@@ -171,7 +171,12 @@ class NativeDecoderStack:
         sin: torch.Tensor,
         kv_caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
+        layers: range | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        count = len(self._entries)
+        span = range(count) if layers is None else layers
+        if not (len(span) and span.step == 1 and span.start >= 0 and span.stop <= count):
+            raise ValueError(f"the fused stack runs consecutive layers of 0..{count - 1}, not {layers}")
         tokens = hidden.shape[0]
         if not (
             0 < tokens <= self.max_rows
@@ -193,6 +198,8 @@ class NativeDecoderStack:
         table, (num_blocks, block_size) = found
         if block_size != metadata.block_size:
             return None
+        per_layer = _native.decoder_layer_entries()
+        table = table[span.start * per_layer : span.stop * per_layer]  # the segment's rows (a view)
         rows, tables, starts, seq_lens = self._backend._step_tensors(metadata)
         hidden, cos, sin = hidden.contiguous(), cos.contiguous(), sin.contiguous()
         slots = metadata.slot_mapping.contiguous()
@@ -200,7 +207,7 @@ class NativeDecoderStack:
         use_threads(self._backend.threads)
         _native.decoder_stack(
             table.data_ptr(),
-            len(self._entries),
+            len(span),
             hidden.data_ptr(),
             out.data_ptr(),
             residual.data_ptr(),
