@@ -73,3 +73,29 @@ def make_distribution(
         return site
 
     return make
+
+
+V41_VISION_FIXTURES = Path(__file__).parent / "fixtures" / "deepseek_v41_vision"
+
+
+@pytest.fixture(scope="session")
+def v41_vision_golden() -> dict[str, Any]:
+    """What DeepSeek's official code computed for images (``fixtures/deepseek_v41_vision``)."""
+    from safetensors.torch import load_file
+
+    return load_file(V41_VISION_FIXTURES / "golden.safetensors")
+
+
+@pytest.fixture(scope="session")
+def v41_vision_provenance() -> dict[str, Any]:
+    import json
+
+    return json.loads((V41_VISION_FIXTURES / "provenance.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def v41_vision_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny V4.1 with its vision tower the vision fixtures were computed on."""
+    from powertrain.testing.deepseek_v41 import write_tiny_deepseek_v41
+
+    return write_tiny_deepseek_v41(tmp_path_factory.mktemp("v41-vision") / "tiny", seed=0, vision=True)

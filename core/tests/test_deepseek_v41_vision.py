@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from powertrain.builtin.reference_attention import TorchReferenceAttention
 from powertrain.images import decode_image
@@ -57,23 +56,8 @@ IMAGE_SEED = 3
 
 
 @pytest.fixture(scope="module")
-def golden() -> dict[str, torch.Tensor]:
-    return load_file(FIXTURES / "golden.safetensors")
-
-
-@pytest.fixture(scope="module")
-def provenance() -> dict:
-    return json.loads((FIXTURES / "provenance.json").read_text(encoding="utf-8"))
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_deepseek_v41(tmp_path_factory.mktemp("v41-vision") / "tiny", seed=0, vision=True)
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path):
-    return load_tiny_v41(folder)
+def model(v41_vision_checkpoint: Path):
+    return load_tiny_v41(v41_vision_checkpoint)
 
 
 def runner_of(model: DeepseekV41ForCausalLM, dtype: torch.dtype = torch.float32) -> PagedRunner:
@@ -113,17 +97,17 @@ def assert_logits_match(ours: torch.Tensor, reference: torch.Tensor, what: str) 
 # --------------------------------------------------------------------------- provenance
 
 
-def test_the_fixtures_say_where_they_came_from(provenance: dict, folder: Path) -> None:
-    files = provenance["reference"]["files"]
+def test_the_fixtures_say_where_they_came_from(v41_vision_provenance: dict, v41_vision_checkpoint: Path) -> None:
+    files = v41_vision_provenance["reference"]["files"]
     for name in ("model.py", "vision.py", "image_processor.py", "engram.py", "kernel_cpu.py"):
         assert len(files[name]["commit"]) == 40 and len(files[name]["sha256"]) == 64, name
-    assert provenance["default_dtype"] == "bfloat16" and provenance["torch"]
-    assert checkpoint_digest(folder) == provenance["checkpoint"]["checkpoint_sha256"], (
+    assert v41_vision_provenance["default_dtype"] == "bfloat16" and v41_vision_provenance["torch"]
+    assert checkpoint_digest(v41_vision_checkpoint) == v41_vision_provenance["checkpoint"]["checkpoint_sha256"], (
         "write_tiny_deepseek_v41(vision=True) no longer writes the checkpoint the fixtures ran on: "
         "regenerate them as their README says"
     )
-    for name, record in provenance["images"].items():
-        digest = hashlib.sha256(fixture_image_pixels(provenance, name).tobytes()).hexdigest()
+    for name, record in v41_vision_provenance["images"].items():
+        digest = hashlib.sha256(fixture_image_pixels(v41_vision_provenance, name).tobytes()).hexdigest()
         assert digest == record["pixels_sha256"], f"numpy draws image {name} differently now"
     assert "`make_fixtures.py`" in (FIXTURES / "README.md").read_text(encoding="utf-8")
 
@@ -131,17 +115,21 @@ def test_the_fixtures_say_where_they_came_from(provenance: dict, folder: Path) -
 # --------------------------------------------------------------------------- preprocessing
 
 
-def test_preprocessing_equals_the_official_bit_for_bit(golden: dict, provenance: dict, model) -> None:
+def test_preprocessing_equals_the_official_bit_for_bit(
+    v41_vision_golden: dict, v41_vision_provenance: dict, model
+) -> None:
     """Padding (aspect kept, grey bars), the resize, the normalisation and its bfloat16 rounding,
     and the patch order: every value equal."""
-    for name in provenance["images"]:
-        prepared = prepare_image(fixture_image_pixels(provenance, name), "auto", model.vision_args)
-        n_vit_h, n_vit_w, n_llm_h, n_llm_w = golden[f"{name}.grid"].tolist()
+    for name in v41_vision_provenance["images"]:
+        prepared = prepare_image(fixture_image_pixels(v41_vision_provenance, name), "auto", model.vision_args)
+        n_vit_h, n_vit_w, n_llm_h, n_llm_w = v41_vision_golden[f"{name}.grid"].tolist()
         assert (prepared.patch_rows, prepared.patch_columns) == (n_vit_h, n_vit_w), name
         assert (prepared.fit.rows, prepared.fit.columns) == (n_llm_h, n_llm_w), name
-        assert prepared.tokens == span_length(n_llm_h, n_llm_w) == golden[f"{name}.span_rows"].shape[0]
+        assert prepared.tokens == span_length(n_llm_h, n_llm_w) == v41_vision_golden[f"{name}.span_rows"].shape[0]
         assert prepared.patches.dtype == torch.bfloat16
-        assert torch.equal(prepared.patches.view(torch.int16), golden[f"{name}.patches"].view(torch.int16)), name
+        assert torch.equal(
+            prepared.patches.view(torch.int16), v41_vision_golden[f"{name}.patches"].view(torch.int16)
+        ), name
 
 
 def release_vision_args() -> VisionArgs:
@@ -231,79 +219,85 @@ def test_sizes_and_token_counts_equal_the_recipes_image_fit() -> None:
 # --------------------------------------------------------------------------- the tower and the prompt
 
 
-def test_span_rows_match_the_official_exact_math(golden: dict, provenance: dict, model) -> None:
-    for name in provenance["images"]:
-        rows = model.vision_tower.encode_image(fixture_image_pixels(provenance, name), "auto")
-        error = relative(rows, golden[f"{name}.exact_span_rows"])
+def test_span_rows_match_the_official_exact_math(v41_vision_golden: dict, v41_vision_provenance: dict, model) -> None:
+    for name in v41_vision_provenance["images"]:
+        rows = model.vision_tower.encode_image(fixture_image_pixels(v41_vision_provenance, name), "auto")
+        error = relative(rows, v41_vision_golden[f"{name}.exact_span_rows"])
         print(f"{name}: span rows {list(rows.shape)}, max |diff| / max |row| = {error:.2e}")
         assert error <= ROW_TOLERANCE, name
 
 
-def test_the_bfloat16_tower_matches_the_official_bfloat16_one(golden: dict, provenance: dict, folder: Path) -> None:
-    model = load_tiny_v41(folder, torch.bfloat16)
-    for name in provenance["images"]:
-        rows = model.vision_tower.encode_image(fixture_image_pixels(provenance, name), "auto")
+def test_the_bfloat16_tower_matches_the_official_bfloat16_one(
+    v41_vision_golden: dict, v41_vision_provenance: dict, v41_vision_checkpoint: Path
+) -> None:
+    model = load_tiny_v41(v41_vision_checkpoint, torch.bfloat16)
+    for name in v41_vision_provenance["images"]:
+        rows = model.vision_tower.encode_image(fixture_image_pixels(v41_vision_provenance, name), "auto")
         assert rows.dtype == torch.bfloat16
-        assert relative(rows, golden[f"{name}.span_rows"]) <= BF16_ROW_TOLERANCE, name
+        assert relative(rows, v41_vision_golden[f"{name}.span_rows"]) <= BF16_ROW_TOLERANCE, name
 
 
-def test_prefill_of_prompts_with_images_matches_the_official_exact_math(golden: dict, provenance: dict, model) -> None:
+def test_prefill_of_prompts_with_images_matches_the_official_exact_math(
+    v41_vision_golden: dict, v41_vision_provenance: dict, model
+) -> None:
     """Both prompts in one step (p1: two images with text between and after them; p2: the wide
     one): image rows in place of the embeddings, their router bias, Engram stopping at them."""
     runner = runner_of(model)
     chunks, spans = [], []
-    for prompt in provenance["prompts"]:
+    for prompt in v41_vision_provenance["prompts"]:
         offset = sum(len(tokens) for _, tokens in chunks)
-        chunks.append((prompt, golden[f"{prompt}.tokens"].tolist()))
-        rows = image_rows_of(model, golden, provenance, prompt, offset)
+        chunks.append((prompt, v41_vision_golden[f"{prompt}.tokens"].tolist()))
+        rows = image_rows_of(model, v41_vision_golden, v41_vision_provenance, prompt, offset)
         spans.append(rows)
     image_rows = ImageRows(torch.cat([r.rows for r in spans]), torch.cat([r.embeds for r in spans]))
     outputs = runner.step(chunks, image_rows=image_rows)
     for (prompt, _), logits in zip(chunks, outputs, strict=True):
-        assert_logits_match(logits, golden[f"{prompt}.exact_prefill_logits"], f"{prompt} prefill")
+        assert_logits_match(logits, v41_vision_golden[f"{prompt}.exact_prefill_logits"], f"{prompt} prefill")
         # The issue's rule against the official bfloat16 run (FP8 activations): no further from it
         # than the official exact math is.
-        official = golden[f"{prompt}.prefill_logits"].float()
-        allowed = row_errors(golden[f"{prompt}.exact_prefill_logits"], official) + TOLERANCE
+        official = v41_vision_golden[f"{prompt}.prefill_logits"].float()
+        allowed = row_errors(v41_vision_golden[f"{prompt}.exact_prefill_logits"], official) + TOLERANCE
         assert bool((row_errors(logits, official) <= allowed).all()), prompt
 
 
-def test_chunked_prefill_across_image_spans_matches(golden: dict, provenance: dict, model) -> None:
+def test_chunked_prefill_across_image_spans_matches(
+    v41_vision_golden: dict, v41_vision_provenance: dict, model
+) -> None:
     """p1 in chunks of 7 (an image span split across chunks, text after a span in a later
     chunk than the span: Engram's n-grams read the cached image positions as dead), then the
     greedy token fed back as a decode step checks nothing breaks after the prompt."""
     runner = runner_of(model)
-    tokens = golden["p1.tokens"].tolist()
-    everything = image_rows_of(model, golden, provenance, "p1")
+    tokens = v41_vision_golden["p1.tokens"].tolist()
+    everything = image_rows_of(model, v41_vision_golden, v41_vision_provenance, "p1")
     rows = []
     for start in range(0, len(tokens), 7):
         here = (everything.rows >= start) & (everything.rows < start + 7)
         chunk_rows = ImageRows(everything.rows[here] - start, everything.embeds[here])
         rows.append(runner.step([("p1", tokens[start : start + 7])], image_rows=chunk_rows)[0])
-    assert_logits_match(torch.cat(rows), golden["p1.exact_prefill_logits"], "p1 in chunks of 7")
+    assert_logits_match(torch.cat(rows), v41_vision_golden["p1.exact_prefill_logits"], "p1 in chunks of 7")
     decode = runner.step([("p1", [int(rows[-1][-1].argmax())])])[0]
     assert decode.shape == (1, 512) and bool(torch.isfinite(decode).all())
 
 
 def test_a_misplaced_newline_or_the_text_router_bias_is_caught(
-    golden: dict, provenance: dict, folder: Path, model
+    v41_vision_golden: dict, v41_vision_provenance: dict, v41_vision_checkpoint: Path, model
 ) -> None:
     """The checks above would fail if the newline rows went at the start of each token row
     instead of the end, or if image rows routed with the text bias."""
     prompt = "p2"
-    name = images_of(prompt, provenance)[0]
-    prepared = prepare_image(fixture_image_pixels(provenance, name), "auto", model.vision_args)
+    name = images_of(prompt, v41_vision_provenance)[0]
+    prepared = prepare_image(fixture_image_pixels(v41_vision_provenance, name), "auto", model.vision_args)
     rows = model.vision_tower.encode(prepared)
     r, c = prepared.fit.rows, prepared.fit.columns
     body = rows[1:-1].view(r, c + 1, -1)
     moved = torch.cat((rows[:1], torch.cat((body[:, -1:], body[:, :-1]), dim=1).flatten(0, 1), rows[-1:]))
-    assert relative(moved, golden[f"{name}.exact_span_rows"]) > 100 * ROW_TOLERANCE
-    tokens = golden[f"{prompt}.tokens"].tolist()
-    start = int(golden[f"{prompt}.image_starts"][0])
-    reference = golden[f"{prompt}.exact_prefill_logits"]
+    assert relative(moved, v41_vision_golden[f"{name}.exact_span_rows"]) > 100 * ROW_TOLERANCE
+    tokens = v41_vision_golden[f"{prompt}.tokens"].tolist()
+    start = int(v41_vision_golden[f"{prompt}.image_starts"][0])
+    reference = v41_vision_golden[f"{prompt}.exact_prefill_logits"]
     moved_logits = runner_of(model).step([(prompt, tokens)], image_rows=ImageRows.of_spans([(start, moved)]))[0]
     assert row_errors(moved_logits, reference).max() > 100 * TOLERANCE
-    text_biased = load_tiny_v41(folder)
+    text_biased = load_tiny_v41(v41_vision_checkpoint)
     for layer in text_biased.layers:
         layer.image_router_bias.copy_(layer.ffn.experts.e_score_correction_bias)
     logits = runner_of(text_biased).step([(prompt, tokens)], image_rows=ImageRows.of_spans([(start, rows)]))[0]
