@@ -76,12 +76,14 @@ def engine_of(llm: LLM) -> LLMEngine:
     return llm.engine
 
 
-def prefill(llm: LLM, prompt: list[int], max_tokens: int) -> float:
-    """Queue ``prompt`` and step until its first token is sampled; the seconds that took."""
+def prefill(llm: LLM, prompt: list[int], max_tokens: int, images: list[Any] | None = None) -> float:
+    """Queue ``prompt`` (with ``images``, one per image placeholder) and step until its first
+    token is sampled; the seconds that took."""
     from powertrain import SamplingParams
 
     engine = engine_of(llm)
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    extra = {"images": images} if images else {}
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), **extra)
     started = time.perf_counter()
     while not any(output.outputs[0].token_ids for output in engine.step()):
         if not engine.has_unfinished_requests():

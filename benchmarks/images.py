@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import engine_of, report
+from common import engine_of, prefill, report
 
-from powertrain import LLM, SamplingParams
+from powertrain import LLM
 from powertrain.interfaces.images import ImageInput
 from powertrain.models.deepseek_v41_vision import DeepseekV41Vision, VisionArgs
 from powertrain.testing.deepseek_v41 import RELEASE_IMAGE_SIZING, vision_weights, write_tiny_deepseek_v41
@@ -93,16 +93,6 @@ def time_sizes(tower: DeepseekV41Vision, sides: list[int], repeats: int) -> dict
     return results
 
 
-def first_token_s(llm: LLM, prompt: list[int], images: list[ImageInput]) -> float:
-    engine = engine_of(llm)
-    extra = {"images": images} if images else {}
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), **extra)
-    started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - started
-
-
 def time_to_first_token(vision_config: dict, side: int, repeats: int, dtype: str) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as scratch:
         folder = write_tiny_deepseek_v41(
@@ -118,10 +108,10 @@ def time_to_first_token(vision_config: dict, side: int, repeats: int, dtype: str
             text_chat = [int(t) for t in rng.integers(3, 500, len(text_ids) + positions)]
             images = [ImageInput.of_pixels(random_image(side, 7))]
             image_s, text_s = [], []
-            first_token_s(llm, text_chat[:32], [])  # warm the engine up
+            prefill(llm, text_chat[:32], 1)  # warm the engine up
             for _ in range(repeats):
-                image_s.append(first_token_s(llm, image_chat, images))
-                text_s.append(first_token_s(llm, text_chat, []))
+                image_s.append(prefill(llm, image_chat, 1, images))
+                text_s.append(prefill(llm, text_chat, 1))
                 engine_of(llm).runner.encoded_images.clear()  # the next image chat encodes again
     image, text = statistics.median(image_s), statistics.median(text_s)
     return {

@@ -127,11 +127,12 @@ def lay_out_images(
     placed there. Raises InvalidRequestError (naming the image) for pixels that are not RGB
     uint8, for a placeholder count other than the image count, and where the protocol
     adapter sized an image otherwise than this model's encoder does."""
-    counts = []
+    counts, wheres = [], []
     for index, image in enumerate(images):
         if not isinstance(image, ImageInput):
             raise InvalidRequestError(f"images[{index}] must be an ImageInput, got {type(image).__name__}")
         pixels, where = image.pixels, image.part.path or f"images[{index}]"
+        wheres.append(where)
         if not isinstance(pixels, np.ndarray) or pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
             shape = list(getattr(pixels, "shape", ()))
             raise InvalidRequestError(
@@ -162,9 +163,9 @@ def lay_out_images(
             digest=pixel_digest(image.pixels, image.part.detail),
             pixels=image.pixels,
             detail=image.part.detail,
-            path=image.part.path or f"images[{index}]",
+            path=where,
         )
-        for index, (image, (start, length)) in enumerate(zip(images, spans, strict=True))
+        for image, where, (start, length) in zip(images, wheres, spans, strict=True)
     )
     return expanded, placed
 

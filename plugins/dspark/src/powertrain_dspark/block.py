@@ -279,7 +279,7 @@ def shared_head(model: BlockDraftModel, target: Any, device: torch.device) -> bo
     the cheaper of the two (SmolLM2's 49,152 x 576 head: 45 ms per 7-row block in float32
     on a 2-core CPU, against a few ms through the target's). Checked on random rows, so a
     target whose logits differ from its plain head (a soft cap, a scale) keeps the drafter's."""
-    width = getattr(model, "hidden_size", None) or _width(model)
+    width = int(model.norm.weight.shape[-1])  # type: ignore[attr-defined]
     probe = torch.randn(4, width, generator=torch.Generator().manual_seed(0)).to(device)
     try:
         theirs = target.compute_logits(probe.to(_dtype(target))).float()
@@ -289,10 +289,6 @@ def shared_head(model: BlockDraftModel, target: Any, device: torch.device) -> bo
     if ours.shape != theirs.shape:
         return False
     return bool(((ours - theirs).abs().amax() / ours.abs().amax().clamp_min(1e-30)) <= SAME_HEAD_TOLERANCE)
-
-
-def _width(model: Any) -> int:
-    return int(model.norm.weight.shape[-1])
 
 
 def _dtype(module: Any) -> torch.dtype:
