@@ -9,6 +9,12 @@ child processes of this run therefore share one bytecode cache in a temporary fo
 (``PYTHONPYCACHEPREFIX``), so each module is compiled once per run; nothing is written
 into the virtual environment, and what the processes execute is unchanged.
 
+Parallel workers (pytest-xdist) share the cores: each computes with torch on its share of
+them (``torch.set_num_threads``), not on all. Two workers each running an OpenMP team as
+wide as a 2-core box oversubscribe it, and every parallel region then waits at its
+barrier for a thread the scheduler parked (the engine tests ran 16% faster on their
+share: 169 -> 143 s on a 2-core EPYC). Processes the tests start keep sizing themselves.
+
 The run also gets a cache folder of its own (``POWERTRAIN_CACHE_DIR``, e.g. the linear
 choice timings), so tests never read or write the user's ``~/.cache/powertrain``.
 """
@@ -23,11 +29,18 @@ from pathlib import Path
 
 import pytest
 
+from powertrain.cpu_budget import cpu_budget
+
 #: The conformance kit (with one run seed for every test: POWERTRAIN_TEST_SEED), and no process left behind.
 pytest_plugins = ["powertrain.testing", "powertrain.testing.processes"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, cpu_budget().cpus // workers))
     if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
         cache = tempfile.mkdtemp(prefix="powertrain-test-pycache-")
         os.environ.pop("PYTHONDONTWRITEBYTECODE")
