@@ -14,8 +14,9 @@ DSpark's confidences are first calibrated (per-position temperature scaling, as
 ``powertrain-dspark calibrate`` does) on a verification log of other prompts.
 With ``--block-drafter`` (a folder ``powertrain-dspark train-drafter`` wrote) the rows
 ``fixed-K-block`` (fixed-k, K = the drafter's block size unless named otherwise) and
-``dspark-block`` draft with it; its confidences are its own confidence head's, trained
-against acceptance, and are not recalibrated.
+``dspark-block`` draft with it; its confidences, its own confidence head's (trained against
+acceptance on the drafter's training text), are calibrated the same way on a log of this
+workload's other prompts.
 Printed per policy and concurrency: output
 tokens/s, draft tokens verified per request-step and tokens accepted per request-step
 (a request-step is one decoding step of one request that could speculate).
@@ -95,24 +96,24 @@ def closed_loop(llm: LLM, requests: list[str], concurrency: int, max_tokens: int
     }
 
 
-def calibrate(args: argparse.Namespace) -> str:
+def calibrate(args: argparse.Namespace, drafter: dict[str, object]) -> str:
     """DSpark's intended setup: per-position temperatures fitted (``powertrain-dspark
     calibrate``'s functions) on a verification log of other prompts, written by fixed-k
-    verifying every drafted position so that no position goes unobserved."""
+    verifying every drafted position so that no position goes unobserved. ``drafter``: the
+    ``[dspark]`` keys naming the drafter (and its drafts per step)."""
     from powertrain_dspark.calibration import Calibration, fit, read_log, split, survival_ece
 
     folder = Path(tempfile.mkdtemp(prefix="powertrain-dspark-calibration-"))
     log = folder / "verifications.jsonl"
     overrides = {"speculative": "fixed-k", "dtype": args.dtype, "max_num_seqs": 16, "memory_gib": args.kv_gib}
-    config = attrs.evolve(
-        apply_overrides(EngineConfig(), overrides), sections={"dspark": {"max_draft_tokens": 5, "log": str(log)}}
-    )
+    config = attrs.evolve(apply_overrides(EngineConfig(), overrides), sections={"dspark": {**drafter, "log": str(log)}})
     with LLM(config=config) as llm:
         closed_loop(llm, prompts(llm, 48, seed=args.seed + 2), 8, args.max_tokens)
     fitting, held = split(read_log(log), 0.3, args.seed)
     calibration = fit(fitting)
     before, after = survival_ece(held, Calibration()), survival_ece(held, calibration)
-    print(f"calibration: temperatures {[round(t, 3) for t in calibration.temperatures]}")
+    named = drafter.get("drafter", "ngram")
+    print(f"calibration ({named} drafter): temperatures {[round(t, 3) for t in calibration.temperatures]}")
     print(f"held-out survival ECE per position before {before} after {after}", flush=True)
     calibration.save(folder / "calibration.json")
     return str(folder / "calibration.json")
@@ -147,7 +148,11 @@ def main() -> None:
     elif any(p.endswith("-block") for p in args.policies):
         parser.error("the -block policies need --block-drafter")
     dspark_rows = {"dspark", "dspark-sync"} & set(args.policies)
-    calibration = calibrate(args) if args.calibrate and dspark_rows else ""
+    calibration = calibrate(args, {"max_draft_tokens": 5}) if args.calibrate and dspark_rows else ""
+    block_calibration = ""
+    if args.calibrate and "dspark-block" in args.policies:
+        drafter = {"drafter": "block", "draft_model": str(Path(args.block_drafter).expanduser())}
+        block_calibration = calibrate(args, {**drafter, "max_draft_tokens": block})
 
     engines: dict[str, LLM] = {}
     for policy in args.policies:
@@ -157,7 +162,7 @@ def main() -> None:
         elif policy in ("dspark", "dspark-sync"):
             speculative, section = "dspark", {"calibration": calibration} if calibration else {}
         elif policy == "dspark-block":
-            speculative = "dspark"
+            speculative, section = "dspark", {"calibration": block_calibration} if block_calibration else {}
         if policy.endswith("-block"):
             section |= {"drafter": "block", "draft_model": str(Path(args.block_drafter).expanduser())}
             if policy == "dspark-block":

@@ -268,15 +268,15 @@ def test_every_proposal_equals_the_drafter_from_scratch(
         for cache in drafter.caches:  # an entry never written would show as NaN
             for tensor in cache.values():
                 tensor.fill_(float("nan"))
-        propose = drafter.propose
+        session = drafter.session
+        sessions: list[tuple[list[list[int]], Any]] = []
 
-        def spy(slots: list) -> DraftBatch:
-            drafted = propose(slots)
-            for slot, tokens, confidences in zip(slots, drafted.tokens, drafted.confidences, strict=True):
-                proposals.append((list(slot.token_ids), list(tokens), list(confidences)))
-            return drafted
+        def spy(slots: list) -> Any:
+            drafting = session(slots)
+            sessions.append(([list(slot.token_ids) for slot in slots], drafting))
+            return drafting
 
-        drafter.propose = spy  # type: ignore[method-assign]
+        drafter.session = spy  # type: ignore[method-assign]
         params = [greedy(24)] * len(batch)
         if case == "prefix-hit":
             got = [list(llm.generate(batch[:1], params[:1])[0].outputs[0].token_ids)]
@@ -284,6 +284,10 @@ def test_every_proposal_equals_the_drafter_from_scratch(
         else:
             got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
         stats, overlapped = llm.engine.stats(), llm.engine.runner.overlapped_steps
+    for histories, drafting in sessions:  # the drafts each step's rule drew
+        drafted: DraftBatch = drafting.drafts()
+        for history, tokens, confidences in zip(histories, drafted.tokens, drafted.confidences, strict=True):
+            proposals.append((history, list(tokens), list(confidences)))
     where = f"{case}, seed={seed}, checkpoint seed={CHECKPOINT_SEED[0]}"
     assert (overlapped > 0) == (case == "overlapped"), where
     assert got == expected, where

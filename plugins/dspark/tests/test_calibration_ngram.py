@@ -50,6 +50,29 @@ def test_sequential_temperature_scaling_recovers_the_temperatures() -> None:
     records = synthetic_records(6000, truth, seed=1)
     fitted = fit(records)
     assert fitted.temperatures == pytest.approx(truth, rel=0.15)
+    assert fitted.biases == pytest.approx((0.0, 0.0, 0.0), abs=0.25)  # no offset in the truth
+
+
+def test_the_bias_corrects_a_drafter_confident_across_the_board() -> None:
+    """True acceptance σ(logit(raw) - 2) at every position: an overconfident drafter. A
+    temperature alone cannot lower a confidence of 0.5; the fitted bias recovers the offset
+    and the held-out error falls well below what the best temperature alone leaves."""
+    rng = random.Random(3)
+    records = []
+    for _ in range(6000):
+        raw = tuple(rng.uniform(0.3, 0.95) for _ in range(rng.randint(1, 3)))
+        accepted = 0
+        while accepted < len(raw) and rng.random() < sigmoid(math.log(raw[accepted] / (1 - raw[accepted])) - 2.0):
+            accepted += 1
+        records.append(Record(raw, accepted))
+    fitting, held_out = split(records, held_out=0.5, seed=0)
+    fitted = fit(fitting)
+    # positions 1 and 2 (~3,000 and ~450 fitted records; position 3 sees ~50)
+    assert fitted.temperatures[:2] == pytest.approx((1.0, 1.0), rel=0.2)
+    assert fitted.biases[:2] == pytest.approx((-2.0, -2.0), abs=0.3)
+    temperature_only = Calibration(fitted.temperatures)  # the same temperatures, no bias
+    after, without_bias = survival_ece(held_out, fitted), survival_ece(held_out, temperature_only)
+    assert after[1] < 0.05 < 0.15 < without_bias[1]
 
 
 def test_calibration_lowers_held_out_error() -> None:
@@ -72,6 +95,9 @@ def test_calibration_files_round_trip_and_bad_ones_are_named(tmp_path) -> None:
     Calibration((0.5, 2.0)).save(path, {"ece": 0.1})
     loaded = Calibration.load(path)
     assert loaded.temperatures == (0.5, 2.0)
+    assert loaded.biases == ()
+    Calibration((0.5, 2.0), (0.25, -1.0)).save(path)
+    assert Calibration.load(path).at(2, 0.9) == pytest.approx(sigmoid(math.log(9) / 2.0 - 1.0))
     assert loaded.apply([0.5, 0.5, 0.9])[2] == pytest.approx(sigmoid(math.log(9) / 2.0))  # past the fit: last T
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="bad.json: not a DSpark calibration file"):

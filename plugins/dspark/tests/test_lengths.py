@@ -11,9 +11,12 @@ from powertrain_dspark.lengths import (
     StepsPerSecond,
     StepsPerSecondGrid,
     dspark_lengths,
+    dspark_rule,
     fixed_lengths,
+    fixed_rule,
     survival,
     top_k_lengths,
+    top_k_rule,
 )
 
 
@@ -104,3 +107,62 @@ def test_top_k_lengths_take_the_best_candidates_as_prefixes() -> None:
 
 def test_fixed_lengths() -> None:
     assert fixed_lengths([5, 2, 0], 3) == [3, 2, 0]
+
+
+class OnDemand:
+    """A ``Drafting`` over known confidences that enforces the order a drafter imposes: the
+    confidence of draft j is readable only once draft j-1 is drawn. Records every draw."""
+
+    def __init__(self, confidences: list[list[float]]) -> None:
+        self.confidences = confidences
+        self.drawn = [0] * len(confidences)
+        self.draws: list[tuple[int, int]] = []
+
+    def confidence(self, row: int, position: int) -> float | None:
+        assert position <= self.drawn[row] + 1, f"row {row}: confidence {position} read before draft {position - 1}"
+        known = self.confidences[row]
+        return known[position - 1] if position <= len(known) else None
+
+    def draw(self, wanted) -> None:
+        for row, position in wanted:
+            assert position == self.drawn[row] + 1, f"row {row}: draft {position} drawn out of order"
+            assert position <= len(self.confidences[row])
+            self.drawn[row] = position
+            self.draws.append((row, position))
+
+
+def random_confidences(rng: random.Random) -> list[list[float]]:
+    """Rows of random confidences, coarse enough for survival ties across rows and positions."""
+    return [[round(rng.random() ** 0.3, 1) for _ in range(rng.randint(0, 6))] for _ in range(rng.randint(1, 40))]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_drawing_on_demand_admits_what_full_drafts_would_and_draws_only_those(seed: int) -> None:
+    """The rules walk candidates drawing a row's next draft only when needed: the lengths
+    equal the plain ranking over fully drawn drafts (``reference_greedy``, and the top-k
+    ranking for the lagged budget), and every draft drawn is one that is verified."""
+    rng = random.Random(seed)
+    confidences = random_confidences(rng)
+    sps = linear_profile(1.0, rng.uniform(0.001, 0.1))
+    base = len(confidences) + rng.randint(0, 50)
+    source = OnDemand(confidences)
+    lengths = dspark_rule(source, len(confidences), sps, base, len(confidences))
+    assert lengths == reference_greedy(confidences, sps, base, len(confidences))
+    assert source.drawn == lengths
+    budget = rng.randint(0, 30)
+    source = OnDemand(confidences)
+    lengths = top_k_rule(source, len(confidences), budget)
+    assert lengths == top_k_lengths(confidences, budget)
+    assert source.drawn == lengths
+    source = OnDemand(confidences)
+    assert fixed_rule(source, len(confidences), 3) == fixed_lengths([len(c) for c in confidences], 3)
+    assert source.drawn == fixed_lengths([len(c) for c in confidences], 3)
+
+
+def test_drawing_on_demand_keeps_the_tie_order() -> None:
+    """A row whose admitted draft is undrawn may tie the best known candidate: its next
+    draft is drawn first, so ties still go to the earlier position, then the lower row."""
+    confidences = [[0.5, 1.0], [1.0, 0.5]]  # (1.0, r1, j1), then 0.5 for (r0, j1), (r0, j2), (r1, j2)
+    assert top_k_lengths(confidences, 3) == [2, 1]
+    source = OnDemand(confidences)
+    assert top_k_rule(source, 2, 3) == [2, 1]

@@ -109,8 +109,8 @@ class PeekingRule(SpeculativeDecoder):
     """The control: verifies draft 1 only when it is token 0 — a choice that looks at the
     draft it is choosing whether to test, which biases the output."""
 
-    def verify_lengths(self, proposal, batch):
-        return [1 if tokens and tokens[0] == 0 else 0 for tokens in proposal.tokens]
+    def choose_lengths(self, drafting, rows, batch):
+        return [1 if tokens and tokens[0] == 0 else 0 for tokens in drafting.session.drafts().tokens]
 
 
 def forbidden(prefix: tuple[int, ...]) -> int | None:
@@ -179,8 +179,8 @@ def _run(
                 )
                 for seq_id, (tokens, generator) in live.items()
             ]
-            proposal = policy.propose(slots)
-            lengths = policy.verify_lengths(proposal, VerifyBatch(base_tokens=len(slots), num_sampling=len(slots)))
+            proposal = policy.propose(slots, VerifyBatch(base_tokens=len(slots), num_sampling=len(slots)))
+            lengths = list(proposal.lengths)
             chosen.update(lengths)
             logits, plain = [], []
             for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):

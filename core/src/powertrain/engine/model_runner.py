@@ -273,14 +273,11 @@ class ModelRunner:
         lengths: list[int] = []
         proposal = None
         if slots:
-            proposal = policy.propose(slots)
             step = VerifyBatch(base_tokens=batch.num_tokens, num_sampling=sum(batch.samples), num_seqs=len(batch.seqs))
-            lengths = [int(n) for n in policy.verify_lengths(proposal, step)]
-            if len(lengths) != len(slots) or any(
-                not 0 <= n <= len(t) for n, t in zip(lengths, proposal.tokens, strict=True)
-            ):
-                drafted = [len(t) for t in proposal.tokens]
-                raise RuntimeError(f"the speculative policy returned lengths {lengths} for drafts of {drafted}")
+            proposal = policy.propose(slots, step)
+            if len(proposal.slots) != len(slots):
+                raise RuntimeError(f"the speculative policy proposed for {len(proposal.slots)} of {len(slots)} slots")
+            lengths = [int(n) for n in proposal.lengths]
             allowed = self._grammar_allowed(batch, members, proposal, lengths)
             constrained: list[tuple[int, int]] = []  # (slot, drafts its verified rows are masked after)
             for slot_index, index in enumerate(members):

@@ -2,21 +2,21 @@
 
 A step with speculation: the scheduler forms the batch as usual; then every decoding
 sequence that may speculate becomes a ``DraftSlot``, the policy ``propose``s draft
-tokens with confidences, decides with ``verify_lengths`` how many of each to verify
-(for the whole batch at once), and those drafts join the step's inputs, so it
-computes ``1 + ℓ`` tokens for each sequence. The model runner hands the target's
-logits of those rows to ``verify``, which returns the tokens each sequence keeps
-(accepted drafts plus one token sampled from the target). The sequence's computed-token
-count then moves on by the accepted drafts only, so the rejected drafts' cache slots
-are simply written again later.
+tokens with confidences and how many of each to verify (for the whole batch at once;
+one decision, so a drafter need not draft past what is verified), and those drafts
+join the step's inputs, so it computes ``1 + ℓ`` tokens for each sequence. The model
+runner hands the target's logits of those rows to ``verify``, which returns the tokens
+each sequence keeps (accepted drafts plus one token sampled from the target). The
+sequence's computed-token count then moves on by the accepted drafts only, so the
+rejected drafts' cache slots are simply written again later.
 
 Overlap (async scheduling). The engine thread schedules step N+1 and reserves cache
 blocks for its drafts while step N runs; it cannot draft, because N+1's drafts follow
 from the tokens N keeps. So it hands the device thread a snapshot of each sequence, and
 the device thread, once N has run, puts N's kept tokens in (a sequence that accepted
 drafts moves on by as many positions; one whose kept tokens end it, by a stop token or
-its length, leaves the step), asks the policy to ``propose`` and choose
-``verify_lengths``, prepares the step and runs it. Meanwhile the engine thread turns N's
+its length, leaves the step), asks the policy to ``propose``, prepares the step and
+runs it. Meanwhile the engine thread turns N's
 tokens into outputs (detokenization, stop strings). What the policy sees, and so what
 it decides, is what it would see with synchronous steps; a policy may also plan its
 verification budget from an earlier step (DSpark's lagged budget).
@@ -65,7 +65,8 @@ class DraftSlot:
 
 @attrs.frozen(kw_only=True)
 class Proposal:
-    """Drafts for each slot (same order), with their confidences.
+    """Drafts for each slot (same order), with their confidences, and how many of each
+    slot's drafts the step verifies (``lengths``: at most its drafts).
 
     ``confidences[i][k]`` is c(i, k+1): the predicted probability that draft k+1 is
     accepted given that the drafts before it were; it may depend on the drafts before
@@ -79,11 +80,15 @@ class Proposal:
     tokens: list[list[int]]
     confidences: list[list[float]]
     draft_probs: list[torch.Tensor | None]
+    lengths: list[int]
 
     def __attrs_post_init__(self) -> None:
         n = len(self.slots)
-        if not (len(self.tokens) == len(self.confidences) == len(self.draft_probs) == n):
-            raise ValueError("a Proposal needs tokens, confidences and draft_probs for every slot")
+        if not (len(self.tokens) == len(self.confidences) == len(self.draft_probs) == len(self.lengths) == n):
+            raise ValueError("a Proposal needs tokens, confidences, draft_probs and lengths for every slot")
+        if any(not 0 <= length <= len(tokens) for length, tokens in zip(self.lengths, self.tokens, strict=True)):
+            drafted = [len(t) for t in self.tokens]
+            raise ValueError(f"a Proposal verifies {self.lengths} drafts of slots that drafted {drafted}")
         for slot, tokens, confidences in zip(self.slots, self.tokens, self.confidences, strict=True):
             if len(tokens) != len(confidences) or len(tokens) > slot.max_draft:
                 raise ValueError(
@@ -94,7 +99,7 @@ class Proposal:
 
 @attrs.frozen(kw_only=True)
 class VerifyBatch:
-    """What ``verify_lengths`` may know of the step besides the drafts."""
+    """What ``propose`` may know of the step besides the drafts (to choose their lengths)."""
 
     #: Tokens the step computes without any draft (each decoding sequence's one token
     #: plus prefill chunks).
@@ -294,9 +299,8 @@ class SpeculativePolicy(Protocol):
     """Drafts tokens, decides how many to verify, and verifies them losslessly.
 
     Built by its record's factory from a ``SpeculativeContext``. Everything runs on the
-    device thread: ``propose`` and ``verify_lengths`` before the step's forward (the step
-    before has run by then, so every token so far is known), ``verify`` and ``observe``
-    after it.
+    device thread: ``propose`` before the step's forward (the step before has run by then,
+    so every token so far is known), ``verify`` and ``observe`` after it.
     """
 
     #: The most drafts ``propose`` gives one sequence in a step: the engine reserves cache
@@ -307,13 +311,10 @@ class SpeculativePolicy(Protocol):
     #: does not produce them.
     #: taps: tuple[HiddenTap, ...]
 
-    def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
-        """Draft tokens and confidences per slot."""
-        ...
-
-    def verify_lengths(self, proposal: Proposal, batch: VerifyBatch) -> Sequence[int]:
-        """How many draft tokens of each slot to verify this step; a length may not
-        exceed the slot's drafts."""
+    def propose(self, slots: Sequence[DraftSlot], batch: VerifyBatch) -> Proposal:
+        """Draft tokens and confidences per slot, and how many of each to verify this step
+        (one decision: a drafter that drafts position by position need not draft past
+        what is verified)."""
         ...
 
     def verify(

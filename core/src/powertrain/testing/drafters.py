@@ -318,22 +318,23 @@ def check_engine_proposals(
     from powertrain import LLM, SamplingParams
 
     prompt = tokens[:prompt_len]
-    proposals = []
+    sessions = []
     with LLM(config=config) as llm:
         drafter = llm.speculative_policy.drafter
-        propose = drafter.propose
+        session = drafter.session
 
         def spy(slots: list) -> Any:
-            drafted = propose(slots)
-            proposals.extend(
-                (len(slot.token_ids) - 1, t, c)
-                for slot, t, c in zip(slots, drafted.tokens, drafted.confidences, strict=True)
-            )
-            return drafted
+            drafting = session(slots)
+            sessions.append(([len(slot.token_ids) - 1 for slot in slots], drafting))
+            return drafting
 
-        drafter.propose = spy
+        drafter.session = spy
         params = SamplingParams(temperature=0, max_tokens=len(tokens) - prompt_len, ignore_eos=True)
         output = llm.generate([prompt], [params])[0].outputs[0].token_ids
+    proposals = []  # (anchor, drafts, confidences): the drafts each step's rule drew
+    for anchors, drafting in sessions:
+        drafted = drafting.drafts()
+        proposals.extend(zip(anchors, drafted.tokens, drafted.confidences, strict=True))
     assert prompt + list(output) == tokens, "the engine's greedy continuation is not the fixture's"
     anchors = [anchor for anchor, drafts, _ in proposals if drafts and f"{scenario}.anchor_{anchor}.tokens" in golden]
     assert len(anchors) >= 5, f"only {len(anchors)} blocks at fixture anchors: {proposals}"

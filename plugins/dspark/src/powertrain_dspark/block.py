@@ -22,12 +22,14 @@ own blocks or, past them, in private scratch blocks; the context entries written
 overwrite them, and nothing reads them before. The block's base logits come from the
 drafter's head, or from the target's where they are the same weights (``shared_head``:
 DeepSpec freezes a copy of the target's head in its drafters, and the target's is often a
-quantised kernel, several times cheaper). Drafts are then chosen one after another:
-each draft's logits are the block's plus the Markov bias of the draft before it (the
-anchor for the first), greedy requests take the argmax, sampling requests draw from that
-distribution processed as the target's (verification's q). The confidence of a draft is
-the confidence head's, from its block output and the token before it; without a head,
-its distribution's largest probability.
+quantised kernel, several times cheaper). Drafts are then drawn one after another, on demand
+(``session``: the length rule draws only the drafts it verifies, ``lengths``' module
+doc): each draft's logits are the block's plus the Markov bias of the draft before it
+(the anchor for the first), greedy requests take the argmax, sampling requests draw from
+that distribution processed as the target's (verification's q). The confidence of a
+draft is the confidence head's, from its block output and the token before it, known
+before the draft's logits are computed; without a head, its distribution's largest
+probability.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ class BlockDrafter:
     # -- before each forward ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
+    def session(self, slots: Sequence[DraftSlot]) -> _BlockSession:
+        """Every slot's block in one forward; its drafts drawn on demand (``DraftSession``)."""
         jobs: list[_Job] = []
         for i, slot in enumerate(slots):
             state = self._contexts.get(slot.seq_id)
@@ -197,13 +200,17 @@ class BlockDrafter:
                 continue  # no complete context to draft from (cannot happen after a step that sampled it)
             owned = -(-anchor // self.block_size)  # blocks holding the context
             jobs.append(_Job(i, slot, anchor, count, state.blocks[:owned]))
-        tokens: list[list[int]] = [[] for _ in slots]
-        confidences: list[list[float]] = [[] for _ in slots]
-        probs: list[torch.Tensor | None] = [None] * len(slots)
+        hidden: dict[int, torch.Tensor] = {}
         for group in self._groups(jobs):
-            for job, (drafts, raw, q) in zip(group, self._draft(group), strict=True):
-                tokens[job.index], confidences[job.index], probs[job.index] = drafts, raw, q
-        return DraftBatch(tokens=tokens, confidences=confidences, draft_probs=probs)
+            for job, block in zip(group, self._block(group), strict=True):
+                hidden[job.index] = block
+        return _BlockSession(self, len(slots), jobs, hidden)
+
+    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
+        """Every slot's whole block of drafts."""
+        session = self.session(slots)
+        session.draw_all()
+        return session.drafts()
 
     def record(self, seq_id: int, verified: int, accepted: int) -> None:
         """Nothing to learn online: the confidences come from the drafter's trained head."""
@@ -225,8 +232,8 @@ class BlockDrafter:
             used += needed
         return groups
 
-    def _draft(self, jobs: Sequence[_Job]) -> list[tuple[list[int], list[float], torch.Tensor | None]]:
-        """One block per job in one forward, then the drafts chosen position by position."""
+    def _block(self, jobs: Sequence[_Job]) -> torch.Tensor:
+        """One block per job in one forward: the outputs ``[jobs, block, hidden]``."""
         size = self.draft_block
         scratch = iter(self.scratch_blocks)
         tables = [job.table + [next(scratch) for _ in range(self._blocks_needed(job) - len(job.table))] for job in jobs]
@@ -239,37 +246,99 @@ class BlockDrafter:
         )
         ids = [tok for job in jobs for tok in (job.slot.token_ids[-1], *(self.mask_token_id,) * (size - 1))]
         positions = [p for job in jobs for p in range(job.anchor, job.anchor + size)]
-        hidden = self.model.block(
+        return self.model.block(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, metadata
         ).view(len(jobs), size, -1)
-        drafted = max(job.count for job in jobs)  # block positions whose logits are read
-        base = self.base_logits(hidden[:, :drafted].reshape(len(jobs) * drafted, -1)).view(len(jobs), drafted, -1)
-        tokens: list[list[int]] = [[] for _ in jobs]
-        confidences: list[list[float]] = [[] for _ in jobs]
-        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
-        previous = torch.tensor([job.slot.token_ids[-1] for job in jobs], device=self.device)
-        active = list(range(len(jobs)))
-        for k in range(max(job.count for job in jobs)):
-            rows = torch.tensor(active, device=self.device)
-            out = hidden[rows, k]
-            logits = self.model.corrected_logits(base[rows, k], previous, out)
-            chosen, raw, q = draw_drafts(
-                logits, [jobs[j].slot.params for j in active], [jobs[j].slot.generator for j in active]
-            )
-            head = self.model.confidence(out, previous)
-            if head is not None:
-                raw = head.tolist()
-            for row, j in enumerate(active):
-                tokens[j].append(chosen[row])
-                confidences[j].append(raw[row])
-                if q[row] is not None:
-                    probs[j].append(q[row])  # type: ignore[arg-type]
-            going = [row for row, j in enumerate(active) if len(tokens[j]) < jobs[j].count]
-            active = [active[row] for row in going]
-            previous = torch.tensor([chosen[row] for row in going], device=self.device)
-            if not active:
-                break
-        return [(tokens[j], confidences[j], torch.stack(probs[j]) if probs[j] else None) for j in range(len(jobs))]
+
+
+class _BlockSession:
+    """One step's blocks, their drafts drawn one position at a time on demand. A draft's
+    logits (the base logits through the head and the Markov bias over the vocabulary, most
+    of drafting's cost) are computed when it is drawn; its confidence, from the confidence
+    head, before (it needs the block output and the draft before it only). Without a
+    confidence head a draft's confidence is its distribution's largest probability, so its
+    logits come first."""
+
+    def __init__(self, drafter: BlockDrafter, slots: int, jobs: Sequence[_Job], hidden: dict[int, torch.Tensor]):
+        self.drafter = drafter
+        self.model = drafter.model
+        self.device = drafter.device
+        self.jobs = {job.index: job for job in jobs}
+        self.hidden = hidden  # row -> its block's outputs [block, hidden]
+        self.tokens: list[list[int]] = [[] for _ in range(slots)]
+        self.raw: list[list[float]] = [[] for _ in range(slots)]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+        self.upcoming: dict[int, float] = {}  # row -> the raw confidence of its next draft
+        self.ready: dict[int, tuple[int, torch.Tensor | None]] = {}  # row -> its next draft (headless drafters)
+        self._prepare(sorted(self.jobs))
+
+    def confidence(self, row: int, position: int) -> float | None:
+        drawn = self.raw[row]
+        if position <= len(drawn):
+            return drawn[position - 1]
+        if position != len(drawn) + 1:
+            raise ValueError(f"slot {row}: confidence of draft {position} asked before draft {position - 1} was drawn")
+        return self.upcoming.get(row)
+
+    def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
+        rows = []
+        for row, position in wanted:
+            if position <= len(self.tokens[row]):
+                continue
+            if position != len(self.tokens[row]) + 1 or row not in self.upcoming:
+                raise ValueError(f"slot {row}: draft {position} cannot be drawn (it has {len(self.tokens[row])})")
+            rows.append(row)
+        computed = [row for row in rows if row not in self.ready]
+        if computed:
+            chosen, _, q = self._choose(computed)
+            for row, token, dist in zip(computed, chosen, q, strict=True):
+                self.ready[row] = (token, dist)
+        for row in rows:
+            token, dist = self.ready.pop(row)
+            self.tokens[row].append(token)
+            self.raw[row].append(self.upcoming.pop(row))
+            if dist is not None:
+                self.probs[row].append(dist)
+        self._prepare(rows)
+
+    def draw_all(self) -> None:
+        """Every draft of every block, position by position."""
+        while self.upcoming:
+            self.draw([(row, len(self.tokens[row]) + 1) for row in sorted(self.upcoming)])
+
+    def drafts(self) -> DraftBatch:
+        probs = [torch.stack(p) if p else None for p in self.probs]
+        return DraftBatch(tokens=self.tokens, confidences=self.raw, draft_probs=probs)
+
+    def _previous(self, rows: Sequence[int]) -> torch.Tensor:
+        """Each row's token before its next draft: its last draft, or the anchor."""
+        previous = [self.tokens[row][-1] if self.tokens[row] else self.jobs[row].slot.token_ids[-1] for row in rows]
+        return torch.tensor(previous, device=self.device)
+
+    def _outputs(self, rows: Sequence[int]) -> torch.Tensor:
+        """Each row's block output at its next draft."""
+        return torch.stack([self.hidden[row][len(self.tokens[row])] for row in rows])
+
+    def _choose(self, rows: Sequence[int]) -> tuple[list[int], list[float], list[torch.Tensor | None]]:
+        """The next draft of each row: its logits, the token and (sampling) q."""
+        out = self._outputs(rows)
+        logits = self.model.corrected_logits(self.drafter.base_logits(out), self._previous(rows), out)
+        jobs = [self.jobs[row] for row in rows]
+        return draw_drafts(logits, [job.slot.params for job in jobs], [job.slot.generator for job in jobs])
+
+    def _prepare(self, rows: Sequence[int]) -> None:
+        """The confidence of each row's next draft, where it has one."""
+        rows = [row for row in rows if len(self.tokens[row]) < self.jobs[row].count]
+        if not rows:
+            return
+        head = self.model.confidence(self._outputs(rows), self._previous(rows))
+        if head is not None:
+            self.upcoming.update(zip(rows, head.tolist(), strict=True))
+            return
+        chosen, raw, q = self._choose(rows)
+        for row, token, confidence, dist in zip(rows, chosen, raw, q, strict=True):
+            self.ready[row] = (token, dist)
+            self.upcoming[row] = confidence
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ def main() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffles records before the split.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def calibrate_command(log: str, out: str, held_out: float, seed: int, as_json: bool) -> None:
-    """Fit per-position temperatures on LOG (written by an engine with ``[dspark] log``)
+    """Fit per-position temperatures and biases on LOG (written by an engine with ``[dspark] log``)
     and report the survival's expected calibration error on held-out records."""
     from powertrain_dspark.calibration import Calibration, fit, read_log, split, survival_ece
 
@@ -38,6 +38,7 @@ def calibrate_command(log: str, out: str, held_out: float, seed: int, as_json: b
     report = {
         "records": {"fit": len(fitting), "held_out": len(held)},
         "temperatures": list(calibration.temperatures),
+        "biases": list(calibration.biases),
         "held_out_ece_before": before,
         "held_out_ece_after": after,
     }
@@ -46,10 +47,11 @@ def calibrate_command(log: str, out: str, held_out: float, seed: int, as_json: b
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"{len(fitting)} records fitted, {len(held)} held out -> {out}")
-    click.echo(f"{'position':>8} {'temperature':>11} {'ECE before':>10} {'ECE after':>9}")
-    for k, temperature in enumerate(calibration.temperatures, start=1):
+    click.echo(f"{'position':>8} {'temperature':>11} {'bias':>7} {'ECE before':>10} {'ECE after':>9}")
+    for k, (temperature, bias) in enumerate(zip(calibration.temperatures, calibration.biases, strict=True), start=1):
         click.echo(
-            f"{k:>8} {temperature:>11.3f} {before.get(k, float('nan')):>10.4f} {after.get(k, float('nan')):>9.4f}"
+            f"{k:>8} {temperature:>11.3f} {bias:>7.3f} "
+            f"{before.get(k, float('nan')):>10.4f} {after.get(k, float('nan')):>9.4f}"
         )
 
 

@@ -37,9 +37,47 @@ class DraftBatch:
         return list(self.draft_probs) if self.draft_probs is not None else [None] * len(self.tokens)
 
 
+class DraftSession(Protocol):
+    """One step's drafts, drawn position by position on demand (``lengths.Drafting`` with raw
+    confidences): the length rule draws only the drafts it verifies."""
+
+    def confidence(self, row: int, position: int) -> float | None:
+        """The raw confidence of draft ``position`` of slot ``row`` (the drafts before it
+        drawn); None where the slot has no draft there."""
+        ...
+
+    def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
+        """Draw draft ``position`` of slot ``row`` for each pair (the drafts before it drawn;
+        drawing one drawn already does nothing)."""
+        ...
+
+    def drafts(self) -> DraftBatch:
+        """The drafts drawn so far."""
+        ...
+
+
+@attrs.frozen
+class Drawn:
+    """A ``DraftSession`` over drafts drawn in full (a drafter without ``session``)."""
+
+    batch: DraftBatch
+
+    def confidence(self, row: int, position: int) -> float | None:
+        known = self.batch.confidences[row]
+        return known[position - 1] if position <= len(known) else None
+
+    def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
+        """Drawn already."""
+
+    def drafts(self) -> DraftBatch:
+        return self.batch
+
+
 class Drafter(Protocol):
     """Optional, found by name: ``taps`` (the target's hidden states it reads, handed over in
-    ``observe``'s ``ExecutedStep.taps``) and ``observe(step)``."""
+    ``observe``'s ``ExecutedStep.taps``), ``observe(step)``, and ``session(slots)`` (a
+    ``DraftSession``: drafts drawn on demand, for a drafter whose drafts are dear; without it
+    the policy takes ``propose``'s)."""
 
     #: The most drafts it proposes for one slot.
     max_draft_tokens: int

@@ -24,12 +24,23 @@ highest current survival are admitted. The causal property holds for the same
 reason: whether (r, j) is among the top K depends on its rank, i.e. on candidates
 with survival ≥ a(r, j), none of which is a later position of r; K itself comes from
 a finished step.
+
+Drawing drafts on demand. A candidate's confidence c(r, j) needs only drafts 1..j-1 of r,
+so the rules here walk the candidates in that order over a ``Drafting`` (``_Walk``) and
+draw draft j of r only once (r, j) is admitted, or once a later candidate of r could
+come before the best one known: a drafter whose drafts are dear (the block drafter's
+vocabulary projections) pays for the drafts verified, not for a whole block. The walk
+admits exactly what ranking every candidate of fully drawn drafts would: a row's next
+candidate is drawn whenever its survival bound (the survival of its last admitted
+draft) reaches the best known candidate's.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -123,6 +134,81 @@ class StepsPerSecondGrid:
         return StepsPerSecond.from_profile({b: 1.0 / max(intercept + slope * b, floor) for b in (n, n * widest + 1)})
 
 
+class Drafting(Protocol):
+    """Drafts drawn on demand, position by position (``drafter.DraftSession``, its
+    confidences calibrated)."""
+
+    def confidence(self, row: int, position: int) -> float | None:
+        """c(row, position), drafts 1..position-1 of ``row`` drawn; None: no draft there."""
+        ...
+
+    def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
+        """Draw draft ``position`` of ``row`` for each pair (the drafts before it drawn)."""
+        ...
+
+
+@attrs.frozen
+class _Known:
+    """Confidences of drafts drawn in full: a ``Drafting`` with nothing left to draw."""
+
+    confidences: Sequence[Sequence[float]]
+
+    def confidence(self, row: int, position: int) -> float | None:
+        known = self.confidences[row]
+        return float(known[position - 1]) if position <= len(known) else None
+
+    def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
+        """Drawn already."""
+
+
+class _Walk:
+    """The candidates (a, r, j) in DSpark's order (survival highest first; ties: earlier
+    position, then row) over a ``Drafting``, drawing a row's next draft only when its next
+    candidate could come before the best known one (module doc)."""
+
+    def __init__(self, drafting: Drafting, rows: int) -> None:
+        self.drafting = drafting
+        self.lengths = [0] * rows
+        self.alive = [1.0] * rows  # survival of each row's admitted drafts
+        self.known: list[tuple[float, int, int]] = []  # heap of (-a, j, r)
+        self.undrawn: dict[int, float] = {}  # row -> survival of its admitted, undrawn draft
+        for row in range(rows):
+            self._push(row)
+
+    def _push(self, row: int) -> None:
+        position = self.lengths[row] + 1
+        c = self.drafting.confidence(row, position)
+        if c is not None:
+            heapq.heappush(self.known, (-(self.alive[row] * min(max(float(c), 0.0), 1.0)), position, row))
+
+    def best(self) -> tuple[float, int, int] | None:
+        """The next candidate (a, r, j) in order, or None when none is left."""
+        while self.undrawn and (not self.known or max(self.undrawn.values()) >= -self.known[0][0]):
+            rows = sorted(self.undrawn)
+            self.undrawn.clear()
+            self.drafting.draw([(row, self.lengths[row]) for row in rows])
+            for row in rows:
+                self._push(row)
+        if not self.known:
+            return None
+        negative, position, row = self.known[0]
+        return -negative, row, position
+
+    def admit(self) -> None:
+        """Admit the candidate ``best`` returned."""
+        negative, position, row = heapq.heappop(self.known)
+        assert position == self.lengths[row] + 1, "survival must not grow along a request"
+        self.lengths[row], self.alive[row] = position, -negative
+        self.undrawn[row] = -negative
+
+    def finish(self) -> list[int]:
+        """The lengths admitted, every admitted draft drawn."""
+        if self.undrawn:
+            self.drafting.draw([(row, self.lengths[row]) for row in sorted(self.undrawn)])
+            self.undrawn.clear()
+        return self.lengths
+
+
 def survival(confidences: Sequence[Sequence[float]]) -> list[list[float]]:
     """a(r, j) = c(r, 1)·…·c(r, j) for each request."""
     result = []
@@ -135,35 +221,57 @@ def survival(confidences: Sequence[Sequence[float]]) -> list[list[float]]:
     return result
 
 
-def _ranked(alive: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
-    """Candidates (a, r, j) by survival, highest first; ties: earlier position, then request."""
-    candidates = [(a, r, j) for r, row in enumerate(alive) for j, a in enumerate(row, start=1)]
-    candidates.sort(key=lambda item: (-item[0], item[2], item[1]))
-    return candidates
+def dspark_rule(
+    drafting: Drafting, rows: int, sps: Callable[[float], float], base_tokens: int, base_yield: float
+) -> list[int]:
+    """DSpark's choice (module doc): admit by survival while expected tokens per second rises."""
+    walk = _Walk(drafting, rows)
+    batch, tokens = base_tokens, base_yield
+    rate = tokens * sps(batch)
+    while (candidate := walk.best()) is not None:
+        a = candidate[0]
+        new_rate = (tokens + a) * sps(batch + 1)
+        if new_rate <= rate:
+            break
+        walk.admit()
+        batch, tokens, rate = batch + 1, tokens + a, new_rate
+    return walk.finish()
+
+
+def top_k_rule(drafting: Drafting, rows: int, budget: int) -> list[int]:
+    """Admit the ``budget`` candidates of highest survival (the lagged variant's ranking)."""
+    walk = _Walk(drafting, rows)
+    for _ in range(max(budget, 0)):
+        if walk.best() is None:
+            break
+        walk.admit()
+    return walk.finish()
+
+
+def fixed_rule(drafting: Drafting, rows: int, k: int) -> list[int]:
+    """Verify ``k`` drafts of every request (fewer where fewer can be drafted)."""
+    lengths = [0] * rows
+    for position in range(1, k + 1):
+        wanted = [(row, position) for row in range(rows) if lengths[row] == position - 1]
+        wanted = [(row, j) for row, j in wanted if drafting.confidence(row, j) is not None]
+        if not wanted:
+            break
+        drafting.draw(wanted)
+        for row, _ in wanted:
+            lengths[row] = position
+    return lengths
 
 
 def dspark_lengths(
     confidences: Sequence[Sequence[float]], sps: Callable[[float], float], base_tokens: int, base_yield: float
 ) -> list[int]:
-    """DSpark's choice (module doc): admit by survival while expected tokens per second rises."""
-    lengths = [0] * len(confidences)
-    batch, tokens = base_tokens, base_yield
-    rate = tokens * sps(batch)
-    for a, r, j in _ranked(survival(confidences)):
-        new_rate = (tokens + a) * sps(batch + 1)
-        if new_rate <= rate:
-            break
-        assert j == lengths[r] + 1, "survival must not grow along a request"
-        lengths[r], batch, tokens, rate = j, batch + 1, tokens + a, new_rate
-    return lengths
+    """``dspark_rule`` over drafts drawn in full."""
+    return dspark_rule(_Known(confidences), len(confidences), sps, base_tokens, base_yield)
 
 
 def top_k_lengths(confidences: Sequence[Sequence[float]], budget: int) -> list[int]:
-    """Admit the ``budget`` candidates of highest survival (the lagged variant's ranking)."""
-    lengths = [0] * len(confidences)
-    for _, r, j in _ranked(survival(confidences))[: max(budget, 0)]:
-        lengths[r] = max(lengths[r], j)
-    return lengths
+    """``top_k_rule`` over drafts drawn in full."""
+    return top_k_rule(_Known(confidences), len(confidences), budget)
 
 
 def fixed_lengths(drafted: Sequence[int], k: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Registers DSpark (entry point ``dspark``): two speculative policies and the [dspark] table.
 
 ``speculative = "dspark"`` verifies, per step and for the whole batch, the drafts worth
-verifying (``lengths.dspark_lengths``); ``speculative = "fixed-k"`` verifies
+verifying (``lengths.dspark_rule``); ``speculative = "fixed-k"`` verifies
 ``max_draft_tokens`` drafts of every request. Both draft and verify the same way, as
 ``[dspark]`` configures.
 """

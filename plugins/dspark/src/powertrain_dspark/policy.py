@@ -6,12 +6,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import torch
 
 from powertrain.interfaces import DraftSlot, ExecutedStep, HiddenTap, Proposal, VerifyBatch
 from powertrain_dspark.calibration import Calibration
-from powertrain_dspark.drafter import Drafter
-from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_lengths, fixed_lengths, top_k_lengths
+from powertrain_dspark.drafter import Drafter, DraftSession, Drawn
+from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_rule, fixed_rule, top_k_rule
 from powertrain_dspark.verify import verify_drafts
 
 
@@ -52,8 +53,13 @@ class SpeculativeDecoder:
         """The target's hidden states the drafter reads (none for most)."""
         return tuple(getattr(self.drafter, "taps", ()))
 
-    def propose(self, slots: Sequence[DraftSlot]) -> Proposal:
-        drafted = self.drafter.propose(slots)
+    def propose(self, slots: Sequence[DraftSlot], batch: VerifyBatch) -> Proposal:
+        """Drafts and their lengths; a drafter with ``session`` draws only the drafts the rule
+        verifies (``lengths``' module doc)."""
+        drafter = self.drafter
+        session = drafter.session(slots) if hasattr(drafter, "session") else Drawn(drafter.propose(slots))
+        lengths = self.choose_lengths(_Calibrated(session, self.calibration), len(slots), batch)
+        drafted = session.drafts()
         raw = drafted.confidences
         self._raw = {slot.seq_id: list(r) for slot, r in zip(slots, raw, strict=True)}
         return Proposal(
@@ -61,21 +67,23 @@ class SpeculativeDecoder:
             tokens=[list(t) for t in drafted.tokens],
             confidences=[self.calibration.apply(r) for r in raw],
             draft_probs=drafted.probs(),
+            lengths=lengths,
         )
 
-    def verify_lengths(self, proposal: Proposal, batch: VerifyBatch) -> list[int]:
+    def choose_lengths(self, drafting: _Calibrated, rows: int, batch: VerifyBatch) -> list[int]:
+        """How many drafts of each slot to verify (the rule's), drawing those it verifies."""
         if self.rule == "fixed":
-            return fixed_lengths([len(t) for t in proposal.tokens], self.fixed_k)
+            return fixed_rule(drafting, rows, self.fixed_k)
         assert self.sps is not None
         sps = self.sps
         if isinstance(sps, StepsPerSecondGrid):  # the curve for this step's sequence count
             sps = sps.for_sequences(batch.num_seqs or batch.num_sampling)
-        greedy = dspark_lengths(proposal.confidences, sps, batch.base_tokens, batch.num_sampling)
+        greedy = dspark_rule(drafting, rows, sps, batch.base_tokens, batch.num_sampling)
         if not self.lagged_budget:
             return greedy
         budget = self._budget if self._budget is not None else sum(greedy)
         self._budget = sum(greedy)  # the next step's budget: from this step's confidences
-        return top_k_lengths(proposal.confidences, budget)
+        return top_k_rule(drafting, rows, budget)
 
     def verify(
         self, proposal: Proposal, lengths: Sequence[int], target_logits: Sequence[torch.Tensor]
@@ -108,3 +116,18 @@ class SpeculativeDecoder:
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
             observe(step)
+
+
+@attrs.frozen
+class _Calibrated:
+    """A ``DraftSession`` seen through the calibration: the rules' ``lengths.Drafting``."""
+
+    session: DraftSession
+    calibration: Calibration
+
+    def confidence(self, row: int, position: int) -> float | None:
+        raw = self.session.confidence(row, position)
+        return None if raw is None else self.calibration.at(position, raw)
+
+    def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
+        self.session.draw(wanted)
