@@ -47,10 +47,10 @@ from powertrain.llm import apply_overrides
 from powertrain.models.dspark import BlockDrafterModel
 from powertrain.testing import sampling_law, write_tiny_deepspec_drafter, write_tiny_gemma4, write_tiny_qwen3
 from powertrain.testing.base import fresh_seed
+from powertrain.testing.drafters import spy_on_block_drafts
 from powertrain.testing.sampling_law import SIGNIFICANCE
 from powertrain_dspark import block as block_module
 from powertrain_dspark.block import BlockDrafter
-from powertrain_dspark.drafter import DraftBatch
 
 PROFILE = [1, 2]
 #: The module's checkpoints' seed (set by their fixture; failure messages name it).
@@ -261,22 +261,13 @@ def test_every_proposal_equals_the_drafter_from_scratch(
     if case == "preempted":
         settings["num_blocks"] = 26  # 104 tokens: too few for every sequence at once
     config = engine_config(checkpoints, "fixed-k", "mimic", **settings)
-    proposals: list[tuple[list[int], list[int], list[float]]] = []
     with LLM(config=config) as llm:
         drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
         assert isinstance(drafter, BlockDrafter)
         for cache in drafter.caches:  # an entry never written would show as NaN
             for tensor in cache.values():
                 tensor.fill_(float("nan"))
-        session = drafter.session
-        sessions: list[tuple[list[list[int]], Any]] = []
-
-        def spy(slots: list) -> Any:
-            drafting = session(slots)
-            sessions.append(([list(slot.token_ids) for slot in slots], drafting))
-            return drafting
-
-        drafter.session = spy  # type: ignore[method-assign]
+        drafted = spy_on_block_drafts(drafter)
         params = [greedy(24)] * len(batch)
         if case == "prefix-hit":
             got = [list(llm.generate(batch[:1], params[:1])[0].outputs[0].token_ids)]
@@ -284,10 +275,7 @@ def test_every_proposal_equals_the_drafter_from_scratch(
         else:
             got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
         stats, overlapped = llm.engine.stats(), llm.engine.runner.overlapped_steps
-    for histories, drafting in sessions:  # the drafts each step's rule drew
-        drafted: DraftBatch = drafting.drafts()
-        for history, tokens, confidences in zip(histories, drafted.tokens, drafted.confidences, strict=True):
-            proposals.append((history, list(tokens), list(confidences)))
+    proposals = drafted()  # the drafts each step's rule drew
     where = f"{case}, seed={seed}, checkpoint seed={CHECKPOINT_SEED[0]}"
     assert (overlapped > 0) == (case == "overlapped"), where
     assert got == expected, where

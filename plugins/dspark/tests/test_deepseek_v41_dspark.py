@@ -29,6 +29,7 @@ from powertrain.interfaces import AttentionMetadata, TapRecorder
 from powertrain.llm import apply_overrides
 from powertrain.models.deepseek_v41 import DeepseekV41ForCausalLM
 from powertrain.testing.deepseek_v41 import load_tiny_v41, write_tiny_deepseek_v41
+from powertrain.testing.drafters import spy_on_block_drafts
 from powertrain.testing.paged import PagedRunner
 
 FIXTURES = Path(__file__).parents[3] / "core" / "tests" / "fixtures" / "deepseek_v41"
@@ -145,22 +146,11 @@ def test_engine_proposals_equal_the_official_forward_spec(folder: Path, golden: 
     and drafting together)."""
     prompt, tokens = golden["main.c.prompt"].tolist(), golden["main.c.tokens"].tolist()
     expected = {p + 1: i for i, p in enumerate(golden["main.c.dspark_positions"].tolist())}
-    proposals = []
     with LLM(config=engine_config(folder, num_blocks=96)) as llm:
-        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
-        propose = drafter.propose
-
-        def spy(slots: list) -> Any:
-            drafted = propose(slots)
-            proposals.extend(
-                (len(slot.token_ids) - 1, t, c)
-                for slot, t, c in zip(slots, drafted.tokens, drafted.confidences, strict=True)
-            )
-            return drafted
-
-        drafter.propose = spy
+        drafted = spy_on_block_drafts(llm.speculative_policy.drafter)  # type: ignore[union-attr]
         params = SamplingParams(temperature=0, max_tokens=len(tokens), ignore_eos=True)
         output = llm.generate([prompt], [params])[0].outputs[0].token_ids
+    proposals = [(len(history) - 1, drafts, confidences) for history, drafts, confidences in drafted()]
     assert list(output) == tokens, "the engine's greedy continuation is not the official exact one"
     checked = 0
     for anchor, drafts, confidences in proposals:
@@ -204,6 +194,7 @@ def test_greedy_speculation_with_its_own_drafter_keeps_plain_decodings_tokens(
         with LLM(config=config) as llm:
             drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
             drafter.propose = made_right_half_the_time(drafter.propose, paths, proposals)
+            drafter.session = None  # whole blocks through propose, where the spy plants drafts
             params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
             first = llm.generate([prompts[0]], params)
             both = llm.generate(prompts, params)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +308,32 @@ def _digest(folder: Path, names: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
+def spy_on_block_drafts(drafter: Any) -> Callable[[], list[tuple[list[int], list[int], list[float]]]]:
+    """Record the drafts a block drafter's sessions give the length rule, step after step;
+    returns what gives them, once the steps ran, as (the slot's tokens so far, its drafts,
+    their raw confidences) per slot and step."""
+    session = drafter.session
+    sessions: list[tuple[list[list[int]], Any]] = []
+
+    def spy(slots: list) -> Any:
+        drafting = session(slots)
+        sessions.append(([list(slot.token_ids) for slot in slots], drafting))
+        return drafting
+
+    drafter.session = spy
+
+    def drafted() -> list[tuple[list[int], list[int], list[float]]]:
+        rows = []
+        for histories, drafting in sessions:
+            batch = drafting.drafts()
+            rows.extend(
+                (h, list(t), list(c)) for h, t, c in zip(histories, batch.tokens, batch.confidences, strict=True)
+            )
+        return rows
+
+    return drafted
+
+
 def check_engine_proposals(
     config: Any, tokens: list[int], prompt_len: int, golden: dict[str, torch.Tensor], scenario: str, tolerance: float
 ) -> None:
@@ -318,23 +344,11 @@ def check_engine_proposals(
     from powertrain import LLM, SamplingParams
 
     prompt = tokens[:prompt_len]
-    sessions = []
     with LLM(config=config) as llm:
-        drafter = llm.speculative_policy.drafter
-        session = drafter.session
-
-        def spy(slots: list) -> Any:
-            drafting = session(slots)
-            sessions.append(([len(slot.token_ids) - 1 for slot in slots], drafting))
-            return drafting
-
-        drafter.session = spy
+        drafted = spy_on_block_drafts(llm.speculative_policy.drafter)
         params = SamplingParams(temperature=0, max_tokens=len(tokens) - prompt_len, ignore_eos=True)
         output = llm.generate([prompt], [params])[0].outputs[0].token_ids
-    proposals = []  # (anchor, drafts, confidences): the drafts each step's rule drew
-    for anchors, drafting in sessions:
-        drafted = drafting.drafts()
-        proposals.extend(zip(anchors, drafted.tokens, drafted.confidences, strict=True))
+    proposals = [(len(history) - 1, drafts, confidences) for history, drafts, confidences in drafted()]
     assert prompt + list(output) == tokens, "the engine's greedy continuation is not the fixture's"
     anchors = [anchor for anchor, drafts, _ in proposals if drafts and f"{scenario}.anchor_{anchor}.tokens" in golden]
     assert len(anchors) >= 5, f"only {len(anchors)} blocks at fixture anchors: {proposals}"

@@ -188,9 +188,18 @@ class BlockDrafter:
 
     # -- before each forward ------------------------------------------------------------------
 
-    @torch.inference_mode()
     def session(self, slots: Sequence[DraftSlot]) -> _BlockSession:
         """Every slot's block in one forward; its drafts drawn on demand (``DraftSession``)."""
+        return self._open(slots)
+
+    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
+        """Every slot's whole block of drafts."""
+        session = self._open(slots)
+        session.draw_all()
+        return session.drafts()
+
+    @torch.inference_mode()
+    def _open(self, slots: Sequence[DraftSlot]) -> _BlockSession:
         jobs: list[_Job] = []
         for i, slot in enumerate(slots):
             state = self._contexts.get(slot.seq_id)
@@ -205,12 +214,6 @@ class BlockDrafter:
             for job, block in zip(group, self._block(group), strict=True):
                 hidden[job.index] = block
         return _BlockSession(self, len(slots), jobs, hidden)
-
-    def propose(self, slots: Sequence[DraftSlot]) -> DraftBatch:
-        """Every slot's whole block of drafts."""
-        session = self.session(slots)
-        session.draw_all()
-        return session.drafts()
 
     def record(self, seq_id: int, verified: int, accepted: int) -> None:
         """Nothing to learn online: the confidences come from the drafter's trained head."""
@@ -280,6 +283,7 @@ class _BlockSession:
             raise ValueError(f"slot {row}: confidence of draft {position} asked before draft {position - 1} was drawn")
         return self.upcoming.get(row)
 
+    @torch.inference_mode()
     def draw(self, wanted: Sequence[tuple[int, int]]) -> None:
         rows = []
         for row, position in wanted:

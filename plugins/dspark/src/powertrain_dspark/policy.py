@@ -56,8 +56,8 @@ class SpeculativeDecoder:
     def propose(self, slots: Sequence[DraftSlot], batch: VerifyBatch) -> Proposal:
         """Drafts and their lengths; a drafter with ``session`` draws only the drafts the rule
         verifies (``lengths``' module doc)."""
-        drafter = self.drafter
-        session = drafter.session(slots) if hasattr(drafter, "session") else Drawn(drafter.propose(slots))
+        on_demand = getattr(self.drafter, "session", None)
+        session = on_demand(slots) if on_demand is not None else Drawn(self.drafter.propose(slots))
         lengths = self.choose_lengths(_Calibrated(session, self.calibration), len(slots), batch)
         drafted = session.drafts()
         raw = drafted.confidences
