@@ -95,3 +95,24 @@ def test_quantization_mode_decides_whether_weights_stay_quantised(mode: str, kep
     plugins = PluginManager.load(config.plugins, environ={"POWERTRAIN_DISABLE_PLUGIN_AUTOLOAD": "1"})
     kernel = kept_quantized(plan(config, plugins), _Checkpoint(), torch.float32)
     assert isinstance(kernel, DequantizingLinear) if kept else kernel is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rounding_a_dense_weight_to_q8_moves_it_by_at_most_half_a_step(seed: int) -> None:
+    """``QuantizedWeight.q8_of`` (a drafter's weights kept as q8): against the float64 weight,
+    every entry within max|w_group| / 254 (half of one code step), codes within [-127, 127],
+    each group's largest entry exact up to float32 rounding, and an all-zero group all zero."""
+    gen = generator(seed)
+    weight = torch.randn(48, 96, generator=gen, dtype=torch.float64) * torch.rand(
+        48, 1, generator=gen, dtype=torch.float64
+    )
+    weight[3, 32:64] = 0.0
+    rounded = QuantizedWeight.q8_of(weight.float())
+    assert rounded.format == "q8" and rounded.group == 32 and rounded.shape == (48, 96)
+    assert int(rounded.codes.abs().max()) <= 127
+    step = weight.view(48, 3, 32).abs().amax(dim=-1, keepdim=True) / 127
+    error = (rounded.dequantize(torch.float64).view(48, 3, 32) - weight.view(48, 3, 32)).abs()
+    assert bool((error <= step / 2 * (1 + 1e-5) + 1e-7).all())
+    assert bool((rounded.dequantize()[3, 32:64] == 0).all())
+    with pytest.raises(ValueError, match="no whole 32-column groups"):
+        QuantizedWeight.q8_of(torch.randn(4, 40))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from powertrain import LLM, SamplingParams
 from powertrain.assemble.planning import plan
 from powertrain.config import EngineConfig
 from powertrain.interfaces import target_probs
+from powertrain.layers.linear import Linear
 from powertrain.llm import apply_overrides
 from powertrain.models.dspark import BlockDrafterModel
 from powertrain.testing import sampling_law, write_tiny_deepspec_drafter, write_tiny_gemma4, write_tiny_qwen3
@@ -51,6 +53,7 @@ from powertrain.testing.drafters import spy_on_block_drafts
 from powertrain.testing.sampling_law import SIGNIFICANCE
 from powertrain_dspark import block as block_module
 from powertrain_dspark.block import BlockDrafter
+from powertrain_dspark.plugin import DSparkConfig
 
 PROFILE = [1, 2]
 #: The module's checkpoints' seed (set by their fixture; failure messages name it).
@@ -303,6 +306,46 @@ def test_every_proposal_equals_the_drafter_from_scratch(
         assert confidences[: tie + 1] == pytest.approx(want_confidences[: tie + 1], rel=1e-4, abs=1e-6), at
         checked += 1
     assert checked > 10, f"only {checked} proposals had drafts ({where})"
+
+
+def test_a_drafter_kept_as_q8_keeps_plain_decodings_tokens(
+    checkpoints: dict[str, Path], plain: dict, seed: int, tmp_path: Path
+) -> None:
+    """``[dspark] draft_quantization = "q8"``: every linear of the drafter but the target's
+    head (shared, so unused) multiplies 8-bit codes through the platform's kernel; outputs
+    stay plain decoding's, and a drafter that predicts still gets drafts accepted."""
+    batch = prompts(seed)
+    expected = plain_tokens(plain, checkpoints, seed, batch, 24)
+    bigrams = {a: b for out in expected for a, b in zip(out, out[1:], strict=False)}
+    checkpoints = {**checkpoints, "mimic": mimic(checkpoints["drafter"], tmp_path / "mimic", bigrams)}
+    config = engine_config(checkpoints, "fixed-k", "mimic", dspark={"draft_quantization": "q8"})
+    with LLM(config=config) as llm:
+        drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(batch, [greedy(24)] * len(batch))]
+        stats = llm.engine.stats()
+    linears = {name: m for name, m in drafter.model.named_modules() if isinstance(m, Linear)}
+    kept = sorted(name for name, m in linears.items() if m.kernel is not None)
+    where = f"seed={seed}, checkpoint seed={CHECKPOINT_SEED[0]}"
+    assert kept == sorted(name for name, m in linears.items() if name != "lm_head" and m.in_features % 16 == 0)
+    assert {"fc", "markov_head.markov_w2", "layers.0.mlp.down_proj"} <= set(kept), where
+    assert {linears[name].quantized.format for name in kept} == {"q8"}, where
+    assert got == expected, where
+    assert stats.speculative_accepted_tokens > 0, where
+
+
+def test_q8_is_refused_for_a_targets_own_drafter_and_where_no_kernel_multiplies_it(
+    checkpoints: dict[str, Path],
+) -> None:
+    """Refused before anything loads: the target's own drafter shares the target's weights,
+    and a platform without a quantised-linear kernel (a stand-in context: none exists here)
+    cannot multiply q8."""
+    config = engine_config(checkpoints, "fixed-k", dspark={"draft_quantization": "q8", "draft_model": ""})
+    with pytest.raises(ValueError, match="rounds a drafter loaded from draft_model"):
+        LLM(config=config)
+    no_kernel = types.SimpleNamespace(build_quantized_linear=None)
+    section = DSparkConfig(drafter="block", draft_model=str(checkpoints["drafter"]), draft_quantization="q8")
+    with pytest.raises(ValueError, match="no quantised-linear kernel"):
+        BlockDrafter.from_context(no_kernel, section)
 
 
 # --------------------------------------------------------------------------- a Gemma 4 target

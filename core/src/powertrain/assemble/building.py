@@ -179,6 +179,7 @@ def build_speculative(
         return None
     record = plan.chosen("speculative").record
     block_size = plan.config.cache.block_size
+    quantized = plan.resolutions.get("quantized_linear")
 
     def allocate(layers: Sequence[interfaces.AttentionLayerSpec], extra_blocks: int = 0) -> list[Any]:
         # The model's own cache groups (AttentionLayerSpec.cache_groups) come with the backend's.
@@ -205,6 +206,9 @@ def build_speculative(
         ),
         allocate_kv_caches=allocate,
         load_draft_model=lambda folder: load_block_drafter(folder, model_config, attention, dtype, plan.device),
+        build_quantized_linear=(lambda: build_quantized_linear(plan, dtype))
+        if quantized and quantized.provided
+        else None,
         expert_parallel_size=expert_parallel_size,
         join_expert_rounds=lockstep.join_draft_rounds if lockstep is not None else None,
     )

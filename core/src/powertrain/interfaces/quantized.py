@@ -75,6 +75,20 @@ class QuantizedWeight:
                 )
         return problems
 
+    @classmethod
+    def q8_of(cls, weight: torch.Tensor, group: int = 32, source: str = "") -> QuantizedWeight:
+        """A dense ``[rows, cols]`` weight rounded to ``q8``: each group's codes in
+        [-127, 127] times the group's largest magnitude / 127 (ggml's Q8_0 rule, with a
+        float32 scale), so a weight moves by at most half a step, max|w_group| / 254."""
+        rows, cols = weight.shape
+        if cols % group:
+            raise ValueError(f"a {rows} x {cols} weight has no whole {group}-column groups")
+        grouped = weight.detach().to(torch.float32).reshape(rows, cols // group, group)
+        scales = grouped.abs().amax(dim=-1) / 127
+        codes = torch.where(scales[..., None] > 0, grouped / scales[..., None].clamp_min(1e-30), 0.0)
+        codes = codes.round().clamp(-127, 127).to(torch.int8).reshape(rows, cols)
+        return cls(codes.contiguous(), scales.contiguous(), None, "q8", group, source or "float (rounded to q8)")
+
     @property
     def shape(self) -> tuple[int, int]:
         rows, width = self.codes.shape

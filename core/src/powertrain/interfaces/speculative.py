@@ -45,6 +45,7 @@ import torch
 
 from powertrain.interfaces.attention import AttentionLayerSpec, AttentionMetadata, LayerKVCache
 from powertrain.interfaces.model import CausalLM
+from powertrain.interfaces.quantized import QuantizedLinearKernel
 from powertrain.interfaces.sampling import SamplingParams
 
 
@@ -284,6 +285,9 @@ class SpeculativeContext:
     #: attention backend (which has what the record's ``requirements`` asked for) and dtype
     #: (None: no loader here).
     load_draft_model: DraftModelLoader | None = None
+    #: Builds the platform's quantised-linear kernel, for a drafter whose weights are kept
+    #: quantised (``[dspark] draft_quantization``); None: the platform has none.
+    build_quantized_linear: Callable[[], QuantizedLinearKernel] | None = None
     #: Expert-parallel ranks the target's MoE layers exchange tokens with (1: none).
     expert_parallel_size: int = 1
     #: Under expert parallelism (None: one process): a policy that runs MoE layers outside

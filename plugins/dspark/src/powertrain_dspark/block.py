@@ -42,6 +42,8 @@ import structlog
 import torch
 
 from powertrain.interfaces import AttentionMetadata, BlockDraftModel, DraftSlot, ExecutedStep
+from powertrain.interfaces.quantized import QuantizedLinearKernel, QuantizedWeight
+from powertrain.layers.linear import Linear
 from powertrain_dspark.drafter import DraftBatch, draw_drafts
 
 #: Private blocks for block positions past a sequence's own blocks (a block of up to 16
@@ -111,6 +113,16 @@ class BlockDrafter:
     def from_context(cls, context: Any, config: Any) -> BlockDrafter:
         """The drafter ``[dspark] draft_model`` names, for the target of ``context``; without
         one, the target's own (``model.dspark``)."""
+        if config.draft_quantization == "q8" and not config.draft_model:
+            raise ValueError(
+                "[dspark] draft_quantization = 'q8' rounds a drafter loaded from draft_model; the target's own "
+                "drafter shares the target's weights and keeps them as loaded"
+            )
+        if config.draft_quantization == "q8" and context.build_quantized_linear is None:
+            raise ValueError(
+                "[dspark] draft_quantization = 'q8': this platform has no quantised-linear kernel; "
+                "use draft_quantization = 'none'"
+            )
         model: BlockDraftModel
         if config.draft_model:
             if context.load_draft_model is None:
@@ -139,9 +151,13 @@ class BlockDrafter:
             device=context.device,
             max_draft_tokens=config.max_draft_tokens,
         )
-        if config.draft_model and shared_head(model, context.model, context.device):
+        shared = bool(config.draft_model) and shared_head(model, context.model, context.device)
+        if shared:
             drafter.base_logits = context.model.compute_logits
             log.info("block drafter's head is the target's: its logits come from the target's head")
+        if config.draft_quantization == "q8":
+            rounded = quantize_linears(model, context.build_quantized_linear(), skip=("lm_head",) if shared else ())
+            log.info("block drafter's linear weights kept as q8", linears=rounded)
         return drafter
 
     # -- after each forward -------------------------------------------------------------------
@@ -362,6 +378,25 @@ def shared_head(model: BlockDraftModel, target: Any, device: torch.device) -> bo
     if ours.shape != theirs.shape:
         return False
     return bool(((ours - theirs).abs().amax() / ours.abs().amax().clamp_min(1e-30)) <= SAME_HEAD_TOLERANCE)
+
+
+def quantize_linears(model: Any, kernel: QuantizedLinearKernel, skip: Sequence[str] = ()) -> int:
+    """Every dense ``Linear`` of ``model`` (but those named in ``skip``, unused, and any whose
+    width no q8 group divides) rounded to q8 and multiplied through ``kernel`` from now on;
+    returns how many."""
+    if "q8" not in kernel.formats:
+        raise ValueError(
+            f"[dspark] draft_quantization = 'q8': the quantised-linear kernel multiplies {sorted(kernel.formats)}"
+        )
+    rounded = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not module.dense or name in skip:
+            continue
+        group = next((g for g in (32, 16) if module.in_features % g == 0), None)  # q8's group widths
+        if group is not None:
+            module.use_quantized(QuantizedWeight.q8_of(module.weight, group, source=f"drafter {name}"), kernel)
+            rounded += 1
+    return rounded
 
 
 def _dtype(module: Any) -> torch.dtype:

@@ -71,6 +71,11 @@ class DSparkConfig:
     #: The block drafter's folder: a DeepSpec DSpark checkpoint (config.json, safetensors)
     #: trained for this target ("": the target's own drafter).
     draft_model: str = ""
+    #: The block drafter's linear weights: "none" (as its checkpoint stores them) or "q8"
+    #: (rounded to 8-bit codes at load and multiplied by the platform's quantised-linear
+    #: kernel: on a CPU the drafter's float32 weights are most of its cost, and drafts
+    #: only propose, so rounding them never changes an output).
+    draft_quantization: str = attrs.field(default="none", validator=_one_of("none", "q8"))
     #: Drafts per request and step at most (fixed-k verifies this many).
     max_draft_tokens: int = attrs.field(default=5, validator=_in_range(1, 16))
     #: n-gram drafter: longest and shortest suffix to look up.
