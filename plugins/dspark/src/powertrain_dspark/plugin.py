@@ -100,6 +100,10 @@ class DSparkConfig:
     #: the measured one). Pins DSpark's choices where the measurement would vary (a
     #: shared machine, reproducible runs) and skips the startup probe; empty = measure.
     steps_per_second: tuple[tuple[int, int, float], ...] = attrs.field(default=(), converter=_profile_triples)
+    #: Rest a sequence whose drafts the length rule keeps declining, probing now and then
+    #: (``back_off``; lossless): "auto" does for the block drafter, whose every proposal
+    #: costs a forward of its layers; "on"; "off".
+    back_off: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"))
     #: The MTP drafter's confidence head (`powertrain-dspark train-confidence-head`);
     #: "" = the draft distribution's own estimate.
     confidence_head: str = ""
@@ -107,6 +111,7 @@ class DSparkConfig:
 
 def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
     """A ``SpeculativeDecoder`` for ``context``."""
+    from powertrain_dspark.back_off import BackOff
     from powertrain_dspark.calibration import Calibration
     from powertrain_dspark.lengths import StepsPerSecondGrid
     from powertrain_dspark.policy import SpeculativeDecoder
@@ -147,6 +152,9 @@ def build(context: SpeculativeContext, rule: str) -> SpeculativeDecoder:
         calibration=Calibration.load(config.calibration) if config.calibration else None,
         lagged_budget=config.lagged_budget,
         log_path=config.log or None,
+        back_off=BackOff()
+        if config.back_off == "on" or (config.back_off, config.drafter) == ("auto", "block")
+        else None,
     )
 
 

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from powertrain.interfaces import DraftSlot, ExecutedStep, HiddenTap, Proposal, VerifyBatch
+from powertrain_dspark.back_off import BackOff
 from powertrain_dspark.calibration import Calibration
 from powertrain_dspark.drafter import Drafter, DraftSession, Drawn
 from powertrain_dspark.lengths import StepsPerSecond, StepsPerSecondGrid, dspark_rule, fixed_rule, top_k_rule
@@ -29,6 +30,7 @@ class SpeculativeDecoder:
         calibration: Calibration | None = None,
         lagged_budget: bool = False,
         log_path: str | Path | None = None,
+        back_off: BackOff | None = None,
     ) -> None:
         if rule not in ("dspark", "fixed"):
             raise ValueError(f"unknown length rule {rule!r}; use 'dspark' or 'fixed'")
@@ -43,6 +45,8 @@ class SpeculativeDecoder:
         self._budget: int | None = None  # K from the previous step (lagged variant)
         self._log = Path(log_path) if log_path else None
         self._raw: dict[int, list[float]] = {}
+        #: Rests sequences whose drafts the rule keeps declining (None: every sequence drafts).
+        self.back_off = back_off
 
     @property
     def max_draft_tokens(self) -> int:
@@ -55,18 +59,28 @@ class SpeculativeDecoder:
 
     def propose(self, slots: Sequence[DraftSlot], batch: VerifyBatch) -> Proposal:
         """Drafts and their lengths; a drafter with ``session`` draws only the drafts the rule
-        verifies (``lengths``' module doc)."""
+        verifies (``lengths``' module doc), and resting sequences (``back_off``) draft nothing."""
+        back_off = self.back_off
+        drafting = [i for i, slot in enumerate(slots) if back_off is None or not back_off.resting(slot.seq_id)]
+        asked = [slots[i] for i in drafting]
         on_demand = getattr(self.drafter, "session", None)
-        session = on_demand(slots) if on_demand is not None else Drawn(self.drafter.propose(slots))
-        lengths = self.choose_lengths(_Calibrated(session, self.calibration), len(slots), batch)
+        session = on_demand(asked) if on_demand is not None else Drawn(self.drafter.propose(asked))
+        chosen = self.choose_lengths(_Calibrated(session, self.calibration), len(asked), batch)
         drafted = session.drafts()
-        raw = drafted.confidences
-        self._raw = {slot.seq_id: list(r) for slot, r in zip(slots, raw, strict=True)}
+        tokens: list[list[int]] = [[] for _ in slots]
+        raw: list[list[float]] = [[] for _ in slots]
+        probs: list[torch.Tensor | None] = [None] * len(slots)
+        lengths = [0] * len(slots)
+        drawn = drafted.probs()
+        for row, i in enumerate(drafting):
+            tokens[i], raw[i], probs[i] = list(drafted.tokens[row]), list(drafted.confidences[row]), drawn[row]
+            lengths[i] = chosen[row]
+        self._raw = {slots[i].seq_id: raw[i] for i in drafting}
         return Proposal(
             slots=list(slots),
-            tokens=[list(t) for t in drafted.tokens],
+            tokens=tokens,
             confidences=[self.calibration.apply(r) for r in raw],
-            draft_probs=drafted.probs(),
+            draft_probs=probs,
             lengths=lengths,
         )
 
@@ -108,11 +122,15 @@ class SpeculativeDecoder:
             raw = self._raw.pop(seq_id)
             num_accepted = max(len(accepted) - 1, 0) if drafts else 0
             self.drafter.record(seq_id, drafts, num_accepted)
+            if self.back_off is not None:
+                self.back_off.record(seq_id, drafts)
             if self._log is not None and drafts:
                 lines.append(json.dumps({"raw": raw[:drafts], "accepted": num_accepted}) + "\n")
         if lines and self._log is not None:
             with self._log.open("a") as log:
                 log.writelines(lines)
+        if self.back_off is not None:
+            self.back_off.end_step()
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
             observe(step)
