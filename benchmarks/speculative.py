@@ -22,7 +22,8 @@ tokens/s, draft tokens verified per request-step and tokens accepted per request
 (a request-step is one decoding step of one request that could speculate).
 
     uv run python benchmarks/speculative.py
-    uv run python benchmarks/speculative.py --block-drafter ~/.cache/powertrain/drafters/smollm2-block
+    uv run python benchmarks/speculative.py --block-drafter ~/.cache/powertrain/drafters/smollm2-block \
+        --draft-quantization q8
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-drafter", help="a DSpark block drafter folder: adds fixed-K-block and dspark-block")
     parser.add_argument(
+        "--draft-quantization",
+        choices=["none", "q8"],
+        default="none",
+        help="[dspark] draft_quantization of the block rows",
+    )
+    parser.add_argument(
         "--no-calibrate",
         dest="calibrate",
         action="store_false",
@@ -150,8 +157,14 @@ def main() -> None:
     dspark_rows = {"dspark", "dspark-sync"} & set(args.policies)
     calibration = calibrate(args, {"max_draft_tokens": 5}) if args.calibrate and dspark_rows else ""
     block_calibration = ""
+    drafter: dict[str, object] = {}
+    if args.block_drafter:
+        drafter = {
+            "drafter": "block",
+            "draft_model": str(Path(args.block_drafter).expanduser()),
+            "draft_quantization": args.draft_quantization,
+        }
     if args.calibrate and "dspark-block" in args.policies:
-        drafter = {"drafter": "block", "draft_model": str(Path(args.block_drafter).expanduser())}
         block_calibration = calibrate(args, {**drafter, "max_draft_tokens": block})
 
     engines: dict[str, LLM] = {}
@@ -164,7 +177,7 @@ def main() -> None:
         elif policy == "dspark-block":
             speculative, section = "dspark", {"calibration": block_calibration} if block_calibration else {}
         if policy.endswith("-block"):
-            section |= {"drafter": "block", "draft_model": str(Path(args.block_drafter).expanduser())}
+            section |= drafter
             if policy == "dspark-block":
                 section["max_draft_tokens"] = block
         overrides = {"speculative": speculative, "dtype": args.dtype, "max_num_seqs": max(args.concurrency)}

@@ -70,7 +70,7 @@ def test_dense_training_forward_equals_the_engines_blocks(target: Path, tmp_path
     with LLM(config=engine_config(target, drafter_folder)) as llm:
         drafter = llm.speculative_policy.drafter  # type: ignore[union-attr]
         assert isinstance(drafter, BlockDrafter)
-        observe, draft, block = drafter.observe, drafter._draft, drafter.model.block
+        observe, draft, block = drafter.observe, drafter._block, drafter.model.block
         jobs: list[Any] = []
 
         def observe_spy(step: Any) -> None:
@@ -87,7 +87,7 @@ def test_dense_training_forward_equals_the_engines_blocks(target: Path, tmp_path
                 blocks.append((job.slot.seq_id, list(job.slot.token_ids), job.anchor, rows.clone()))
             return out
 
-        drafter.observe, drafter._draft, drafter.model.block = observe_spy, draft_spy, block_spy  # type: ignore[method-assign]
+        drafter.observe, drafter._block, drafter.model.block = observe_spy, draft_spy, block_spy  # type: ignore[method-assign]
         llm.generate(prompts(), [greedy(20)] * 3)
     sequences = log.sequences()
     assert len(blocks) > 20

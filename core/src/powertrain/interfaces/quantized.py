@@ -205,3 +205,20 @@ class QuantizedLinearContext:
     device: torch.device
     #: The model's activation dtype (what ``linear`` receives and returns).
     dtype: torch.dtype
+
+
+def keep_linears_as_q8(model: torch.nn.Module, kernel: QuantizedLinearKernel, skip: Sequence[str] = ()) -> int:
+    """Round every dense linear of ``model`` that can keep a quantised weight (``Linear``'s
+    ``use_quantized``) to q8 and multiply it through ``kernel`` from now on; those named in
+    ``skip`` and any whose width no q8 group divides stay as they are. Returns how many."""
+    if "q8" not in kernel.formats:
+        raise ValueError(f"the quantised-linear kernel multiplies {sorted(kernel.formats)}, not q8")
+    rounded = 0
+    for name, module in model.named_modules():
+        if not getattr(module, "dense", False) or not hasattr(module, "use_quantized") or name in skip:
+            continue
+        group = next((g for g in GROUPS["q8"][::-1] if module.in_features % g == 0), None)  # widest first
+        if group is not None:
+            module.use_quantized(QuantizedWeight.q8_of(module.weight, group, source=name), kernel)
+            rounded += 1
+    return rounded

@@ -42,8 +42,7 @@ import structlog
 import torch
 
 from powertrain.interfaces import AttentionMetadata, BlockDraftModel, DraftSlot, ExecutedStep
-from powertrain.interfaces.quantized import QuantizedLinearKernel, QuantizedWeight
-from powertrain.layers.linear import Linear
+from powertrain.interfaces.quantized import keep_linears_as_q8
 from powertrain_dspark.drafter import DraftBatch, draw_drafts
 
 #: Private blocks for block positions past a sequence's own blocks (a block of up to 16
@@ -156,7 +155,7 @@ class BlockDrafter:
             drafter.base_logits = context.model.compute_logits
             log.info("block drafter's head is the target's: its logits come from the target's head")
         if config.draft_quantization == "q8":
-            rounded = quantize_linears(model, context.build_quantized_linear(), skip=("lm_head",) if shared else ())
+            rounded = keep_linears_as_q8(model, context.build_quantized_linear(), skip=("lm_head",) if shared else ())
             log.info("block drafter's linear weights kept as q8", linears=rounded)
         return drafter
 
@@ -378,25 +377,6 @@ def shared_head(model: BlockDraftModel, target: Any, device: torch.device) -> bo
     if ours.shape != theirs.shape:
         return False
     return bool(((ours - theirs).abs().amax() / ours.abs().amax().clamp_min(1e-30)) <= SAME_HEAD_TOLERANCE)
-
-
-def quantize_linears(model: Any, kernel: QuantizedLinearKernel, skip: Sequence[str] = ()) -> int:
-    """Every dense ``Linear`` of ``model`` (but those named in ``skip``, unused, and any whose
-    width no q8 group divides) rounded to q8 and multiplied through ``kernel`` from now on;
-    returns how many."""
-    if "q8" not in kernel.formats:
-        raise ValueError(
-            f"[dspark] draft_quantization = 'q8': the quantised-linear kernel multiplies {sorted(kernel.formats)}"
-        )
-    rounded = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or not module.dense or name in skip:
-            continue
-        group = next((g for g in (32, 16) if module.in_features % g == 0), None)  # q8's group widths
-        if group is not None:
-            module.use_quantized(QuantizedWeight.q8_of(module.weight, group, source=f"drafter {name}"), kernel)
-            rounded += 1
-    return rounded
 
 
 def _dtype(module: Any) -> torch.dtype:
