@@ -50,8 +50,12 @@ TIE = 2 * TOLERANCE
 #: (3.5e-5), so 1e-4. Measured: 3.2e-7.
 ROW_TOLERANCE = 1e-4
 #: The bfloat16 tower against the official bfloat16 one: both end by rounding to bfloat16, so
-#: at most one bfloat16 step (2**-8 relative) apart where an order differs. Measured: equal.
-BF16_ROW_TOLERANCE = 2**-8
+#: where a CPU's bfloat16 kernels sum in another order than the one that made the fixture (an
+#: AVX-512-BF16/AMX Xeon against the AVX2 EPYC that made it) a row lands up to one bfloat16
+#: step of its largest value apart: bfloat16 keeps 8 significant bits, so a step at x is at most
+#: 2**-7 |x|. Measured: equal on AVX2; 6.1e-3 and 7.0e-3 (two of three images) on a Xeon with
+#: AMX. Mutation: the tower's RMSNorms in bfloat16 instead of float32 give 8.3e-3 to 1.1e-2.
+BF16_ROW_TOLERANCE = 2**-7
 IMAGE_SEED = 3
 
 
