@@ -509,3 +509,51 @@ def test_non_causal_matches_oracle(batch: str, window: int | None, seed: int) ->
 def test_non_causal_needs_a_gqa_layer() -> None:
     with pytest.raises(ValueError, match="causal=False"):
         AttentionLayerSpec(kind="mla", num_heads=4, num_kv_heads=1, head_size=8, scale=0.3, causal=False)
+
+
+class _AttendsToWrite:
+    """The reference backend without ``store_kv``: a backend that must attend to write."""
+
+    name = "attends-to-write"
+
+    def __init__(self) -> None:
+        self._inner = TorchReferenceAttention()
+        self.kv_cache_spec = self._inner.kv_cache_spec
+        self.forward = self._inner.forward
+
+
+def test_attention_store_writes_what_forward_writes_with_or_without_kv_store(seed: int) -> None:
+    """``layers.attention.Attention.store`` (a block drafter's context write): on a ``kv-store``
+    backend it rotates the keys itself and attends nothing; on one without, it goes through
+    ``forward``. Both leave the cache ``forward`` leaves, on fresh random rows."""
+    from powertrain.interfaces import KVStoreAttentionBackend
+    from powertrain.layers.attention import Attention
+
+    gen = torch.Generator().manual_seed(seed)
+    spec = AttentionLayerSpec(kind="gqa", num_heads=4, num_kv_heads=2, head_size=8, scale=8**-0.5, causal=False)
+    query_lens, seq_lens, block_size = [3, 1], [7, 5], 4
+    meta = AttentionMetadata.build(
+        query_lens=query_lens, seq_lens=seq_lens, block_tables=[[2, 0], [1, 3]], block_size=block_size, device="cpu"
+    )
+    tokens = sum(query_lens)
+    query = torch.randn(tokens, 4, 8, generator=gen)
+    key, value = torch.randn(2, tokens, 2, 8, generator=gen)
+    angles = torch.rand(tokens, 4, generator=gen) * 2 * math.pi
+    rotary = (angles.cos(), angles.sin())
+    backends = [TorchReferenceAttention(), _AttendsToWrite()]
+    assert [isinstance(b, KVStoreAttentionBackend) for b in backends] == [True, False]
+    start = {name: torch.randn(4, block_size, 2, 8, generator=gen) for name in ("key", "value")}
+    caches = []
+    for backend in [*backends, TorchReferenceAttention()]:
+        cache = {name: t.clone() for name, t in start.items()}
+        layer = Attention(spec, backend)
+        if len(caches) < 2:
+            layer.store(query, key, value, cache, meta, rotary=rotary)
+        else:  # the oracle: forward itself
+            layer(query, key, value, cache, meta, rotary=rotary)
+        caches.append(cache)
+    stored, attended, forward = caches
+    for name in start:
+        assert not torch.equal(forward[name], start[name])
+        assert torch.equal(stored[name], forward[name]), name
+        assert torch.equal(attended[name], forward[name]), name

@@ -65,6 +65,7 @@ ATTENTION_CAPABILITIES = frozenset(
         "fused-rotary",  # RotaryAttentionBackend: rotary embedding fused with the cache write
         "fused-rmsnorm",  # RMSNormKernel: RMSNorm (+ the residual add before it)
         "fused-decoder",  # DecoderStackKernel: whole Llama-shaped decoder stacks for small steps
+        "kv-store",  # KVStoreAttentionBackend: a step's keys and values written without attending
         # Extra forward paths:
         "sparse-mla",  # SparseMLAAttentionBackend: MLA over indexer-picked top-k tokens (DSA)
         "v4-attention",  # V4AttentionBackend: sliding window + compressed entries + sinks (DeepSeek-V4)

@@ -35,7 +35,18 @@ def build_bucketed(context: AttentionBackendContext) -> BucketedAttention:
 
 #: What ``torch-bucketed`` serves (a backend extending it starts from these).
 BUCKETED_CAPABILITIES = frozenset(
-    {"gqa", "mha", "paged", "prefill", "decode", "chunked-prefill", "sliding-window", "non-causal", "batch-invariant"}
+    {
+        "gqa",
+        "mha",
+        "paged",
+        "prefill",
+        "decode",
+        "chunked-prefill",
+        "sliding-window",
+        "non-causal",
+        "kv-store",
+        "batch-invariant",
+    }
 )
 
 
@@ -66,6 +77,7 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
                 "chunked-prefill",
                 "sliding-window",
                 "non-causal",
+                "kv-store",
                 "batch-invariant",  # one sequence at a time: its shapes are its own (kit-checked)
             },
             priority=0,

@@ -127,10 +127,20 @@ class BucketedAttention:
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache["key"], kv_cache["value"]
-        metadata.store(key_cache, key)
-        metadata.store(value_cache, value)
-        return self._attend(layer, query, key_cache, value_cache, metadata)
+        self.store_kv(layer, key, value, kv_cache, metadata)
+        return self._attend(layer, query, kv_cache["key"], kv_cache["value"], metadata)
+
+    def store_kv(
+        self,
+        layer: AttentionLayerSpec,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """``KVStoreAttentionBackend``: the cache write of ``forward``, nothing attended."""
+        metadata.store(kv_cache["key"], key)
+        metadata.store(kv_cache["value"], value)
 
     def _attend(
         self,

@@ -47,9 +47,8 @@ class TorchReferenceAttention:
             raise ValueError(f"forward() serves GQA/MHA layers; an {layer.kind!r} layer goes through forward_mla()")
         if layer.num_heads % layer.num_kv_heads:
             raise ValueError(f"num_heads={layer.num_heads} is not a multiple of num_kv_heads={layer.num_kv_heads}")
+        self.store_kv(layer, key, value, kv_cache, metadata)
         key_cache, value_cache = kv_cache["key"], kv_cache["value"]
-        metadata.store(key_cache, key)
-        metadata.store(value_cache, value)
 
         compute = _compute_dtype(query.dtype)
         # Zeros, not empty: rows past the batch's tokens (padding) must not be garbage.
@@ -68,6 +67,20 @@ class TorchReferenceAttention:
                 causal=layer.causal,
             ).to(output.dtype)
         return output
+
+    def store_kv(
+        self,
+        layer: AttentionLayerSpec,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """``KVStoreAttentionBackend``: the cache write of ``forward``, nothing attended."""
+        if layer.kind != "gqa":
+            raise ValueError(f"store_kv() writes GQA/MHA caches; an {layer.kind!r} layer's goes through its forward")
+        metadata.store(kv_cache["key"], key)
+        metadata.store(kv_cache["value"], value)
 
     def forward_mla(
         self,

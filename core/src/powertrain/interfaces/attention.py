@@ -765,6 +765,24 @@ class RotaryAttentionBackend(Protocol):
 
 
 @runtime_checkable
+class KVStoreAttentionBackend(Protocol):
+    """A GQA/MHA backend that writes a step's keys and values without attending (capability
+    ``kv-store``): afterwards the cache holds exactly what ``forward`` would have written
+    (``key`` already rotated), and no query is computed. For rows whose attention output
+    nobody reads: a block drafter's context entries (``BlockDraftModel.write_context``),
+    where attending would be most of the write's cost."""
+
+    def store_kv(
+        self,
+        layer: AttentionLayerSpec,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> None: ...
+
+
+@runtime_checkable
 class RMSNormKernel(Protocol):
     """RMSNorm as a kernel pack computes it (capability ``fused-rmsnorm``); the engine
     hands it to every ``layers.norm.RMSNorm`` of the model while the pack's attention

@@ -14,6 +14,7 @@ from powertrain.interfaces import (
     AttentionBackend,
     AttentionLayerSpec,
     AttentionMetadata,
+    KVStoreAttentionBackend,
     LayerKVCache,
     MLAAttentionBackend,
     RotaryAttentionBackend,
@@ -30,6 +31,8 @@ class Attention(nn.Module):
         self.spec = spec
         self.backend = backend
         self.fused_rotary = isinstance(backend, RotaryAttentionBackend)
+        #: Whether ``store`` writes keys and values without attending (capability ``kv-store``).
+        self.stores_only = isinstance(backend, KVStoreAttentionBackend)
 
     def forward(
         self,
@@ -50,6 +53,26 @@ class Attention(nn.Module):
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             output = self.backend.forward(self.spec, query, key, value, kv_cache, metadata)
         return output.flatten(1)
+
+    def store(
+        self,
+        query: torch.Tensor | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Write this step's keys and values where ``forward`` would, for rows whose attention
+        output nobody reads (a block drafter's context): without attending on a ``kv-store``
+        backend (``query`` unused, may be None), else through ``forward``, its output dropped."""
+        if not self.stores_only:
+            assert query is not None, "a backend without kv-store attends to write: it needs the query"
+            self.forward(query, key, value, kv_cache, metadata, rotary)
+            return
+        if rotary is not None:
+            key = apply_rotary(key, *rotary)
+        self.backend.store_kv(self.spec, key, value, kv_cache, metadata.for_window(self.spec.sliding_window))
 
     def extra_repr(self) -> str:
         s = self.spec

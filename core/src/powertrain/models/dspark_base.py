@@ -206,12 +206,12 @@ class BlockDrafterBase(nn.Module):
         caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
     ) -> None:
-        """Each layer's keys and values of ``context`` rows, written at their positions (the
-        attention those rows also compute is not needed: its output is dropped). The rows
-        enter each layer's attention as they are, without the layer's input norm."""
+        """Each layer's keys and values of ``context`` rows, written at their positions, nothing
+        attended where the backend can store alone (``Attention.store``). The rows enter each
+        layer's attention as they are, without the layer's input norm."""
         cos, sin = self.rotary_emb(positions, metadata.max_seq_len, context.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
-            layer.self_attn(context, cos, sin, cache, metadata)
+            layer.self_attn.store(context, cos, sin, cache, metadata)
 
     def corrected_logits(self, base: torch.Tensor, previous: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``base`` logits with the Markov bias of the ``previous`` tokens (unchanged without

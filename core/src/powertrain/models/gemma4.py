@@ -349,11 +349,30 @@ class Gemma4Attention(nn.Module):
         ``shared_kv``, its source layer's, whose cache ``kv_cache`` then is."""
         query = self.q_norm(self.q_proj(hidden).view(-1, self.num_heads, self.head_dim))
         if shared_kv is None:
-            key = self.k_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
-            value = key if self.v_proj is None else self.v_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
-            shared_kv = self.k_norm(key), self.v_norm(value)
+            shared_kv = self._kv(hidden)
         out = self.attn(query, *shared_kv, kv_cache, metadata, rotary=(cos, sin))
         return self.o_proj(out), shared_kv
+
+    def store(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Only the cache write of ``forward`` (``Attention.store``): a block drafter's context.
+        The query is computed only where the backend must attend to write."""
+        query = (
+            None if self.attn.stores_only else self.q_norm(self.q_proj(hidden).view(-1, self.num_heads, self.head_dim))
+        )
+        self.attn.store(query, *self._kv(hidden), kv_cache, metadata, rotary=(cos, sin))
+
+    def _kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's normed, unrotated keys and values."""
+        key = self.k_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
+        value = key if self.v_proj is None else self.v_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
+        return self.k_norm(key), self.v_norm(value)
 
 
 class Gemma4MLP(nn.Module):

@@ -219,13 +219,29 @@ class LlamaAttention(nn.Module):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self._qkv(hidden)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata, rotary=(cos, sin)))
+
+    def store(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Only the cache write of ``forward`` (``Attention.store``): a block drafter's context."""
+        q, k, v = self._qkv(hidden)
+        self.attn.store(q, k, v, kv_cache, metadata, rotary=(cos, sin))
+
+    def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata, rotary=(cos, sin)))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

@@ -40,6 +40,7 @@ from powertrain.interfaces import (
     AttentionLayerSpec,
     AttentionMetadata,
     KVCacheSpec,
+    KVStoreAttentionBackend,
     LightningIndexerBackend,
     MLAAttentionBackend,
     QuantizedLinearContext,
@@ -716,6 +717,46 @@ class AttentionBackendSuite(ComponentSuite):
         rotary_dim = layer.head_size // 2 if partial else layer.head_size
         what = f"fused rotary over {rotary_dim} of {layer.head_size} dims, {scenario} batch, {_dtype_id(dtype)}"
         self._run_gqa(pair, layer, batch, dtype, block_size, seed, what, rotary_dim=rotary_dim)
+
+    @pytest.mark.parametrize("scenario", ["mixed", "verify"])
+    def test_kv_store(self, subject: Subject, scenario: str, dtype: torch.dtype, block_size: int, seed: int) -> None:
+        """store_kv leaves the cache exactly as forward leaves it (the step's keys and values
+        at their slots, every other slot untouched), and attends nothing."""
+        lengths_of, capabilities = _SCENARIOS[scenario]
+        self.require(subject.provided, "kv-store", "paged", *capabilities)
+        layer = self._gqa_layer(*self._gqa_heads(subject.provided))
+        pair = self._pair(subject, layer, dtype, block_size)
+        assert isinstance(pair.candidate, KVStoreAttentionBackend), (
+            f"{subject.provided.record.name} declares kv-store but has no store_kv"
+        )
+        gen = generator(seed)
+        batch = _make_batch(lengths_of(block_size, gen), block_size, gen, shuffle=True)
+        num_tokens = sum(batch.query_lens)
+        kv_shape = (layer.num_kv_heads, layer.head_size)
+        query = _random((num_tokens, layer.num_heads, layer.head_size), gen, dtype).to(pair.device)
+        key = _random((num_tokens, *kv_shape), gen, dtype)
+        value = _random((num_tokens, *kv_shape), gen, dtype)
+        context_slots = batch.context_slots(block_size)
+        context = {name: _random((len(context_slots), *kv_shape), gen, dtype) for name in ("key", "value")}
+        stored, _ = _prepared_caches(pair, batch, context_slots, context, gen)
+        before = {name: t.clone() for name, t in stored.items()}
+        attended = {name: t.clone() for name, t in stored.items()}
+        meta = batch.metadata(block_size, pair.device)
+        where = f"store_kv, {scenario} batch, {_dtype_id(dtype)}; query_lens={batch.query_lens} (seed={seed})"
+        assert pair.candidate.store_kv(layer, key.to(pair.device), value.to(pair.device), stored, meta) is None, where
+        pair.candidate.forward(layer, query, key.to(pair.device), value.to(pair.device), attended, meta)
+        for name in stored:
+            assert torch.equal(stored[name].cpu(), attended[name].cpu()), (
+                f"cache {name!r} differs from forward's: {where}"
+            )
+        _check_cache_writes(
+            pair.candidate_spec,
+            before,
+            stored,
+            batch.metadata(block_size, "cpu").slot_mapping,
+            {"key": key, "value": value},
+            where,
+        )
 
     @pytest.mark.parametrize("hidden", [96, 200])
     @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
