@@ -25,7 +25,7 @@ from powertrain import LLM, SamplingParams
 from powertrain.config import EngineConfig
 from powertrain.llm import apply_overrides
 from powertrain.models.dspark import read_drafter_config
-from powertrain.testing import write_tiny_deepspec_drafter, write_tiny_qwen3
+from powertrain.testing import fresh_seed, write_tiny_deepspec_drafter, write_tiny_qwen3
 from powertrain.testing.drafters import deepspec_drafter_shapes
 from powertrain_dspark.block import BlockDrafter, shared_head
 from powertrain_dspark.block_training import DenseBlockDrafter, HiddenStateLog, TrainSettings, train_drafter
@@ -145,3 +145,22 @@ def test_training_lowers_the_loss_and_the_engine_drafts_with_the_result(target: 
         assert shared_head(drafter.model, runner.model, runner.device)
     assert drafted == plain
     assert stats.speculative_verified_tokens > 0
+
+
+def test_copy_share_draws_that_fraction_of_text_tasks() -> None:
+    """``--copy-share``: the share of prompts handing the model a text to repeat or rework,
+    within sampling error (binomial, n = 2,000: 4.5 standard deviations is 0.05); unset,
+    every task alike (2 of 12 are text tasks); out of range, refused."""
+    from powertrain_dspark.block_training import TASKS, TEXT_TASKS, chat_prompts
+
+    def share(prompts: list[str]) -> float:
+        heads = [task.split(":")[0] for task in TEXT_TASKS]
+        return sum(any(head in prompt for head in heads) for prompt in prompts) / len(prompts)
+
+    seed = fresh_seed()
+    assert len(TEXT_TASKS) == 2 and len(TASKS) == 12
+    assert abs(share(chat_prompts(str, 2000, seed)) - 2 / 12) < 0.05, f"seed={seed}"
+    for wanted in (0.0, 0.6, 1.0):
+        assert abs(share(chat_prompts(str, 2000, seed, copy_share=wanted)) - wanted) < 0.05, (wanted, seed)
+    with pytest.raises(ValueError, match="copy_share=1.5"):
+        chat_prompts(str, 3, seed, copy_share=1.5)

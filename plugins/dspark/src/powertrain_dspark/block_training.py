@@ -76,16 +76,28 @@ _OPENINGS = (
 _ENDINGS = "for a long time|every single day|with great interest|in many countries|during the summer".split("|")
 
 
-def chat_prompts(render: Callable[[list[dict[str, str]]], str], count: int, seed: int) -> list[str]:
+#: The tasks that hand the model a text to repeat or rework (their answers copy from the prompt).
+TEXT_TASKS = tuple(task for task in TASKS if "{text}" in task)
+
+
+def chat_prompts(
+    render: Callable[[list[dict[str, str]]], str], count: int, seed: int, copy_share: float | None = None
+) -> list[str]:
     """``count`` chat prompts drawn with ``seed`` from ``TASKS`` x ``TOPICS``, each rendered by
-    ``render`` (the target's chat template)."""
+    ``render`` (the target's chat template). ``copy_share``: the fraction drawn from
+    ``TEXT_TASKS`` (None: every task alike), for a drafter meant for copy-heavy traffic
+    (editing, retrieval-augmented answers), where most of what it must learn is to copy."""
+    if copy_share is not None and not 0 <= copy_share <= 1:
+        raise ValueError(f"copy_share={copy_share}: give a fraction between 0 and 1")
+    other_tasks = tuple(task for task in TASKS if task not in TEXT_TASKS)
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
         text = " ".join(
             f"{rng.choice(_OPENINGS)} {rng.choice(TOPICS)} {rng.choice(_ENDINGS)}." for _ in range(rng.randint(2, 4))
         )
-        task = rng.choice(TASKS).format(topic=rng.choice(TOPICS), text=text)
+        tasks = TASKS if copy_share is None else TEXT_TASKS if rng.random() < copy_share else other_tasks
+        task = rng.choice(tasks).format(topic=rng.choice(TOPICS), text=text)
         prompts.append(render([{"role": "user", "content": task}]))
     return prompts
 
@@ -185,6 +197,7 @@ def record_corpus(
     dtype: str = "float32",
     max_num_seqs: int = 32,
     store_dtype: torch.dtype = torch.float16,
+    copy_share: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Corpus:
     """Generate ``count`` responses with the target ``model`` and record them at ``layer_ids``
@@ -204,7 +217,10 @@ def record_corpus(
         log = HiddenStateLog(layer_ids, store_dtype)
         policy.drafter = log  # type: ignore[attr-defined]
         prompts = chat_prompts(
-            lambda messages: llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True), count, seed
+            lambda messages: llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+            count,
+            seed,
+            copy_share,
         )
         params = [
             SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
@@ -718,6 +734,7 @@ def train_drafter(
     settings: TrainSettings = TrainSettings(),
     held_out: float = 0.1,
     dtype: str = "float32",
+    copy_share: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Record a corpus with ``model``, train a drafter on most of it, evaluate it on the rest
@@ -729,7 +746,7 @@ def train_drafter(
     started = time.perf_counter()
     corpus = record_corpus(
         model, layer_ids, num_taps=num_taps, count=responses, max_tokens=max_tokens, temperature=temperature,
-        seed=settings.seed, dtype=dtype, progress=say,
+        seed=settings.seed, dtype=dtype, copy_share=copy_share, progress=say,
     )  # fmt: skip
     samples, target, layer_ids = corpus.samples, corpus.target_config, corpus.layer_ids
     recorded = time.perf_counter() - started
@@ -751,7 +768,7 @@ def train_drafter(
         "target": str(model),
         "target_layer_ids": list(layer_ids),
         "corpus": {"responses": responses, "max_tokens": max_tokens, "temperature": temperature,
-                   "sequences": len(samples), "train": len(fitting), "held_out": len(held),
+                   "copy_share": copy_share, "sequences": len(samples), "train": len(fitting), "held_out": len(held),
                    "positions": sum(len(s.tokens) for s in samples)},
         "settings": attrs.asdict(settings),
         "train_loss_first": history[0]["loss"],

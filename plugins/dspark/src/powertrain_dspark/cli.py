@@ -156,6 +156,11 @@ def _training_report(report: dict) -> str:
 @click.option("--responses", type=click.IntRange(2), default=512, show_default=True, help="Responses to generate.")
 @click.option("--max-tokens", type=click.IntRange(2), default=256, show_default=True, help="Tokens per response.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.7, show_default=True)
+@click.option(
+    "--copy-share",
+    type=click.FloatRange(0, 1),
+    help="Fraction of prompts asking to repeat or rework a given text (default: every task alike).",
+)
 @click.option("--layers", help="Target layers to tap, e.g. 1,10,19,28 (default: --taps layers spread evenly).")
 @click.option("--taps", type=click.IntRange(1), default=4, show_default=True, help="How many target layers to tap.")
 @click.option("--num-layers", type=click.IntRange(1), default=1, show_default=True, help="The drafter's layers.")
@@ -176,6 +181,7 @@ def train_drafter_command(
     responses: int,
     max_tokens: int,
     temperature: float,
+    copy_share: float | None,
     layers: str | None,
     taps: int,
     num_layers: int,
@@ -206,7 +212,7 @@ def train_drafter_command(
             model, out, responses=responses, max_tokens=max_tokens, temperature=temperature,
             layer_ids=layer_ids, num_taps=taps, num_layers=num_layers, block_size=block_size,
             markov_rank=markov_rank, mask_token_id=mask_token_id, settings=settings, held_out=held_out,
-            dtype=dtype, progress=None if as_json else click.echo,
+            dtype=dtype, copy_share=copy_share, progress=None if as_json else click.echo,
         )  # fmt: skip
     except ValueError as exc:
         sys.exit(f"error: {exc}")
