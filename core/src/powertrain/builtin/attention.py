@@ -35,18 +35,7 @@ def build_bucketed(context: AttentionBackendContext) -> BucketedAttention:
 
 #: What ``torch-bucketed`` serves (a backend extending it starts from these).
 BUCKETED_CAPABILITIES = frozenset(
-    {
-        "gqa",
-        "mha",
-        "paged",
-        "prefill",
-        "decode",
-        "chunked-prefill",
-        "sliding-window",
-        "non-causal",
-        "kv-store",
-        "batch-invariant",
-    }
+    "gqa mha paged prefill decode chunked-prefill sliding-window non-causal kv-store batch-invariant".split()
 )
 
 
@@ -64,22 +53,9 @@ def powertrain_attention_backends() -> list[AttentionBackendRecord]:
         AttentionBackendRecord(
             name="torch-reference",
             platforms={"cpu", "cuda"},
-            capabilities={
-                "gqa",
-                "mha",
-                "mla",
-                "sparse-mla",
-                "v4-attention",
-                "lightning-indexer",
-                "paged",
-                "prefill",
-                "decode",
-                "chunked-prefill",
-                "sliding-window",
-                "non-causal",
-                "kv-store",
-                "batch-invariant",  # one sequence at a time: its shapes are its own (kit-checked)
-            },
+            # torch-bucketed's, and the other layer kinds; batch-invariant as it attends one
+            # sequence at a time, so its shapes are its own (kit-checked).
+            capabilities=BUCKETED_CAPABILITIES | {"mla", "sparse-mla", "v4-attention", "lightning-indexer"},
             priority=0,
             factory=build_reference,
             description="plain-torch paged attention (GQA/MHA/MLA, sparse MLA, V4, the indexer); the oracle, not fast",
