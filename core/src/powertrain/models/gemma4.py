@@ -363,9 +363,9 @@ class Gemma4Attention(nn.Module):
     ) -> None:
         """Only the cache write of ``forward`` (``Attention.store``): a block drafter's context.
         The query is computed only where the backend must attend to write."""
-        query = (
-            None if self.attn.stores_only else self.q_norm(self.q_proj(hidden).view(-1, self.num_heads, self.head_dim))
-        )
+        query = None
+        if not self.attn.stores_only:
+            query = self.q_norm(self.q_proj(hidden).view(-1, self.num_heads, self.head_dim))
         self.attn.store(query, *self._kv(hidden), kv_cache, metadata, rotary=(cos, sin))
 
     def _kv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
