@@ -78,6 +78,7 @@ _ENDINGS = "for a long time|every single day|with great interest|in many countri
 
 #: The tasks that hand the model a text to repeat or rework (their answers copy from the prompt).
 TEXT_TASKS = tuple(task for task in TASKS if "{text}" in task)
+_OTHER_TASKS = tuple(task for task in TASKS if task not in TEXT_TASKS)
 
 
 def chat_prompts(
@@ -89,14 +90,13 @@ def chat_prompts(
     (editing, retrieval-augmented answers), where most of what it must learn is to copy."""
     if copy_share is not None and not 0 <= copy_share <= 1:
         raise ValueError(f"copy_share={copy_share}: give a fraction between 0 and 1")
-    other_tasks = tuple(task for task in TASKS if task not in TEXT_TASKS)
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
         text = " ".join(
             f"{rng.choice(_OPENINGS)} {rng.choice(TOPICS)} {rng.choice(_ENDINGS)}." for _ in range(rng.randint(2, 4))
         )
-        tasks = TASKS if copy_share is None else TEXT_TASKS if rng.random() < copy_share else other_tasks
+        tasks = TASKS if copy_share is None else TEXT_TASKS if rng.random() < copy_share else _OTHER_TASKS
         task = rng.choice(tasks).format(topic=rng.choice(TOPICS), text=text)
         prompts.append(render([{"role": "user", "content": task}]))
     return prompts
